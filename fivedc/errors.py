@@ -1,0 +1,95 @@
+"""One exception root for every error a user can cause, each with a source location.
+
+`FivedcError.render()` prints `file:line:col: error: message`, the offending source
+line and a caret under the column, then a hint with the fix. The CLI catches
+`FivedcError` at the top and exits with `exit_code` (2 for bad input) and no
+Python traceback. Nothing below the CLI prints or exits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SourceLoc:
+    """Where an IR node came from: a DSL position, or a user's Python file and line."""
+
+    file: str
+    line: int
+    col: int
+    text: str = ""  # the source line itself, for the caret; not serialised
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+    @staticmethod
+    def parse(text: str) -> SourceLoc | None:
+        """Inverse of `str()`, for locations read back from a plan."""
+        if not text:
+            return None
+        file, _, rest = text.rpartition(":")
+        file, _, line = file.rpartition(":")
+        try:
+            return SourceLoc(file, int(line), int(rest))
+        except ValueError:
+            return None
+
+
+class FivedcError(Exception):
+    """Root of every error fivedc raises on purpose."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, loc: SourceLoc | None = None, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.loc = loc
+        self.hint = hint
+
+    def render(self) -> str:
+        head = f"{self.loc}: error: {self.message}" if self.loc else f"error: {self.message}"
+        lines = [head]
+        if self.loc is not None and self.loc.text:
+            lines.append("    " + self.loc.text.rstrip("\n"))
+            lines.append("    " + " " * max(self.loc.col - 1, 0) + "^")
+        if self.hint:
+            lines.append(f"hint: {self.hint}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+class DslError(FivedcError):
+    """The model text does not parse, or names something that does not exist."""
+
+
+class ShapeError(FivedcError):
+    """Tensor dims do not agree, or a dim is not divisible by the axis that splits it."""
+
+
+class MeshError(FivedcError):
+    """A mesh string that does not parse, or a world size that does not match."""
+
+
+class ShardingError(FivedcError):
+    """An annotation that cannot hold, or two that conflict."""
+
+
+class NotSupportedError(FivedcError):
+    """A valid request that this version of fivedc does not implement yet."""
+
+
+class PlanError(FivedcError):
+    """A plan file that cannot be read: wrong version, not JSON, missing fields."""
+
+
+class PassError(FivedcError):
+    """A compiler pass failed on a valid-looking graph: a bug in fivedc, reported with context."""
+
+
+class VerifyMismatch(FivedcError):
+    """The parallel run and the single-device run disagree."""
+
+    exit_code = 1

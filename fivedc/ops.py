@@ -1,0 +1,67 @@
+"""The op vocabulary: every op kind, its arguments and its attributes with defaults.
+
+Frontends check calls against this table (an unknown op or keyword is a DSL error
+at the call's position); shape inference, sharding rules and kernels are tables
+keyed by the same kinds, in `passes/shapes.py`, `passes/rules.py` and
+`runtime/kernels.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivedc.ir import Scalar
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    kind: str
+    args: tuple[str, ...]  # argument names, for messages
+    min_args: int
+    attrs: tuple[tuple[str, Scalar], ...] = ()  # keyword attributes and their defaults
+    doc: str = ""
+
+    @property
+    def max_args(self) -> int:
+        return len(self.args)
+
+
+_UNARY = ("x",)
+_BINARY = ("a", "b")
+
+OP_SPECS: dict[str, OpSpec] = {
+    spec.kind: spec
+    for spec in (
+        OpSpec("embedding", ("tokens", "table"), 2, doc="table[vocab, hidden] rows picked by int tokens"),
+        OpSpec("linear", ("x", "w"), 2, doc="contract x's trailing dims with w's leading dims"),
+        OpSpec("matmul", ("x", "w"), 2, doc="same contraction as linear"),
+        OpSpec("add", _BINARY, 2, doc="elementwise a + b (b broadcast by dim name, or a number)"),
+        OpSpec("sub", _BINARY, 2, doc="elementwise a - b"),
+        OpSpec("mul", _BINARY, 2, doc="elementwise a * b"),
+        OpSpec("div", _BINARY, 2, doc="elementwise a / b"),
+        OpSpec("gelu", _UNARY, 1, (("approximate", "none"),), doc="GELU activation"),
+        OpSpec("silu", _UNARY, 1, doc="SiLU (swish) activation"),
+        OpSpec("relu", _UNARY, 1, doc="ReLU activation"),
+        OpSpec("tanh", _UNARY, 1, doc="tanh activation"),
+        OpSpec("sigmoid", _UNARY, 1, doc="sigmoid activation"),
+        OpSpec("swiglu", ("gate", "up"), 2, doc="silu(gate) * up"),
+        OpSpec("rmsnorm", ("x", "w"), 2, (("eps", 1e-5),), doc="RMS norm over the last dim"),
+        OpSpec("layernorm", ("x", "w", "b"), 2, (("eps", 1e-5),), doc="layer norm over the last dim"),
+        OpSpec("rope", ("x",), 1, (("theta", 10000.0),), doc="rotary embedding at global positions"),
+        OpSpec(
+            "attention",
+            ("q", "k", "v"),
+            3,
+            (("causal", True), ("variant", "ring")),
+            doc="softmax(q k^T / sqrt(d)) v; GQA when k, v have fewer heads",
+        ),
+        OpSpec("cross_entropy", ("logits", "targets"), 2, doc="mean token cross-entropy (scalar)"),
+        OpSpec(
+            "moe",
+            ("x", "router", "w_gate", "w_up", "w_down"),
+            4,
+            (("top_k", 2), ("score", "softmax"), ("capacity_factor", 0.0)),
+            doc="routed experts: router[hidden, experts], w_*[experts, ...]; SwiGLU with 5 args, GELU with 4",
+        ),
+    )
+}

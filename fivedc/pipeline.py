@@ -1,0 +1,70 @@
+"""The compiler pipeline, in one place: read this file first.
+
+A model (from the DSL or torch.fx) is an IR `Graph`; the passes below run in
+order, each a pure Graph -> Graph function; the last step builds the execution
+plan (collectives with reasons, groups, memory). Passes still to come slot in
+where their names are listed in docs/architecture.md (CP sequence split, EP
+expert placement, PP stage partition, ZeRO, overlap scheduling, pipeline schedule).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fivedc.errors import FivedcError, PassError
+from fivedc.ir import Graph
+from fivedc.plan import ExecutionPlan, build_plan
+from fivedc.passes.base import CompileOptions, Pass
+from fivedc.passes.communication import InsertCommunication
+from fivedc.passes.gradients import ReduceGradients
+from fivedc.passes.propagate import PropagateShardings
+from fivedc.passes.shapes import InferShapes
+from fivedc.passes.support import CheckSupportedAxes
+from fivedc.passes.verify import VerifyIR
+
+PIPELINE: tuple[Pass, ...] = (
+    VerifyIR(stage="entry"),
+    CheckSupportedAxes(),  # pp, cp, ep > 1: "not yet supported", never a wrong plan
+    InferShapes(),
+    PropagateShardings(),  # DP batch split, TP column/row pairing, sequence parallelism
+    ReduceGradients(),  # which axes each parameter's gradient is summed over
+    InsertCommunication(),  # redistributions with forward and backward collectives, and why
+    VerifyIR(stage="exit"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PassTiming:
+    name: str
+    seconds: float
+
+
+def run_passes(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None) -> Graph:
+    done: list[str] = []
+    for compiler_pass in PIPELINE:
+        start = time.perf_counter()
+        try:
+            graph = compiler_pass.run(graph, options)
+        except FivedcError:
+            raise
+        except Exception as error:  # a bug in a pass: say which, and what ran before it
+            raise PassError(
+                f"pass {compiler_pass.name} failed ({type(error).__name__}: {error}) "
+                f"after {', '.join(done) or 'no passes'}"
+            ) from error
+        done.append(compiler_pass.name)
+        if timings is not None:
+            timings.append(PassTiming(compiler_pass.name, time.perf_counter() - start))
+    return graph
+
+
+def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None) -> ExecutionPlan:
+    graph = run_passes(graph, options, timings=timings)
+    return build_plan(
+        graph,
+        mesh=options.mesh,
+        sequence_parallel=options.sp_enabled(graph),
+        dtype=options.dtype,
+        dtype_bytes=options.dtype_bytes,
+    )

@@ -1,0 +1,1 @@
+"""The DSL grammar, shipped as package data of `fivedc.grammars`."""

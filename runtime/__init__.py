@@ -1,0 +1,1 @@
+"""The runtime: executes an execution plan with torch.distributed (gloo on CPU, NCCL on GPUs)."""

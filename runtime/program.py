@@ -1,0 +1,149 @@
+"""Executes a plan's program on one rank: kernels, redistributions and repeat blocks.
+
+`Program.loss(params, inputs)` walks the graph in order with this rank's shards.
+A `Redistribute` node runs its forward collectives through the autograd-aware
+`runtime.collectives.redistribute`, whose backward runs the plan's backward
+collectives. A repeat body runs `count` times with `prefix.i.name` parameters.
+Parameters live in a flat dict keyed by qualified name (`layers.3.wq`); this
+module also makes the initial full parameters and inputs (seeded, so every rank
+and the single-device reference start from the same values) and cuts shards.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from fivedc.ir import Block, DType, Graph, Op, Param, Redistribute, Repeat, walk_ops
+from fivedc.sharding import Sharding
+from fivedc.runtime.kernels import KERNELS, KernelContext
+
+
+def qualified_params(graph: Graph) -> Iterator[tuple[str, Param]]:
+    """Every parameter instance with its qualified name (`wte`, `layers.0.wq`, ...)."""
+    for param in graph.body.params:
+        yield param.name, param
+    for item in graph.body.items:
+        if isinstance(item, Repeat):
+            for i in range(item.count):
+                for param in item.body.params:
+                    yield f"{item.name}.{i}.{param.name}", param
+
+
+def init_params(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Full, unsharded initial parameters; each seeded by its name, so any rank can
+    make any of them without making the others."""
+    out = {}
+    for name, param in qualified_params(graph):
+        shape = tuple(graph.dim(d) for d in param.dims)
+        if param.init == "ones":
+            out[name] = torch.ones(shape, dtype=dtype)
+        elif param.init == "zeros":
+            out[name] = torch.zeros(shape, dtype=dtype)
+        else:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            out[name] = torch.randn(shape, generator=gen, dtype=dtype) * param.std
+    return out
+
+
+def _int_bound(graph: Graph, name: str) -> int:
+    """Exclusive upper bound for an int input: the vocab of the embedding or loss using it."""
+    types = {}
+    for node, _ in walk_ops(graph.body):
+        if isinstance(node, Op):
+            types[node.out] = node.type
+    for node, _ in walk_ops(graph.body):
+        if isinstance(node, Op) and name in node.args:
+            if node.kind == "embedding":
+                return graph.dim(_param_dims(graph, node.args[1])[0])
+            if node.kind == "cross_entropy":
+                return graph.dim(types[node.args[0]].dims[-1])
+    return 2
+
+
+def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
+    return next(p.dims for _, p in qualified_params(graph) if p.name == name)
+
+
+def make_inputs(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for item in graph.inputs:
+        shape = tuple(graph.dim(d) for d in item.type.dims)
+        if item.type.dtype == DType.INT:
+            out[item.name] = torch.randint(0, _int_bound(graph, item.name), shape, generator=gen)
+        else:
+            out[item.name] = torch.randn(shape, generator=gen, dtype=dtype)
+    return out
+
+
+def shard(full: Tensor, dims: tuple[str, ...], sharding: Sharding, ctx: KernelContext) -> Tensor:
+    """This rank's chunk of a full tensor."""
+    out = full
+    for index, dim in enumerate(dims):
+        if sharding.axes_of(dim):
+            start, stop = ctx.shard_range(dim, sharding)
+            out = out.narrow(index, start, stop - start)
+    return out.contiguous()
+
+
+class Program:
+    def __init__(self, graph: Graph, ctx: KernelContext) -> None:
+        self.graph, self.ctx = graph, ctx
+        self.param_dims = {name: p.dims for name, p in qualified_params(graph)}
+
+    def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
+        env: dict[str, Tensor] = dict(inputs)
+        dims = {i.name: i.type.dims for i in self.graph.inputs}
+        scope = {p.name: p.name for p in self.graph.body.params}
+        self._block(self.graph.body, env, dims, params, scope)
+        return env[self.graph.output]
+
+    def _block(self, block: Block, env: dict, dims: dict, params: dict, scope: dict) -> None:
+        for item in block.items:
+            if isinstance(item, Repeat):
+                self._repeat(item, env, dims, params, scope)
+            elif isinstance(item, Redistribute):
+                env[item.out] = self._redistribute(item, env[item.src])
+                dims[item.out] = item.type.dims
+            else:
+                args, arg_dims = [], []
+                for arg in item.args:
+                    if not isinstance(arg, str):
+                        args.append(arg)
+                        arg_dims.append(None)
+                    elif arg in scope:
+                        args.append(params[scope[arg]])
+                        arg_dims.append(self.param_dims[scope[arg]])
+                    else:
+                        args.append(env[arg])
+                        arg_dims.append(dims[arg])
+                env[item.out] = KERNELS[item.kind](self.ctx, item, args, arg_dims)
+                dims[item.out] = item.type.dims
+
+    def _repeat(self, item: Repeat, env: dict, dims: dict, params: dict, scope: dict) -> None:
+        values = [env[c] for c in item.carried]
+        for arg, carried in zip(item.body.args, item.carried):
+            dims[arg] = dims[carried]
+        for i in range(item.count):
+            inner = {**scope, **{p.name: f"{item.name}.{i}.{p.name}" for p in item.body.params}}
+            env.update(zip(item.body.args, values))
+            self._block(item.body, env, dims, params, inner)
+            values = [env[y] for y in item.body.yields]
+        env.update(zip(item.results, values))
+        dims.update(zip(item.results, (dims[c] for c in item.carried)))
+
+    def _redistribute(self, node: Redistribute, x: Tensor) -> Tensor:
+        from fivedc.runtime.collectives import Step, redistribute
+
+        def steps(collectives) -> tuple[Step, ...]:
+            index = node.type.dims.index
+            return tuple(
+                Step(str(c.kind), c.axes, None if c.dim is None else index(c.dim), None if c.dim2 is None else index(c.dim2))
+                for c in collectives
+            )
+
+        return redistribute(x, steps(node.forward), steps(node.backward), self.ctx.groups)

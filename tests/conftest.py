@@ -1,0 +1,16 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from fivedc.runtime.pool import WorkerPool
+
+
+@pytest.fixture(scope="session")
+def worker_pool() -> Iterator[WorkerPool]:
+    """One pool of 8 worker processes for the whole session (workers start on first use)."""
+    with WorkerPool(8) as pool:
+        yield pool
