@@ -8,7 +8,7 @@ Python traceback. Nothing below the CLI prints or exits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +18,7 @@ class SourceLoc:
     file: str
     line: int
     col: int
-    text: str = ""  # the source line itself, for the caret; not serialised
+    text: str = field(default="", compare=False)  # the source line, for the caret; not serialised
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}:{self.col}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import types
 import typing
 from enum import Enum
@@ -35,12 +36,10 @@ def encode(value: Any) -> Any:
         return value.value
     if dataclasses.is_dataclass(value):
         out = {"node": TAG_OF[type(value)]} if type(value) in TAG_OF else {}
-        for f in dataclasses.fields(value):
-            item = getattr(value, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
-            if item == default or (f.name == "dim_locs"):
-                continue
-            out[f.name] = encode(item)
+        for name, default in _fields(type(value)):
+            item = getattr(value, name)
+            if item is not default and item != default:
+                out[name] = encode(item)
         return out
     if isinstance(value, tuple):
         return [encode(v) for v in value]
@@ -48,8 +47,18 @@ def encode(value: Any) -> Any:
 
 
 @functools.cache
+def _fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, default) of each field written; `dim_locs` only serves error messages."""
+    return tuple(
+        (f.name, f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+        if f.name != "dim_locs"
+    )
+
+
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls, vars(ir))
+    return typing.get_type_hints(cls, {**vars(ir), **vars(sys.modules[cls.__module__])})
 
 
 def decode(hint: Any, data: Any) -> Any:

@@ -33,6 +33,7 @@ from fivedc.errors import FivedcError, MeshError
 from fivedc.mesh import Mesh
 
 _ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report
+_STARTUP_S = 300.0  # for a new worker to import torch (not counted in a job's timeout)
 
 
 @dataclass(frozen=True)
@@ -65,22 +66,27 @@ def _device(backend: str, local_rank: int) -> str:
 
 
 # ---- the worker side ----------------------------------------------------------------
-def _run_job(slot: int, job: tuple[Any, ...]) -> Any:
-    fn, payload, world, store_path, backend, timeout_s = job
-    device = _device(backend, slot)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        backend, store=store, rank=slot, world_size=world, timeout=timedelta(seconds=timeout_s)
-    )
+def _run_job(slot: int, job_bytes: bytes) -> tuple[str, Any, float]:
+    """(status, result or traceback, when it failed): the time orders the ranks' errors."""
     try:
-        return fn(RankInfo(slot, world, device), payload)
+        fn, payload, world, store_path, backend, timeout_s = pickle.loads(job_bytes)
+        device = _device(backend, slot)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(
+            backend, store=store, rank=slot, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+        return "ok", fn(RankInfo(slot, world, device), payload), 0.0
+    except BaseException:
+        return "error", traceback.format_exc(), time.time()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _worker_main(slot: int, conn: Connection) -> None:
     """Loop: receive a pickled job, run it, send back (status, value, time)."""
     torch.set_num_threads(1)
+    conn.send_bytes(b"ready")  # torch is imported: job timeouts start counting from here
     while True:
         try:
             message = conn.recv_bytes()
@@ -89,9 +95,9 @@ def _worker_main(slot: int, conn: Connection) -> None:
         if not message:
             return
         job_id, job_bytes = pickle.loads(message)
+        status, value, when = _run_job(slot, job_bytes)
         try:
-            job = pickle.loads(job_bytes)  # may fail: fn's module must import here too
-            reply = pickle.dumps((job_id, "ok", _run_job(slot, tuple(job)), time.time()))
+            reply = pickle.dumps((job_id, status, value, when))
         except BaseException:
             reply = pickle.dumps((job_id, "error", traceback.format_exc(), time.time()))
         conn.send_bytes(reply)
@@ -133,8 +139,8 @@ class WorkerPool:
                 f"cannot send job {getattr(fn, '__qualname__', fn)!r} to the workers: {exc}",
                 hint="fn must be a module-level function, and payload must pickle",
             ) from exc
+        self._start(range(world))
         for slot in range(world):
-            self._ensure(slot)
             self._conns[slot].send_bytes(message)
         return self._collect(self._jobs, world, name=getattr(fn, "__qualname__", repr(fn)))
 
@@ -144,17 +150,30 @@ class WorkerPool:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     # ---- internals ----------------------------------------------------------------
-    def _ensure(self, slot: int) -> None:
-        proc = self._procs.get(slot)
-        if proc is not None and proc.is_alive():
-            return
-        if proc is not None:
-            self._stop(slot, graceful=False)
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(slot, child), daemon=True)
-        proc.start()
-        child.close()
-        self._procs[slot], self._conns[slot] = proc, parent
+    def _start(self, slots: range) -> None:
+        """Start the workers in `slots` that are not running and wait until they are ready."""
+        new: list[int] = []
+        for slot in slots:
+            proc = self._procs.get(slot)
+            if proc is not None and proc.is_alive():
+                continue
+            if proc is not None:
+                self._stop(slot, graceful=False)
+            parent, child = self._ctx.Pipe()
+            proc = self._ctx.Process(target=_worker_main, args=(slot, child), daemon=True)
+            proc.start()
+            child.close()
+            self._procs[slot], self._conns[slot] = proc, parent
+            new.append(slot)
+        for slot in new:
+            conn = self._conns[slot]
+            try:
+                ready = conn.poll(_STARTUP_S) and conn.recv_bytes() == b"ready"
+            except (EOFError, OSError):
+                ready = False
+            if not ready:
+                self._stop(slot, graceful=False)
+                raise WorkerError(f"worker {slot} did not start within {_STARTUP_S:g} s", rank=slot)
 
     def _stop(self, slot: int, *, graceful: bool) -> None:
         proc, conn = self._procs.pop(slot), self._conns.pop(slot)
@@ -176,9 +195,10 @@ class WorkerPool:
         results: dict[int, Any] = {}
         errors: dict[int, tuple[float, str]] = {}
         pending = set(range(world))
-        deadline = time.monotonic() + self.timeout_s
+        limit, graced = time.monotonic() + self.timeout_s, False
         while pending:
-            limit = deadline if not errors else min(deadline, min(t for t, _ in errors.values()) + _ERROR_GRACE_S)
+            if errors and not graced:  # once a rank failed, the others get a short grace
+                limit, graced = min(limit, time.monotonic() + _ERROR_GRACE_S), True
             if time.monotonic() >= limit:
                 break
             objs = [self._conns[s] for s in pending] + [self._procs[s].sentinel for s in pending]

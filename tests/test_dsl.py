@@ -96,7 +96,7 @@ def _model(body: str) -> str:
     """A minimal valid frame around `body` (dims b, s, h; input t; param w)."""
     return (
         "model m {\n  dims {\n    b = 2\n    s = 4\n    h = 8\n  }\n"
-        "  input t: float[b, s, h]\n  param w: [h, h]\n" + body + "\n}\n"
+        "  input t: float[b, s, h]\n  param w: [h]\n" + body + "\n}\n"
     )
 
 
@@ -214,3 +214,404 @@ def test_op_locations(sample: Graph) -> None:
         assert node.loc is not None and node.loc.text.strip()
     for inp in sample.inputs:
         assert inp.loc is not None and inp.loc.text.lstrip().startswith("input")
+
+
+def test_keyword_values_and_number_args() -> None:
+    graph = parse_model(_model(
+        '  y = moe(t, w, w, w, top_k=2, score="sigmoid", capacity_factor=1)\n'
+        "  z = gelu(mul(y, 2), approximate=\"tanh\")\n"
+        "  u = sub(z, -1.5e-3)\n"
+        "  return u"
+    ))
+    ops = _ops(graph.body.items)
+    assert ops["y"].attrs == (("top_k", 2), ("score", "sigmoid"), ("capacity_factor", 1.0))
+    assert isinstance(ops["y"].attr("capacity_factor"), float)  # a float attr written as an int
+    assert ops["mul#0"].args == ("y", 2.0) and isinstance(ops["mul#0"].args[1], float)
+    assert ops["u"].args == ("z", -1.5e-3)
+    assert ops["z"].attrs == (("approximate", "tanh"),)
+
+
+def test_annotation_arguments() -> None:
+    graph = parse_model(_model('  y = relu(t) @stage(2) @cp("ring", true)\n  return y'))
+    (op,) = graph.body.items
+    assert [(a.kind, a.args) for a in op.annotations] == [("stage", (2,)), ("cp", ("ring", True))]
+
+
+# ---- repeat scoping ---------------------------------------------------------------------
+def test_repeat_carries_in_first_assignment_order_and_reads_outer_names() -> None:
+    graph = parse_model(_model(
+        "  x = relu(t)\n  y = relu(t)\n  keep = relu(t)\n"
+        "  repeat b {\n    y = add(y, keep)\n    tmp = relu(x)\n    x = add(tmp, y)\n  }\n"
+        "  out = add(x, y)\n  return out"
+    ))
+    rep = graph.body.items[3]
+    assert (rep.carried, rep.body.args, rep.body.yields, rep.results) == (
+        ("y", "x"), ("y.1", "x.1"), ("y.2", "x.2"), ("y.3", "x.3"),
+    )
+    assert [(o.out, o.args) for o in rep.body.items] == [
+        ("y.2", ("y.1", "keep")),  # `keep` is read, not carried: its outer name
+        ("tmp", ("x.1",)),
+        ("x.2", ("tmp", "y.2")),
+    ]
+    assert graph.body.items[4].args == ("x.3", "y.3")
+
+
+def test_body_locals_get_graph_unique_names_and_stay_local() -> None:
+    text = _model(
+        "  x = relu(t)\n"
+        "  repeat b { h = relu(x)\n x = add(x, h) }\n"
+        "  repeat s { h = relu(x)\n x = add(x, h) }\n"
+        "  y = relu(h)\n  return y"
+    )
+    error = _error(text)
+    assert error.message == "undefined name 'h'"
+    assert "inside repeat s" in error.hint
+    assert _where(error) == _at(text, "h)\n  return")
+    graph = parse_model(text.replace("y = relu(h)", "y = relu(x)"))
+    first, second = graph.body.items[1], graph.body.items[2]
+    assert [o.out for o in first.body.items] == ["h", "x.2"]
+    assert [o.out for o in second.body.items] == ["h.1", "x.5"]
+    assert second.carried == first.results == ("x.3",)
+    names = [i.name for i in graph.inputs] + [o.out for o, _ in walk_ops(graph.body) if isinstance(o, Op)]
+    names += [n for r in (first, second) for n in r.body.args + r.results]
+    assert len(names) == len(set(names))
+
+
+def test_body_params_are_local_and_may_repeat_across_bodies() -> None:
+    graph = parse_model(_model(
+        "  x = relu(t)\n"
+        "  repeat b { param g: [h] = ones\n x = mul(x, g) }\n"
+        "  repeat 3 as more { param g: [h] = zeros\n x = mul(x, g) }\n  return x"
+    ))
+    assert graph.body.params == (graph.body.params[0],) and graph.body.params[0].name == "w"
+    assert [r.body.params[0].init for r in graph.body.items[1:]] == ["ones", "zeros"]
+    assert graph.body.items[2].name == "more" and graph.body.items[2].count == 3
+    error = _error(_model("  repeat b { param g: [h] = ones\n  y = mul(t, g) }\n  z = mul(t, g)\n  return z"))
+    assert error.message == "undefined name 'g'"
+
+
+# ---- the examples -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpt", "tiny_llama", "llama3_405b", "deepseek_v3"])
+def test_examples_parse(name: str) -> None:
+    path = EXAMPLES / f"{name}.5d"
+    graph = load_model(str(path))
+    assert graph.name == name and graph.source == str(path)
+    assert (graph.batch_dim, graph.seq_dim, graph.output) == ("batch", "seq", "loss")
+    assert [i.name for i in graph.inputs] == ["tokens", "targets"]
+    assert graph.body.items[-1].kind == "cross_entropy"
+
+
+def test_gpt_example() -> None:
+    graph = load_model(EXAMPLES / "gpt.5d")
+    dims = dict(graph.dims)
+    assert {k: dims[k] for k in ("batch", "seq", "hidden", "heads", "kv_heads", "ffn", "vocab")} == {
+        "batch": 4, "seq": 8, "hidden": 32, "heads": 4, "kv_heads": 4, "ffn": 128, "vocab": 64,
+    }
+    (layers,) = [r for r in graph.body.items if isinstance(r, Repeat)]
+    assert layers.count == 2 and layers.carried == ("x.1",)
+    kinds = [o.kind for o in layers.body.items]
+    assert kinds.count("layernorm") == 2 and "gelu" in kinds and "attention" in kinds
+    b_fc = next(o for o in layers.body.items if "b_fc" in o.args)
+    assert b_fc.kind == "add" and b_fc.args[0].startswith("linear#")
+    params = {p.name: p for p in layers.body.params}
+    assert (params["b_fc"].dims, params["b_fc"].init, params["ln1_b"].init) == (("ffn",), "zeros", "zeros")
+    assert {p.name for p in graph.body.params} == {"wte", "wpe", "lnf_w", "lnf_b", "w_head"}
+
+
+def test_llama3_405b_example() -> None:
+    graph = load_model(EXAMPLES / "llama3_405b.5d")
+    dims = dict(graph.dims)
+    assert (dims["hidden"], dims["heads"], dims["kv_heads"], dims["head_dim"]) == (16384, 128, 8, 128)
+    assert (dims["ffn"], dims["vocab"], dims["layers"]) == (53248, 128256, 126)
+    assert dims["batch"] * dims["seq"] == 2048 * 8192
+    (layers,) = [r for r in graph.body.items if isinstance(r, Repeat)]
+    assert layers.count == 126
+    ropes = [o for o in layers.body.items if o.kind == "rope"]
+    assert [o.attr("theta") for o in ropes] == [500000.0, 500000.0]
+    assert {o.attr("eps") for o in layers.body.items if o.kind == "rmsnorm"} == {1e-5}
+    assert any(o.kind == "swiglu" for o in layers.body.items)
+
+
+def test_deepseek_v3_example() -> None:
+    graph = load_model(EXAMPLES / "deepseek_v3.5d")
+    dims = dict(graph.dims)
+    assert (dims["hidden"], dims["heads"], dims["vocab"], dims["batch"], dims["seq"]) == (
+        7168, 128, 129280, 15360, 4096,
+    )
+    dense, moe = [r for r in graph.body.items if isinstance(r, Repeat)]
+    assert (dense.name, dense.count, moe.name, moe.count) == ("dense", 3, "moe", 58)
+    assert moe.carried == dense.results
+    (routed,) = [o for o in moe.body.items if o.kind == "moe"]
+    assert routed.attrs == (("top_k", 8), ("score", "sigmoid"))
+    params = {p.name: p.dims for p in moe.body.params}
+    assert params["wq_b"] == ("q_lora", "heads", "qk_head_dim")
+    assert params["wo"] == ("heads", "v_head_dim", "hidden")
+    assert params["we_down"] == ("experts", "expert_ffn", "hidden")
+    assert (dims["q_lora"], dims["kv_lora"], dims["qk_head_dim"], dims["v_head_dim"]) == (1536, 512, 192, 128)
+    assert (dims["experts"], dims["expert_ffn"], dims["ffn"]) == (256, 2048, 18432)
+
+
+def test_parse_is_fast_after_the_first_call() -> None:
+    text = (EXAMPLES / "llama3_405b.5d").read_text()
+    parse_model(text)
+    start = time.perf_counter()
+    parse_model(text)
+    assert time.perf_counter() - start < 0.1
+
+
+# ---- errors: names, dims, calls -----------------------------------------------------------
+def test_unknown_op_suggests_a_name() -> None:
+    text = _model("  y = lienar(t, w)\n  return y")
+    error = _error(text)
+    assert (error.message, error.hint) == ("unknown op 'lienar'", "did you mean 'linear'?")
+    assert _where(error) == _at(text, "lienar")
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        ("add(t)", "add takes 2 arguments (a, b), got 1"),
+        ("relu(t, t)", "relu takes 1 argument (x), got 2"),
+        ("layernorm(t, w, w, w)", "layernorm takes 2 to 3 arguments (x, w, b), got 4"),
+    ],
+)
+def test_argument_count(call: str, message: str) -> None:
+    text = _model(f"  y = add(t, {call})\n  return y")
+    error = _error(text)
+    assert error.message == message
+    assert _where(error) == _at(text, call)
+
+
+def test_unknown_keyword_lists_the_allowed_ones() -> None:
+    text = _model("  y = rmsnorm(t, w, epsilon=1e-5)\n  return y")
+    error = _error(text)
+    assert error.message == "rmsnorm has no keyword 'epsilon'; allowed: eps"
+    assert _where(error) == _at(text, "epsilon")
+    error = _error(_model("  y = relu(t, k=1)\n  return y"))
+    assert error.message == "relu has no keyword 'k'; it takes no keyword arguments"
+
+
+def test_keyword_value_of_the_wrong_type() -> None:
+    text = _model("  y = moe(t, w, w, w, top_k=2.5)\n  return y")
+    error = _error(text)
+    assert error.message == "moe's top_k takes an integer, got 2.5"
+    assert _where(error) == _at(text, "2.5")
+    error = _error(_model("  y = attention(t, t, t, causal=yes)\n  return y"))
+    assert error.message == 'expected a number, a "string", true or false, got yes'
+
+
+def test_undefined_name() -> None:
+    text = _model("  y = add(t, wx)\n  return y")
+    error = _error(text)
+    assert error.message == "undefined name 'wx'"
+    assert _where(error) == _at(text, "wx")
+    assert error.hint == "did you mean 'w'?"
+
+
+def test_positional_after_keyword() -> None:
+    text = _model("  y = rmsnorm(t, eps=1e-5, w)\n  return y")
+    assert _where(_error(text)) == _at(text, "w)")
+
+
+@pytest.mark.parametrize(
+    "body, marker, message",
+    [
+        ("  param w: [h]\n  return t", "w: [h]\n  return", "param w is declared twice (first at m.5d:8:3)"),
+        ("  param t: [h]\n  return t", "t: [h]", "param t clashes with the input t defined at m.5d:7:9"),
+        (
+            "  y = relu(t)\n  param y: [h]\n  return y",
+            "y: [h]",
+            "param y clashes with the value y defined at m.5d:9:3",
+        ),
+        (
+            "  w = relu(t)\n  return w",
+            "w = relu",
+            "w is already a param (declared at m.5d:8:9); name the value differently",
+        ),
+        (
+            "  repeat b { param w: [h] }\n  return t",
+            "w: [h] }",
+            "param w is declared twice (first at m.5d:8:3)",
+        ),
+    ],
+)
+def test_name_clashes(body: str, marker: str, message: str) -> None:
+    text = _model(body)
+    error = _error(text)
+    assert error.message == message
+    assert _where(error) == _at(text, marker)
+
+
+def test_undefined_dim_in_a_shape_and_in_an_expression() -> None:
+    text = _model("  param v: [h, hh]\n  return t")
+    error = _error(text)
+    assert (error.message, error.hint) == ("undefined dim hh", "did you mean 'h'?")
+    assert _where(error) == _at(text, "hh")
+    text = "model m {\n  dims {\n    a = 2 * later\n    later = 3\n  }\n}"
+    error = _error(text)
+    assert error.message == "undefined dim later" and _where(error) == (3, 13)
+
+
+def test_dim_defined_twice() -> None:
+    text = "model m {\n  dims {\n    a = 2\n    a = 3\n  }\n}"
+    error = _error(text)
+    assert error.message == "dim a is defined twice (first at m.5d:3:5)"
+    assert _where(error) == (4, 5)
+
+
+@pytest.mark.parametrize(
+    "expr, message",
+    [("0", "dim d = 0 must be at least 1"), ("2 - 4", "dim d = 2 - 4 = -2 must be at least 1")],
+)
+def test_dim_must_be_positive(expr: str, message: str) -> None:
+    text = f"model m {{\n  dims {{\n    d = {expr}\n  }}\n}}"
+    error = _error(text)
+    assert error.message == message and _where(error) == (3, 5)
+
+
+def test_division_must_be_exact() -> None:
+    text = "model m {\n  dims {\n    hidden = 64\n    heads = 5\n    head_dim = hidden / heads\n  }\n}"
+    error = _error(text)
+    assert error.message == "hidden / heads = 64 / 5 is not an integer"
+    assert _where(error) == _at(text, "/")
+    error = _error("model m { dims { a = (2 + 4) / (3 - 3) } }")
+    assert error.message == "(2 + 4) / (3 - 3) = 6 / 0 divides by zero"
+
+
+def test_dims_are_integers() -> None:
+    error = _error("model m { dims { a = 1.5 } }")
+    assert error.message == "dims are integers, got 1.5" and _where(error) == (1, 22)
+
+
+# ---- errors: structure --------------------------------------------------------------------
+def test_return_must_name_a_value() -> None:
+    text = _model("  return nothing")
+    error = _error(text)
+    assert error.message == "undefined name 'nothing'" and _where(error) == _at(text, "nothing")
+    error = _error(_model("  return w"))
+    assert error.message == "return needs a value, but w is a param"
+
+
+def test_return_must_be_last() -> None:
+    text = _model("  return t\n  y = relu(t)")
+    error = _error(text)
+    assert error.message == "return must be the last statement of the model"
+    assert _where(error) == _at(text, "return")
+
+
+def test_missing_return_is_reported_at_the_closing_brace() -> None:
+    text = _model("  y = relu(t)")
+    error = _error(text)
+    assert error.message == "model m has no return"
+    assert _where(error) == (10, 1) and error.loc.text == "}"
+
+
+def test_nested_repeat() -> None:
+    text = _model("  repeat b {\n    repeat s { }\n  }\n  return t")
+    error = _error(text)
+    assert error.message == "nested repeat is not supported"
+    assert _where(error) == _at(text, "repeat s")
+
+
+def test_repeat_prefixes() -> None:
+    text = _model("  repeat b { }\n  repeat 2 as b { }\n  return t")
+    error = _error(text)
+    assert error.message == "two repeats are named b (the first at m.5d:9:3)"
+    assert _where(error) == _at(text, "b { }", 1)
+    text = _model("  repeat 2 * b { }\n  return t")
+    error = _error(text)
+    assert error.message == "name this repeat: `repeat N as NAME { ... }`"
+    assert _where(error) == _at(text, "2 * b")
+
+
+def test_inputs_must_share_the_batch_dim() -> None:
+    text = _model("  input u: int[s, b]\n  return t")
+    error = _error(text)
+    assert error.message == (
+        "input u starts with dim s, but every input must start with the batch dim b "
+        "(the first dim of input t)"
+    )
+    assert _where(error) == _at(text, "input u")
+
+
+def test_model_without_inputs() -> None:
+    error = _error("model m {\n  dims { b = 2 }\n  param w: [b]\n  y = relu(w)\n  return y\n}")
+    assert error.message == "model m has no inputs" and _where(error) == (1, 1)
+
+
+@pytest.mark.parametrize("where", ["call", "model"])
+def test_unknown_annotation(where: str) -> None:
+    text = _model("  y = relu(t) @tp\n  return y") if where == "call" else "model m @tp { }"
+    error = _error(text)
+    expected = "unknown annotation @tp; allowed: @col, @row, @replicate, @sp, @cp, @ep, @stage"
+    assert error.message == expected
+    assert _where(error) == _at(text, "@tp")
+
+
+# ---- errors: syntax -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, marker, message",
+    [
+        ("model m { dims { a = } }", "} }", "unexpected '}': expected a name, a number or '('"),
+        ("model m { x = 3 }", "3", "unexpected number '3': expected a name"),
+        ("model m { $ }", "$", "unexpected character '$': expected a name or '}'"),
+        ("model m {\n  x = relu(t))\n}", "))", None),
+        ("model m { return x } extra", "extra", "unexpected name 'extra': expected the end of the file"),
+    ],
+)
+def test_syntax_errors(text: str, marker: str, message: str | None) -> None:
+    error = _error(text)
+    if message is not None:
+        assert error.message == message
+    line, col = _at(text, marker)
+    assert _where(error) == ((line, col + 1) if marker == "))" else (line, col))
+
+
+def test_syntax_error_at_the_end_of_the_file() -> None:
+    error = _error("model m {\n  dims { a = 2 }\n")
+    assert error.message.startswith("unexpected end of the file: expected a name, 'dims'")
+    assert _where(error) == (2, 17)
+    error = _error("")
+    assert error.message == "unexpected end of the file: expected 'model'" and _where(error) == (1, 1)
+
+
+def test_nesting_too_deep_is_an_error() -> None:
+    call = "relu(" * 500 + "t" + ")" * 500
+    assert "nested" in _error(_model(f"  y = {call}\n  return y")).message
+    expr = "(" * 5000 + "2" + ")" * 5000
+    assert "nested" in _error(f"model m {{ dims {{ a = {expr} }} }}").message
+
+
+def test_huge_numbers_are_errors() -> None:
+    assert "too many digits" in _error(f"model m {{ dims {{ a = {'9' * 5000} }} }}").message
+    assert "out of range" in _error(_model("  y = add(t, 1e999)\n  return y")).message
+    assert "too large" in _error("model m { dims { a = 99999999999 * 99999999999 } }").message
+
+
+# ---- rendering and files ------------------------------------------------------------------
+def test_render_shows_file_line_column_and_a_caret() -> None:
+    text = _model("  y = lienar(t, w)\n  return y")
+    lines = _error(text).render().splitlines()
+    assert lines[0] == "m.5d:9:7: error: unknown op 'lienar'"
+    assert lines[1] == "      y = lienar(t, w)"
+    assert lines[2] == "    " + " " * 6 + "^"
+    assert lines[3] == "hint: did you mean 'linear'?"
+
+
+def test_load_model_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(DslError, match="does not exist"):
+        load_model(tmp_path / "nope.5d")
+
+
+def test_load_model_sets_the_source(tmp_path: Path) -> None:
+    path = tmp_path / "m.5d"
+    path.write_text(_model("  return t"))
+    assert load_model(path).source == str(path)
+    graph = load_model(str(path))
+    assert graph.source == str(path) and graph.inputs[0].loc.file == str(path)
+
+
+def test_a_dim_appears_once_per_shape() -> None:
+    text = _model("  param v: [h, h]\n  return t")
+    error = _error(text)
+    assert error.message == "dim h appears twice in one shape" and _where(error) == _at(text, "h]\n  return")

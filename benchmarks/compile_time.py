@@ -1,0 +1,53 @@
+"""Compile time of Llama 3 405B at 1 rank and at 16384 ranks, measured side by side.
+
+Runs the two compiles alternately (parse + passes + plan building, and writing the
+plan JSON), `--repeats` times each, and reports the medians and their ratio. The
+issue's bar: each under 2 s on a 2-core machine, within 1.2x of each other.
+
+    python benchmarks/compile_time.py [--repeats 101]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from fivedc.frontend_dsl import load_model
+from fivedc.mesh import Mesh
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+
+MODEL = Path(__file__).resolve().parent.parent / "examples" / "llama3_405b.5d"
+MESHES = ("1x1x1x1x1", "2048x1x8x1x1")
+
+
+def compile_once(mesh: str, out: Path) -> float:
+    start = time.perf_counter()
+    plan = compile_graph(load_model(MODEL), CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=True))
+    plan.save(out)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=101)
+    args = parser.parse_args()
+    times: dict[str, list[float]] = {m: [] for m in MESHES}
+    with tempfile.TemporaryDirectory() as tmp:
+        compile_once(MESHES[0], Path(tmp) / "warm.json")  # first parse builds the lark parser
+        for _ in range(args.repeats):
+            for mesh in MESHES:
+                times[mesh].append(compile_once(mesh, Path(tmp) / "plan.json"))
+    medians = {m: statistics.median(t) for m, t in times.items()}
+    for mesh in MESHES:
+        world = Mesh.parse(mesh).world
+        print(f"--mesh {mesh:<14} world {world:>6}: median {medians[mesh] * 1000:7.2f} ms  (max {max(times[mesh]) * 1000:.2f} ms)")
+    ratio = medians[MESHES[1]] / medians[MESHES[0]]
+    print(f"ratio 16384 ranks / 1 rank: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

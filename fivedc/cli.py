@@ -1,0 +1,147 @@
+"""The `fivedc` command: compile, verify and diff, with errors but no tracebacks.
+
+Every command turns a `FivedcError` into its rendered message (file:line:col, the
+line and a caret, a hint) on stderr and the error's exit code (2 for bad input,
+1 for a verification mismatch). Nothing is written unless the command succeeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from fivedc.errors import FivedcError, VerifyMismatch
+
+COMMANDS = {
+    "compile": "compile a model for a mesh: write the plan and print a readable summary",
+    "verify": "train a few steps with the plan on local processes and compare with one device",
+    "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
+}
+
+
+def _mesh_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument("--mesh", required=required, help="DPxPPxTPxCPxEP (e.g. 8x16x8x4x4) or dp=2,tp=2")
+    p.add_argument("--rank-order", default=None, help="innermost axis first (default tp,cp,ep,dp,pp)")
+    sp = p.add_mutually_exclusive_group()
+    sp.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallelism on")
+    sp.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fivedc",
+        description="A declarative compiler from a model graph to a 5-D parallel execution plan.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    c = sub.add_parser("compile", help=COMMANDS["compile"], description=COMMANDS["compile"])
+    c.add_argument("model", help="a .5d model file")
+    _mesh_args(c, required=True)
+    c.add_argument("--dtype", default="bf16", help="training precision for the estimates (bf16, fp32, fp64)")
+    c.add_argument("-o", "--output", default=None, help="plan file to write (default MODEL.plan.json)")
+    c.add_argument("-q", "--quiet", action="store_true", help="write the plan, print one line")
+    c.add_argument("-v", "--verbose", action="store_true", help="list every parameter")
+    v = sub.add_parser("verify", help=COMMANDS["verify"], description=COMMANDS["verify"])
+    v.add_argument("model", help="a .5d model file")
+    _mesh_args(v, required=True)
+    v.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
+    v.add_argument("--dtype", default="fp64", help="fp64 (default) or fp32")
+    v.add_argument("--tol", type=float, default=None, help="largest relative error allowed (fp64: 1e-10)")
+    v.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("diff", help=COMMANDS["diff"], description=COMMANDS["diff"])
+    d.add_argument("a", help="a plan .json, or MODEL.5d@MESH")
+    d.add_argument("b", help="a plan .json, or MODEL.5d@MESH")
+    d.add_argument("--rank-order", default=None, help="rank order for model@mesh arguments")
+    d.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallel for model@mesh")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _compile(model: str, mesh_text: str, *, rank_order, sp, dtype: str):
+    from fivedc.frontend_dsl import load_model
+    from fivedc.mesh import Mesh
+    from fivedc.passes.base import CompileOptions
+    from fivedc.pipeline import compile_graph
+
+    mesh = Mesh.parse(mesh_text, rank_order=rank_order)
+    graph = load_model(model)
+    return compile_graph(graph, CompileOptions(mesh=mesh, sequence_parallel=sp, dtype=dtype))
+
+
+def _console():
+    """Rich console at least 140 columns wide: the collective table needs it, piped or not."""
+    import shutil
+
+    from rich.console import Console
+
+    return Console(width=max(shutil.get_terminal_size((140, 24)).columns, 140))
+
+
+def cmd_compile(args) -> int:
+    from fivedc.summary import format_bytes, render_summary
+
+    start = time.perf_counter()
+    plan = _compile(args.model, args.mesh, rank_order=args.rank_order, sp=args.sp, dtype=args.dtype)
+    seconds = time.perf_counter() - start
+    output = Path(args.output) if args.output else Path(Path(args.model).stem + ".plan.json")
+    plan.save(output)
+    if args.quiet:
+        print(f"wrote {output} ({len(plan.collectives)} collectives, {format_bytes(plan.memory.total)} per rank)")
+    else:
+        render_summary(plan, console=_console(), verbose=args.verbose)
+        print(f"\nwrote {output} in {seconds:.2f} s")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from fivedc.verify_cli import run_verify
+
+    return run_verify(args)
+
+
+def _load_side(text: str, args):
+    from fivedc.plan import ExecutionPlan
+
+    if "@" in text and not text.endswith(".json"):
+        model, mesh = text.rsplit("@", 1)
+        return _compile(model, mesh, rank_order=args.rank_order, sp=args.sp, dtype="bf16")
+    return ExecutionPlan.load(text)
+
+
+def cmd_diff(args) -> int:
+    from fivedc.diff import diff_plans, render_diff
+
+    result = diff_plans(_load_side(args.a, args), _load_side(args.b, args))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        render_diff(result, console=_console())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    handler = {"compile": cmd_compile, "verify": cmd_verify, "diff": cmd_diff}[args.command]
+    try:
+        return handler(args)
+    except FivedcError as error:
+        print(error.render(), file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["main", "build_parser", "VerifyMismatch"]

@@ -1,0 +1,207 @@
+"""The readable plan summary that `fivedc compile` prints.
+
+`render_summary` writes, with rich tables and no colour (it must read well when
+piped), in order: a header (model, mesh, rank order, sequence parallelism, dtype,
+plan version), the mesh groups, one row per parameter (global and local shape,
+sharding, the axes its gradient is summed over), the output shardings seen per op
+kind, every collective with its bytes, count and reason followed by bytes per step
+per phase, and the memory estimate per rank. Every cell is a `Text`, never markup,
+because reasons quote shardings in brackets (`[batch:dp seq:tp]`). `format_bytes`
+is shared with `fivedc.diff`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from fivedc.ir import Collective, Graph, Op, Param, Phase, Repeat, walk_ops, walk_params
+from fivedc.mesh import Mesh
+from fivedc.plan import ExecutionPlan, qualified
+from fivedc.sharding import Sharding
+
+MAX_PARAM_ROWS = 40  # without --verbose, a longer parameter table is cut here
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def format_bytes(n: int) -> str:
+    """Binary units, one decimal: `512 B`, `1.5 MiB`, `-2.0 GiB`."""
+    sign, value = ("-" if n < 0 else ""), float(abs(n))
+    if value < 1024:
+        return f"{sign}{int(value)} B"
+    unit = 0
+    while value >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    return f"{sign}{value:.1f} {_UNITS[unit]}"
+
+
+def axes_text(axes: tuple[str, ...]) -> str:
+    """`dp*tp`, or `-` for no axes."""
+    return "*".join(axes) if axes else "-"
+
+
+def _mesh_text(mesh: Mesh) -> str:
+    sizes = ", ".join(f"{axis}={size}" for axis, size in mesh.as_dict().items())
+    return f"{sizes} (world {mesh.world})"
+
+
+def _param_name(param: Param, repeat: Repeat | None) -> str:
+    name = qualified(param.name, repeat)
+    return f"{name} × {repeat.count}" if repeat else name
+
+
+def _global_shape(dims: tuple[str, ...], graph: Graph) -> str:
+    return " ".join(f"{d}={graph.dim(d)}" for d in dims) or "scalar"
+
+
+def _local_shape(dims: tuple[str, ...], sharding: Sharding | None, graph: Graph, mesh: Mesh) -> str:
+    sharding = sharding or Sharding()
+    return " ".join(f"{d}={graph.dim(d) // mesh.size(*sharding.axes_of(d))}" for d in dims) or "scalar"
+
+
+def _collective_dim(c: Collective) -> str:
+    if c.dim and c.dim2:
+        return f"{c.dim}->{c.dim2}"
+    return c.dim or "-"
+
+
+def phase_totals(collectives: tuple[Collective, ...]) -> dict[str, int]:
+    """Bytes per step per phase (bytes x count), every phase listed, in `Phase` order."""
+    totals = {str(p): 0 for p in Phase}
+    for c in collectives:
+        totals[str(c.phase)] += c.bytes * c.count
+    return totals
+
+
+def op_shardings(graph: Graph) -> dict[str, Counter[str]]:
+    """Per op kind (first appearance order): output sharding text -> ops per step."""
+    found: dict[str, Counter[str]] = {}
+    for node, repeat in walk_ops(graph.body):
+        if isinstance(node, Op):
+            sharding = str(node.sharding or Sharding())
+            found.setdefault(node.kind, Counter())[sharding] += repeat.count if repeat else 1
+    return found
+
+
+def _table(title: str, *columns: str) -> Table:
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  padding=(0, 1, 0, 0))
+    for column in columns:
+        table.add_column(column)
+    return table
+
+
+def _row(table: Table, *cells: object) -> None:
+    table.add_row(*(Text(str(cell)) for cell in cells))
+
+
+def _header(plan: ExecutionPlan) -> Table:
+    graph = plan.graph
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    rows = (
+        ("model", f"{graph.name} ({graph.source or 'no source file'})"),
+        ("mesh", _mesh_text(plan.mesh)),
+        ("rank order", ",".join(plan.mesh.rank_order) + " (innermost first)"),
+        ("sequence parallel", "on" if plan.sequence_parallel else "off"),
+        ("dtype", plan.dtype),
+        ("plan version", str(plan.version)),
+    )
+    for key, value in rows:
+        grid.add_row(Text(key), Text(value))
+    return grid
+
+
+def _groups(plan: ExecutionPlan) -> Table:
+    table = _table("Groups", "axes", "group size", "groups", "strides")
+    for group in plan.groups:
+        _row(table, axes_text(group.axes), group.size, group.count, ", ".join(map(str, group.strides)))
+    return table
+
+
+def _params(plan: ExecutionPlan, *, verbose: bool) -> Table:
+    graph, mesh = plan.graph, plan.mesh
+    table = _table("Parameters", "parameter", "global shape", "sharding", "local shape", "grad reduced over")
+    params = list(walk_params(graph.body))
+    shown = params if verbose or len(params) <= MAX_PARAM_ROWS else params[:MAX_PARAM_ROWS]
+    for param, repeat in shown:
+        _row(
+            table,
+            _param_name(param, repeat),
+            _global_shape(param.dims, graph),
+            param.sharding or Sharding(),
+            _local_shape(param.dims, param.sharding, graph, mesh),
+            axes_text(param.grad_partial),
+        )
+    if len(shown) < len(params):
+        table.caption = Text(f"... {len(params) - len(shown)} more parameters omitted (verbose shows all)")
+        table.caption_justify = "left"
+    return table
+
+
+def _op_kinds(plan: ExecutionPlan) -> Table:
+    table = _table("Output sharding per op kind", "op kind", "output shardings (ops per step)")
+    for kind, counts in op_shardings(plan.graph).items():
+        _row(table, kind, ", ".join(f"{sharding} ×{n}" for sharding, n in counts.most_common()))
+    return table
+
+
+def _where(c: Collective, graph: Graph) -> str:
+    """`line:col` in the model's own file (named in the header), else `file:line:col`."""
+    if c.loc is None:
+        return "-"
+    return f"{c.loc.line}:{c.loc.col}" if c.loc.file == graph.source else str(c.loc)
+
+
+def _collectives(plan: ExecutionPlan) -> Table:
+    table = _table("Collectives", "phase", "kind", "axes", "tensor", "dim", "bytes", "count", "at", "reason")
+    for column in table.columns:
+        column.overflow = "fold"
+    table.columns[-1].ratio = 1
+    table.columns[-1].min_width = 24
+    for c in plan.collectives:
+        _row(table, c.phase, c.kind, axes_text(c.axes), c.tensor, _collective_dim(c), format_bytes(c.bytes),
+             c.count, _where(c, plan.graph), c.reason)
+    if not plan.collectives:
+        table.caption = Text("no collectives: every rank computes independently")
+        table.caption_justify = "left"
+    return table
+
+
+def _memory(plan: ExecutionPlan) -> Table:
+    table = _table("Memory per rank", "category", "bytes", "exact")
+    m = plan.memory
+    for name, value in (("params", m.params), ("grads", m.grads), ("optimizer", m.optimizer),
+                        ("activations", m.activations), ("total", m.total)):
+        _row(table, name, format_bytes(value), f"{value:,}")
+    return table
+
+
+def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = False) -> None:
+    """Print the plan summary to `console`; `verbose` lists every parameter."""
+    console.print(Text(f"fivedc plan: {plan.graph.name}", style="bold"))
+    console.print(_header(plan))
+    console.print()
+    console.print(_groups(plan))
+    console.print()
+    console.print(_params(plan, verbose=verbose))
+    console.print()
+    console.print(_op_kinds(plan))
+    console.print()
+    console.print(_collectives(plan))
+    totals = phase_totals(plan.collectives)
+    line = ", ".join(f"{phase} {format_bytes(n)}" for phase, n in totals.items())
+    total = format_bytes(sum(totals.values()))
+    console.print(Text(f"bytes per step (bytes × count): {line}; total {total}"))
+    console.print()
+    console.print(_memory(plan))
+    console.print(Text("note: activations assume every op output is kept for backward (no recomputation)"))
+
+
+__all__ = ["MAX_PARAM_ROWS", "format_bytes", "op_shardings", "phase_totals", "render_summary"]

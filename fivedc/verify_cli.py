@@ -1,0 +1,94 @@
+"""`fivedc verify`: the equivalence check from the command line.
+
+Started plainly, it spawns world-size local processes itself (gloo on CPU, NCCL
+when CUDA is available). Started under torchrun (WORLD_SIZE set), it checks the
+launcher's world size against the mesh and runs as one rank of that job. Either
+way it prints the largest relative error of the loss, gradients and parameters
+and exits 1 when one exceeds the tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+
+from fivedc.errors import FivedcError, VerifyMismatch
+
+DEFAULT_TOL = {"fp64": 1e-10, "fp32": 1e-4}
+
+
+def run_verify(args) -> int:
+    from fivedc.frontend_dsl import load_model
+    from fivedc.mesh import Mesh
+    from fivedc.passes.base import CompileOptions
+    from fivedc.pipeline import compile_graph
+    from fivedc.runtime.train import TrainSettings
+    from fivedc.runtime.verify import check_executable, single_device_mesh
+
+    if args.dtype not in DEFAULT_TOL:
+        raise FivedcError(f"verify runs in fp64 or fp32, not {args.dtype!r}")
+    if args.steps < 1:
+        raise FivedcError(f"--steps {args.steps} must be at least 1")
+    mesh = Mesh.parse(args.mesh, rank_order=args.rank_order)
+    graph = load_model(args.model)
+    plan = compile_graph(graph, CompileOptions(mesh=mesh, sequence_parallel=args.sp, dtype=args.dtype))
+    reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype))
+    check_executable(plan.graph)
+    settings = TrainSettings(steps=args.steps, seed=args.seed, dtype=args.dtype)
+    tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
+    if "WORLD_SIZE" in os.environ:
+        report = _under_launcher(plan, reference, settings)
+        if report is None:
+            return 0
+    else:
+        from fivedc.runtime.verify import verify_plan
+
+        print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})")
+        report = verify_plan(plan, reference, settings=settings)
+    _print_report(report, tol)
+    if report.max_error > tol:
+        raise VerifyMismatch(
+            f"the parallel run differs from the single-device run: relative error "
+            f"{report.max_error:.3e} > {tol:.0e} ({report.worst})"
+        )
+    return 0
+
+
+def _under_launcher(plan, reference_plan, settings):
+    """One rank of a torchrun job; rank 0 returns the merged report, others None."""
+    import torch.distributed as dist
+
+    from fivedc.runtime.pool import check_world, init_from_env
+    from fivedc.runtime.verify import VerifyReport, rank_job, reference_run
+
+    check_world(plan.mesh.world, mesh=plan.mesh)
+    info = init_from_env()
+    try:
+        result = rank_job(info, (plan, reference_run(reference_plan, settings), settings))
+        gathered = [None] * info.world
+        dist.all_gather_object(gathered, result)
+    finally:
+        dist.destroy_process_group()
+    if info.rank != 0:
+        return None
+    worst = {k: max(r["errors"][k] for r in gathered) for k in ("loss", "grad", "param")}
+    return VerifyReport(
+        world=info.world,
+        losses=tuple(reference_run(reference_plan, settings).losses),
+        parallel_losses=tuple(gathered[0]["losses"]),
+        loss_error=worst["loss"][0],
+        grad_error=worst["grad"][0],
+        param_error=worst["param"][0],
+        worst=max(worst.values())[1],
+    )
+
+
+def _print_report(report, tol: float) -> None:
+    print(f"{'step':>4}  {'reference loss':>22}  {'parallel loss':>22}")
+    for step, (ref, par) in enumerate(zip(report.losses, report.parallel_losses), start=1):
+        print(f"{step:>4}  {ref:>22.16f}  {par:>22.16f}")
+    print("largest relative error (all ranks, all steps):")
+    print(f"  loss        {report.loss_error:.3e}")
+    print(f"  gradients   {report.grad_error:.3e}")
+    print(f"  parameters  {report.param_error:.3e}   (worst: {report.worst})")
+    verdict = "OK" if report.max_error <= tol else "MISMATCH"
+    print(f"{verdict}: tolerance {tol:.0e}, {report.world} processes")

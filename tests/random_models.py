@@ -1,0 +1,98 @@
+"""Random small decoder models, written as DSL text, for the property tests.
+
+`draw_case` draws a mesh (dp, tp with world <= 8) and a model whose dims fit it:
+GPT-style (layernorm, gelu MLP with bias, learned positions) or Llama-style
+(rmsnorm, rope, GQA, SwiGLU), with random layers, heads, kv-heads and widths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+
+@dataclass(frozen=True)
+class Case:
+    text: str
+    mesh: str
+    sp: bool
+
+
+def model_text(*, style: str, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int,
+               ffn: int, vocab: int, layers: int, causal: bool) -> str:
+    hidden = heads * head_dim
+    norm = "layernorm(x, {w}, {w}_b)" if style == "gpt" else "rmsnorm(x, {w})"
+    norm_params = "param {w}: [hidden] = ones\n    param {w}_b: [hidden] = zeros" if style == "gpt" else "param {w}: [hidden] = ones"
+    if style == "gpt":
+        qk = "q = linear(h, wq)\n    k = linear(h, wk)"
+        mlp = "m = gelu(add(linear(h, w_up), b_up))"
+        mlp_params = "param w_up: [hidden, ffn]\n    param b_up: [ffn] = zeros"
+        pos = "param wpe: [seq, hidden]\n  x = add(x, wpe)"
+    else:
+        qk = "q = rope(linear(h, wq))\n    k = rope(linear(h, wk), theta=500.0)"
+        mlp = "m = swiglu(linear(h, w_gate), linear(h, w_up))"
+        mlp_params = "param w_gate: [hidden, ffn]\n    param w_up: [hidden, ffn]"
+        pos = ""
+    return f"""
+model random_{style} {{
+  dims {{
+    batch = {batch}
+    seq = {seq}
+    heads = {heads}
+    kv_heads = {kv_heads}
+    head_dim = {head_dim}
+    hidden = heads * head_dim
+    ffn = {ffn}
+    vocab = {vocab}
+  }}
+  input tokens: int[batch, seq]
+  input targets: int[batch, seq]
+  param wte: [vocab, hidden] = normal(0.5)
+  x = embedding(tokens, wte)
+  {pos}
+  repeat {layers} as layers {{
+    {norm_params.format(w="ln1")}
+    param wq: [hidden, heads, head_dim] = normal(0.3)
+    param wk: [hidden, kv_heads, head_dim] = normal(0.3)
+    param wv: [hidden, kv_heads, head_dim] = normal(0.3)
+    param wo: [heads, head_dim, hidden] = normal(0.3)
+    h = {norm.format(w="ln1")}
+    {qk}
+    a = attention(q, k, linear(h, wv), causal={str(causal).lower()})
+    x = add(x, linear(a, wo))
+    {norm_params.format(w="ln2")}
+    {mlp_params}
+    param w_down: [ffn, hidden] = normal(0.3)
+    h = {norm.format(w="ln2")}
+    {mlp}
+    x = add(x, linear(m, w_down))
+  }}
+  param lnf: [hidden] = ones
+  param w_head: [hidden, vocab] = normal(0.3)
+  loss = cross_entropy(linear(rmsnorm(x, lnf), w_head), targets)
+  return loss
+}}
+"""
+
+
+@st.composite
+def draw_case(draw, *, max_world: int = 8) -> Case:
+    dp = draw(st.sampled_from([1, 2, 4]))
+    tp = draw(st.sampled_from([t for t in (1, 2, 4) if dp * t <= max_world]))
+    sp = draw(st.booleans()) if tp > 1 else False
+    kv_heads = tp * draw(st.integers(1, 2))
+    heads = kv_heads * draw(st.integers(1, 2))
+    text = model_text(
+        style=draw(st.sampled_from(["gpt", "llama"])),
+        batch=dp * draw(st.integers(1, 2)),
+        seq=tp * draw(st.integers(1, 3)) * 2,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from([2, 4])),
+        ffn=tp * draw(st.integers(1, 4)) * 2,
+        vocab=tp * draw(st.integers(2, 6)),
+        layers=draw(st.integers(1, 2)),
+        causal=draw(st.booleans()),
+    )
+    return Case(text, f"{dp}x1x{tp}x1x1", sp)

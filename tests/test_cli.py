@@ -1,0 +1,86 @@
+"""The command line: help, exit codes, errors with carets and no tracebacks, files.
+
+Most cases call `fivedc.cli.main` in-process; one runs the installed `fivedc`
+entry point to check the real exit code and stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fivedc.cli import main
+
+BAD_MODEL = """model broken {
+  dims { batch = 2 seq = 4 }
+  input tokens: int[batch, seq]
+  x = embeding(tokens, w)
+  return x
+}
+"""
+
+
+def test_help_lists_every_command(capsys) -> None:
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    for command in ("compile", "verify", "diff"):
+        assert command in out
+
+
+def test_compile_writes_plan_and_summary(tmp_path, capsys) -> None:
+    out = tmp_path / "gpt.plan.json"
+    assert main(["compile", "examples/gpt.5d", "--mesh", "dp=2,tp=2", "--sp", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "reduce_scatter" in text and "all_gather" in text and out.exists()
+    assert json.loads(out.read_text())["version"] == 1
+
+
+def test_bad_model_points_at_the_line_and_writes_nothing(tmp_path, capsys) -> None:
+    model = tmp_path / "broken.5d"
+    model.write_text(BAD_MODEL)
+    out = tmp_path / "broken.plan.json"
+    assert main(["compile", str(model), "--mesh", "1x1x1x1x1", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{model}:4:7: error" in err and "embeding" in err and "^" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("mesh,message", [
+    ("2x2", "cannot parse mesh '2x2'"),
+    ("dp=2,xp=2", "unknown mesh axis 'xp'"),
+    ("1x1x3x1x1", "vocab=64 is not divisible by tp=3"),
+    ("1x2x1x1x1", "pipeline parallelism (pp=2) is not supported yet"),
+])
+def test_bad_meshes(mesh: str, message: str, capsys) -> None:
+    assert main(["compile", "examples/gpt.5d", "--mesh", mesh, "-q", "-o", "/dev/null"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_diff_plan_file_against_model_at_mesh(tmp_path, capsys) -> None:
+    plan = tmp_path / "a.json"
+    assert main(["compile", "examples/tiny_llama.5d", "--mesh", "2x1x2x1x1", "-q", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(plan), "examples/tiny_llama.5d@2x1x2x1x1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["identical"] is True
+    assert main(["diff", str(plan), "examples/tiny_llama.5d@2x1x1x1x1", "--json"]) == 0
+    changed = json.loads(capsys.readouterr().out)
+    assert changed["identical"] is False and changed["params"]
+
+
+def test_verify_refuses_a_launcher_world_that_does_not_match(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert main(["verify", "examples/gpt.5d", "--mesh", "2x1x2x1x1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs 4 processes" in err and "8" in err
+
+
+def test_installed_entry_point_exit_code_and_stderr(tmp_path) -> None:
+    model = tmp_path / "broken.5d"
+    model.write_text(BAD_MODEL)
+    result = subprocess.run([sys.executable, "-m", "fivedc.cli", "compile", str(model), "--mesh", "1x1x1x1x1"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "broken.5d:4:7" in result.stderr and "Traceback" not in result.stderr
