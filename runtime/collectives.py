@@ -5,8 +5,9 @@ and another for the backward pass; `apply_steps` runs a list on one tensor and
 `redistribute` wraps a forward/backward pair in an autograd Function (forward [] /
 backward [all_reduce tp] is Megatron's "f"). Chunks are always taken in
 group-index order (`MeshGroups.index`), steps over a group of one rank are no-ops,
-and the input tensor is never modified. gloo gets reduce_scatter as all_reduce +
-slice; NCCL uses the native op.
+and the input tensor is never modified. Where a process group's rank order
+differs from group-index order (`MeshGroups.positions`), chunks are reordered.
+gloo gets reduce_scatter as all_reduce + slice; NCCL uses the native op.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class Step:
             raise PassError(f"step {self.kind}: dim2 is for all_to_all only, and all_to_all needs it")
 
     def __str__(self) -> str:
-        dims = "" if self.dim is None else f"[{self.dim}" + ("" if self.dim2 is None else f"->{self.dim2}") + "]"
+        dims = "" if self.dim is None else f"[{self.dim}]"
+        if self.dim2 is not None:
+            dims = f"[{self.dim}->{self.dim2}]"
         return f"{self.kind}{dims}({','.join(self.axes)})"
 
 
@@ -68,7 +71,9 @@ def redistribute(
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, forward: tuple[Step, ...], backward: tuple[Step, ...], groups: MeshGroups) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, forward: tuple[Step, ...], backward: tuple[Step, ...], groups: MeshGroups
+    ) -> Tensor:
         ctx.backward_steps = backward
         ctx.groups = groups
         return apply_steps(x, forward, groups)
@@ -105,7 +110,8 @@ def _all_gather(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
     local = x.contiguous()
     parts = [torch.empty_like(local) for _ in range(n)]
     dist.all_gather(parts, local, group=groups.group(step.axes))
-    return torch.cat(parts, dim=step.dim)  # type: ignore[arg-type]
+    ordered = _to_index_order(parts, groups.positions(step.axes))
+    return torch.cat(ordered, dim=step.dim)  # type: ignore[arg-type]
 
 
 def _slice(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
@@ -117,20 +123,32 @@ def _slice(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
 def _reduce_scatter(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
     _chunk_size(x, step, n)
     group = groups.group(step.axes)
-    if not _native(x, group):  # gloo: no reduce_scatter before torch 2.13; sum then keep a chunk
+    if not _native(x, group):  # gloo's reduce_scatter is n all_reduces (torch >= 2.8) or missing
         return _slice(_all_reduce(x, step, n, groups), step, n, groups)
-    chunks = [c.contiguous() for c in x.chunk(n, dim=step.dim)]  # type: ignore[arg-type]
-    out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, group=group)
+    chunks = x.chunk(n, dim=step.dim)  # type: ignore[arg-type]
+    inputs = [chunks[i].contiguous() for i in groups.positions(step.axes)]
+    out = torch.empty_like(inputs[0])
+    dist.reduce_scatter(out, inputs, group=group)
     return out
 
 
 def _all_to_all(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
     _chunk_size(x, step, n)
-    send = torch.stack(x.chunk(n, dim=step.dim)).contiguous()  # type: ignore[arg-type]
+    chunks = x.chunk(n, dim=step.dim)  # type: ignore[arg-type]
+    positions = groups.positions(step.axes)
+    send = torch.stack([chunks[i] for i in positions])  # row p goes to process-group rank p
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=groups.group(step.axes))
-    return torch.cat(recv.unbind(0), dim=step.dim2)  # type: ignore[arg-type]
+    ordered = _to_index_order(list(recv.unbind(0)), positions)
+    return torch.cat(ordered, dim=step.dim2)  # type: ignore[arg-type]
+
+
+def _to_index_order(parts: list[Tensor], positions: tuple[int, ...]) -> list[Tensor]:
+    """`parts` come in process-group rank order; put them in group-index order."""
+    ordered = list(parts)
+    for rank, index in enumerate(positions):
+        ordered[index] = parts[rank]
+    return ordered
 
 
 _STEP_FNS = {

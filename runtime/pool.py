@@ -34,6 +34,7 @@ from fivedc.mesh import Mesh
 
 _ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report
 _STARTUP_S = 300.0  # for a new worker to import torch (not counted in a job's timeout)
+Errors = dict[int, tuple[int, float, str]]  # rank -> (0 died / 1 raised, when, text)
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _device(backend: str, local_rank: int) -> str:
 
 
 # ---- the worker side ----------------------------------------------------------------
-def _run_job(slot: int, job_bytes: bytes) -> tuple[str, Any, float]:
+def _run_job(slot: int, job_bytes: bytes, returned: Callable[[], None]) -> tuple[str, Any, float]:
     """(status, result or traceback, when it failed): the time orders the ranks' errors."""
     try:
         fn, payload, world, store_path, backend, timeout_s = pickle.loads(job_bytes)
@@ -75,7 +76,10 @@ def _run_job(slot: int, job_bytes: bytes) -> tuple[str, Any, float]:
         dist.init_process_group(
             backend, store=store, rank=slot, world_size=world, timeout=timedelta(seconds=timeout_s)
         )
-        return "ok", fn(RankInfo(slot, world, device), payload), 0.0
+        result = fn(RankInfo(slot, world, device), payload)
+        returned()  # so a hang in the barrier below blames the ranks that never got here
+        dist.barrier()  # gloo: a rank that tears down early breaks peers still connecting
+        return "ok", result, 0.0
     except BaseException:
         return "error", traceback.format_exc(), time.time()
     finally:
@@ -95,7 +99,8 @@ def _worker_main(slot: int, conn: Connection) -> None:
         if not message:
             return
         job_id, job_bytes = pickle.loads(message)
-        status, value, when = _run_job(slot, job_bytes)
+        notice = pickle.dumps((job_id, "returned", None, 0.0))
+        status, value, when = _run_job(slot, job_bytes, lambda: conn.send_bytes(notice))
         try:
             reply = pickle.dumps((job_id, status, value, when))
         except BaseException:
@@ -139,14 +144,23 @@ class WorkerPool:
                 f"cannot send job {getattr(fn, '__qualname__', fn)!r} to the workers: {exc}",
                 hint="fn must be a module-level function, and payload must pickle",
             ) from exc
+        os.makedirs(self._tmp, exist_ok=True)  # in case the pool was closed and is used again
         self._start(range(world))
         for slot in range(world):
-            self._conns[slot].send_bytes(message)
+            try:
+                self._conns[slot].send_bytes(message)
+            except OSError:  # the worker just died: _collect reports it
+                pass
         return self._collect(self._jobs, world, name=getattr(fn, "__qualname__", repr(fn)))
 
     def close(self) -> None:
+        for conn in self._conns.values():  # ask every worker to exit, then wait for each
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
         for slot in list(self._procs):
-            self._stop(slot, graceful=True)
+            self._stop(slot)
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     # ---- internals ----------------------------------------------------------------
@@ -158,7 +172,7 @@ class WorkerPool:
             if proc is not None and proc.is_alive():
                 continue
             if proc is not None:
-                self._stop(slot, graceful=False)
+                self._stop(slot, wait_s=0)
             parent, child = self._ctx.Pipe()
             proc = self._ctx.Process(target=_worker_main, args=(slot, child), daemon=True)
             proc.start()
@@ -172,17 +186,15 @@ class WorkerPool:
             except (EOFError, OSError):
                 ready = False
             if not ready:
-                self._stop(slot, graceful=False)
-                raise WorkerError(f"worker {slot} did not start within {_STARTUP_S:g} s", rank=slot)
+                code = self._procs[slot].exitcode
+                self._stop(slot, wait_s=0)
+                why = f"exited with code {code}" if code is not None else f"was not up in {_STARTUP_S:g} s"
+                raise WorkerError(f"worker {slot} did not start: it {why}", rank=slot)
 
-    def _stop(self, slot: int, *, graceful: bool) -> None:
+    def _stop(self, slot: int, *, wait_s: float = 5.0) -> None:
+        """Wait up to `wait_s` for the worker to exit, then terminate it, then kill it."""
         proc, conn = self._procs.pop(slot), self._conns.pop(slot)
-        if graceful and proc.is_alive():
-            try:
-                conn.send_bytes(b"")
-            except OSError:
-                pass
-            proc.join(timeout=5)
+        proc.join(timeout=wait_s)
         if proc.is_alive():
             proc.terminate()
             proc.join(timeout=5)
@@ -193,59 +205,75 @@ class WorkerPool:
 
     def _collect(self, job_id: int, world: int, *, name: str) -> list[Any]:
         results: dict[int, Any] = {}
-        errors: dict[int, tuple[float, str]] = {}
+        errors: Errors = {}
+        returned: set[int] = set()  # ranks whose fn returned (they may wait in the closing barrier)
         pending = set(range(world))
-        limit, graced = time.monotonic() + self.timeout_s, False
-        while pending:
-            if errors and not graced:  # once a rank failed, the others get a short grace
-                limit, graced = min(limit, time.monotonic() + _ERROR_GRACE_S), True
-            if time.monotonic() >= limit:
-                break
+        deadline = time.monotonic() + self.timeout_s
+        limit = deadline
+        while pending and time.monotonic() < limit:
             objs = [self._conns[s] for s in pending] + [self._procs[s].sentinel for s in pending]
             wait(objs, timeout=max(0.0, limit - time.monotonic()))
             for slot in sorted(pending):
-                self._poll(slot, job_id, results, errors)
+                self._poll(slot, job_id, results, errors, returned)
             pending -= results.keys() | errors.keys()
+            if errors and limit == deadline:  # once a rank failed, the others get a short grace
+                limit = min(deadline, time.monotonic() + _ERROR_GRACE_S)
         for slot in pending:  # still blocked after an error or the timeout
-            self._stop(slot, graceful=False)
+            self._stop(slot, wait_s=0)
         if errors or pending:
-            raise self._error(name, world, errors, pending)
+            timed_out = bool(pending) and time.monotonic() >= deadline
+            raise self._error(name, world, errors, pending, returned, timed_out=timed_out)
         return [results[s] for s in range(world)]
 
-    def _poll(self, slot: int, job_id: int, results: dict[int, Any], errors: dict[int, tuple[float, str]]) -> None:
+    def _poll(
+        self, slot: int, job_id: int, results: dict[int, Any], errors: Errors, returned: set[int]
+    ) -> None:
+        """Read what worker `slot` sent for this job; note it if the process died."""
         conn, proc = self._conns[slot], self._procs[slot]
         try:
-            if conn.poll():
-                got_id, status, value, _ = reply = pickle.loads(conn.recv_bytes())
-                if got_id == job_id and status == "ok":
+            while conn.poll():
+                got_id, status, value, when = pickle.loads(conn.recv_bytes())
+                if got_id != job_id:
+                    continue
+                if status == "returned":
+                    returned.add(slot)
+                    continue
+                if status == "ok":
                     results[slot] = value
-                elif got_id == job_id:
-                    errors[slot] = (reply[3], value)
+                else:
+                    errors[slot] = (1, when, value)
                 return
         except (EOFError, OSError):
             pass
         if not proc.is_alive():
-            errors[slot] = (time.time(), f"the worker process died (exit code {proc.exitcode})")
-            self._stop(slot, graceful=False)
+            errors[slot] = (0, time.time(), f"the worker process died (exit code {proc.exitcode})")
+            self._stop(slot, wait_s=0)
 
-    def _error(self, name: str, world: int, errors: dict[int, tuple[float, str]], pending: set[int]) -> WorkerError:
-        if not errors:
-            ranks = ", ".join(map(str, sorted(pending)))
-            return WorkerError(
-                f"rank(s) {ranks} of {world} did not finish {name} within {self.timeout_s:g} s",
-                rank=min(pending),
-                hint="a collective is probably waiting for a rank that never joins it",
-            )
-        first = min(errors, key=lambda s: errors[s][0])
-        others = sorted(set(errors) - {first})
-        notes = [f"rank(s) {', '.join(map(str, others))} failed too"] if others else []
-        if pending:
-            notes.append(f"rank(s) {', '.join(map(str, sorted(pending)))} hung and were restarted")
-        return WorkerError(
-            f"rank {first} of {world} failed in {name}:\n{errors[first][1].rstrip()}",
-            rank=first,
-            hint="; ".join(notes),
-        )
+    def _error(
+        self, name: str, world: int, errors: Errors, hung: set[int], returned: set[int],
+        *, timed_out: bool,
+    ) -> WorkerError:
+        """Blame hung ranks after a timeout (those whose fn did not return), else a dead
+        worker, else the earliest error."""
+        def ranks(slots: set[int]) -> str:
+            return ", ".join(map(str, sorted(slots)))
+
+        notes = []
+        if timed_out or not errors:
+            culprits = hung - returned or hung
+            first = min(culprits)
+            head = f"rank(s) {ranks(culprits)} of {world} did not finish {name} in {self.timeout_s:g} s"
+            notes.append("a collective is probably waiting for a rank that never joins it")
+            if waited := hung & returned:
+                notes.append(f"rank(s) {ranks(waited)} returned and waited for them")
+        else:
+            first = min(errors, key=lambda s: errors[s][:2])
+            head = f"rank {first} of {world} failed in {name}:\n{errors[first][2].rstrip()}"
+            if hung:
+                notes.append(f"rank(s) {ranks(hung)} hung and were restarted")
+        if others := set(errors) - {first}:
+            notes.append(f"rank(s) {ranks(others)} failed too")
+        return WorkerError(head, rank=first, hint="; ".join(notes))
 
 
 def run_once(fn: Callable[[RankInfo, Any], Any], *, world: int, payload: Any) -> list[Any]:
@@ -268,7 +296,8 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = 600.0) -> Ra
     device = _device(backend, int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
         dist.init_process_group(
-            backend, init_method="env://", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+            backend, init_method="env://", rank=rank, world_size=world,
+            timeout=timedelta(seconds=timeout_s),
         )
     return RankInfo(rank, world, device)
 
