@@ -18,12 +18,13 @@ verifier (`passes/verify.py`) checks which must be set at which point.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Union
 
 from fivedc.errors import SourceLoc
-from fivedc.mesh import MeshAxis
+from fivedc.mesh import Mesh, MeshAxis
 from fivedc.sharding import Sharding
 
 Scalar = Union[bool, int, float, str]
@@ -208,6 +209,13 @@ class Graph:
             if key == name:
                 return value
         raise KeyError(name)
+
+    def local_size(self, dim: str, sharding: Sharding, mesh: Mesh) -> int:
+        """Size of one rank's chunk of `dim` when `sharding` splits it over `mesh`."""
+        return self.dim(dim) // mesh.size(*sharding.axes_of(dim))
+
+    def local_numel(self, dims: tuple[str, ...], sharding: Sharding, mesh: Mesh) -> int:
+        return math.prod(self.local_size(d, sharding, mesh) for d in dims)
 
     def dim_loc(self, name: str) -> SourceLoc | None:
         return dict(self.dim_locs).get(name)

@@ -10,7 +10,6 @@ versioned JSON; reading a plan of another version is a `PlanError`.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -111,10 +110,6 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
     return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory)
 
 
-def _local_numel(dims, sharding, graph: Graph, mesh: Mesh) -> int:
-    return math.prod(graph.dim(d) // mesh.size(*sharding.axes_of(d)) for d in dims)
-
-
 def qualified(name: str, repeat: Repeat | None) -> str:
     return f"{repeat.name}.*.{name}" if repeat else name
 
@@ -129,7 +124,7 @@ def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh) -> tuple[C
     for param, repeat in walk_params(graph.body):
         if not param.grad_partial:
             continue
-        nbytes = _local_numel(param.dims, param.sharding, graph, mesh) * dtype_bytes
+        nbytes = graph.local_numel(param.dims, param.sharding, mesh) * dtype_bytes
         found.append(
             Collective(
                 CollectiveKind.ALL_REDUCE,
@@ -149,12 +144,12 @@ def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh) -> tuple[C
 def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int) -> MemoryEstimate:
     elements = 0
     for param, repeat in walk_params(graph.body):
-        elements += _local_numel(param.dims, param.sharding, graph, mesh) * (repeat.count if repeat else 1)
+        elements += graph.local_numel(param.dims, param.sharding, mesh) * (repeat.count if repeat else 1)
     activations = 0
     for node, repeat in walk_ops(graph.body):
         if isinstance(node, Op):
             count = repeat.count if repeat else 1
-            activations += _local_numel(node.type.dims, node.sharding, graph, mesh) * dtype_bytes * count
+            activations += graph.local_numel(node.type.dims, node.sharding, mesh) * dtype_bytes * count
     return MemoryEstimate(
         params=elements * dtype_bytes,
         grads=elements * dtype_bytes,

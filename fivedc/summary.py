@@ -61,7 +61,7 @@ def _global_shape(dims: tuple[str, ...], graph: Graph) -> str:
 
 def _local_shape(dims: tuple[str, ...], sharding: Sharding | None, graph: Graph, mesh: Mesh) -> str:
     sharding = sharding or Sharding()
-    return " ".join(f"{d}={graph.dim(d) // mesh.size(*sharding.axes_of(d))}" for d in dims) or "scalar"
+    return " ".join(f"{d}={graph.local_size(d, sharding, mesh)}" for d in dims) or "scalar"
 
 
 def _collective_dim(c: Collective) -> str:

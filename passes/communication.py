@@ -17,23 +17,18 @@ line. Consumers that need the same thing share one node. Per mesh axis:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from fivedc.errors import NotSupportedError, PassError
 from fivedc.ir import (
-    ArgSpec, Block, Collective, CollectiveKind, Graph, Op, Phase, Redistribute, Repeat, TensorType,
+    ArgSpec, Block, Collective, CollectiveKind, Graph, Phase, Redistribute, Repeat, TensorType,
 )
 from fivedc.mesh import MESH_ORDER, Mesh, MeshAxis
 from fivedc.sharding import Sharding
 from fivedc.passes.base import CompileOptions
 
 K = CollectiveKind
-
-
-def local_numel(t: TensorType, sharding: Sharding, graph: Graph, mesh: Mesh) -> int:
-    return math.prod(graph.dim(d) // mesh.size(*sharding.axes_of(d)) for d in t.dims)
 
 
 @dataclass(slots=True)
@@ -188,7 +183,7 @@ class _Inserter:
         kind, axis, dim, dim2 = step
         # bytes: the larger side of the step, as held by this rank (gathered or pre-scatter)
         full = src if kind == K.ALL_TO_ALL else dst if kind == K.SLICE else src.without_axis(axis)
-        nbytes = 0 if kind == K.SLICE else local_numel(t, full, self.graph, self.mesh) * self.options.dtype_bytes
+        nbytes = 0 if kind == K.SLICE else self.graph.local_numel(t.dims, full, self.mesh) * self.options.dtype_bytes
         template = (_FORWARD_WHY if phase == Phase.FORWARD else _BACKWARD_WHY)[kind]
         what = template.format(axis=axis, dim=dim, dim2=dim2)
         reason = f"{what}: {where.producer} gives [{src}], {where.consumer} needs [{dst}]"

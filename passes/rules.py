@@ -177,9 +177,7 @@ def _cross_entropy(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> Ru
     vocab = logits_t.dims[-1]
     targets = logits.restrict(logits_t.dims[:-1])
     vocab_axes = logits.axes_of(vocab)
-    tokens = 1
-    for dim in logits_t.dims[:-1]:
-        tokens *= ctx.size(dim) // ctx.mesh.size(*logits.axes_of(dim))
+    tokens = ctx.graph.local_numel(logits_t.dims[:-1], logits, ctx.mesh)
     collectives = tuple(
         Collective(
             CollectiveKind.ALL_REDUCE,

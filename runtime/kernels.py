@@ -39,7 +39,7 @@ class KernelContext:
         axes = sharding.axes_of(dim)
         for axis in axes:
             index = index * self.mesh.size(axis) + self.coords[axis]
-        size = self.graph.dim(dim) // self.mesh.size(*axes)
+        size = self.graph.local_size(dim, sharding, self.mesh)
         return index * size, (index + 1) * size
 
     def group(self, axes: tuple[MeshAxis, ...]):
