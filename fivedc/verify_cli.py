@@ -58,28 +58,18 @@ def _under_launcher(plan, reference_plan, settings):
     import torch.distributed as dist
 
     from fivedc.runtime.pool import check_world, init_from_env
-    from fivedc.runtime.verify import VerifyReport, rank_job, reference_run
+    from fivedc.runtime.verify import merge_results, rank_job, reference_run
 
     check_world(plan.mesh.world, mesh=plan.mesh)
     info = init_from_env()
+    reference = reference_run(reference_plan, settings)
     try:
-        result = rank_job(info, (plan, reference_run(reference_plan, settings), settings))
+        result = rank_job(info, (plan, reference, settings))
         gathered = [None] * info.world
         dist.all_gather_object(gathered, result)
     finally:
         dist.destroy_process_group()
-    if info.rank != 0:
-        return None
-    worst = {k: max(r["errors"][k] for r in gathered) for k in ("loss", "grad", "param")}
-    return VerifyReport(
-        world=info.world,
-        losses=tuple(reference_run(reference_plan, settings).losses),
-        parallel_losses=tuple(gathered[0]["losses"]),
-        loss_error=worst["loss"][0],
-        grad_error=worst["grad"][0],
-        param_error=worst["param"][0],
-        worst=max(worst.values())[1],
-    )
+    return merge_results(gathered, reference) if info.rank == 0 else None
 
 
 def _print_report(report, tol: float) -> None:

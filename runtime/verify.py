@@ -102,16 +102,20 @@ def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings:
     payload = (plan, reference, settings)
     world = plan.mesh.world
     results = pool.run(rank_job, world=world, payload=payload) if pool else run_once(rank_job, world=world, payload=payload)
+    return merge_results(results, reference)
+
+
+def merge_results(results: list[dict], reference: TrainRecord) -> VerifyReport:
+    """One report from every rank's `rank_job` result: the worst error of each kind."""
     worst = {k: max(r["errors"][k] for r in results) for k in ("loss", "grad", "param")}
-    label = max(worst.values())[1]
     return VerifyReport(
-        world=world,
+        world=len(results),
         losses=tuple(reference.losses),
         parallel_losses=tuple(results[0]["losses"]),
         loss_error=worst["loss"][0],
         grad_error=worst["grad"][0],
         param_error=worst["param"][0],
-        worst=label,
+        worst=max(worst.values())[1],
     )
 
 
