@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from fivedc.errors import FivedcError, VerifyMismatch
+from fivedc.errors import FivedcError
 
 COMMANDS = {
     "compile": "compile a model for a mesh: write the plan and print a readable summary",
@@ -144,4 +144,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["main", "build_parser", "VerifyMismatch"]
+__all__ = ["main", "build_parser"]

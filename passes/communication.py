@@ -101,10 +101,10 @@ class InsertCommunication:
     name: ClassVar[str] = "insert-communication"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
-        self_env: dict[str, tuple[Sharding, str, TensorType]] = {
+        env: dict[str, tuple[Sharding, str, TensorType]] = {
             i.name: (i.sharding, f"input {i.name}", i.type) for i in graph.inputs
         }
-        body = _Inserter(graph, options).block(graph.body, self_env, count=1)
+        body = _Inserter(graph, options).block(graph.body, env, count=1)
         return replace(graph, body=body)
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from fivedc.ir import Block, DType, Graph, Op, Param, Redistribute, Repeat, walk_ops
 from fivedc.sharding import Sharding
+from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.kernels import KERNELS, KernelContext
 
 
@@ -94,6 +95,11 @@ class Program:
     def __init__(self, graph: Graph, ctx: KernelContext) -> None:
         self.graph, self.ctx = graph, ctx
         self.param_dims = {name: p.dims for name, p in qualified_params(graph)}
+        self.steps = {
+            node.out: (_steps(node, node.forward), _steps(node, node.backward))
+            for node, _ in walk_ops(graph.body)
+            if isinstance(node, Redistribute)
+        }
 
     def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
         env: dict[str, Tensor] = dict(inputs)
@@ -107,7 +113,8 @@ class Program:
             if isinstance(item, Repeat):
                 self._repeat(item, env, dims, params, scope)
             elif isinstance(item, Redistribute):
-                env[item.out] = self._redistribute(item, env[item.src])
+                forward, backward = self.steps[item.out]
+                env[item.out] = redistribute(env[item.src], forward, backward, self.ctx.groups)
                 dims[item.out] = item.type.dims
             else:
                 args, arg_dims = [], []
@@ -136,14 +143,11 @@ class Program:
         env.update(zip(item.results, values))
         dims.update(zip(item.results, (dims[c] for c in item.carried)))
 
-    def _redistribute(self, node: Redistribute, x: Tensor) -> Tensor:
-        from fivedc.runtime.collectives import Step, redistribute
 
-        def steps(collectives) -> tuple[Step, ...]:
-            index = node.type.dims.index
-            return tuple(
-                Step(str(c.kind), c.axes, None if c.dim is None else index(c.dim), None if c.dim2 is None else index(c.dim2))
-                for c in collectives
-            )
-
-        return redistribute(x, steps(node.forward), steps(node.backward), self.ctx.groups)
+def _steps(node: Redistribute, collectives) -> tuple[Step, ...]:
+    """The runtime steps of a redistribution: dim names become indices of its tensor."""
+    index = node.type.dims.index
+    return tuple(
+        Step(str(c.kind), c.axes, None if c.dim is None else index(c.dim), None if c.dim2 is None else index(c.dim2))
+        for c in collectives
+    )
