@@ -29,6 +29,26 @@ def _mesh_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     sp = p.add_mutually_exclusive_group()
     sp.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallelism on")
     sp.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
+    _cp_args(p)
+
+
+def _cp_args(p: argparse.ArgumentParser) -> None:
+    from fivedc.passes.base import CP_LAYOUTS, CP_VARIANTS
+
+    p.add_argument("--cp-attention", choices=CP_VARIANTS, default=None,
+                   help="attention across cp: ring (default) or allgather; an op's @cp(...) wins")
+    p.add_argument("--cp-layout", choices=CP_LAYOUTS, default=None,
+                   help="sequence layout over cp (default balanced when attention is causal)")
+
+
+def compile_options(args, mesh, *, dtype: str):
+    """CompileOptions from the command line's mesh, --sp and --cp-* arguments."""
+    from fivedc.passes.base import CompileOptions
+
+    return CompileOptions(
+        mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
+        cp_attention=args.cp_attention, cp_layout=args.cp_layout,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,19 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("b", help="a plan .json, or MODEL.5d@MESH")
     d.add_argument("--rank-order", default=None, help="rank order for model@mesh arguments")
     d.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallel for model@mesh")
+    _cp_args(d)
     d.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 
-def _compile(model: str, mesh_text: str, *, rank_order, sp, dtype: str):
+def _compile(model: str, mesh_text: str, args, *, dtype: str):
     from fivedc.frontend_dsl import load_model
     from fivedc.mesh import Mesh
-    from fivedc.passes.base import CompileOptions
     from fivedc.pipeline import compile_graph
 
-    mesh = Mesh.parse(mesh_text, rank_order=rank_order)
+    mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
     graph = load_model(model)
-    return compile_graph(graph, CompileOptions(mesh=mesh, sequence_parallel=sp, dtype=dtype))
+    return compile_graph(graph, compile_options(args, mesh, dtype=dtype))
 
 
 def _console():
@@ -84,7 +104,7 @@ def cmd_compile(args) -> int:
     from fivedc.summary import format_bytes, render_summary
 
     start = time.perf_counter()
-    plan = _compile(args.model, args.mesh, rank_order=args.rank_order, sp=args.sp, dtype=args.dtype)
+    plan = _compile(args.model, args.mesh, args, dtype=args.dtype)
     seconds = time.perf_counter() - start
     output = Path(args.output) if args.output else Path(Path(args.model).stem + ".plan.json")
     plan.save(output)
@@ -107,7 +127,7 @@ def _load_side(text: str, args):
 
     if "@" in text and not text.endswith(".json"):
         model, mesh = text.rsplit("@", 1)
-        return _compile(model, mesh, rank_order=args.rank_order, sp=args.sp, dtype="bf16")
+        return _compile(model, mesh, args, dtype="bf16")
     return ExecutionPlan.load(text)
 
 

@@ -102,6 +102,15 @@ def lower(tree: Tree, source: Source) -> Graph:
     return _Lowering(source).graph(tree.children[0])
 
 
+def _seq_dim(first: Input) -> str | None:
+    """The sequence dim: the second dim of the first input when it is int tokens
+    [batch, seq, ...] or float activations [batch, seq, features, ...]; a float
+    [batch, features] input has none."""
+    dims = first.type.dims
+    needed = 2 if first.type.dtype == DType.INT else 3
+    return dims[1] if len(dims) >= needed else None
+
+
 class _Lowering(Values):
     def __init__(self, source: Source) -> None:
         self.src = source
@@ -132,7 +141,7 @@ class _Lowering(Values):
             inputs=tuple(self.inputs),
             body=Block(params=tuple(top.own), items=tuple(top.items), yields=(result,)),
             batch_dim=first[0],
-            seq_dim=first[1] if len(first) > 1 else None,
+            seq_dim=_seq_dim(self.inputs[0]),
             annotations=annotations,
             source=self.src.file,
             loc=self.src.at(model),

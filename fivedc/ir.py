@@ -26,6 +26,7 @@ from typing import Union
 from fivedc.errors import SourceLoc
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.sharding import Sharding
+from fivedc.seq_layout import SeqLayout
 
 Scalar = Union[bool, int, float, str]
 
@@ -202,6 +203,7 @@ class Graph:
     annotations: tuple[Annotation, ...] = ()
     source: str = ""  # file the model came from
     loc: SourceLoc | None = None
+    seq_layout: SeqLayout = SeqLayout.CONTIGUOUS  # over cp; chosen by the sequence-split pass
     dim_locs: tuple[tuple[str, SourceLoc], ...] = field(default=(), compare=False)
 
     def dim(self, name: str) -> int:

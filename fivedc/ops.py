@@ -52,8 +52,8 @@ OP_SPECS: dict[str, OpSpec] = {
             "attention",
             ("q", "k", "v"),
             3,
-            (("causal", True), ("variant", "ring")),
-            doc="softmax(q k^T / sqrt(d)) v; GQA when k, v have fewer heads",
+            (("causal", True),),
+            doc="softmax(q k^T / sqrt(d)) v; GQA when k, v have fewer heads; @cp(ring|allgather) under cp",
         ),
         OpSpec("cross_entropy", ("logits", "targets"), 2, doc="mean token cross-entropy (scalar)"),
         OpSpec(

@@ -3,8 +3,8 @@
 A model (from the DSL or torch.fx) is an IR `Graph`; the passes below run in
 order, each a pure Graph -> Graph function; the last step builds the execution
 plan (collectives with reasons, groups, memory). Passes still to come slot in
-where their names are listed in docs/architecture.md (CP sequence split, EP
-expert placement, PP stage partition, ZeRO, overlap scheduling, pipeline schedule).
+where their names are listed in docs/architecture.md (EP expert placement, PP
+stage partition, ZeRO, overlap scheduling, pipeline schedule).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from fivedc.ir import Graph
 from fivedc.plan import ExecutionPlan, build_plan
 from fivedc.passes.base import CompileOptions, Pass
 from fivedc.passes.communication import InsertCommunication
+from fivedc.passes.context import SplitSequence
 from fivedc.passes.gradients import ReduceGradients
 from fivedc.passes.propagate import PropagateShardings
 from fivedc.passes.shapes import InferShapes
@@ -25,9 +26,10 @@ from fivedc.passes.verify import VerifyIR
 
 PIPELINE: tuple[Pass, ...] = (
     VerifyIR(stage="entry"),
-    CheckSupportedAxes(),  # pp, cp, ep > 1: "not yet supported", never a wrong plan
+    CheckSupportedAxes(),  # pp, ep > 1: "not yet supported", never a wrong plan
     InferShapes(),
-    PropagateShardings(),  # DP batch split, TP column/row pairing, sequence parallelism
+    SplitSequence(),  # CP: the sequence layout over cp, and each attention's ring/allgather variant
+    PropagateShardings(),  # DP batch split, TP column/row pairing, SP, the CP sequence split
     ReduceGradients(),  # which axes each parameter's gradient is summed over
     InsertCommunication(),  # redistributions with forward and backward collectives, and why
     VerifyIR(stage="exit"),

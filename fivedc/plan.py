@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fivedc.errors import PlanError
@@ -116,11 +116,12 @@ def qualified(name: str, repeat: Repeat | None) -> str:
 
 def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh) -> tuple[Collective, ...]:
     found: list[Collective] = []
-    for node, _ in walk_ops(graph.body):
-        if isinstance(node, Redistribute):
+    for node, repeat in walk_ops(graph.body):
+        if isinstance(node, Redistribute):  # counts already include the repeat
             found.extend(c for c in node.forward + node.backward if c.kind != CollectiveKind.SLICE)
         elif isinstance(node, Op):
-            found.extend(node.collectives)
+            layers = repeat.count if repeat else 1
+            found.extend(replace(c, count=c.count * layers) for c in node.collectives)
     for param, repeat in walk_params(graph.body):
         if not param.grad_partial:
             continue

@@ -1,8 +1,8 @@
 """The readable plan summary that `fivedc compile` prints.
 
 `render_summary` writes, with rich tables and no colour (it must read well when
-piped), in order: a header (model, mesh, rank order, sequence parallelism, dtype,
-plan version), the mesh groups, one row per parameter (global and local shape,
+piped), in order: a header (model, mesh, rank order, sequence parallelism, the
+context-parallel layout and attention variants, dtype, plan version), the mesh groups, one row per parameter (global and local shape,
 sharding, the axes its gradient is summed over), the output shardings seen per op
 kind, every collective with its bytes, count and reason followed by bytes per step
 per phase, and the memory estimate per rank. Every cell is a `Text`, never markup,
@@ -20,8 +20,9 @@ from rich.table import Table
 from rich.text import Text
 
 from fivedc.ir import Collective, Graph, Op, Param, Phase, Repeat, walk_ops, walk_params
-from fivedc.mesh import Mesh
+from fivedc.mesh import Mesh, MeshAxis
 from fivedc.plan import ExecutionPlan, qualified
+from fivedc.seq_layout import describe
 from fivedc.sharding import Sharding
 
 MAX_PARAM_ROWS = 40  # without --verbose, a longer parameter table is cut here
@@ -110,12 +111,23 @@ def _header(plan: ExecutionPlan) -> Table:
         ("mesh", _mesh_text(plan.mesh)),
         ("rank order", ",".join(plan.mesh.rank_order) + " (innermost first)"),
         ("sequence parallel", "on" if plan.sequence_parallel else "off"),
+        *((("context parallel", cp_text(plan)),) if plan.mesh.size(MeshAxis.CP) > 1 else ()),
         ("dtype", plan.dtype),
         ("plan version", str(plan.version)),
     )
     for key, value in rows:
         grid.add_row(Text(key), Text(value))
     return grid
+
+
+def cp_text(plan: ExecutionPlan) -> str:
+    """The sequence layout over cp and how many attention ops use each variant."""
+    variants: Counter[str] = Counter()
+    for node, repeat in walk_ops(plan.graph.body):
+        if isinstance(node, Op) and node.kind == "attention" and node.annotation("cp"):
+            variants[str(node.annotation("cp").args[0])] += repeat.count if repeat else 1
+    used = ", ".join(f"{variant} ×{n}" for variant, n in variants.items())
+    return f"{describe(plan.graph.seq_layout, plan.mesh.size(MeshAxis.CP))}; attention: {used or 'none'}"
 
 
 def _groups(plan: ExecutionPlan) -> Table:

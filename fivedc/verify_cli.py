@@ -17,6 +17,7 @@ DEFAULT_TOL = {"fp64": 1e-10, "fp32": 1e-4}
 
 
 def run_verify(args) -> int:
+    from fivedc.cli import compile_options
     from fivedc.frontend_dsl import load_model
     from fivedc.mesh import Mesh
     from fivedc.passes.base import CompileOptions
@@ -30,7 +31,7 @@ def run_verify(args) -> int:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
     mesh = Mesh.parse(args.mesh, rank_order=args.rank_order)
     graph = load_model(args.model)
-    plan = compile_graph(graph, CompileOptions(mesh=mesh, sequence_parallel=args.sp, dtype=args.dtype))
+    plan = compile_graph(graph, compile_options(args, mesh, dtype=args.dtype))
     reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype))
     check_executable(plan.graph)
     settings = TrainSettings(steps=args.steps, seed=args.seed, dtype=args.dtype)

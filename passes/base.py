@@ -13,8 +13,11 @@ from typing import ClassVar, Protocol
 from fivedc.errors import FivedcError
 from fivedc.ir import Graph
 from fivedc.mesh import Mesh, MeshAxis
+from fivedc.seq_layout import SeqLayout
 
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
+CP_VARIANTS = ("ring", "allgather")  # how attention spans the cp axis (passes/context.py)
+CP_LAYOUTS = tuple(str(layout) for layout in SeqLayout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +27,17 @@ class CompileOptions:
     mesh: Mesh
     sequence_parallel: bool | None = None  # None: the model's @sp annotation decides
     dtype: str = "bf16"  # training precision of parameters and activations
+    cp_attention: str | None = None  # None: the model's @cp(...) decides, else ring
+    cp_layout: str | None = None  # None: the model's @cp(...) decides, else balanced if causal
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise FivedcError(
-                f"unknown dtype {self.dtype!r}", hint=f"choose one of {', '.join(DTYPE_BYTES)}"
-            )
+        for what, value, choices in (
+            ("dtype", self.dtype, tuple(DTYPE_BYTES)),
+            ("cp attention variant", self.cp_attention, CP_VARIANTS),
+            ("cp layout", self.cp_layout, CP_LAYOUTS),
+        ):
+            if value is not None and value not in choices:
+                raise FivedcError(f"unknown {what} {value!r}", hint=f"choose one of {', '.join(choices)}")
 
     @property
     def dtype_bytes(self) -> int:

@@ -42,42 +42,68 @@ class _Where:
     count: int
 
 
+Step = tuple[K, MeshAxis, "str | None", "str | None"]  # kind, axis, dim, second dim
+
+
 def plan_steps(
     src: Sharding, dst: Sharding, grad_partial: tuple[MeshAxis, ...], *, mesh: Mesh
-) -> tuple[list[tuple[K, MeshAxis, str | None, str | None]], list[tuple[K, MeshAxis, str | None, str | None]]]:
-    """Forward and backward steps (kind, axis, dim, second dim) per the table above."""
-    forward, backward = [], []
+) -> tuple[list[Step], list[Step]]:
+    """Forward and backward steps per axis, per the table above.
+
+    A dim split over several axes (`seq:cp*tp`) changes only at its inner end: the
+    axes both sides keep must be a common prefix. Forward runs all-reduces first,
+    then gathers innermost axis first, then splits outermost first; the backward
+    steps undo them in reverse.
+    """
+    _check_prefixes(src, dst, mesh)
+    pairs: list[tuple[tuple[int, int], Step | None, Step | None]] = []
     for axis in MESH_ORDER:
         if mesh.size(axis) == 1:
             continue
         s_dim, d_dim = src.dim_of(axis), dst.dim_of(axis)
         s_partial, g = axis in src.partial, axis in grad_partial
-        for dim in {s_dim, d_dim} - {None}:
-            if (s_dim != d_dim) and (len(src.axes_of(dim)) > 1 or len(dst.axes_of(dim)) > 1):
-                raise NotSupportedError(f"redistributing {dim} split over several axes ({src} -> {dst})")
         if axis in dst.partial:
             if not s_partial:
                 raise PassError(f"cannot make a pending sum over {axis} from {src}")
             continue
+        gather = (1, -src.axes_of(s_dim).index(axis)) if s_dim else (1, 0)
+        split = (2, dst.axes_of(d_dim).index(axis)) if d_dim else (2, 0)
         if s_partial and d_dim:
-            forward.append((K.REDUCE_SCATTER, axis, d_dim, None))
-            backward.append((K.ALL_GATHER, axis, d_dim, None))
+            pairs.append((split, (K.REDUCE_SCATTER, axis, d_dim, None), (K.ALL_GATHER, axis, d_dim, None)))
         elif s_partial:
-            forward.append((K.ALL_REDUCE, axis, None, None))
-            if g:
-                backward.append((K.ALL_REDUCE, axis, None, None))
+            pairs.append(((0, 0), (K.ALL_REDUCE, axis, None, None), (K.ALL_REDUCE, axis, None, None) if g else None))
         elif s_dim and d_dim and s_dim != d_dim:
-            forward.append((K.ALL_TO_ALL, axis, d_dim, s_dim))
-            backward.append((K.ALL_TO_ALL, axis, s_dim, d_dim))
+            _check_all_to_all(src, dst, axis, s_dim, d_dim)
+            pairs.append((gather, (K.ALL_TO_ALL, axis, d_dim, s_dim), (K.ALL_TO_ALL, axis, s_dim, d_dim)))
         elif s_dim and not d_dim:
-            forward.append((K.ALL_GATHER, axis, s_dim, None))
-            backward.append((K.REDUCE_SCATTER if g else K.SLICE, axis, s_dim, None))
+            pairs.append((gather, (K.ALL_GATHER, axis, s_dim, None), (K.REDUCE_SCATTER if g else K.SLICE, axis, s_dim, None)))
         elif d_dim and not s_dim:
-            forward.append((K.SLICE, axis, d_dim, None))
-            backward.append((K.ALL_GATHER, axis, d_dim, None))
+            pairs.append((split, (K.SLICE, axis, d_dim, None), (K.ALL_GATHER, axis, d_dim, None)))
         elif g and not s_dim:
-            backward.append((K.ALL_REDUCE, axis, None, None))
-    return forward, list(reversed(backward))
+            pairs.append(((0, 0), None, (K.ALL_REDUCE, axis, None, None)))
+    pairs.sort(key=lambda pair: pair[0])
+    forward = [f for _, f, _ in pairs if f is not None]
+    backward = [b for _, _, b in reversed(pairs) if b is not None]
+    return forward, backward
+
+
+def _check_prefixes(src: Sharding, dst: Sharding, mesh: Mesh) -> None:
+    for dim in {d for d, _ in src.split} | {d for d, _ in dst.split}:
+        s_axes = tuple(a for a in src.axes_of(dim) if mesh.size(a) > 1)
+        d_axes = tuple(a for a in dst.axes_of(dim) if mesh.size(a) > 1)
+        kept = tuple(a for a in s_axes if a in d_axes)
+        if s_axes[: len(kept)] != kept or d_axes[: len(kept)] != kept:
+            raise NotSupportedError(
+                f"redistributing {dim} from {'*'.join(s_axes)} to {'*'.join(d_axes)}: "
+                "only the innermost axes of a dim can change ({src} -> {dst})".format(src=src, dst=dst)
+            )
+
+
+def _check_all_to_all(src: Sharding, dst: Sharding, axis: MeshAxis, s_dim: str, d_dim: str) -> None:
+    if src.axes_of(s_dim)[-1] != axis or dst.axes_of(d_dim)[-1] != axis:
+        raise NotSupportedError(
+            f"moving {axis} from {s_dim} to {d_dim} when it is not the innermost axis of both ({src} -> {dst})"
+        )
 
 
 _FORWARD_WHY = {
@@ -128,7 +154,8 @@ class _Inserter:
                     continue
                 is_param = env[arg][1].startswith("parameter ")
                 need = ArgSpec(spec.sharding, () if is_param else spec.grad_partial)
-                where = _Where(arg, env[arg][1], f"{item.kind}", item.loc, count)
+                consumer = " ".join([item.kind, *map(str, item.annotations)])
+                where = _Where(arg, env[arg][1], consumer, item.loc, count)
                 args[index] = self.ensure(arg, need, env, cache, items, where)
             items.append(replace(item, args=tuple(args)))
             env[item.out] = (item.sharding, f"{item.kind} at {item.loc}", item.type)

@@ -31,13 +31,14 @@ class RuleContext:
     mesh: Mesh
     sequence_parallel: bool
     params: set[str]
+    dtype_bytes: int = 2
     users: dict[str, list[tuple[Op, int]]] = field(default_factory=dict)
     escaping: set[str] = field(default_factory=set)  # values that leave a block: never kept split
     types: dict[str, TensorType] = field(default_factory=dict)  # of values (not parameters)
 
     @staticmethod
-    def build(graph: Graph, mesh: Mesh, *, sequence_parallel: bool) -> RuleContext:
-        ctx = RuleContext(graph, mesh, sequence_parallel, params=set())
+    def build(graph: Graph, mesh: Mesh, *, sequence_parallel: bool, dtype_bytes: int = 2) -> RuleContext:
+        ctx = RuleContext(graph, mesh, sequence_parallel, params=set(), dtype_bytes=dtype_bytes)
         ctx.escaping.update(graph.body.yields)
         ctx.types.update({i.name: i.type for i in graph.inputs})
         for node, _ in walk_ops(graph.body):
@@ -66,6 +67,11 @@ class RuleContext:
         return self.active(MeshAxis.TP)
 
     @property
+    def cp(self) -> tuple[MeshAxis, ...]:
+        """The axes that split the sequence of every activation: (cp,) when cp > 1."""
+        return (MeshAxis.CP,) if self.mesh.size(MeshAxis.CP) > 1 else ()
+
+    @property
     def data_axes(self) -> tuple[MeshAxis, ...]:
         return tuple(a for a in (MeshAxis.DP, MeshAxis.EP) if self.mesh.size(a) > 1)
 
@@ -85,19 +91,17 @@ class RuleContext:
         """Where a pending sum lands when its consumer leaves the choice free.
 
         A partial sum over tp becomes a sequence split over tp with sequence
-        parallelism (a reduce-scatter), and a replicated value without (an all-reduce).
+        parallelism (a reduce-scatter; inside the cp split when there is one, so
+        `seq:cp*tp`), and a replicated value without (an all-reduce).
         """
         out = sharding.with_partial(())
+        seq = self.graph.seq_dim
         for axis in sharding.partial:
-            seq = self.graph.seq_dim
-            if (
-                axis == MeshAxis.TP
-                and self.sequence_parallel
-                and seq in t.dims
-                and not out.axes_of(seq)
-                and self.size(seq) % self.mesh.size(axis) == 0
-            ):
-                out = out.with_split(seq, (axis,))
+            if axis != MeshAxis.TP or not self.sequence_parallel or seq not in t.dims:
+                continue
+            axes = out.axes_of(seq)
+            if axes in ((), self.cp) and self.size(seq) % self.mesh.size(*axes, axis) == 0:
+                out = out.with_split(seq, axes + (axis,))
         return out
 
     def canonical(self, sharding: Sharding, t: TensorType) -> Sharding:

@@ -1,6 +1,7 @@
 """Sharding propagation: decide the sharding of every input, parameter and op.
 
-One sweep in program order. Inputs split their batch dim over the data axes.
+One sweep in program order. Inputs split their batch dim over the data axes and
+their sequence dim over cp.
 Each op's rule (`passes/rules.py`) says what sharding it needs of each argument
 and what it produces; a parameter takes the sharding its first use asks for. The
 pass records, per argument, the axes over which the op's gradient for it is a
@@ -35,7 +36,9 @@ class PropagateShardings:
     name: ClassVar[str] = "propagate-shardings"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
-        ctx = RuleContext.build(graph, options.mesh, sequence_parallel=options.sp_enabled(graph))
+        ctx = RuleContext.build(
+            graph, options.mesh, sequence_parallel=options.sp_enabled(graph), dtype_bytes=options.dtype_bytes
+        )
         inputs = tuple(replace(i, sharding=self._input_sharding(ctx, i)) for i in graph.inputs)
         env = {i.name: i.sharding for i in inputs}
         types = {i.name: i.type for i in inputs}
@@ -43,11 +46,14 @@ class PropagateShardings:
         return replace(graph, inputs=inputs, body=body)
 
     def _input_sharding(self, ctx: RuleContext, item: Input) -> Sharding:
-        batch = item.type.dims[0]
-        if not ctx.data_axes:
-            return Sharding()
-        ctx.check_divisible(batch, ctx.data_axes, item.loc, "the batch is split over the data axes")
-        return Sharding.of(**{batch: ctx.data_axes})
+        batch, seq = item.type.dims[0], ctx.graph.seq_dim
+        sharding = Sharding()
+        if ctx.data_axes:
+            ctx.check_divisible(batch, ctx.data_axes, item.loc, "the batch is split over the data axes")
+            sharding = sharding.with_split(batch, ctx.data_axes)
+        if ctx.cp and seq in item.type.dims[1:]:
+            sharding = sharding.with_split(seq, ctx.cp)  # divisibility: passes/context.py
+        return sharding
 
     def _block(self, ctx: RuleContext, block: Block, env: dict, types: dict, outer: ChainMap, outer_types: ChainMap) -> Block:
         """Sweep one block; parameters are scoped like names (a body sees the outer ones)."""

@@ -156,19 +156,47 @@ def _rope(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
 
 
 def _attention(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
+    """Heads split over tp as q's producer gives them; the sequence of q and of the
+    output split over cp. K/V keep that split for ring attention (the blocks travel
+    inside the op) or are gathered over cp for the allgather variant."""
     q_t, k_t, v_t = types
     seq = ctx.graph.seq_dim
-    q = _unsplit(ctx.resolve_partial(shs[0], q_t), (seq, q_t.dims[3]))
+    q = ctx.resolve_partial(shs[0], q_t).with_split(seq, ctx.cp).with_split(q_t.dims[3], ())
     heads_axes = q.axes_of(q_t.dims[2])
     if heads_axes:
         ctx.check_divisible(k_t.dims[2], heads_axes, op.loc, "kv-heads must split like heads")
+    ring = bool(ctx.cp) and op.annotation("cp").args[0] == "ring"
     batch = Sharding(((q_t.dims[0], q.axes_of(q_t.dims[0])),))
 
     def kv(t: TensorType) -> Sharding:
-        return batch.with_split(t.dims[2], heads_axes)
+        return batch.with_split(t.dims[2], heads_axes).with_split(seq, ctx.cp if ring else ())
 
     out = q.with_split(q_t.dims[3], ()).rename({q_t.dims[3]: v_t.dims[3]})
-    return RuleResult((q, kv(k_t), kv(v_t)), out)
+    args = (q, kv(k_t), kv(v_t))
+    return RuleResult(args, out, _ring_collectives(ctx, op, args[1], types) if ring else ())
+
+
+def _ring_collectives(ctx: RuleContext, op: Op, kv: Sharding, types: Types) -> tuple[Collective, ...]:
+    """Ring attention's P2P traffic: each hop passes the K/V block in hand to the next
+    cp rank; backward passes K/V again and, with them, their gradient accumulators."""
+    cp = ctx.mesh.size(MeshAxis.CP)
+    block = sum(ctx.graph.local_numel(t.dims, kv, ctx.mesh) for t in types[1:]) * ctx.dtype_bytes
+
+    def hop(phase: Phase, what: str, hops: int, why: str) -> Collective:
+        reason = f"ring attention: {what}, {hops} hop{'s' * (hops != 1)} per layer, {why}"
+        tensors = ",".join(str(a) for a in op.args[1:])
+        return Collective(
+            CollectiveKind.SEND_RECV, (MeshAxis.CP,), phase, tensors, block, reason,
+            dim=ctx.graph.seq_dim, count=hops, loc=op.loc,
+        )
+
+    return (
+        hop(Phase.FORWARD, "pass the K/V block in hand to the next cp rank", cp - 1,
+            "overlapped with attention to it; no rank holds the whole sequence"),
+        hop(Phase.BACKWARD, "pass the K/V block in hand on again", cp - 1, "to recompute its scores"),
+        hop(Phase.BACKWARD, "pass each K/V block's gradient accumulator along with it", cp,
+            "each rank adds its part and the last hop brings it home"),
+    )
 
 
 def _cross_entropy(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:

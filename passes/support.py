@@ -16,7 +16,6 @@ from fivedc.passes.base import CompileOptions
 
 NOT_YET = {
     MeshAxis.PP: "pipeline parallelism",
-    MeshAxis.CP: "context parallelism",
     MeshAxis.EP: "expert parallelism",
 }
 

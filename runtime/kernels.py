@@ -10,7 +10,7 @@ autograd, and the plan lists those collectives on the op.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -21,6 +21,8 @@ from torch import Tensor
 from fivedc.errors import NotSupportedError
 from fivedc.ir import Graph, Op
 from fivedc.mesh import Mesh, MeshAxis
+from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
+from fivedc.seq_layout import layout_order
 from fivedc.sharding import Sharding
 
 Dims = tuple[str, ...]
@@ -32,18 +34,54 @@ class KernelContext:
     mesh: Mesh
     coords: dict[MeshAxis, int]
     groups: object | None = None  # runtime.groups.MeshGroups; None on a single device
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def shard_range(self, dim: str, sharding: Sharding) -> tuple[int, int]:
-        """Global [start, stop) of this rank's chunk of `dim` (axes major-first)."""
+    def shard_range(self, dim: str, sharding: Sharding, coords: dict[MeshAxis, int] | None = None) -> tuple[int, int]:
+        """Global [start, stop) of this rank's (or `coords`') chunk of `dim` (axes major-first)."""
+        coords = coords or self.coords
         index = 0
         axes = sharding.axes_of(dim)
         for axis in axes:
-            index = index * self.mesh.size(axis) + self.coords[axis]
+            index = index * self.mesh.size(axis) + coords[axis]
         size = self.graph.local_size(dim, sharding, self.mesh)
         return index * size, (index + 1) * size
 
     def group(self, axes: tuple[MeshAxis, ...]):
         return self.groups.group(axes) if self.groups is not None else None
+
+    # ---- the sequence layout (fivedc/seq_layout.py) ------------------------------------
+    def seq_order(self) -> Tensor | None:
+        """The global position at each index of a layout-ordered sequence; None when
+        the layout is the identity (cp = 1 or contiguous)."""
+        if "order" not in self._cache:
+            seq, cp = self.graph.seq_dim, self.mesh.size(MeshAxis.CP)
+            order = layout_order(self.graph.seq_layout, self.graph.dim(seq), cp) if seq else []
+            identity = order == list(range(len(order)))
+            self._cache["order"] = None if identity else torch.tensor(order)
+        return self._cache["order"]
+
+    def positions(self, dim: str, sharding: Sharding, coords: dict[MeshAxis, int] | None = None) -> Tensor:
+        """Global positions of this rank's chunk of `dim` (the sequence in layout order)."""
+        start, stop = self.shard_range(dim, sharding, coords)
+        order = self.seq_order() if dim == self.graph.seq_dim else None
+        return torch.arange(start, stop) if order is None else order[start:stop]
+
+    def ring(self, sharding: Sharding, device: torch.device) -> Ring:
+        """The cp ring for K/V blocks split like `sharding`: neighbours and block positions."""
+        if "ring" not in self._cache:
+            cp_axes = (MeshAxis.CP,)
+            members = self.mesh.group_ranks(cp_axes, self.mesh.rank_of(self.coords))
+            index, size = self.coords[MeshAxis.CP], len(members)
+            blocks = tuple(
+                self.positions(self.graph.seq_dim, sharding, {**self.coords, MeshAxis.CP: j}).to(device)
+                for j in range(size)
+            )
+            self._cache["ring"] = Ring(
+                group=self.group(cp_axes), index=index, size=size,
+                prev_rank=members[(index - 1) % size], next_rank=members[(index + 1) % size],
+                block_positions=blocks,
+            )
+        return self._cache["ring"]
 
 
 def align(t: Tensor, dims: Dims, target: Dims) -> Tensor:
@@ -111,11 +149,11 @@ def _layernorm(ctx, op, args, dims):
 def _rope(ctx, op, args, dims):
     (x,), (x_dims,) = args, dims
     seq = ctx.graph.seq_dim
-    start, stop = ctx.shard_range(seq, _arg_sharding(op, 0))
+    positions = ctx.positions(seq, _arg_sharding(op, 0)).to(device=x.device, dtype=x.dtype)
     half = x.shape[-1] // 2
     theta = float(op.attr("theta", 10000.0))
     freqs = theta ** (-torch.arange(0, half, dtype=x.dtype, device=x.device) / half)
-    angles = torch.arange(start, stop, dtype=x.dtype, device=x.device)[:, None] * freqs[None, :]
+    angles = positions[:, None] * freqs[None, :]
     cos = align(torch.cos(angles), (seq, x_dims[-1]), x_dims)
     sin = align(torch.sin(angles), (seq, x_dims[-1]), x_dims)
     x1, x2 = x[..., :half], x[..., half:]
@@ -123,11 +161,23 @@ def _rope(ctx, op, args, dims):
 
 
 def _attention(ctx, op, args, dims):
+    """SDPA on one device; across cp, blockwise attention at global positions: ring
+    attention, or over the gathered K/V (one block per cp rank) for @cp(allgather)."""
     q, k, v = (t.transpose(1, 2) for t in args)  # [batch, heads, seq, head_dim]
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=bool(op.attr("causal", True)))
+    causal = bool(op.attr("causal", True))
+    cp = ctx.mesh.size(MeshAxis.CP)
+    if cp == 1:
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+    seq = ctx.graph.seq_dim
+    q_pos = ctx.positions(seq, _arg_sharding(op, 0)).to(q.device)
+    if op.annotation("cp").args[0] == "ring":
+        out = ring_attention(q, k, v, q_pos, ctx.ring(_arg_sharding(op, 1), q.device), causal=causal)
+    else:
+        kv_pos = ctx.positions(seq, _arg_sharding(op, 1)).to(q.device)
+        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp)
     return out.transpose(1, 2)
 
 

@@ -82,9 +82,12 @@ def make_inputs(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Ten
 
 
 def shard(full: Tensor, dims: tuple[str, ...], sharding: Sharding, ctx: KernelContext) -> Tensor:
-    """This rank's chunk of a full tensor."""
+    """This rank's chunk of a full tensor; the sequence dim is first put in layout order."""
     out = full
     for index, dim in enumerate(dims):
+        order = ctx.seq_order() if dim == ctx.graph.seq_dim else None
+        if order is not None:
+            out = out.index_select(index, order.to(out.device))
         if sharding.axes_of(dim):
             start, stop = ctx.shard_range(dim, sharding)
             out = out.narrow(index, start, stop - start)

@@ -3,6 +3,8 @@
 `draw_case` draws a mesh (dp, tp with world <= 8) and a model whose dims fit it:
 GPT-style (layernorm, gelu MLP with bias, learned positions) or Llama-style
 (rmsnorm, rope, GQA, SwiGLU), with random layers, heads, kv-heads and widths.
+`draw_cp_case` adds context parallelism (cp in {2, 4}) with its attention variant
+and sequence layout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ class Case:
     text: str
     mesh: str
     sp: bool
+    cp_attention: str | None = None
+    cp_layout: str | None = None
 
 
 def model_text(*, style: str, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int,
@@ -96,3 +100,30 @@ def draw_case(draw, *, max_world: int = 8) -> Case:
         causal=draw(st.booleans()),
     )
     return Case(text, f"{dp}x1x{tp}x1x1", sp)
+
+
+@st.composite
+def draw_cp_case(draw, *, max_world: int = 8) -> Case:
+    cp = draw(st.sampled_from([2, 4]))
+    dp = draw(st.sampled_from([d for d in (1, 2) if d * cp <= max_world]))
+    tp = draw(st.sampled_from([t for t in (1, 2) if dp * cp * t <= max_world]))
+    sp = draw(st.booleans()) if tp > 1 else False
+    kv_heads = tp * draw(st.integers(1, 2))
+    heads = kv_heads * draw(st.integers(1, 2))
+    text = model_text(
+        style=draw(st.sampled_from(["gpt", "llama"])),
+        batch=dp * draw(st.integers(1, 2)),
+        seq=2 * cp * tp * draw(st.integers(1, 2)),  # the balanced layout's 2*cp chunks, each split over tp
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from([4, 6])),
+        ffn=tp * draw(st.integers(1, 3)) * 2,
+        vocab=tp * draw(st.integers(2, 5)),
+        layers=draw(st.integers(1, 2)),
+        causal=draw(st.booleans()),
+    )
+    return Case(
+        text, f"{dp}x1x{tp}x{cp}x1", sp,
+        cp_attention=draw(st.sampled_from(["ring", "allgather"])),
+        cp_layout=draw(st.sampled_from([None, "contiguous", "balanced"])),
+    )
