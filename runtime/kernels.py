@@ -2,10 +2,11 @@
 
 A kernel gets the op (its attrs, argument specs and output sharding), the local
 argument tensors and their dim names, and a `KernelContext` that knows this rank's
-coordinates and groups. Dims are matched by name: `align` permutes and unsqueezes
-a tensor to another's dim order. The few kernels whose sharded form needs
-communication inside (vocab-parallel cross-entropy) do it here with explicit
-autograd, and the plan lists those collectives on the op.
+coordinates, groups and the sequence layout (global positions of a local chunk,
+for RoPE and the causal mask). Dims are matched by name: `align` permutes and
+unsqueezes a tensor to another's dim order. The kernels whose sharded form needs
+communication inside (vocab-parallel cross-entropy, ring attention) do it with
+explicit autograd, and the plan lists those collectives on the op.
 """
 
 from __future__ import annotations

@@ -84,3 +84,24 @@ def test_installed_entry_point_exit_code_and_stderr(tmp_path) -> None:
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2
     assert "broken.5d:4:7" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cp_options_choose_the_variant_and_layout(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    args = ["compile", "examples/tiny_llama.5d", "--mesh", "1x1x1x2x1", "-o", str(out)]
+    assert main(args + ["--cp-attention", "allgather", "--cp-layout", "contiguous"]) == 0
+    text = capsys.readouterr().out
+    assert "contiguous: the sequence in 2 chunks" in text and "attention: allgather ×2" in text
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "balanced: the sequence in 4 chunks" in text and "attention: ring ×2" in text and "send_recv" in text
+
+
+def test_cp_that_does_not_divide_the_sequence_is_a_clear_error(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["compile", "examples/tiny_llama.5d", "--mesh", "1x1x1x3x1", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "seq=8 is not divisible by 6" in err and "examples/tiny_llama.5d:8:" in err
+    assert "choose cp in {1, 2, 4}" in err and "Traceback" not in err and not out.exists()
+    with pytest.raises(SystemExit):
+        main(["compile", "examples/tiny_llama.5d", "--mesh", "1x1x1x2x1", "--cp-attention", "rign"])
