@@ -51,6 +51,15 @@ def position_runs(pos: Tensor) -> tuple[tuple[int, int], ...]:
     return tuple((s, e - s) for s, e in zip(starts, ends))
 
 
+TILE = 256  # the longest run of q or k/v rows whose scores are formed at once
+
+
+def _tiles(runs: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """Runs cut into pieces of at most TILE rows, so a score matrix stays TILE x TILE."""
+    tile = TILE
+    return [(o + start, min(tile, n - start)) for o, n in runs for start in range(0, n, tile)]
+
+
 @dataclass(frozen=True, slots=True)
 class Pair:
     """A q run and a k/v run whose scores are computed together; `masked`: on the diagonal."""
@@ -69,11 +78,11 @@ def plan_pairs(q_pos: Tensor, kv_pos: Tensor, *, causal: bool, kv_blocks: int = 
             f"kv_blocks={kv_blocks} does not divide the {sk} k/v rows",
             hint=f"choose kv_blocks in {{{', '.join(map(str, divisors))}, ...}}",
         )
-    q_runs = [(o, n, int(q_pos[o]), int(q_pos[o + n - 1])) for o, n in position_runs(q_pos)]
+    q_runs = [(o, n, int(q_pos[o]), int(q_pos[o + n - 1])) for o, n in _tiles(position_runs(q_pos))]
     size = sk // kv_blocks
     kv_runs = []
     for start in range(0, sk, size):
-        block = position_runs(kv_pos[start:start + size])
+        block = _tiles(position_runs(kv_pos[start:start + size]))
         kv_runs += [(start + o, n, int(kv_pos[start + o]), int(kv_pos[start + o + n - 1])) for o, n in block]
     pairs = []
     for qo, qn, q_first, q_last in q_runs:
@@ -268,18 +277,6 @@ def make_ring(group: Any, *, block_positions: tuple[Tensor, ...]) -> Ring:
     global_rank = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
     return Ring(group, index, size, global_rank((index - 1) % size), global_rank((index + 1) % size),
                 tuple(block_positions))
-
-
-def cp_positions(seq: int, *, cp: int, rank: int, balanced: bool) -> Tensor:
-    """Global positions held by cp rank `rank`: chunks r and 2cp-1-r of 2cp when `balanced`."""
-    if seq % (2 * cp if balanced else cp):
-        raise ShapeError(f"seq={seq} does not divide into {'2 x ' if balanced else ''}cp={cp} chunks")
-    if not balanced:
-        size = seq // cp
-        return torch.arange(rank * size, (rank + 1) * size)
-    size = seq // (2 * cp)
-    first, second = rank * size, (2 * cp - 1 - rank) * size
-    return torch.cat((torch.arange(first, first + size), torch.arange(second, second + size)))
 
 
 @dataclass(frozen=True, slots=True)
