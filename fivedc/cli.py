@@ -39,6 +39,8 @@ def _cp_args(p: argparse.ArgumentParser) -> None:
                    help="attention across cp: ring (default) or allgather; an op's @cp(...) wins")
     p.add_argument("--cp-layout", choices=CP_LAYOUTS, default=None,
                    help="sequence layout over cp (default balanced when attention is causal)")
+    p.add_argument("--zero", type=int, default=0, metavar="STAGE",
+                   help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters (default 0: off)")
 
 
 def compile_options(args, mesh, *, dtype: str):
@@ -47,7 +49,7 @@ def compile_options(args, mesh, *, dtype: str):
 
     return CompileOptions(
         mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
-        cp_attention=args.cp_attention, cp_layout=args.cp_layout,
+        cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
     )
 
 

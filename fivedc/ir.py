@@ -49,6 +49,7 @@ class Phase(StrEnum):
     FORWARD = "forward"
     BACKWARD = "backward"
     GRAD_SYNC = "grad_sync"  # after backward, before the optimizer step
+    OPTIMIZER = "optimizer"  # after the optimizer step (ZeRO-1/2: gather the updated parameters)
 
 
 @dataclass(frozen=True, slots=True)

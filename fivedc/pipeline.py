@@ -69,4 +69,5 @@ def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTi
         sequence_parallel=options.sp_enabled(graph),
         dtype=options.dtype,
         dtype_bytes=options.dtype_bytes,
+        zero=options.zero,
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fivedc.errors import PlanError
-from fivedc.ir import Collective, CollectiveKind, Graph, Op, Phase, Redistribute, Repeat, walk_ops, walk_params
+from fivedc.ir import Collective, CollectiveKind, Graph, Op, Param, Phase, Redistribute, Repeat, walk_ops, walk_params
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.serialize import decode, encode
 
@@ -60,6 +60,8 @@ class ExecutionPlan:
     groups: tuple[GroupInfo, ...]
     collectives: tuple[Collective, ...]
     memory: MemoryEstimate
+    zero: int = 0  # ZeRO stage: 0 (off), 1 optimizer state, 2 + gradients, 3 + parameters
+    notes: tuple[str, ...] = ()  # warnings for the reader, e.g. a setting that changes nothing
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a failed write never leaves a half-written plan behind."""
@@ -99,22 +101,33 @@ class ExecutionPlan:
             raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {error}") from None
 
 
-def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int) -> ExecutionPlan:
-    collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh)
+def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int,
+               zero: int = 0) -> ExecutionPlan:
+    collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero)
     axis_sets = {(a,) for a in mesh.rank_order if mesh.size(a) > 1} | {c.axes for c in collectives}
     groups = tuple(
         GroupInfo(axes, mesh.size(*axes), mesh.group_count(axes), tuple(mesh.stride(a) for a in axes))
         for axes in sorted(axis_sets)
     )
-    memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes)
-    return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory)
+    memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero)
+    notes = zero_notes(graph, mesh, zero)
+    return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory, zero, notes)
+
+
+def zero_notes(graph: Graph, mesh: Mesh, zero: int) -> tuple[str, ...]:
+    if zero and not any(mesh.size(*p.grad_partial) > 1 for p, _ in walk_params(graph.body)):
+        return (
+            f"ZeRO-{zero} shards over each parameter's data-parallel group (the ranks that hold the "
+            "same replica), and every such group here has one rank: it changes nothing",
+        )
+    return ()
 
 
 def qualified(name: str, repeat: Repeat | None) -> str:
     return f"{repeat.name}.*.{name}" if repeat else name
 
 
-def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh) -> tuple[Collective, ...]:
+def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int = 0) -> tuple[Collective, ...]:
     found: list[Collective] = []
     for node, repeat in walk_ops(graph.body):
         if isinstance(node, Redistribute):  # counts already include the repeat
@@ -122,38 +135,80 @@ def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh) -> tuple[C
         elif isinstance(node, Op):
             layers = repeat.count if repeat else 1
             found.extend(replace(c, count=c.count * layers) for c in node.collectives)
+    uses = _param_uses(graph)
     for param, repeat in walk_params(graph.body):
-        if not param.grad_partial:
-            continue
-        nbytes = graph.local_numel(param.dims, param.sharding, mesh) * dtype_bytes
-        found.append(
-            Collective(
-                CollectiveKind.ALL_REDUCE,
-                param.grad_partial,
-                Phase.GRAD_SYNC,
-                qualified(param.name, repeat),
-                nbytes,
-                f"{param.name} is replicated over {'*'.join(param.grad_partial)} while the ops using it "
-                f"split their work over {'*'.join(param.grad_partial)}: each rank holds a partial gradient",
-                count=repeat.count if repeat else 1,
-                loc=param.loc,
-            )
-        )
+        if param.grad_partial:
+            found.extend(_param_collectives(graph, mesh, param, repeat, dtype_bytes, zero, uses[param.name]))
     return tuple(found)
 
 
-def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int) -> MemoryEstimate:
-    elements = 0
+def _param_uses(graph: Graph) -> dict[str, int]:
+    """How many ops read each parameter name (per layer for a repeat body's own)."""
+    uses: dict[str, int] = {}
+    for node, _ in walk_ops(graph.body):
+        if isinstance(node, Op):
+            for arg in node.args:
+                if isinstance(arg, str):
+                    uses[arg] = uses.get(arg, 0) + 1
+    return uses
+
+
+def zero_chunk(graph: Graph, mesh: Mesh, param: Param) -> int:
+    """Elements of a parameter's local tensor one rank owns under ZeRO (the last chunk padded)."""
+    local = graph.local_numel(param.dims, param.sharding, mesh)
+    return -(-local // mesh.size(*param.grad_partial))
+
+
+def _param_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, uses: int) -> list[Collective]:
+    """Gradient sync and, under ZeRO, the parameter gathers of one parameter."""
+    axes, layers = param.grad_partial, (repeat.count if repeat else 1)
+    group = "*".join(axes)
+    n = mesh.size(*axes)
+    local = graph.local_numel(param.dims, param.sharding, mesh)
+    nbytes = (zero_chunk(graph, mesh, param) * n if zero else local) * dtype_bytes
+    name = qualified(param.name, repeat)
+
+    def make(kind: CollectiveKind, phase: Phase, reason: str, count: int = layers) -> Collective:
+        return Collective(kind, axes, phase, name, nbytes, reason, count=count, loc=param.loc)
+
+    split = (f"{param.name} is replicated over {group} while the ops using it split their work over "
+             f"{group}: each rank holds a partial gradient")
+    if zero <= 1:
+        out = [make(CollectiveKind.ALL_REDUCE, Phase.GRAD_SYNC, split)]
+    else:
+        phase = Phase.BACKWARD if zero == 3 else Phase.GRAD_SYNC
+        out = [make(CollectiveKind.REDUCE_SCATTER, phase, f"{split}; ZeRO-{zero} keeps only this rank's 1/{n} chunk of the sum")]
+    if zero in (1, 2):
+        out.append(make(CollectiveKind.ALL_GATHER, Phase.OPTIMIZER,
+                        f"ZeRO-{zero}: each rank updated its 1/{n} chunk of {param.name}; gather the parameter"))
+    if zero == 3:
+        out.append(make(CollectiveKind.ALL_GATHER, Phase.FORWARD,
+                        f"ZeRO-3: {param.name} rests in 1/{n} chunks; gather it before each use, free it after",
+                        count=uses * layers))
+        out.append(make(CollectiveKind.ALL_GATHER, Phase.BACKWARD,
+                        f"ZeRO-3: gather {param.name} again for the backward of each use (not kept from forward)",
+                        count=uses * layers))
+    return out
+
+
+def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0) -> MemoryEstimate:
+    """Bytes per rank; under ZeRO a sharded part counts one padded chunk per parameter."""
+    params = grads = optimizer = 0
     for param, repeat in walk_params(graph.body):
-        elements += graph.local_numel(param.dims, param.sharding, mesh) * (repeat.count if repeat else 1)
+        layers = repeat.count if repeat else 1
+        local = graph.local_numel(param.dims, param.sharding, mesh)
+        chunk = zero_chunk(graph, mesh, param)
+        params += (chunk if zero >= 3 else local) * layers
+        grads += (chunk if zero >= 2 else local) * layers
+        optimizer += (chunk if zero >= 1 else local) * layers
     activations = 0
     for node, repeat in walk_ops(graph.body):
         if isinstance(node, Op):
             count = repeat.count if repeat else 1
             activations += graph.local_numel(node.type.dims, node.sharding, mesh) * dtype_bytes * count
     return MemoryEstimate(
-        params=elements * dtype_bytes,
-        grads=elements * dtype_bytes,
-        optimizer=elements * OPTIMIZER_BYTES[dtype],
+        params=params * dtype_bytes,
+        grads=grads * dtype_bytes,
+        optimizer=optimizer * OPTIMIZER_BYTES[dtype],
         activations=activations,
     )

@@ -112,11 +112,14 @@ def _header(plan: ExecutionPlan) -> Table:
         ("rank order", ",".join(plan.mesh.rank_order) + " (innermost first)"),
         ("sequence parallel", "on" if plan.sequence_parallel else "off"),
         *((("context parallel", cp_text(plan)),) if plan.mesh.size(MeshAxis.CP) > 1 else ()),
+        ("ZeRO", f"stage {plan.zero}" if plan.zero else "off"),
         ("dtype", plan.dtype),
         ("plan version", str(plan.version)),
     )
     for key, value in rows:
         grid.add_row(Text(key), Text(value))
+    for note in plan.notes:
+        grid.add_row(Text("note"), Text(note))
     return grid
 
 

@@ -18,6 +18,7 @@ from fivedc.seq_layout import SeqLayout
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 CP_VARIANTS = ("ring", "allgather")  # how attention spans the cp axis (passes/context.py)
 CP_LAYOUTS = tuple(str(layout) for layout in SeqLayout)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class CompileOptions:
     dtype: str = "bf16"  # training precision of parameters and activations
     cp_attention: str | None = None  # None: the model's @cp(...) decides, else ring
     cp_layout: str | None = None  # None: the model's @cp(...) decides, else balanced if causal
+    zero: int = 0  # ZeRO stage over each parameter's data-parallel group: 0 (off), 1, 2, 3
 
     def __post_init__(self) -> None:
         for what, value, choices in (
@@ -38,6 +40,11 @@ class CompileOptions:
         ):
             if value is not None and value not in choices:
                 raise FivedcError(f"unknown {what} {value!r}", hint=f"choose one of {', '.join(choices)}")
+        if self.zero not in ZERO_STAGES:
+            raise FivedcError(
+                f"unknown ZeRO stage {self.zero}",
+                hint="choose 1 (optimizer state), 2 (+ gradients), 3 (+ parameters), or 0 for none",
+            )
 
     @property
     def dtype_bytes(self) -> int:

@@ -1,10 +1,11 @@
 """A few training steps with a plan: forward, backward, gradient sync, AdamW.
 
 The same loop serves the single-device reference (no groups) and every rank of a
-parallel run. After backward, each parameter's gradient is all-reduced over the
-axes the plan lists for it (`Param.grad_partial`). AdamW is elementwise, so each
-rank updating only its shards computes exactly the slices of the full update. The
-loss reported is the full loss: the local value summed over its pending axes.
+parallel run. After backward, each parameter's gradient is summed over the axes
+the plan lists for it (`Param.grad_partial`), and with ZeRO sharded over them
+(`runtime/zero.py`). AdamW is elementwise, so each rank updating only its shards
+(or its ZeRO chunk) computes exactly the slices of the full update. The loss
+reported is the full loss: the local value summed over its pending axes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor
 
 from fivedc.ir import Graph, Op, walk_ops
 from fivedc.runtime.program import Program, qualified_params
+from fivedc.runtime.zero import ZeroOptimizer, gathered_params_scope
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -39,6 +41,7 @@ class TrainRecord:
     losses: list[float] = field(default_factory=list)
     grads: list[dict[str, Tensor]] = field(default_factory=list)  # per step, after sync
     params: dict[str, Tensor] = field(default_factory=dict)  # after the last step
+    held: dict[str, int] = field(default_factory=dict)  # bytes held at rest after the last backward
 
 
 def loss_partial_axes(graph: Graph) -> tuple:
@@ -48,30 +51,25 @@ def loss_partial_axes(graph: Graph) -> tuple:
     return ()
 
 
-def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor], settings: TrainSettings) -> TrainRecord:
-    """Train `settings.steps` steps in place on `params` (leaf tensors) and record them."""
+def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor], settings: TrainSettings,
+          *, zero: int = 0) -> TrainRecord:
+    """Train `settings.steps` steps from `params` (this rank's local tensors) and record them."""
     graph, ctx = program.graph, program.ctx
-    for tensor in params.values():
-        tensor.requires_grad_(True)
-    optimizer = torch.optim.AdamW(
-        list(params.values()), lr=settings.lr, weight_decay=settings.weight_decay, foreach=False
-    )
-    sync = [(name, p.grad_partial) for name, p in qualified_params(graph) if p.grad_partial]
+    groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None for name, p in qualified_params(graph)}
+    optimizer = ZeroOptimizer(params, groups, stage=zero, lr=settings.lr, weight_decay=settings.weight_decay)
     loss_axes = loss_partial_axes(graph)
     record = TrainRecord()
     for _ in range(settings.steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss = program.loss(params, inputs)
-        loss.backward()
-        for name, axes in sync:
-            group = ctx.group(axes)
-            if group is not None:
-                dist.all_reduce(params[name].grad, group=group)
+        with gathered_params_scope(zero):
+            loss = program.loss(optimizer.view(), inputs)
+            loss.backward()
+        optimizer.reduce_gradients()
         full_loss = loss.detach().clone()
         if loss_axes and ctx.group(loss_axes) is not None:
             dist.all_reduce(full_loss, group=ctx.group(loss_axes))
         record.losses.append(full_loss.item())
-        record.grads.append({n: p.grad.detach().clone() for n, p in params.items()})
+        record.held = optimizer.held_bytes()
+        record.grads.append(optimizer.full_grads())
         optimizer.step()
-    record.params = {n: p.detach().clone() for n, p in params.items()}
+    record.params = optimizer.full_params()
     return record

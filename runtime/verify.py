@@ -31,6 +31,7 @@ class VerifyReport:
     grad_error: float
     param_error: float
     worst: str  # the tensor with the largest error
+    held: tuple[dict[str, int], ...] = ()  # per rank: bytes in params, grads, optimizer state
 
     @property
     def max_error(self) -> float:
@@ -78,7 +79,7 @@ def rank_job(info, payload) -> dict:
         i.name: shard(t, i.type.dims, i.sharding, ctx).to(device)
         for i, t in zip(graph.inputs, make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype).values())
     }
-    record = train(Program(graph, ctx), params, inputs, settings)
+    record = train(Program(graph, ctx), params, inputs, settings, zero=plan.zero)
     errors = {"loss": (0.0, "loss"), "grad": (0.0, ""), "param": (0.0, "")}
     for step, (mine, ref) in enumerate(zip(record.losses, reference.losses)):
         errors["loss"] = max(errors["loss"], (abs(mine - ref) / max(abs(ref), 1e-12), f"loss at step {step + 1}"))
@@ -90,7 +91,7 @@ def rank_job(info, payload) -> dict:
     for name, value in record.params.items():
         expected = shard(reference.params[name], named[name].dims, named[name].sharding, ctx)
         errors["param"] = max(errors["param"], (_relative(value.cpu(), expected, reference.params[name]), name))
-    return {"errors": errors, "losses": record.losses}
+    return {"errors": errors, "losses": record.losses, "held": record.held}
 
 
 def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings: TrainSettings, pool=None) -> VerifyReport:
@@ -116,6 +117,7 @@ def merge_results(results: list[dict], reference: TrainRecord) -> VerifyReport:
         grad_error=worst["grad"][0],
         param_error=worst["param"][0],
         worst=max(worst.values())[1],
+        held=tuple(r.get("held", {}) for r in results),
     )
 
 

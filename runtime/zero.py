@@ -1,0 +1,278 @@
+"""ZeRO: optimizer state, gradients and parameters sharded over each parameter's replicas.
+
+A parameter's ZeRO group is its `grad_partial` axes: the ranks that hold the same
+replica of it and sum its gradient (dp and ep for dense weights, dp for experts,
+and cp and, under SP, tp where those apply). Its local tensor is flattened and cut
+into `n` equal chunks (the last one padded), chunk `i` owned by the rank with
+group rank `i`. Per stage, on each rank:
+
+- ZeRO-1: full gradient all-reduced; AdamW moments only for the owned chunk; the
+  owned chunk of the parameter updated in place, then the chunks all-gathered.
+- ZeRO-2: the gradient reduce-scattered, only the owned chunk kept; then as ZeRO-1.
+- ZeRO-3: only the owned chunk of the parameter is kept at rest (`shards`). Every
+  use gathers it (`_Gather`: all-gather forward, reduce-scatter of the gradient
+  backward); the gathered tensor is not kept for backward: a saved-tensor hook
+  drops it and gathers again when backward needs it (fetch, compute, discard).
+
+AdamW is written out here (torch's formula, decoupled weight decay), because it
+updates slices of parameters in place; in 16-bit training the owned chunk has an
+fp32 master copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+@dataclass(frozen=True)
+class FlatShard:
+    """How one parameter's flattened local tensor is cut over its ZeRO group: `n`
+    chunks of `chunk` elements (the tail padded with zeros), chunk `index` owned here.
+    Owned buffers (ZeRO-3 parameters, ZeRO-2 gradients, AdamW moments) are always
+    `chunk` long, so every rank holds the same bytes and collectives need no resizing."""
+
+    numel: int
+    n: int
+    index: int
+    group: object | None  # ProcessGroup; None when n == 1
+
+    @property
+    def chunk(self) -> int:
+        return math.ceil(self.numel / self.n)
+
+    @property
+    def owned_length(self) -> int:
+        """How many real (not padding) elements the owned chunk has."""
+        return max(0, min(self.chunk, self.numel - self.index * self.chunk))
+
+    def owned(self, flat: Tensor) -> Tensor:
+        """The owned elements of a full flat tensor (a view; shorter than `chunk` at the tail)."""
+        start = min(self.index * self.chunk, self.numel)
+        return flat[start:start + self.owned_length]
+
+    def pad(self, owned: Tensor) -> Tensor:
+        out = torch.zeros(self.chunk, dtype=owned.dtype, device=owned.device)
+        out[: owned.numel()] = owned
+        return out
+
+    def gather(self, chunk: Tensor) -> Tensor:
+        """The full flat tensor from every rank's `chunk`-long owned buffer."""
+        if self.n == 1:
+            return chunk
+        parts = [torch.empty_like(chunk) for _ in range(self.n)]
+        dist.all_gather(parts, chunk.contiguous(), group=self.group)
+        whole = torch.cat(parts)
+        return whole if whole.numel() == self.numel else whole[: self.numel]
+
+    def reduce_scatter(self, flat: Tensor) -> Tensor:
+        """This rank's `chunk`-long buffer of the sum of `flat` over the group."""
+        if self.n == 1:
+            return flat
+        padded = torch.zeros(self.chunk * self.n, dtype=flat.dtype, device=flat.device)
+        padded[: self.numel] = flat
+        if padded.is_cuda and "nccl" in str(dist.get_backend(self.group)):
+            out = torch.empty(self.chunk, dtype=flat.dtype, device=flat.device)
+            dist.reduce_scatter_tensor(out, padded, group=self.group)
+            return out
+        dist.all_reduce(padded, group=self.group)  # gloo: all-reduce, keep the chunk
+        return padded[self.index * self.chunk:(self.index + 1) * self.chunk].clone()
+
+
+def flat_shard(numel: int, group) -> FlatShard:
+    if group is None:
+        return FlatShard(numel, 1, 0, None)
+    return FlatShard(numel, dist.get_world_size(group), dist.get_rank(group), group)
+
+
+@dataclass
+class _AdamState:
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    master: Tensor | None  # fp32 copy of the owned chunk in 16-bit training
+    step: int = 0
+
+
+def adamw_(p: Tensor, grad: Tensor, state: _AdamState, *, lr: float, weight_decay: float,
+           betas=(0.9, 0.999), eps: float = 1e-8) -> None:
+    """torch.optim.AdamW's update (single tensor, not amsgrad) of `p` in place; the
+    moments may be longer than `p` (a padded chunk): their head is used."""
+    beta1, beta2 = betas
+    exp_avg, exp_avg_sq = state.exp_avg[: p.numel()], state.exp_avg_sq[: p.numel()]
+    state.step += 1
+    p.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**state.step
+    bias_correction2 = 1 - beta2**state.step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+class _Gather(torch.autograd.Function):
+    """ZeRO-3: the full local parameter from the owned chunks; its gradient's chunk back."""
+
+    @staticmethod
+    def forward(fctx, chunk: Tensor, spec: FlatShard, shape: torch.Size) -> Tensor:
+        fctx.spec = spec
+        return spec.gather(chunk.detach()).view(shape)
+
+    @staticmethod
+    def backward(fctx, grad: Tensor):
+        return fctx.spec.reduce_scatter(grad.reshape(-1)), None, None
+
+
+class ZeroOptimizer:
+    """AdamW with ZeRO stage 0-3 over each parameter's `grad_partial` group.
+
+    `params` maps qualified names to this rank's local (TP-sharded) parameters;
+    `groups` maps names to the process group of their `grad_partial` axes (None
+    when there is nothing to sum over). Stage 0 is plain data parallelism:
+    all-reduce and a full update. The program's forward reads `view()`.
+    """
+
+    def __init__(self, params: dict[str, Tensor], groups: dict[str, object | None], *, stage: int,
+                 lr: float, weight_decay: float) -> None:
+        self.stage, self.lr, self.weight_decay, self.groups = stage, lr, weight_decay, groups
+        self.shapes = {name: p.shape for name, p in params.items()}
+        self.specs = {name: flat_shard(p.numel(), groups.get(name) if stage else None) for name, p in params.items()}
+        if stage == 3:  # keep only the owned chunk, a leaf that receives its gradient's chunk
+            self.params = {n: self.specs[n].pad(self.specs[n].owned(p.detach().reshape(-1))).requires_grad_(True)
+                           for n, p in params.items()}
+        else:
+            self.params = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+        self.grads: dict[str, Tensor] = {}  # after `reduce_gradients`: summed, full or the owned chunk
+        self.state: dict[str, _AdamState] = {}
+        for name, p in self.params.items():
+            chunk = self.specs[name].chunk
+            sixteen_bit = p.dtype in (torch.bfloat16, torch.float16)
+            dtype = torch.float32 if sixteen_bit else p.dtype
+            master = self.specs[name].pad(self._owned(name, p).float()) if sixteen_bit else None
+            zeros = lambda: torch.zeros(chunk, dtype=dtype, device=p.device)  # noqa: E731
+            self.state[name] = _AdamState(zeros(), zeros(), master)
+
+    def view(self) -> dict[str, Tensor] | _Gathered:
+        return _Gathered(self) if self.stage == 3 else self.params
+
+    def reduce_gradients(self) -> None:
+        """Sum each gradient over its group: all-reduce (stages 0, 1), or keep the owned
+        chunk of the sum (stage 2); stage 3's gradients arrive summed and chunked."""
+        self.grads = {}
+        for name, p in self.params.items():
+            grad, group = p.grad, self.groups.get(name)
+            p.grad = None
+            if self.stage == 2:
+                grad = self.specs[name].reduce_scatter(grad.reshape(-1))
+            elif self.stage < 2 and group is not None:
+                dist.all_reduce(grad, group=group)
+            self.grads[name] = grad
+
+    def step(self) -> None:
+        for name, p in self.params.items():
+            spec, state = self.specs[name], self.state[name]
+            grad = self._owned_grad(name)
+            with torch.no_grad():
+                owned = self._owned(name, p)
+                if state.master is None:
+                    adamw_(owned, grad, state, lr=self.lr, weight_decay=self.weight_decay)
+                else:
+                    master = state.master[: owned.numel()]
+                    adamw_(master, grad.float(), state, lr=self.lr, weight_decay=self.weight_decay)
+                    owned.copy_(master)
+                if self.stage in (1, 2):  # every rank updated its chunk: gather the parameter
+                    p.view(-1).copy_(spec.gather(spec.pad(owned)))
+        self.grads = {}
+
+    # ---- what a rank holds ----------------------------------------------------------------
+    def full_grads(self) -> dict[str, Tensor]:
+        """Every summed gradient at the parameter's local shape (gathers chunks; for checks)."""
+        out = {}
+        for name, grad in self.grads.items():
+            if self.stage >= 2:
+                grad = self.specs[name].gather(grad)
+            out[name] = grad.reshape(self.shapes[name]).detach().clone()
+        return out
+
+    def full_params(self) -> dict[str, Tensor]:
+        if self.stage != 3:
+            return {n: p.detach().clone() for n, p in self.params.items()}
+        return {n: self.specs[n].gather(p.detach()).view(self.shapes[n]).clone() for n, p in self.params.items()}
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, summed gradients and optimizer state."""
+        def size(t: Tensor | None) -> int:
+            return t.numel() * t.element_size() if t is not None else 0
+
+        states = self.state.values()
+        return {
+            "params": sum(size(p) for p in self.params.values()),
+            "grads": sum(size(g) for g in self.grads.values()),
+            "optimizer": sum(size(s.exp_avg) + size(s.exp_avg_sq) + size(s.master) for s in states),
+        }
+
+    def _owned(self, name: str, p: Tensor) -> Tensor:
+        """What this rank updates: the whole flat parameter (stage 0; stage 3's chunk is
+        the parameter) or its owned slice of the full one (stages 1, 2)."""
+        flat = p.detach().view(-1)
+        return self.specs[name].owned(flat) if self.stage in (1, 2) else flat
+
+    def _owned_grad(self, name: str) -> Tensor:
+        grad = self.grads[name].reshape(-1)
+        if self.stage == 1:
+            return self.specs[name].owned(grad)
+        return grad[: self.specs[name].owned_length] if self.stage == 2 else grad
+
+
+class _Gathered:
+    """ZeRO-3's parameters as the program sees them: each access gathers a fresh
+    tensor, freed after its use (see `gathered_params_scope`)."""
+
+    def __init__(self, zero: ZeroOptimizer) -> None:
+        self.zero = zero
+
+    def __getitem__(self, name: str) -> Tensor:
+        z = self.zero
+        if z.specs[name].n == 1:
+            return z.params[name].view(z.shapes[name])
+        full = _Gather.apply(z.params[name], z.specs[name], z.shapes[name])
+        root = full if full._base is None else full._base
+        root._fivedc_regather = _Regather(name, z)
+        return full
+
+
+class _Regather:
+    """How to make a gathered parameter again; autograd saves this instead of it."""
+
+    def __init__(self, name: str, zero: ZeroOptimizer, layout: tuple = ()) -> None:
+        self.name, self.zero, self.layout = name, zero, layout
+
+    def at(self, t: Tensor) -> _Regather:
+        return _Regather(self.name, self.zero, (t.size(), t.stride(), t.storage_offset()))
+
+    def get(self) -> Tensor:
+        z = self.zero
+        full = z.specs[self.name].gather(z.params[self.name].detach()).view(z.shapes[self.name])
+        root = full if full._base is None else full._base
+        return root.as_strided(*self.layout)
+
+
+def _pack(t: Tensor):
+    root = t if t._base is None else t._base
+    regather = getattr(root, "_fivedc_regather", None)
+    return regather.at(t) if regather is not None else t
+
+
+def _unpack(saved):
+    return saved.get() if isinstance(saved, _Regather) else saved
+
+
+def gathered_params_scope(stage: int):
+    """Around forward and backward under ZeRO-3: autograd saves a gathered parameter
+    (or a view of one) as a note to gather it again, so it is freed after its use."""
+    if stage != 3:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
