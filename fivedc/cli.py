@@ -41,6 +41,9 @@ def _cp_args(p: argparse.ArgumentParser) -> None:
                    help="sequence layout over cp (default balanced when attention is causal)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
                    help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters (default 0: off)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="sum gradients after backward, no ZeRO-3 prefetch (to measure what overlap gains)")
 
 
 def compile_options(args, mesh, *, dtype: str):
@@ -50,6 +53,7 @@ def compile_options(args, mesh, *, dtype: str):
     return CompileOptions(
         mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
         cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
+        overlap=args.overlap, bucket_mb=args.bucket_mb,
     )
 
 

@@ -92,6 +92,7 @@ class Collective:
     count: int = 1
     loc: SourceLoc | None = None
     dim2: str | None = None  # all-to-all: the dim the chunks are concatenated along
+    overlaps: str = ""  # the compute it runs alongside; "" when the next op waits for it
 
 
 @dataclass(frozen=True, slots=True)

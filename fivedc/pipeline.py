@@ -70,4 +70,6 @@ def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTi
         dtype=options.dtype,
         dtype_bytes=options.dtype_bytes,
         zero=options.zero,
+        overlap=options.overlap,
+        bucket_bytes=options.bucket_bytes,
     )

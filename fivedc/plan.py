@@ -16,8 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fivedc.errors import PlanError
-from fivedc.ir import Collective, CollectiveKind, Graph, Op, Param, Phase, Redistribute, Repeat, walk_ops, walk_params
+from fivedc.ir import Collective, CollectiveKind, Graph, Op, Repeat, Redistribute, walk_ops, walk_params
 from fivedc.mesh import Mesh, MeshAxis
+from fivedc.overlap import Bucket, plan_buckets
+from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_chunk, zero_notes
 from fivedc.serialize import decode, encode
 
 PLAN_VERSION = 1
@@ -61,6 +63,9 @@ class ExecutionPlan:
     collectives: tuple[Collective, ...]
     memory: MemoryEstimate
     zero: int = 0  # ZeRO stage: 0 (off), 1 optimizer state, 2 + gradients, 3 + parameters
+    overlap: bool = True  # reduce gradient buckets during backward; ZeRO-3: prefetch parameters
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    buckets: tuple[Bucket, ...] = ()  # gradient buckets in launch order (fivedc/overlap.py)
     notes: tuple[str, ...] = ()  # warnings for the reader, e.g. a setting that changes nothing
 
     def save(self, path: str | Path) -> None:
@@ -102,8 +107,12 @@ class ExecutionPlan:
 
 
 def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int,
-               zero: int = 0) -> ExecutionPlan:
-    collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero)
+               zero: int = 0, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ExecutionPlan:
+    buckets = () if zero == 3 else plan_buckets(
+        graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes
+    )
+    collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero, overlap=overlap,
+                                     buckets=buckets)
     axis_sets = {(a,) for a in mesh.rank_order if mesh.size(a) > 1} | {c.axes for c in collectives}
     groups = tuple(
         GroupInfo(axes, mesh.size(*axes), mesh.group_count(axes), tuple(mesh.stride(a) for a in axes))
@@ -111,23 +120,16 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
     )
     memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero)
     notes = zero_notes(graph, mesh, zero)
-    return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory, zero, notes)
-
-
-def zero_notes(graph: Graph, mesh: Mesh, zero: int) -> tuple[str, ...]:
-    if zero and not any(mesh.size(*p.grad_partial) > 1 for p, _ in walk_params(graph.body)):
-        return (
-            f"ZeRO-{zero} shards over each parameter's data-parallel group (the ranks that hold the "
-            "same replica), and every such group here has one rank: it changes nothing",
-        )
-    return ()
+    return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory,
+                         zero, overlap, bucket_bytes, buckets, notes)
 
 
 def qualified(name: str, repeat: Repeat | None) -> str:
     return f"{repeat.name}.*.{name}" if repeat else name
 
 
-def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int = 0) -> tuple[Collective, ...]:
+def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int = 0, overlap: bool = True,
+                       buckets: tuple[Bucket, ...] = ()) -> tuple[Collective, ...]:
     found: list[Collective] = []
     for node, repeat in walk_ops(graph.body):
         if isinstance(node, Redistribute):  # counts already include the repeat
@@ -135,60 +137,9 @@ def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int 
         elif isinstance(node, Op):
             layers = repeat.count if repeat else 1
             found.extend(replace(c, count=c.count * layers) for c in node.collectives)
-    uses = _param_uses(graph)
-    for param, repeat in walk_params(graph.body):
-        if param.grad_partial:
-            found.extend(_param_collectives(graph, mesh, param, repeat, dtype_bytes, zero, uses[param.name]))
+    found.extend(param_sync_collectives(graph, mesh, dtype_bytes=dtype_bytes, zero=zero, overlap=overlap,
+                                        buckets=buckets))
     return tuple(found)
-
-
-def _param_uses(graph: Graph) -> dict[str, int]:
-    """How many ops read each parameter name (per layer for a repeat body's own)."""
-    uses: dict[str, int] = {}
-    for node, _ in walk_ops(graph.body):
-        if isinstance(node, Op):
-            for arg in node.args:
-                if isinstance(arg, str):
-                    uses[arg] = uses.get(arg, 0) + 1
-    return uses
-
-
-def zero_chunk(graph: Graph, mesh: Mesh, param: Param) -> int:
-    """Elements of a parameter's local tensor one rank owns under ZeRO (the last chunk padded)."""
-    local = graph.local_numel(param.dims, param.sharding, mesh)
-    return -(-local // mesh.size(*param.grad_partial))
-
-
-def _param_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, uses: int) -> list[Collective]:
-    """Gradient sync and, under ZeRO, the parameter gathers of one parameter."""
-    axes, layers = param.grad_partial, (repeat.count if repeat else 1)
-    group = "*".join(axes)
-    n = mesh.size(*axes)
-    local = graph.local_numel(param.dims, param.sharding, mesh)
-    nbytes = (zero_chunk(graph, mesh, param) * n if zero else local) * dtype_bytes
-    name = qualified(param.name, repeat)
-
-    def make(kind: CollectiveKind, phase: Phase, reason: str, count: int = layers) -> Collective:
-        return Collective(kind, axes, phase, name, nbytes, reason, count=count, loc=param.loc)
-
-    split = (f"{param.name} is replicated over {group} while the ops using it split their work over "
-             f"{group}: each rank holds a partial gradient")
-    if zero <= 1:
-        out = [make(CollectiveKind.ALL_REDUCE, Phase.GRAD_SYNC, split)]
-    else:
-        phase = Phase.BACKWARD if zero == 3 else Phase.GRAD_SYNC
-        out = [make(CollectiveKind.REDUCE_SCATTER, phase, f"{split}; ZeRO-{zero} keeps only this rank's 1/{n} chunk of the sum")]
-    if zero in (1, 2):
-        out.append(make(CollectiveKind.ALL_GATHER, Phase.OPTIMIZER,
-                        f"ZeRO-{zero}: each rank updated its 1/{n} chunk of {param.name}; gather the parameter"))
-    if zero == 3:
-        out.append(make(CollectiveKind.ALL_GATHER, Phase.FORWARD,
-                        f"ZeRO-3: {param.name} rests in 1/{n} chunks; gather it before each use, free it after",
-                        count=uses * layers))
-        out.append(make(CollectiveKind.ALL_GATHER, Phase.BACKWARD,
-                        f"ZeRO-3: gather {param.name} again for the backward of each use (not kept from forward)",
-                        count=uses * layers))
-    return out
 
 
 def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0) -> MemoryEstimate:

@@ -113,6 +113,7 @@ def _header(plan: ExecutionPlan) -> Table:
         ("sequence parallel", "on" if plan.sequence_parallel else "off"),
         *((("context parallel", cp_text(plan)),) if plan.mesh.size(MeshAxis.CP) > 1 else ()),
         ("ZeRO", f"stage {plan.zero}" if plan.zero else "off"),
+        ("overlap", _overlap_text(plan)),
         ("dtype", plan.dtype),
         ("plan version", str(plan.version)),
     )
@@ -121,6 +122,15 @@ def _header(plan: ExecutionPlan) -> Table:
     for note in plan.notes:
         grid.add_row(Text("note"), Text(note))
     return grid
+
+
+def _overlap_text(plan: ExecutionPlan) -> str:
+    if not plan.overlap:
+        return "off: gradients are summed after backward"
+    if plan.zero == 3:
+        return "on: each parameter's next use is gathered while the current op computes"
+    size = format_bytes(plan.bucket_bytes)
+    return f"on: {len(plan.buckets)} gradient buckets of up to {size}, summed during backward"
 
 
 def cp_text(plan: ExecutionPlan) -> str:
@@ -182,7 +192,7 @@ def _collectives(plan: ExecutionPlan) -> Table:
     table.columns[-1].min_width = 24
     for c in plan.collectives:
         _row(table, c.phase, c.kind, axes_text(c.axes), c.tensor, _collective_dim(c), format_bytes(c.bytes),
-             c.count, _where(c, plan.graph), c.reason)
+             c.count, _where(c, plan.graph), c.reason + (f" (overlaps: {c.overlaps})" if c.overlaps else ""))
     if not plan.collectives:
         table.caption = Text("no collectives: every rank computes independently")
         table.caption_justify = "left"

@@ -31,6 +31,8 @@ class CompileOptions:
     cp_attention: str | None = None  # None: the model's @cp(...) decides, else ring
     cp_layout: str | None = None  # None: the model's @cp(...) decides, else balanced if causal
     zero: int = 0  # ZeRO stage over each parameter's data-parallel group: 0 (off), 1, 2, 3
+    overlap: bool = True  # gradient buckets reduced during backward; ZeRO-3 parameter prefetch
+    bucket_mb: float = 25.0  # gradient bucket size in MiB
 
     def __post_init__(self) -> None:
         for what, value, choices in (
@@ -40,11 +42,17 @@ class CompileOptions:
         ):
             if value is not None and value not in choices:
                 raise FivedcError(f"unknown {what} {value!r}", hint=f"choose one of {', '.join(choices)}")
+        if not self.bucket_mb > 0:
+            raise FivedcError(f"bucket size {self.bucket_mb} MiB must be > 0", hint="e.g. --bucket-mb 25")
         if self.zero not in ZERO_STAGES:
             raise FivedcError(
                 f"unknown ZeRO stage {self.zero}",
                 hint="choose 1 (optimizer state), 2 (+ gradients), 3 (+ parameters), or 0 for none",
             )
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))
 
     @property
     def dtype_bytes(self) -> int:

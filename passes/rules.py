@@ -187,7 +187,7 @@ def _ring_collectives(ctx: RuleContext, op: Op, kv: Sharding, types: Types) -> t
         tensors = ",".join(str(a) for a in op.args[1:])
         return Collective(
             CollectiveKind.SEND_RECV, (MeshAxis.CP,), phase, tensors, block, reason,
-            dim=ctx.graph.seq_dim, count=hops, loc=op.loc,
+            dim=ctx.graph.seq_dim, count=hops, loc=op.loc, overlaps="attention on the K/V block in hand",
         )
 
     return (

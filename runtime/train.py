@@ -18,6 +18,8 @@ from torch import Tensor
 
 from fivedc.ir import Graph, Op, walk_ops
 from fivedc.runtime.program import Program, qualified_params
+from fivedc.overlap import Bucket
+from fivedc.runtime.buckets import expand_buckets
 from fivedc.runtime.zero import ZeroOptimizer, gathered_params_scope
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
@@ -52,16 +54,19 @@ def loss_partial_axes(graph: Graph) -> tuple:
 
 
 def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor], settings: TrainSettings,
-          *, zero: int = 0) -> TrainRecord:
+          *, zero: int = 0, buckets: tuple[Bucket, ...] = (), overlap: bool = True) -> TrainRecord:
     """Train `settings.steps` steps from `params` (this rank's local tensors) and record them."""
     graph, ctx = program.graph, program.ctx
     groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None for name, p in qualified_params(graph)}
-    optimizer = ZeroOptimizer(params, groups, stage=zero, lr=settings.lr, weight_decay=settings.weight_decay)
+    optimizer = ZeroOptimizer(params, groups, stage=zero, lr=settings.lr, weight_decay=settings.weight_decay,
+                              buckets=expand_buckets(buckets), overlap=overlap)
     loss_axes = loss_partial_axes(graph)
     record = TrainRecord()
     for _ in range(settings.steps):
         with gathered_params_scope(zero):
-            loss = program.loss(optimizer.view(), inputs)
+            view = optimizer.view()
+            loss = program.loss(view, inputs)
+            optimizer.forward_done(view)
             loss.backward()
         optimizer.reduce_gradients()
         full_loss = loss.detach().clone()

@@ -79,7 +79,8 @@ def rank_job(info, payload) -> dict:
         i.name: shard(t, i.type.dims, i.sharding, ctx).to(device)
         for i, t in zip(graph.inputs, make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype).values())
     }
-    record = train(Program(graph, ctx), params, inputs, settings, zero=plan.zero)
+    record = train(Program(graph, ctx), params, inputs, settings, zero=plan.zero, buckets=plan.buckets,
+                   overlap=plan.overlap)
     errors = {"loss": (0.0, "loss"), "grad": (0.0, ""), "param": (0.0, "")}
     for step, (mine, ref) in enumerate(zip(record.losses, reference.losses)):
         errors["loss"] = max(errors["loss"], (abs(mine - ref) / max(abs(ref), 1e-12), f"loss at step {step + 1}"))

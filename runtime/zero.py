@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fivedc.runtime.buckets import GradBuckets
+
 @dataclass(frozen=True)
 class FlatShard:
     """How one parameter's flattened local tensor is cut over its ZeRO group: `n`
@@ -62,12 +64,12 @@ class FlatShard:
 
     def gather(self, chunk: Tensor) -> Tensor:
         """The full flat tensor from every rank's `chunk`-long owned buffer."""
-        if self.n == 1:
-            return chunk
+        return self.gather_async(chunk).wait() if self.n > 1 else chunk
+
+    def gather_async(self, chunk: Tensor) -> _PendingGather:
         parts = [torch.empty_like(chunk) for _ in range(self.n)]
-        dist.all_gather(parts, chunk.contiguous(), group=self.group)
-        whole = torch.cat(parts)
-        return whole if whole.numel() == self.numel else whole[: self.numel]
+        work = dist.all_gather(parts, chunk.contiguous(), group=self.group, async_op=True)
+        return _PendingGather(parts, work, self.numel)
 
     def reduce_scatter(self, flat: Tensor) -> Tensor:
         """This rank's `chunk`-long buffer of the sum of `flat` over the group."""
@@ -81,6 +83,18 @@ class FlatShard:
             return out
         dist.all_reduce(padded, group=self.group)  # gloo: all-reduce, keep the chunk
         return padded[self.index * self.chunk:(self.index + 1) * self.chunk].clone()
+
+
+@dataclass
+class _PendingGather:
+    parts: list[Tensor]
+    work: object
+    numel: int
+
+    def wait(self) -> Tensor:
+        self.work.wait()
+        whole = torch.cat(self.parts)
+        return whole if whole.numel() == self.numel else whole[: self.numel]
 
 
 def flat_shard(numel: int, group) -> FlatShard:
@@ -114,16 +128,18 @@ def adamw_(p: Tensor, grad: Tensor, state: _AdamState, *, lr: float, weight_deca
 
 
 class _Gather(torch.autograd.Function):
-    """ZeRO-3: the full local parameter from the owned chunks; its gradient's chunk back."""
+    """ZeRO-3: the full local parameter from the owned chunks (or from a prefetch
+    already under way); its gradient's chunk back."""
 
     @staticmethod
-    def forward(fctx, chunk: Tensor, spec: FlatShard, shape: torch.Size) -> Tensor:
+    def forward(fctx, chunk: Tensor, spec: FlatShard, shape: torch.Size, pending: _PendingGather | None) -> Tensor:
         fctx.spec = spec
-        return spec.gather(chunk.detach()).view(shape)
+        whole = pending.wait() if pending is not None else spec.gather(chunk.detach())
+        return whole.view(shape)
 
     @staticmethod
     def backward(fctx, grad: Tensor):
-        return fctx.spec.reduce_scatter(grad.reshape(-1)), None, None
+        return fctx.spec.reduce_scatter(grad.reshape(-1)), None, None, None
 
 
 class ZeroOptimizer:
@@ -136,8 +152,11 @@ class ZeroOptimizer:
     """
 
     def __init__(self, params: dict[str, Tensor], groups: dict[str, object | None], *, stage: int,
-                 lr: float, weight_decay: float) -> None:
+                 lr: float, weight_decay: float, buckets: list[tuple[str, ...]] = (), overlap: bool = True) -> None:
         self.stage, self.lr, self.weight_decay, self.groups = stage, lr, weight_decay, groups
+        self.overlap = overlap
+        self.access_order: tuple[str, ...] = ()  # ZeRO-3: the last forward's parameter reads
+        self.prefetch: tuple[int, str, _PendingGather] | None = None
         self.shapes = {name: p.shape for name, p in params.items()}
         self.specs = {name: flat_shard(p.numel(), groups.get(name) if stage else None) for name, p in params.items()}
         if stage == 3:  # keep only the owned chunk, a leaf that receives its gradient's chunk
@@ -154,22 +173,29 @@ class ZeroOptimizer:
             master = self.specs[name].pad(self._owned(name, p).float()) if sixteen_bit else None
             zeros = lambda: torch.zeros(chunk, dtype=dtype, device=p.device)  # noqa: E731
             self.state[name] = _AdamState(zeros(), zeros(), master)
+        in_buckets = [b for b in buckets if all(self.groups.get(n) is not None for n in b)]
+        self.buckets = GradBuckets(self.params, in_buckets, self.specs, groups, stage=stage, overlap=overlap) \
+            if stage < 3 else None
 
     def view(self) -> dict[str, Tensor] | _Gathered:
         return _Gathered(self) if self.stage == 3 else self.params
 
+    def forward_done(self, view: dict[str, Tensor] | _Gathered) -> None:
+        if isinstance(view, _Gathered):
+            view.done()
+
     def reduce_gradients(self) -> None:
-        """Sum each gradient over its group: all-reduce (stages 0, 1), or keep the owned
-        chunk of the sum (stage 2); stage 3's gradients arrive summed and chunked."""
+        """Sum each gradient over its group, bucket by bucket (stages 0-2; with overlap
+        on, most buckets started during backward): full sums for stages 0 and 1, the
+        owned chunk for stage 2. Stage 3's gradients arrive summed and chunked."""
+        summed = self.buckets.finish() if self.buckets is not None else {}
         self.grads = {}
         for name, p in self.params.items():
-            grad, group = p.grad, self.groups.get(name)
-            p.grad = None
-            if self.stage == 2:
-                grad = self.specs[name].reduce_scatter(grad.reshape(-1))
-            elif self.stage < 2 and group is not None:
-                dist.all_reduce(grad, group=group)
+            grad = summed.get(name)
+            if grad is None:  # stage 3, or nothing to sum over
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
             self.grads[name] = grad
+            p.grad = None
 
     def step(self) -> None:
         for name, p in self.params.items():
@@ -229,19 +255,50 @@ class ZeroOptimizer:
 
 class _Gathered:
     """ZeRO-3's parameters as the program sees them: each access gathers a fresh
-    tensor, freed after its use (see `gathered_params_scope`)."""
+    tensor, freed after its use (see `gathered_params_scope`). With overlap on, the
+    next parameter in the order of the previous step's accesses is gathered while
+    the current one is used (one prefetch in flight)."""
 
     def __init__(self, zero: ZeroOptimizer) -> None:
         self.zero = zero
+        self.seen: list[str] = []
 
     def __getitem__(self, name: str) -> Tensor:
         z = self.zero
         if z.specs[name].n == 1:
             return z.params[name].view(z.shapes[name])
-        full = _Gather.apply(z.params[name], z.specs[name], z.shapes[name])
+        pending = self._take_prefetch(name)
+        self.seen.append(name)
+        full = _Gather.apply(z.params[name], z.specs[name], z.shapes[name], pending)
         root = full if full._base is None else full._base
         root._fivedc_regather = _Regather(name, z)
+        self._prefetch_next()
         return full
+
+    def _take_prefetch(self, name: str) -> _PendingGather | None:
+        slot, self.zero.prefetch = self.zero.prefetch, None
+        if slot is None:
+            return None
+        position, prefetched, pending = slot
+        if (position, prefetched) == (len(self.seen), name):
+            return pending
+        pending.wait()  # the order changed: finish the collective every rank started, drop it
+        return None
+
+    def _prefetch_next(self) -> None:
+        z, position = self.zero, len(self.seen)
+        if not z.overlap or position >= len(z.access_order):
+            return
+        name = z.access_order[position]
+        if z.specs[name].n > 1:
+            z.prefetch = (position, name, z.specs[name].gather_async(z.params[name].detach()))
+
+    def done(self) -> None:
+        """After the forward: this step's access order is the next step's prefetch order."""
+        if self.zero.prefetch is not None:
+            self.zero.prefetch[2].wait()
+            self.zero.prefetch = None
+        self.zero.access_order = tuple(self.seen)
 
 
 class _Regather:

@@ -76,8 +76,12 @@ def test_llama_405b_collective_volumes(llama_sp) -> None:
     assert all(c.bytes == activation and c.axes == (MeshAxis.TP,) for c in gathers + scatters)
     per_layer = [c for c in gathers + scatters if c.count == 126]
     assert len(per_layer) == 4  # 2 all-gathers + 2 reduce-scatters per layer
-    grad_wq = find(llama_sp, phase=Phase.GRAD_SYNC, kind=K.ALL_REDUCE, tensor="layers.*.wq")[0]
-    assert grad_wq.bytes == 16384 * (128 // 8) * 128 * 2 and grad_wq.count == 126
+    # 25 MiB gradient buckets in backward order: wv and wk (4 MiB each) share one with
+    # wq (64 MiB), which closes it; once per layer
+    bucket = next(b for b in llama_sp.buckets if "layers.*.wq" in b.params)
+    assert bucket.params == ("layers.*.wv", "layers.*.wk", "layers.*.wq")
+    sync = find(llama_sp, phase=Phase.GRAD_SYNC, kind=K.ALL_REDUCE, tensor=f"bucket {bucket.index}: {', '.join(bucket.params)}")[0]
+    assert sync.bytes == (16384 * (128 // 8) * 128 + 2 * 16384 * (8 // 8) * 128) * 2 and sync.count == 126
     ce = [c for c in llama_sp.collectives if "cross-entropy" in c.reason]
     assert len(ce) == 3 and all(c.bytes == 8192 * 4 for c in ce)
 

@@ -1,0 +1,109 @@
+"""The plan's parameter collectives: gradient sync per bucket, and ZeRO's gathers.
+
+A parameter whose gradient is partial over some axes (`Param.grad_partial`) needs
+its gradient summed over them. Per ZeRO stage (`runtime/zero.py` runs exactly this):
+
+    stage  gradient sum                       parameter gathers
+    0, 1   all-reduce per bucket (grad_sync)  1: all-gather after the step (optimizer)
+    2      reduce-scatter per bucket          all-gather after the step (optimizer)
+    3      reduce-scatter per use (backward)  all-gather before each use, forward and backward
+
+Each collective says what compute it overlaps with (`Collective.overlaps`).
+"""
+
+from __future__ import annotations
+
+from fivedc.ir import Collective, CollectiveKind, Graph, Op, Param, Phase, walk_ops, walk_params
+from fivedc.mesh import Mesh
+from fivedc.overlap import Bucket
+
+K = CollectiveKind
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket size
+
+
+def zero_chunk(graph: Graph, mesh: Mesh, param: Param) -> int:
+    """Elements of a parameter's local tensor one rank owns under ZeRO (the last chunk padded)."""
+    local = graph.local_numel(param.dims, param.sharding, mesh)
+    return -(-local // mesh.size(*param.grad_partial))
+
+
+def sync_bytes(graph: Graph, mesh: Mesh, param: Param, dtype_bytes: int, zero: int) -> int:
+    """Bytes of one parameter's gradient as its sum moves (padded to whole chunks under ZeRO)."""
+    n = mesh.size(*param.grad_partial)
+    elements = zero_chunk(graph, mesh, param) * n if zero else graph.local_numel(param.dims, param.sharding, mesh)
+    return elements * dtype_bytes
+
+
+def zero_notes(graph: Graph, mesh: Mesh, zero: int) -> tuple[str, ...]:
+    if zero and not any(mesh.size(*p.grad_partial) > 1 for p, _ in walk_params(graph.body)):
+        return (
+            f"ZeRO-{zero} shards over each parameter's data-parallel group (the ranks that hold the "
+            "same replica), and every such group here has one rank: it changes nothing",
+        )
+    return ()
+
+
+def param_sync_collectives(graph: Graph, mesh: Mesh, *, dtype_bytes: int, zero: int, overlap: bool,
+                           buckets: tuple[Bucket, ...]) -> list[Collective]:
+    out = [_bucket_collective(b, mesh, zero, overlap) for b in buckets]
+    uses = _param_uses(graph)
+    for param, repeat in walk_params(graph.body):
+        if mesh.size(*param.grad_partial) > 1 and zero:
+            out.extend(_zero_collectives(graph, mesh, param, repeat, dtype_bytes, zero, overlap, uses[param.name]))
+    return out
+
+
+def _bucket_collective(bucket: Bucket, mesh: Mesh, zero: int, overlap: bool) -> Collective:
+    group = "*".join(bucket.axes)
+    n = mesh.size(*bucket.axes)
+    why = f"the parameters are replicated over {group} while their ops split the work over {group}: sum the gradients"
+    if zero == 2:
+        kind, why = K.REDUCE_SCATTER, why + f"; ZeRO-2 keeps only this rank's 1/{n} chunk of each"
+    else:
+        kind = K.ALL_REDUCE
+    where = "the layer" if bucket.count > 1 else "the step"
+    overlaps = (
+        f"backward of what ran before it in {where} (starts when its last gradient is ready)"
+        if overlap else "nothing (after backward: overlap is off)"
+    )
+    return Collective(kind, bucket.axes, Phase.GRAD_SYNC, f"bucket {bucket.index}: {', '.join(bucket.params)}",
+                      bucket.bytes, why, count=bucket.count, overlaps=overlaps)
+
+
+def _param_uses(graph: Graph) -> dict[str, int]:
+    """How many ops read each parameter name (per layer for a repeat body's own)."""
+    uses: dict[str, int] = {}
+    for node, _ in walk_ops(graph.body):
+        if isinstance(node, Op):
+            for arg in node.args:
+                if isinstance(arg, str):
+                    uses[arg] = uses.get(arg, 0) + 1
+    return uses
+
+
+def _zero_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, overlap: bool,
+                      uses: int) -> list[Collective]:
+    """ZeRO's per-parameter collectives: the gathers, and stage 3's gradient reduce-scatter."""
+    axes, layers = param.grad_partial, (repeat.count if repeat else 1)
+    n = mesh.size(*axes)
+    nbytes = sync_bytes(graph, mesh, param, dtype_bytes, zero)
+    name = f"{repeat.name}.*.{param.name}" if repeat else param.name
+
+    def make(kind: K, phase: Phase, reason: str, count: int, overlaps: str = "") -> Collective:
+        return Collective(kind, axes, phase, name, nbytes, reason, count=count, loc=param.loc, overlaps=overlaps)
+
+    if zero in (1, 2):
+        return [make(K.ALL_GATHER, Phase.OPTIMIZER,
+                     f"ZeRO-{zero}: each rank updated its 1/{n} chunk of {param.name}; gather the parameter", layers)]
+    group = "*".join(axes)
+    prefetch = "the compute of the previous use (prefetched one use ahead)" if overlap else ""
+    return [
+        make(K.ALL_GATHER, Phase.FORWARD,
+             f"ZeRO-3: {param.name} rests in 1/{n} chunks; gather it before each use, free it after",
+             uses * layers, prefetch),
+        make(K.ALL_GATHER, Phase.BACKWARD,
+             f"ZeRO-3: gather {param.name} again for the backward of each use (not kept from forward)", uses * layers),
+        make(K.REDUCE_SCATTER, Phase.BACKWARD,
+             f"{param.name} is replicated over {group} while its ops split the work over {group}: sum its "
+             f"gradient; ZeRO-3 keeps only this rank's 1/{n} chunk", uses * layers),
+    ]
