@@ -1,0 +1,160 @@
+"""The torch.fx frontend: an ordinary `nn.Module` to fivedc's IR, with a parameter map.
+
+`trace_module(module, example_inputs)` traces the module (`fivedc/fx/trace.py`:
+torch.fx, the layers of a uniform `nn.ModuleList` kept as one `Repeat` traced once,
+shape-only `if`/`assert` decided on the example shapes, torch.export as a fallback
+in `fx/export.py`, user locations from `fx/locs.py`), rewrites known patterns
+(`fx/patterns.py`; single-node recognition in `fx/recognise.py`), lowers every node
+(`fx/lower.py`; handlers in `fx/ops.py` and `fx/layers.py`), names dims,
+parameters and values (`fx/build.py`, dims via `fx/dims.py`) and checks the result
+with the compiler's own shape inference. `TracedModel` holds the `Graph` (compile
+it with `fivedc.pipeline.compile_graph`) and the two-way map between the module's
+`state_dict` and the IR's qualified parameters (`fx/params.py`). Every IR node
+carries the user's file and line (from the fx node's stack trace).
+
+Recognised:
+- modules: `nn.Linear` (weight [out, in] -> IR [in..., out...], bias as an add),
+  `nn.Embedding` (plain lookup), `nn.LayerNorm` (1-D, with weight), `nn.RMSNorm` and
+  modules named like RMSNorm, rotary modules named like Rotary/RoPE (both checked on
+  a probe, see `fx/recognise.py`), `nn.GELU` (none or tanh), `nn.SiLU`, `nn.ReLU`,
+  `nn.Tanh`, `nn.Sigmoid`, `nn.Dropout` and `nn.Identity` (no-ops), `nn.CrossEntropyLoss`;
+- functions and methods: `F.linear`, `x @ W` with a parameter W [in, out],
+  `F.embedding`, `F.layer_norm`, `F.rms_norm`, the activations above, `+ - * /` and
+  `neg` with tensors (broadcast) or numbers, `F.scaled_dot_product_attention`
+  (is_causal or not, no mask, default scale, GQA by `repeat_interleave` of k/v
+  heads or `enable_gqa`), `F.cross_entropy` (mean), views and reshapes, transposes
+  and permutes, size-1 `unsqueeze`/`squeeze`, full slices, casts and copies (no-ops:
+  the plan's dtype decides the precision);
+- patterns: a linear followed by `view(b, s, heads, head_dim)` (one linear with a
+  [hidden, heads, head_dim] weight), a fused projection followed by `split`/`chunk`
+  (one linear per part, `c_attn_q/_k/_v`), `wpe(arange(seq))` (the table as a
+  [seq, hidden] parameter), `x * rsqrt(mean(x^2) + eps) * w`, softmax(q k^T / sqrt(d))
+  v with a causal mask checked on its value, `silu(a) * b` (SwiGLU).
+Not recognised, a `NotSupportedError` at the user's line with a hint: softmax,
+matmul of activations, pow/mean/rsqrt outside those patterns, masks other than
+causal, real slicing and indexing (`logits[:, :-1]`), `cat`/`stack`, interleaved
+(complex) rotary embeddings, `expand`-based `repeat_kv` (use `repeat_interleave`),
+tied or shared weights, `padding_idx`, data-dependent control flow, class weights
+or label smoothing or non-mean losses, any other op or module. Approximations are an
+`FxWarning` at the user's line: active dropout dropped, `ignore_index` not
+represented, extra outputs beside the loss dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from fivedc.errors import PassError, ShapeError
+from fivedc.fx.build import finish
+from fivedc.fx.lower import FxWarning, Lowering
+from fivedc.fx.params import ParamMapping, from_ir_params, to_ir_params
+from fivedc.fx.patterns import rewrite
+from fivedc.fx.trace import trace_graphs
+from fivedc.ir import Graph, Op, Repeat, TensorType, walk_ops
+from fivedc.mesh import Mesh
+from fivedc.passes.base import CompileOptions
+from fivedc.passes.shapes import InferShapes
+from fivedc.passes.verify import VerifyIR
+
+__all__ = ["TracedModel", "trace_module", "FxWarning", "ParamMapping"]
+
+
+@dataclass(frozen=True, slots=True)
+class TracedModel:
+    graph: Graph
+    params: tuple[ParamMapping, ...]  # one per IR parameter instance, in graph order
+    warnings: tuple[str, ...] = ()  # what was dropped or approximated, with the user's line
+    exported: bool = False  # traced with torch.export (repeated layers inlined)
+
+    def to_ir_params(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The IR's parameters (`layers.0.c_attn_q`, ...) from the module's state_dict."""
+        return to_ir_params(self.params, state_dict)
+
+    def from_ir_params(self, ir_params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The inverse: state_dict entries (parameters only; buffers stay with the module)."""
+        return from_ir_params(self.params, ir_params)
+
+    def match(self, pattern: str) -> tuple[ParamMapping, ...]:
+        """The IR parameters of the modules matching a path pattern (`transformer.h.*.attn.c_attn`)."""
+        return tuple(m for m in self.params if m.matches(pattern))
+
+    def summary(self) -> str:
+        return _summary(self)
+
+
+def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str | None = None) -> TracedModel:
+    """Trace `module` on `example_inputs` (positional tuple, or keyword dict) into fivedc's IR."""
+    trace = trace_graphs(module, example_inputs)
+    for traced in (trace.top, *(r.body for r in trace.repeats)):
+        rewrite(traced.gm, traced.values)
+    lowering = Lowering(trace)
+    draft = lowering.draft(name or type(module).__name__.lower())
+    graph, mappings, expected = finish(draft, share_dims=True)
+    if not _consistent(graph, expected):
+        graph, mappings, expected = finish(draft, share_dims=False)
+        _consistent(graph, expected, strict=True)
+    return TracedModel(graph, mappings, tuple(lowering.warned), trace.exported)
+
+
+def _consistent(graph: Graph, expected: dict[str, TensorType], *, strict: bool = False) -> bool:
+    """Shape inference agrees with the frontend on every op (shared dim names did no harm)."""
+    options = CompileOptions(mesh=Mesh((1, 1, 1, 1, 1)))
+    try:
+        typed = InferShapes().run(VerifyIR().run(graph, options), options)
+    except (ShapeError, PassError) as error:
+        if strict:
+            raise PassError(f"the fx frontend built an inconsistent graph: {error.message}", loc=error.loc) from None
+        return False
+    for op, _ in walk_ops(typed.body):
+        if isinstance(op, Op) and op.type != expected[op.out]:
+            if strict:
+                raise PassError(f"the fx frontend and shape inference disagree on {op.out}", loc=op.loc)
+            return False
+    return True
+
+
+# ---- summary --------------------------------------------------------------------------
+def _summary(model: TracedModel) -> str:
+    g = model.graph
+    how = "torch.export" if model.exported else "torch.fx"
+    lines = [f"model {g.name} {{  # traced with {how} from {g.loc or g.source}"]
+    lines.append("  dims { " + ", ".join(f"{k} = {v}" for k, v in g.dims) + " }")
+    for item in g.inputs:
+        lines.append(f"  input {item.name}: {item.type.dtype}[{', '.join(item.type.dims)}]")
+    keys = {}
+    for m in model.params:
+        keys.setdefault((m.repeat, m.param), m)
+    _block(g.body, keys, None, lines, "  ")
+    lines.append(f"  return {g.output}")
+    lines.append("}")
+    lines.extend(f"# warning: {text}" for text in model.warnings)
+    return "\n".join(lines)
+
+
+def _block(block, keys, repeat: str | None, lines: list[str], pad: str) -> None:
+    for p in block.params:
+        m = keys.get((repeat, p.name))
+        where = "  # " + ".".join(filter(None, (m.pattern, m.key.rpartition(".")[2]))) if m else ""
+        extra = f"rows {m.rows[0]}:{m.rows[1]}" if m and m.rows else ""
+        lines.append(f"{pad}param {p.name}: [{', '.join(p.dims)}]{where} {extra}".rstrip())
+    for item in block.items:
+        if isinstance(item, Repeat):
+            carried = ", ".join(f"{c} as {a}" for c, a in zip(item.carried, item.body.args))
+            lines.append(f"{pad}repeat {item.count} as {item.name} {{  # carries {carried}")
+            _block(item.body, keys, item.name, lines, pad + "  ")
+            lines.append(f"{pad}}}  # -> {', '.join(item.results)}")
+            continue
+        args = [str(a) for a in item.args] + [f"{k}={_literal(v)}" for k, v in item.attrs]
+        loc = f"  # {item.loc.file.rpartition('/')[2]}:{item.loc.line}" if item.loc else ""
+        lines.append(f"{pad}{item.out} = {item.kind}({', '.join(args)}){loc}")
+    if repeat is not None:
+        lines.append(f"{pad}# yields {', '.join(block.yields)}")
+
+
+def _literal(value) -> str:
+    """An attribute as the DSL writes it: true, "tanh", 1e-05."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)

@@ -1,0 +1,204 @@
+"""Dim variables of a traced model: created by ops, merged as torch's semantics demand, named last.
+
+The fx frontend does not know a tensor's dim names while it walks the graph: the
+output dim of `c_fc` only becomes `ffn` once we know what consumes it, and the out
+dim of a fused `c_attn` only becomes `[heads, head_dim]` at the `view` that splits
+it. So every dim starts as an anonymous *atom* with a size. Ops that need two dims
+to be the same (a residual add, a linear contracting its input, attention's q and
+k) merge their atoms (union-find); a `view` that splits a dim *refines* its atom
+into parts, row-major, everywhere it occurs (the weight that produced it too).
+Roles seen along the way leave *hints* (`heads`, `vocab`, ...) with a priority; at
+the end `DimTable.names` gives each atom class the best hint as its name. Two
+classes never merge because their sizes happen to be equal; they share a name only
+when they carry the same hint and size and never meet in one tensor (the token
+embedding's and the LM head's `vocab`), which the frontend checks afterwards by
+re-running shape inference on the finished graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+ROLE = 30  # hints from this priority up name a role (batch, hidden, heads, ffn...), not a module
+
+Group = tuple[int, ...]  # the atoms of one torch dim, row-major; () is a size-1 dim
+
+
+class DimMismatch(Exception):
+    """Two dims that torch treats as one cannot be merged (sizes or splits disagree)."""
+
+
+class DimTable:
+    def __init__(self) -> None:
+        self._parent: list[int] = []
+        self._size: list[int] = []
+        self._parts: dict[int, tuple[int, ...]] = {}  # root -> its refinement
+        self._hints: dict[int, list[tuple[int, int, str]]] = {}  # root -> (-priority, order, name)
+        self._order = 0
+
+    # ---- atoms ----------------------------------------------------------------------
+    def new(self, size: int, hint: str | None = None, prio: int = 0) -> int:
+        atom = len(self._parent)
+        self._parent.append(atom)
+        self._size.append(int(size))
+        if hint:
+            self.hint(atom, hint, prio)
+        return atom
+
+    def find(self, atom: int) -> int:
+        root = atom
+        while self._parent[root] != root:
+            root = self._parent[root]
+        while self._parent[atom] != root:
+            self._parent[atom], atom = root, self._parent[atom]
+        return root
+
+    def size(self, atom: int) -> int:
+        return self._size[self.find(atom)]
+
+    def leaves(self, atoms: tuple[int, ...]) -> tuple[int, ...]:
+        """The atoms with every refinement expanded, as class roots."""
+        out: list[int] = []
+        for atom in atoms:
+            root = self.find(atom)
+            parts = self._parts.get(root)
+            out.extend(self.leaves(parts) if parts else (root,))
+        return tuple(out)
+
+    def numel(self, atoms: tuple[int, ...]) -> int:
+        return math.prod(self.size(a) for a in atoms)
+
+    def hint(self, atom: int, name: str, prio: int) -> None:
+        for leaf in self.leaves((atom,)):
+            self._hints.setdefault(leaf, []).append((-prio, self._order, name))
+            self._order += 1
+
+    def best_hint(self, atom: int) -> tuple[str | None, int]:
+        hints = self._hints.get(self.find(atom))
+        if not hints:
+            return None, -1
+        prio, _, name = min(hints)
+        return name, -prio
+
+    # ---- merging and splitting ------------------------------------------------------
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return
+        if self._size[ra] != self._size[rb]:
+            raise DimMismatch(f"sizes {self._size[ra]} and {self._size[rb]}")
+        pa, pb = self._parts.pop(ra, None), self._parts.pop(rb, None)
+        self._parent[rb] = ra
+        self._hints.setdefault(ra, []).extend(self._hints.pop(rb, []))
+        if pa and pb:
+            self._parts[ra] = pa
+            self.unify(pa, pb)
+        elif pa or pb:
+            self._parts[ra] = pa or pb
+
+    def refine(self, atom: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """Split a leaf atom row-major into parts of `sizes`; returns the parts."""
+        root = self.find(atom)
+        if root in self._parts or math.prod(sizes) != self._size[root]:
+            raise DimMismatch(f"cannot split a dim of size {self._size[root]} into {sizes}")
+        parts = tuple(self.new(s) for s in sizes)
+        self._parts[root] = parts
+        return parts
+
+    def unify(self, g1: tuple[int, ...], g2: tuple[int, ...]) -> None:
+        """Make two runs of atoms (row-major, equal total size) the same, splitting where needed."""
+        l1, l2 = list(self.leaves(g1)), list(self.leaves(g2))
+        i = j = 0
+        while i < len(l1) and j < len(l2):
+            s1, s2 = self.size(l1[i]), self.size(l2[j])
+            if s1 == 1 and s2 != 1:
+                i += 1
+            elif s2 == 1 and s1 != 1:
+                j += 1
+            elif s1 == s2:
+                self.union(l1[i], l2[j])
+                i, j = i + 1, j + 1
+            elif s1 > s2 and s1 % s2 == 0:
+                l1[i : i + 1] = self.refine(l1[i], (s2, s1 // s2))
+            elif s2 > s1 and s2 % s1 == 0:
+                l2[j : j + 1] = self.refine(l2[j], (s1, s2 // s1))
+            else:
+                raise DimMismatch(f"dims of sizes {s1} and {s2} do not line up")
+        if any(self.size(a) != 1 for a in l1[i:] + l2[j:]):
+            raise DimMismatch("the two shapes have different sizes")
+
+    def regroup(self, groups: tuple[Group, ...], shape: tuple[int, ...]) -> tuple[Group, ...]:
+        """The groups of a `view`/`reshape` of a tensor with `groups` to `shape` (row-major)."""
+        atoms = list(self.leaves(tuple(a for g in groups for a in g)))
+        out: list[Group] = []
+        i = 0
+        for want in shape:
+            if want == 1:
+                take = i < len(atoms) and self.size(atoms[i]) == 1
+                out.append((atoms[i],) if take else ())
+                i += take
+                continue
+            group: list[int] = []
+            have = 1
+            while have < want:
+                while i < len(atoms) and self.size(atoms[i]) == 1:
+                    i += 1
+                if i >= len(atoms):
+                    raise DimMismatch(f"cannot view as {tuple(shape)}")
+                size = self.size(atoms[i])
+                need = want // have
+                if want % have == 0 and need % size == 0:
+                    group.append(atoms[i])
+                    have *= size
+                    i += 1
+                elif want % have == 0 and size % need == 0:
+                    head, rest = self.refine(atoms[i], (need, size // need))
+                    group.append(head)
+                    atoms[i] = rest
+                    have = want
+                else:
+                    raise DimMismatch(f"cannot view as {tuple(shape)}")
+            out.append(tuple(group))
+        if any(self.size(a) != 1 for a in atoms[i:]):
+            raise DimMismatch(f"cannot view as {tuple(shape)}")
+        return tuple(out)
+
+    # ---- names ----------------------------------------------------------------------
+    def names(self, tensors: list[tuple[int, ...]], *, share: bool = True) -> dict[int, str]:
+        """A name for every atom class in `tensors` (lists of leaf atoms, in first-use order).
+
+        The best hint names a class; a second class with the same hint gets a numbered
+        name, unless `share`, the hint names a role, and it has the same size and never
+        shares a tensor with the first (then both are one dim of the IR, as the DSL
+        would write it: the token embedding's and the LM head's `vocab`)."""
+        meets: dict[int, set[int]] = {}
+        order: list[int] = []
+        for atoms in tensors:
+            roots = [self.find(a) for a in atoms]
+            for root in roots:
+                if root not in meets:
+                    meets[root] = set()
+                    order.append(root)
+                meets[root].update(roots)
+        taken: dict[str, list[int]] = {}
+        out: dict[int, str] = {}
+        for root in order:
+            hint, prio = self.best_hint(root)
+            base = _identifier(hint or "dim")
+            same = taken.get(base, [])
+            role = prio >= ROLE
+            if share and role and same and all(self.size(r) == self.size(root) and root not in meets[r] for r in same):
+                out[root] = base
+                same.append(root)
+                continue
+            name, n = base, 2
+            while name in taken:
+                name, n = f"{base}_{n}", n + 1
+            taken[name] = [root]
+            out[root] = name
+        return out
+
+
+def _identifier(text: str) -> str:
+    clean = "".join(c if c.isalnum() or c == "_" else "_" for c in text) or "dim"
+    return clean if not clean[0].isdigit() else f"d{clean}"

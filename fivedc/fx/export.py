@@ -1,0 +1,115 @@
+"""The torch.export fallback of the fx frontend: an exported aten graph in torch-level ops.
+
+When `torch.fx` cannot follow a model's Python (`float()` of a shape,
+`len()` of a tensor), `torch.export` usually can: it runs the Python with the
+example shapes fixed. Its graph speaks ATen (`aten.linear`, `aten.view`) and takes
+parameters as inputs; `export_graph` rewrites it into the vocabulary the rest of the
+frontend reads (`F.linear`, `torch.reshape`, parameters as `get_attr` of their
+state-dict key), keeping each node's user stack trace. ATen ops not in the table
+stay as they are: fine where they only compute constants (masks, positions),
+reported by name where they touch the model's data. Modules are inlined by export,
+so repeated layers are not one `Repeat` on this path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+aten = torch.ops.aten
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+# aten op -> torch-level callable taking the same positional arguments
+_SAME = {
+    aten.linear: F.linear, aten.add: torch.add, aten.sub: torch.sub, aten.mul: torch.mul, aten.div: torch.div,
+    aten.neg: torch.neg, aten.rsqrt: torch.rsqrt, aten.sqrt: torch.sqrt, aten.pow: torch.pow, aten.mean: torch.mean,
+    aten.view: torch.reshape, aten.reshape: torch.reshape, aten._unsafe_view: torch.reshape,
+    aten.transpose: torch.transpose, aten.permute: torch.permute, aten.unsqueeze: torch.unsqueeze,
+    aten.squeeze: torch.squeeze, aten.split: torch.split, aten.split_with_sizes: torch.split, aten.chunk: torch.chunk,
+    aten.gelu: F.gelu, aten.silu: F.silu, aten.relu: F.relu, aten.tanh: torch.tanh, aten.sigmoid: torch.sigmoid,
+    aten.scaled_dot_product_attention: F.scaled_dot_product_attention, aten.matmul: torch.matmul,
+    aten.bmm: torch.matmul, aten.masked_fill: torch.masked_fill, aten.eq: operator.eq,
+    aten.repeat_interleave: torch.repeat_interleave, aten.dropout: F.dropout, aten.arange: torch.arange,
+}
+_METHODS = {aten.clone: "clone", aten.contiguous: "contiguous", aten.alias: "clone", aten.lift_fresh_copy: "clone",
+            aten.expand: "expand", aten.t: "t"}
+
+
+def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
+    """Export `module` on keyword `inputs` and rewrite the graph into torch-level ops."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    with _quiet():
+        ep = torch.export.export(module, (), kwargs=inputs, strict=False)
+    sig = ep.graph_signature
+    state = {s.arg.name: s.target for s in sig.input_specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
+    constants = {s.arg.name: s.target for s in sig.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
+    user = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    names = dict(zip(user, [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]))
+    attrs: dict[str, object] = {key: _fetch(module, key) for key in state.values()}
+    attrs.update({key: ep.constants[key] for key in constants.values()})
+    graph, env = fx.Graph(), {}
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            key = state.get(node.name) or constants.get(node.name)
+            env[node] = graph.get_attr(key) if key else graph.placeholder(names.get(node.name, node.name))
+        elif node.op == "output":
+            outs = [a for a, s in zip(node.args[0], sig.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+            graph.output(env[outs[0]] if len(outs) == 1 else tuple(env[o] for o in outs))
+        else:
+            env[node] = _convert(graph, node, fx.node.map_arg((node.args, node.kwargs), lambda n: env[n]))
+            env[node].meta["stack_trace"] = node.meta.get("stack_trace", "")
+    return fx.GraphModule(attrs, graph, type(module).__name__)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch.export logs warnings and graph dumps when it fails; the caller reports the failure."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _fetch(module: nn.Module, key: str) -> object:
+    owner, _, attr = key.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, attr)
+
+
+def _convert(graph: fx.Graph, node: fx.Node, converted: tuple) -> fx.Node:
+    args, kwargs = converted
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet in _SAME:
+        return graph.call_function(_SAME[packet], args, kwargs)
+    if packet in _METHODS:
+        return graph.call_method(_METHODS[packet], args, {})
+    if packet is aten.embedding:
+        padding = args[2] if len(args) > 2 and args[2] != -1 else None
+        return graph.call_function(F.embedding, (args[1], args[0]), {"padding_idx": padding})
+    if packet is aten.layer_norm:
+        return graph.call_function(F.layer_norm, args[:5], {})
+    if packet in (aten.softmax, aten._softmax):
+        return graph.call_function(F.softmax, (args[0], args[1]), {})
+    if packet in (aten._to_copy, aten.to):
+        return graph.call_method("to", (args[0],), {"dtype": kwargs.get("dtype", args[1] if len(args) > 1 else None)})
+    if packet is aten.cross_entropy_loss:
+        names = ("weight", "reduction", "ignore_index", "label_smoothing")
+        options = dict(zip(names, args[2:])) | kwargs
+        options["reduction"] = _REDUCTIONS[options.get("reduction", 1)]
+        return graph.call_function(F.cross_entropy, args[:2], options)
+    if packet is aten.slice:
+        dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+        index = (slice(None),) * dim + (slice(start, end, step),)
+        return graph.call_function(operator.getitem, (args[0], index), {})
+    return graph.call_function(node.target, args, kwargs)

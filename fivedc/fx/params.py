@@ -1,0 +1,88 @@
+"""The two-way map between a module's `state_dict` and the IR's qualified parameters.
+
+Each IR parameter instance (`layers.0.c_attn_q`) is one `ParamMapping`: a
+state-dict entry (`transformer.h.0.attn.c_attn.weight`), optionally a range of its
+rows (one of q, k, v of a fused projection), optionally transposed (torch keeps a
+linear's weight as [out, in], the IR as [in..., out...]), then reshaped to the IR
+dims. Only slicing, transposing, reshaping and concatenating happen, so
+`to_ir_params` and `from_ir_params` are exact inverses. `module_path` and `pattern`
+(`transformer.h.*.attn.c_attn`) keep the user's names, so shardings can be pinned
+by module-path pattern.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fivedc.errors import FivedcError
+
+
+@dataclass(frozen=True, slots=True)
+class ParamMapping:
+    ir_name: str  # qualified: `layers.0.c_attn_q`, `wte`
+    param: str  # the IR Param's own name: `c_attn_q`
+    repeat: str | None  # the Repeat it belongs to: `layers`
+    key: str  # state_dict key: `transformer.h.0.attn.c_attn.weight`
+    module_path: str  # `transformer.h.0.attn.c_attn`
+    pattern: str  # the module path with the layer index as `*`: `transformer.h.*.attn.c_attn`
+    ir_shape: tuple[int, ...]
+    key_shape: tuple[int, ...]  # of the whole state_dict entry
+    rows: tuple[int, int] | None = None  # the slice of dim 0 this parameter is
+    transpose: bool = False  # a 2-D entry stored [out, in] by torch
+
+    def matches(self, pattern: str) -> bool:
+        """Module-path pattern, dot-separated, `*` matching one path element (`blocks.*.attn.qkv`)."""
+        want, have = pattern.split("."), self.module_path.split(".")
+        return len(want) == len(have) and all(fnmatch.fnmatchcase(h, w) for h, w in zip(have, want))
+
+    def to_ir(self, entry: Tensor) -> Tensor:
+        if self.rows is not None:
+            entry = entry[self.rows[0] : self.rows[1]]
+        if self.transpose:
+            entry = entry.t()
+        return entry.reshape(self.ir_shape)
+
+    def torch_part(self, value: Tensor) -> Tensor:
+        """The inverse of `to_ir`: this parameter as (its rows of) the state-dict entry."""
+        rows = self.key_shape if self.rows is None else (self.rows[1] - self.rows[0], *self.key_shape[1:])
+        if self.transpose:
+            return value.reshape(rows[1], rows[0]).t()
+        return value.reshape(rows)
+
+
+def to_ir_params(mappings: tuple[ParamMapping, ...], state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = {}
+    for m in mappings:
+        if m.key not in state_dict:
+            raise FivedcError(f"the state dict has no entry {m.key!r} (IR parameter {m.ir_name})")
+        entry = state_dict[m.key]
+        if tuple(entry.shape) != m.key_shape:
+            raise FivedcError(f"{m.key} has shape {tuple(entry.shape)}; the traced model had {m.key_shape}")
+        out[m.ir_name] = m.to_ir(entry)
+    return out
+
+
+def from_ir_params(mappings: tuple[ParamMapping, ...], ir_params: dict[str, Tensor]) -> dict[str, Tensor]:
+    parts: dict[str, list[tuple[int, Tensor]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for m in mappings:
+        if m.ir_name not in ir_params:
+            raise FivedcError(f"no value for the IR parameter {m.ir_name!r} ({m.key})")
+        value = ir_params[m.ir_name]
+        if math.prod(value.shape) != math.prod(m.ir_shape):
+            raise FivedcError(f"{m.ir_name} has shape {tuple(value.shape)}; the IR has {m.ir_shape}")
+        parts.setdefault(m.key, []).append((m.rows[0] if m.rows else 0, m.torch_part(value)))
+        shapes[m.key] = m.key_shape
+    out = {}
+    for key, pieces in parts.items():
+        pieces.sort(key=lambda p: p[0])
+        whole = pieces[0][1] if len(pieces) == 1 else torch.cat([p for _, p in pieces], dim=0)
+        if tuple(whole.shape) != shapes[key]:
+            raise FivedcError(f"the IR parameters of {key} do not cover it: {tuple(whole.shape)} of {shapes[key]}")
+        out[key] = whole
+    return out
