@@ -18,6 +18,7 @@ from fivedc.errors import FivedcError
 
 COMMANDS = {
     "compile": "compile a model for a mesh: write the plan and print a readable summary",
+    "show": "draw a plan's pipeline schedule as a picture (.png or .svg)",
     "verify": "train a few steps with the plan on local processes and compare with one device",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
 }
@@ -42,6 +43,12 @@ def _cp_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
                    help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters (default 0: off)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule for pp > 1: gpipe, 1f1b (default), "
+                   "interleaved, zb-h1, dualpipev")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: max(pp, least))")
+    p.add_argument("--virtual", type=int, default=None, help="chunks per pp rank for interleaved (default 2)")
+    p.add_argument("--pp-layout", default=None, metavar="N,N,...",
+                   help="layers per chunk instead of balancing by cost, e.g. 3,5,5,3")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="sum gradients after backward, no ZeRO-3 prefetch (to measure what overlap gains)")
 
@@ -53,8 +60,18 @@ def compile_options(args, mesh, *, dtype: str):
     return CompileOptions(
         mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
         cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
-        overlap=args.overlap, bucket_mb=args.bucket_mb,
+        overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule,
+        microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
     )
+
+
+def _layout(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise FivedcError(f"--pp-layout {text!r} is not a list of layer counts", hint="e.g. --pp-layout 3,5,5,3") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default="fp64", help="fp64 (default) or fp32")
     v.add_argument("--tol", type=float, default=None, help="largest relative error allowed (fp64: 1e-10)")
     v.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("show", help=COMMANDS["show"], description=COMMANDS["show"])
+    s.add_argument("plan", help="a plan .json written by fivedc compile")
+    s.add_argument("--schedule", required=True, metavar="OUT", help="picture to write: .png or .svg")
     d = sub.add_parser("diff", help=COMMANDS["diff"], description=COMMANDS["diff"])
     d.add_argument("a", help="a plan .json, or MODEL.5d@MESH")
     d.add_argument("b", help="a plan .json, or MODEL.5d@MESH")
@@ -128,6 +148,31 @@ def cmd_verify(args) -> int:
     return run_verify(args)
 
 
+def cmd_show(args) -> int:
+    from fivedc.plan import ExecutionPlan
+    from fivedc.schedule import draw_schedule
+
+    plan = ExecutionPlan.load(args.plan)
+    if plan.pipeline is None:
+        raise FivedcError(f"{args.plan} has no pipeline (pp = 1): nothing to draw",
+                          hint="compile with pp > 1, e.g. --mesh 1x4x1x1x1 --schedule 1f1b")
+    out = Path(args.schedule)
+    if out.suffix not in (".png", ".svg"):
+        raise FivedcError(f"cannot draw to {out}: the picture is .png or .svg")
+    result = draw_schedule(pipeline_schedule(plan), out)
+    print(f"wrote {out}: {plan.pipeline.schedule}, bubble {result.bubble_fraction:.1%} of the step (unit costs)")
+    return 0
+
+
+def pipeline_schedule(plan):
+    from fivedc.mesh import MeshAxis
+    from fivedc.schedule import make_schedule
+
+    spec = plan.pipeline
+    virtual = spec.virtual if spec.schedule == "interleaved" else None
+    return make_schedule(spec.schedule, plan.mesh.size(MeshAxis.PP), spec.microbatches, virtual)
+
+
 def _load_side(text: str, args):
     from fivedc.plan import ExecutionPlan
 
@@ -154,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"compile": cmd_compile, "verify": cmd_verify, "diff": cmd_diff}[args.command]
+    handler = {"compile": cmd_compile, "verify": cmd_verify, "show": cmd_show, "diff": cmd_diff}[args.command]
     try:
         return handler(args)
     except FivedcError as error:

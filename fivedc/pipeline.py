@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from fivedc.errors import FivedcError, PassError
 from fivedc.ir import Graph
 from fivedc.plan import ExecutionPlan, build_plan
+from fivedc.stages import plan_pipeline
 from fivedc.passes.base import CompileOptions, Pass
 from fivedc.passes.communication import InsertCommunication
 from fivedc.passes.context import SplitSequence
+from fivedc.passes.experts import PlaceExperts
 from fivedc.passes.gradients import ReduceGradients
 from fivedc.passes.propagate import PropagateShardings
 from fivedc.passes.shapes import InferShapes
@@ -26,9 +28,10 @@ from fivedc.passes.verify import VerifyIR
 
 PIPELINE: tuple[Pass, ...] = (
     VerifyIR(stage="entry"),
-    CheckSupportedAxes(),  # pp, ep > 1: "not yet supported", never a wrong plan
+    CheckSupportedAxes(),  # an axis whose pass has not landed: "not yet supported", never a wrong plan
     InferShapes(),
     SplitSequence(),  # CP: the sequence layout over cp, and each attention's ring/allgather variant
+    PlaceExperts(),  # EP: check each moe op, resolve its @ep(placement, all-to-all) before the rules read it
     PropagateShardings(),  # DP batch split, TP column/row pairing, SP, the CP sequence split
     ReduceGradients(),  # which axes each parameter's gradient is summed over
     InsertCommunication(),  # redistributions with forward and backward collectives, and why
@@ -63,6 +66,9 @@ def run_passes(graph: Graph, options: CompileOptions, *, timings: list[PassTimin
 
 def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None) -> ExecutionPlan:
     graph = run_passes(graph, options, timings=timings)
+    # pipeline stages: chunks of layers balanced by cost, and the schedule (fivedc/stages.py)
+    pipeline = plan_pipeline(graph, options.mesh, schedule=options.schedule, microbatches=options.microbatches,
+                             virtual=options.virtual, layout=options.pp_layout, dtype_bytes=options.dtype_bytes)
     return build_plan(
         graph,
         mesh=options.mesh,
@@ -72,4 +78,5 @@ def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTi
         zero=options.zero,
         overlap=options.overlap,
         bucket_bytes=options.bucket_bytes,
+        pipeline=pipeline,
     )

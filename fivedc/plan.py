@@ -21,6 +21,7 @@ from fivedc.mesh import Mesh, MeshAxis
 from fivedc.overlap import Bucket, plan_buckets
 from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_chunk, zero_notes
 from fivedc.serialize import decode, encode
+from fivedc.stages import PipelineSpec, chunk_param_names, pipeline_collectives
 
 PLAN_VERSION = 1
 
@@ -66,6 +67,7 @@ class ExecutionPlan:
     overlap: bool = True  # reduce gradient buckets during backward; ZeRO-3: prefetch parameters
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     buckets: tuple[Bucket, ...] = ()  # gradient buckets in launch order (fivedc/overlap.py)
+    pipeline: PipelineSpec | None = None  # pp > 1: chunks, schedule, microbatches (fivedc/stages.py)
     notes: tuple[str, ...] = ()  # warnings for the reader, e.g. a setting that changes nothing
 
     def save(self, path: str | Path) -> None:
@@ -107,21 +109,24 @@ class ExecutionPlan:
 
 
 def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int,
-               zero: int = 0, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ExecutionPlan:
+               zero: int = 0, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+               pipeline: PipelineSpec | None = None) -> ExecutionPlan:
     buckets = () if zero == 3 else plan_buckets(
         graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes
     )
     collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero, overlap=overlap,
                                      buckets=buckets)
+    if pipeline is not None:
+        collectives += tuple(pipeline_collectives(graph, mesh, pipeline, dtype_bytes))
     axis_sets = {(a,) for a in mesh.rank_order if mesh.size(a) > 1} | {c.axes for c in collectives}
     groups = tuple(
         GroupInfo(axes, mesh.size(*axes), mesh.group_count(axes), tuple(mesh.stride(a) for a in axes))
         for axes in sorted(axis_sets)
     )
-    memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero)
+    memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline)
     notes = zero_notes(graph, mesh, zero)
     return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory,
-                         zero, overlap, bucket_bytes, buckets, notes)
+                         zero, overlap, bucket_bytes, buckets, pipeline, notes)
 
 
 def qualified(name: str, repeat: Repeat | None) -> str:
@@ -142,21 +147,46 @@ def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int 
     return tuple(found)
 
 
-def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0) -> MemoryEstimate:
-    """Bytes per rank; under ZeRO a sharded part counts one padded chunk per parameter."""
+def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0,
+                    pipeline: PipelineSpec | None = None) -> MemoryEstimate:
+    """Bytes per rank; under ZeRO a sharded part counts one padded chunk per parameter.
+    With a pipeline: the pp rank holding the most parameter bytes, and activations for
+    min(m, pp) microbatches in flight (1F1B's peak on the first rank)."""
+    best = None
+    ranks = range(mesh.size(MeshAxis.PP)) if pipeline else (None,)
+    for pp_rank in ranks:
+        local = chunk_param_names(graph, pipeline, pp_rank=pp_rank) if pipeline else None
+        estimate = _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank)
+        if best is None or estimate.params + estimate.optimizer > best.params + best.optimizer:
+            best = estimate
+    return best
+
+
+def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank) -> MemoryEstimate:
+    def instances(name: str, repeat: Repeat | None) -> int:
+        if repeat is None:
+            return 1 if local is None or name in local else 0
+        if local is None:
+            return repeat.count
+        return sum(f"{repeat.name}.{i}.{name}" in local for i in range(repeat.count))
+
     params = grads = optimizer = 0
     for param, repeat in walk_params(graph.body):
-        layers = repeat.count if repeat else 1
-        local = graph.local_numel(param.dims, param.sharding, mesh)
+        n = instances(param.name, repeat)
+        local_numel = graph.local_numel(param.dims, param.sharding, mesh)
         chunk = zero_chunk(graph, mesh, param)
-        params += (chunk if zero >= 3 else local) * layers
-        grads += (chunk if zero >= 2 else local) * layers
-        optimizer += (chunk if zero >= 1 else local) * layers
+        params += (chunk if zero >= 3 else local_numel) * n
+        grads += (chunk if zero >= 2 else local_numel) * n
+        optimizer += (chunk if zero >= 1 else local_numel) * n
     activations = 0
     for node, repeat in walk_ops(graph.body):
         if isinstance(node, Op):
             count = repeat.count if repeat else 1
             activations += graph.local_numel(node.type.dims, node.sharding, mesh) * dtype_bytes * count
+    if pipeline is not None:  # this rank's share of the step's activations, for the microbatches in flight
+        share = sum(c.cost for c in pipeline.chunks if c.rank == pp_rank) / max(sum(c.cost for c in pipeline.chunks), 1)
+        m = pipeline.microbatches
+        activations = int(activations * share * min(m, mesh.size(MeshAxis.PP)) / m)
     return MemoryEstimate(
         params=params * dtype_bytes,
         grads=grads * dtype_bytes,

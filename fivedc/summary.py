@@ -112,6 +112,7 @@ def _header(plan: ExecutionPlan) -> Table:
         ("rank order", ",".join(plan.mesh.rank_order) + " (innermost first)"),
         ("sequence parallel", "on" if plan.sequence_parallel else "off"),
         *((("context parallel", cp_text(plan)),) if plan.mesh.size(MeshAxis.CP) > 1 else ()),
+        *((("pipeline", _pipeline_text(plan)),) if plan.pipeline else ()),
         ("ZeRO", f"stage {plan.zero}" if plan.zero else "off"),
         ("overlap", _overlap_text(plan)),
         ("dtype", plan.dtype),
@@ -124,9 +125,27 @@ def _header(plan: ExecutionPlan) -> Table:
     return grid
 
 
+def _pipeline_text(plan: ExecutionPlan) -> str:
+    spec = plan.pipeline
+    return (f"{spec.schedule}, {spec.microbatches} microbatches, {spec.virtual} chunk(s) per pp rank; "
+            f"draw it with: fivedc show PLAN --schedule out.png")
+
+
+def _pipeline(plan: ExecutionPlan) -> Table:
+    spec = plan.pipeline
+    table = _table("Pipeline chunks", "chunk", "pp rank", "layers", "cost (share)", "parameters", "sends")
+    total = sum(c.cost for c in spec.chunks) or 1.0
+    for c in spec.chunks:
+        _row(table, c.index, c.rank, c.what, f"{c.cost / total:.1%}", format_bytes(c.param_bytes),
+             ", ".join(c.sends) or "-")
+    return table
+
+
 def _overlap_text(plan: ExecutionPlan) -> str:
     if not plan.overlap:
         return "off: gradients are summed after backward"
+    if plan.pipeline is not None:
+        return "off under a pipeline: gradients accumulate over microbatches and are summed after the last"
     if plan.zero == 3:
         return "on: each parameter's next use is gathered while the current op computes"
     size = format_bytes(plan.bucket_bytes)
@@ -215,6 +234,9 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     console.print()
     console.print(_groups(plan))
     console.print()
+    if plan.pipeline is not None:
+        console.print(_pipeline(plan))
+        console.print()
     console.print(_params(plan, verbose=verbose))
     console.print()
     console.print(_op_kinds(plan))

@@ -33,6 +33,10 @@ class CompileOptions:
     zero: int = 0  # ZeRO stage over each parameter's data-parallel group: 0 (off), 1, 2, 3
     overlap: bool = True  # gradient buckets reduced during backward; ZeRO-3 parameter prefetch
     bucket_mb: float = 25.0  # gradient bucket size in MiB
+    schedule: str = "1f1b"  # pipeline schedule (fivedc/schedule/), for pp > 1
+    microbatches: int | None = None  # per step; None: max(pp, the schedule's least)
+    virtual: int | None = None  # chunks per pp rank; None: the schedule's (interleaved: 2)
+    pp_layout: tuple[int, ...] | None = None  # layers per chunk; None: balanced by cost
 
     def __post_init__(self) -> None:
         for what, value, choices in (

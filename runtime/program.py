@@ -111,10 +111,22 @@ class Program:
         self._block(self.graph.body, env, dims, params, scope)
         return env[self.graph.output]
 
+    def run_units(self, units, params, env: dict[str, Tensor], dims: dict[str, tuple[str, ...]]) -> None:
+        """Run a pipeline chunk: top-level item ranges and single layers of repeats
+        (`fivedc.stages.Unit`), reading and extending `env` and `dims`."""
+        scope = {p.name: p.name for p in self.graph.body.params}
+        items = self.graph.body.items
+        for unit in units:
+            if unit.layer is None:
+                self._block(Block(items=items[unit.start:unit.stop]), env, dims, params, scope)
+            else:
+                self._layer(items[unit.start], unit.layer, env, dims, params, scope)
+
     def _block(self, block: Block, env: dict, dims: dict, params: dict, scope: dict) -> None:
         for item in block.items:
             if isinstance(item, Repeat):
-                self._repeat(item, env, dims, params, scope)
+                for layer in range(item.count):
+                    self._layer(item, layer, env, dims, params, scope)
             elif isinstance(item, Redistribute):
                 forward, backward = self.steps[item.out]
                 env[item.out] = redistribute(env[item.src], forward, backward, self.ctx.groups)
@@ -134,17 +146,18 @@ class Program:
                 env[item.out] = KERNELS[item.kind](self.ctx, item, args, arg_dims)
                 dims[item.out] = item.type.dims
 
-    def _repeat(self, item: Repeat, env: dict, dims: dict, params: dict, scope: dict) -> None:
-        values = [env[c] for c in item.carried]
-        for arg, carried in zip(item.body.args, item.carried):
-            dims[arg] = dims[carried]
-        for i in range(item.count):
-            inner = {**scope, **{p.name: f"{item.name}.{i}.{p.name}" for p in item.body.params}}
-            env.update(zip(item.body.args, values))
-            self._block(item.body, env, dims, params, inner)
-            values = [env[y] for y in item.body.yields]
-        env.update(zip(item.results, values))
-        dims.update(zip(item.results, (dims[c] for c in item.carried)))
+    def _layer(self, item: Repeat, layer: int, env: dict, dims: dict, params: dict, scope: dict) -> None:
+        """One iteration: the carried values enter (layer 0) or the previous layer's,
+        kept under the results' names, and the body's yields become the results."""
+        sources = item.carried if layer == 0 else item.results
+        for arg, source in zip(item.body.args, sources):
+            env[arg] = env[source]
+            dims[arg] = dims[source]
+        inner = {**scope, **{p.name: f"{item.name}.{layer}.{p.name}" for p in item.body.params}}
+        self._block(item.body, env, dims, params, inner)
+        for result, value, source in zip(item.results, item.body.yields, sources):
+            env[result] = env[value]
+            dims[result] = dims[source]
 
 
 def _steps(node: Redistribute, collectives) -> tuple[Step, ...]:

@@ -17,10 +17,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fivedc.ir import Graph, Op, walk_ops
+from fivedc.mesh import MeshAxis
 from fivedc.runtime.program import Program, qualified_params
 from fivedc.overlap import Bucket
 from fivedc.runtime.buckets import expand_buckets
+from fivedc.runtime.moe import ExpertLoad, end_step, register_params
+from fivedc.runtime.pipeline import PipelineRunner
 from fivedc.runtime.zero import ZeroOptimizer, gathered_params_scope
+from fivedc.stages import PipelineSpec
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -44,6 +48,7 @@ class TrainRecord:
     grads: list[dict[str, Tensor]] = field(default_factory=list)  # per step, after sync
     params: dict[str, Tensor] = field(default_factory=dict)  # after the last step
     held: dict[str, int] = field(default_factory=dict)  # bytes held at rest after the last backward
+    expert_load: list[dict[str, ExpertLoad]] = field(default_factory=list)  # per step, MoE layer: this rank's tokens
 
 
 def loss_partial_axes(graph: Graph) -> tuple:
@@ -53,21 +58,42 @@ def loss_partial_axes(graph: Graph) -> tuple:
     return ()
 
 
+def loss_axes_of(graph: Graph, mesh) -> tuple:
+    """The axes the local loss is summed over: its pending axes, and pp (only the
+    last chunk's rank holds a loss; the others hold zero)."""
+    axes = loss_partial_axes(graph)
+    return tuple(sorted(set(axes) | {MeshAxis.PP})) if mesh.size(MeshAxis.PP) > 1 else axes
+
+
 def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor], settings: TrainSettings,
-          *, zero: int = 0, buckets: tuple[Bucket, ...] = (), overlap: bool = True) -> TrainRecord:
-    """Train `settings.steps` steps from `params` (this rank's local tensors) and record them."""
+          *, zero: int = 0, buckets: tuple[Bucket, ...] = (), overlap: bool = True,
+          pipeline: PipelineSpec | None = None) -> TrainRecord:
+    """Train `settings.steps` steps from `params` (this rank's local tensors: with a
+    pipeline, only those of its chunks) and record them."""
     graph, ctx = program.graph, program.ctx
-    groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None for name, p in qualified_params(graph)}
+    groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None
+              for name, p in qualified_params(graph) if name in params}
+    runner = None
+    if pipeline is not None:  # gradients accumulate over microbatches: sum them after the last
+        device = next(iter(params.values())).device
+        runner = PipelineRunner(program, pipeline, dtype=settings.torch_dtype, device=device)
+        overlap = False
+    local_buckets = [b for b in expand_buckets(buckets) if all(n in params for n in b)]
     optimizer = ZeroOptimizer(params, groups, stage=zero, lr=settings.lr, weight_decay=settings.weight_decay,
-                              buckets=expand_buckets(buckets), overlap=overlap)
-    loss_axes = loss_partial_axes(graph)
+                              buckets=local_buckets, overlap=overlap)
+    loss_axes = loss_axes_of(graph, ctx.mesh)
+    register_params(ctx, optimizer.params)  # MoE layers name their per-layer state by their router
     record = TrainRecord()
     for _ in range(settings.steps):
         with gathered_params_scope(zero):
             view = optimizer.view()
-            loss = program.loss(view, inputs)
-            optimizer.forward_done(view)
-            loss.backward()
+            if runner is not None:
+                loss = runner.step(view, inputs)  # forward and backward of every microbatch
+                optimizer.forward_done(view)
+            else:
+                loss = program.loss(view, inputs)
+                optimizer.forward_done(view)
+                loss.backward()
         optimizer.reduce_gradients()
         full_loss = loss.detach().clone()
         if loss_axes and ctx.group(loss_axes) is not None:
@@ -76,5 +102,6 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
         record.held = optimizer.held_bytes()
         record.grads.append(optimizer.full_grads())
         optimizer.step()
+        record.expert_load.append(end_step(ctx))  # tokens per expert; the MoE bias update
     record.params = optimizer.full_params()
     return record

@@ -15,11 +15,13 @@ import torch
 
 from fivedc.errors import NotSupportedError
 from fivedc.ir import Graph, Op, walk_ops
-from fivedc.mesh import Mesh
+from fivedc.mesh import Mesh, MeshAxis
 from fivedc.plan import ExecutionPlan
 from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.moe import ExpertLoad, check_placement
 from fivedc.runtime.program import Program, init_params, make_inputs, qualified_params, shard
-from fivedc.runtime.train import TrainRecord, TrainSettings, train
+from fivedc.stages import chunk_param_names
+from fivedc.runtime.train import TrainRecord, TrainSettings, loss_axes_of, train
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class VerifyReport:
     param_error: float
     worst: str  # the tensor with the largest error
     held: tuple[dict[str, int], ...] = ()  # per rank: bytes in params, grads, optimizer state
+    expert_load: tuple[dict[str, ExpertLoad], ...] = ()  # per step, MoE layer: tokens per expert, all ranks
+    routing_matches: bool = True  # the parallel run routed every token as the single-device run did
 
     @property
     def max_error(self) -> float:
@@ -39,13 +43,11 @@ class VerifyReport:
 
 
 def check_executable(graph: Graph) -> None:
+    """Refuse what compiles to a plan but does not run yet: experts placed other than
+    in contiguous blocks over ep (`shard` cuts contiguous ranges)."""
     for node, _ in walk_ops(graph.body):
         if isinstance(node, Op) and node.kind == "moe":
-            raise NotSupportedError(
-                "executing MoE layers is not supported yet (they compile to a plan)",
-                loc=node.loc,
-                hint="verify a dense model, e.g. examples/gpt.5d",
-            )
+            check_placement(node)
 
 
 def reference_run(plan: ExecutionPlan, settings: TrainSettings) -> TrainRecord:
@@ -69,10 +71,14 @@ def rank_job(info, payload) -> dict:
     plan, reference, settings = payload
     graph, mesh = plan.graph, plan.mesh
     axis_sets = {c.axes for c in plan.collectives} | {p.grad_partial for _, p in qualified_params(graph) if p.grad_partial}
-    groups = MeshGroups(mesh, device_type=info.device.split(":")[0], axis_sets=sorted(axis_sets))
+    axis_sets.add(loss_axes_of(graph, mesh))
+    groups = MeshGroups(mesh, device_type=info.device.split(":")[0], axis_sets=sorted(a for a in axis_sets if a))
     ctx = KernelContext(graph, mesh, mesh.coords(info.rank), groups)
     device = torch.device(info.device)
     full = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype)
+    if plan.pipeline is not None:  # only the parameters of this rank's chunks
+        mine = chunk_param_names(graph, plan.pipeline, pp_rank=ctx.coords[MeshAxis.PP])
+        full = {n: t for n, t in full.items() if n in mine}
     named = dict(qualified_params(graph))
     params = {n: shard(t, named[n].dims, named[n].sharding, ctx).to(device) for n, t in full.items()}
     inputs = {
@@ -80,7 +86,7 @@ def rank_job(info, payload) -> dict:
         for i, t in zip(graph.inputs, make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype).values())
     }
     record = train(Program(graph, ctx), params, inputs, settings, zero=plan.zero, buckets=plan.buckets,
-                   overlap=plan.overlap)
+                   overlap=plan.overlap, pipeline=plan.pipeline)
     errors = {"loss": (0.0, "loss"), "grad": (0.0, ""), "param": (0.0, "")}
     for step, (mine, ref) in enumerate(zip(record.losses, reference.losses)):
         errors["loss"] = max(errors["loss"], (abs(mine - ref) / max(abs(ref), 1e-12), f"loss at step {step + 1}"))
@@ -92,7 +98,8 @@ def rank_job(info, payload) -> dict:
     for name, value in record.params.items():
         expected = shard(reference.params[name], named[name].dims, named[name].sharding, ctx)
         errors["param"] = max(errors["param"], (_relative(value.cpu(), expected, reference.params[name]), name))
-    return {"errors": errors, "losses": record.losses, "held": record.held}
+    load = record.expert_load if ctx.coords[MeshAxis.TP] == 0 else None  # tp ranks share their tokens
+    return {"errors": errors, "losses": record.losses, "held": record.held, "expert_load": load}
 
 
 def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings: TrainSettings, pool=None) -> VerifyReport:
@@ -110,6 +117,7 @@ def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings:
 def merge_results(results: list[dict], reference: TrainRecord) -> VerifyReport:
     """One report from every rank's `rank_job` result: the worst error of each kind."""
     worst = {k: max(r["errors"][k] for r in results) for k in ("loss", "grad", "param")}
+    loads = merge_loads([r.get("expert_load") for r in results])
     return VerifyReport(
         world=len(results),
         losses=tuple(reference.losses),
@@ -119,7 +127,21 @@ def merge_results(results: list[dict], reference: TrainRecord) -> VerifyReport:
         param_error=worst["param"][0],
         worst=max(worst.values())[1],
         held=tuple(r.get("held", {}) for r in results),
+        expert_load=loads,
+        routing_matches=not loads or loads == tuple(reference.expert_load),
     )
+
+
+def merge_loads(per_rank: list[list[dict[str, ExpertLoad]] | None]) -> tuple[dict[str, ExpertLoad], ...]:
+    """Per step and MoE layer, the tokens per expert summed over the ranks' disjoint tokens."""
+    merged: list[dict[str, ExpertLoad]] = []
+    for steps in filter(None, per_rank):
+        for step, layers in enumerate(steps):
+            if step == len(merged):
+                merged.append({})
+            for name, load in layers.items():
+                merged[step][name] = merged[step][name] + load if name in merged[step] else load
+    return tuple(merged) if any(merged) else ()
 
 
 def single_device_mesh() -> Mesh:

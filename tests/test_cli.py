@@ -52,7 +52,7 @@ def test_bad_model_points_at_the_line_and_writes_nothing(tmp_path, capsys) -> No
     ("2x2", "cannot parse mesh '2x2'"),
     ("dp=2,xp=2", "unknown mesh axis 'xp'"),
     ("1x1x3x1x1", "vocab=64 is not divisible by tp=3"),
-    ("1x2x1x1x1", "pipeline parallelism (pp=2) is not supported yet"),
+    ("1x8x1x1x1", "the model has 4 layers and op groups but the pipeline needs 8 chunks"),
 ])
 def test_bad_meshes(mesh: str, message: str, capsys) -> None:
     assert main(["compile", "examples/gpt.5d", "--mesh", mesh, "-q", "-o", "/dev/null"]) == 2

@@ -1,0 +1,398 @@
+"""Pipeline stages: the model cut into contiguous chunks of layers, balanced by cost.
+
+The unit of partitioning is a *unit*: one layer of a repeat block, or a run of
+top-level ops between repeats (the embedding before the first repeat, the final
+norm, head and loss after the last). Units run in order; `partition` cuts them
+into `pp * v` chunks (v chunks per rank for interleaved or V schedules) so the most
+expensive chunk is as cheap as it can be, or as a layout given in layers says.
+The schedule's placement puts chunk c on a pp rank. Values live across a cut are
+what one chunk sends the next (`boundary_values`); inputs are on every rank, and
+parameters are not sent: each lives on the rank of the one chunk that uses it.
+
+Cost of an op: its multiply-adds on one rank (linear: output elements x contracted
+size; attention: queries x keys x head dim, twice), else its output elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivedc.errors import PlanError
+from fivedc.ir import Block, Collective, CollectiveKind, Graph, Op, Phase, Redistribute, Repeat, walk_ops
+from fivedc.sharding import Sharding
+from fivedc.mesh import Mesh
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """Top-level items [start, stop), or layer `layer` of the repeat at item `start`."""
+
+    start: int
+    stop: int
+    layer: int | None = None
+
+    def describe(self, graph: Graph) -> str:
+        if self.layer is None:
+            kinds = [i.kind for i in graph.body.items[self.start:self.stop] if isinstance(i, Op)]
+            return "+".join(dict.fromkeys(kinds)) or "ops"
+        return f"{graph.body.items[self.start].name}.{self.layer}"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    index: int
+    rank: int  # pp rank
+    units: tuple[int, int]  # [first, stop) into `units(graph)`
+    what: str  # e.g. "embedding, layers.0-3"
+    cost: float  # multiply-adds per step on one rank (see `op_cost`)
+    param_bytes: int
+    sends: tuple[str, ...] = ()  # values passed to the next chunk
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSpec:
+    schedule: str
+    microbatches: int
+    virtual: int  # chunks per rank
+    chunks: tuple[Chunk, ...]
+
+
+def units(graph: Graph) -> list[Unit]:
+    out: list[Unit] = []
+    start = None
+    for index, item in enumerate(graph.body.items):
+        if isinstance(item, Repeat):
+            if start is not None:
+                out.append(Unit(start, index))
+                start = None
+            out += [Unit(index, index + 1, layer) for layer in range(item.count)]
+        elif start is None:
+            start = index
+    if start is not None:
+        out.append(Unit(start, len(graph.body.items)))
+    return out
+
+
+def op_cost(graph: Graph, op: Op, mesh: Mesh, types: dict) -> float:
+    out = graph.local_numel(op.type.dims, op.sharding, mesh)
+    if op.kind in ("linear", "matmul"):
+        x = types.get(op.args[0])
+        contracted = [d for d in (x.dims if x else ()) if d not in op.type.dims]
+        spec = op.arg_specs[0].sharding if op.arg_specs and op.arg_specs[0] else None
+        return float(out * max(1, graph.local_numel(tuple(contracted), spec, mesh) if spec else 1))
+    if op.kind == "attention":
+        k_spec = op.arg_specs[1].sharding
+        seq = graph.local_size(graph.seq_dim, k_spec, mesh)
+        return 2.0 * out * seq
+    return float(out)
+
+
+def unit_costs(graph: Graph, mesh: Mesh, dtype_bytes: int) -> tuple[list[float], list[int]]:
+    """Cost and parameter bytes of every unit."""
+    types = {}
+    for node, _ in walk_ops(graph.body):
+        if isinstance(node, (Op, Redistribute)):
+            types[node.out] = node.type
+    for item in graph.inputs:
+        types[item.name] = item.type
+
+    def block_cost(items) -> float:
+        return sum(op_cost(graph, i, mesh, types) for i in items if isinstance(i, Op))
+
+    def params_bytes(params) -> int:
+        return sum(graph.local_numel(p.dims, p.sharding, mesh) for p in params) * dtype_bytes
+
+    used = _top_level_param_users(graph)
+    costs, sizes = [], []
+    for unit in units(graph):
+        if unit.layer is not None:
+            body = graph.body.items[unit.start].body
+            costs.append(block_cost(body.items))
+            sizes.append(params_bytes(body.params))
+        else:
+            costs.append(block_cost(graph.body.items[unit.start:unit.stop]))
+            mine = [p for p in graph.body.params if used.get(p.name) == unit.start]
+            sizes.append(params_bytes(mine))
+    return costs, sizes
+
+
+def _top_level_param_users(graph: Graph) -> dict[str, int]:
+    """Top-level parameter -> the start item of the unit using it (refusing two units)."""
+    top = {p.name for p in graph.body.params}
+    owner: dict[str, int] = {}
+    for unit in units(graph):
+        items = graph.body.items[unit.start:unit.stop]
+        for name in _names_read(Block(items=tuple(items))) & top:
+            previous = owner.setdefault(name, unit.start)
+            if previous != unit.start:
+                raise PlanError(
+                    f"parameter {name} is used in two places along the model (items {previous} and {unit.start}); "
+                    "pipeline stages cannot share a parameter",
+                    hint="untie it (give each use its own parameter) or use pp=1",
+                )
+    return owner
+
+
+def partition(costs: list[float], parts: int, *, what: str = "units") -> list[tuple[int, int]]:
+    """Contiguous ranges, `parts` of them, each non-empty, minimising the largest sum."""
+    n = len(costs)
+    if n < parts:
+        raise PlanError(f"the model has {n} {what} but the pipeline needs {parts} chunks",
+                        hint=f"use pp * virtual stages <= {n}")
+    low, high = max(costs), sum(costs)
+    for _ in range(60):
+        mid = (low + high) / 2
+        if _groups_needed(costs, mid) <= parts:
+            high = mid
+        else:
+            low = mid
+    ranges = _greedy(costs, high)
+    while len(ranges) < parts:  # split the largest multi-unit range; the maximum cannot grow
+        k = max((i for i, (a, b) in enumerate(ranges) if b - a > 1), key=lambda i: sum(costs[slice(*ranges[i])]))
+        a, b = ranges[k]
+        cut = _best_cut(costs, a, b)
+        ranges[k:k + 1] = [(a, cut), (cut, b)]
+    return ranges
+
+
+def _groups_needed(costs: list[float], limit: float) -> int:
+    return len(_greedy(costs, limit))
+
+
+def _greedy(costs: list[float], limit: float) -> list[tuple[int, int]]:
+    ranges, start, total = [], 0, 0.0
+    for i, cost in enumerate(costs):
+        if total + cost > limit * (1 + 1e-12) and i > start:
+            ranges.append((start, i))
+            start, total = i, 0.0
+        total += cost
+    ranges.append((start, len(costs)))
+    return ranges
+
+
+def _best_cut(costs: list[float], a: int, b: int) -> int:
+    return min(range(a + 1, b), key=lambda c: max(sum(costs[a:c]), sum(costs[c:b])))
+
+
+def layout_ranges(layers_per_chunk: tuple[int, ...], graph: Graph) -> list[tuple[int, int]]:
+    """Unit ranges for a layout given in repeat layers per chunk; the ops before the
+    first layer join the first chunk, the ops after the last layer the last chunk."""
+    all_units = units(graph)
+    layer_units = [i for i, u in enumerate(all_units) if u.layer is not None]
+    if sum(layers_per_chunk) != len(layer_units) or min(layers_per_chunk) < 0:
+        raise PlanError(f"the layout {','.join(map(str, layers_per_chunk))} places {sum(layers_per_chunk)} layers, "
+                        f"but the model has {len(layer_units)}", hint="give one count per chunk, summing to the layers")
+    ranges, position = [], 0
+    for k, count in enumerate(layers_per_chunk):
+        first = 0 if k == 0 else layer_units[position]
+        position += count
+        stop = len(all_units) if k == len(layers_per_chunk) - 1 else layer_units[position]
+        if stop <= first:
+            raise PlanError(f"chunk {k} of the layout {','.join(map(str, layers_per_chunk))} would be empty",
+                            hint="give every chunk at least one layer (the first and last may take only ops)")
+        ranges.append((first, stop))
+    return ranges
+
+
+# ---- values live across a cut -------------------------------------------------------------
+def _names_read(block: Block) -> set[str]:
+    read: set[str] = set()
+    for item in block.items:
+        if isinstance(item, Op):
+            read |= {a for a in item.args if isinstance(a, str)}
+        elif isinstance(item, Redistribute):
+            read.add(item.src)
+        elif isinstance(item, Repeat):
+            read |= set(item.carried) | (_names_read(item.body) - _names_defined(item.body) - set(item.body.args))
+    return read
+
+
+def _names_defined(block: Block) -> set[str]:
+    out: set[str] = set()
+    for item in block.items:
+        out |= set(item.results) if isinstance(item, Repeat) else {item.out}
+    return out
+
+
+def unit_uses_defs(graph: Graph, unit: Unit) -> tuple[set[str], set[str]]:
+    params = {p.name for p in graph.body.params}
+    if unit.layer is None:
+        block = Block(items=graph.body.items[unit.start:unit.stop])
+        return _names_read(block) - params - _names_defined(block), _names_defined(block)
+    repeat = graph.body.items[unit.start]
+    body = repeat.body
+    inner = _names_read(body) - _names_defined(body) - set(body.args) - {p.name for p in body.params} - params
+    carried = set(repeat.carried) if unit.layer == 0 else set(repeat.results)
+    return carried | inner, set(repeat.results)
+
+
+def boundary_values(graph: Graph, cut: int) -> tuple[str, ...]:
+    """Values defined before unit `cut` and read from it on (inputs excluded), sorted."""
+    all_units = units(graph)
+    inputs = {i.name for i in graph.inputs}
+    defined, used = set(), set()
+    for k, unit in enumerate(all_units):
+        uses, defs = unit_uses_defs(graph, unit)
+        if k < cut:
+            defined |= defs
+        else:
+            used |= uses
+    return tuple(sorted((defined & used) - inputs))
+
+
+# ---- which parameters a chunk uses ------------------------------------------------------------
+def chunk_param_names(graph: Graph, spec: PipelineSpec, *, pp_rank: int | None = None,
+                      chunk: int | None = None) -> set[str]:
+    """Qualified names of the parameters a pp rank's chunks (or one chunk) use."""
+    all_units = units(graph)
+    items = graph.body.items
+    top = {p.name for p in graph.body.params}
+    names: set[str] = set()
+    for spec_chunk in spec.chunks:
+        if (pp_rank is not None and spec_chunk.rank != pp_rank) or (chunk is not None and spec_chunk.index != chunk):
+            continue
+        chunk_units = all_units[spec_chunk.units[0]:spec_chunk.units[1]]
+        for unit in chunk_units:
+            if unit.layer is None:
+                for item in items[unit.start:unit.stop]:
+                    if isinstance(item, Op):
+                        names |= {a for a in item.args if isinstance(a, str) and a in top}
+            else:
+                repeat = items[unit.start]
+                names |= {f"{repeat.name}.{unit.layer}.{p.name}" for p in repeat.body.params}
+                names |= _outer_params(repeat, top)
+    return names
+
+
+def _outer_params(repeat: Repeat, top: set[str]) -> set[str]:
+    used = set()
+    for node, _ in walk_ops(repeat.body):
+        if isinstance(node, Op):
+            used |= {a for a in node.args if isinstance(a, str) and a in top}
+    return used
+
+
+
+def value_types(graph: Graph) -> dict[str, tuple]:
+    """Type and sharding of every top-level value (what a chunk boundary can carry)."""
+    out = {i.name: (i.type, i.sharding or Sharding()) for i in graph.inputs}
+    for item in graph.body.items:
+        if isinstance(item, Repeat):
+            for result, carried, sharding in zip(item.results, item.carried, item.carried_shardings):
+                out[result] = (out[carried][0], sharding)
+        elif isinstance(item, Redistribute):
+            out[item.out] = (item.type, item.sharding)
+        else:
+            out[item.out] = (item.type, item.sharding)
+    return out
+
+
+def pipeline_collectives(graph: Graph, mesh: Mesh, spec: PipelineSpec, dtype_bytes: int) -> list[Collective]:
+    """The P2P transfers between consecutive chunks: activations forward, their
+    gradients backward, once per microbatch."""
+    from fivedc.mesh import MeshAxis
+
+    types = value_types(graph)
+    out = []
+    for chunk in spec.chunks[:-1]:
+        numel = 0
+        for name in chunk.sends:
+            t, sharding = types[name]
+            numel += graph.local_numel(t.dims, sharding, mesh) // (spec.microbatches if graph.batch_dim in t.dims else 1)
+        values = ", ".join(chunk.sends)
+        nxt = spec.chunks[chunk.index + 1]
+        if nxt.rank == chunk.rank:
+            continue  # the next chunk runs on the same rank: handed over, not sent
+        for phase, what in ((Phase.FORWARD, "activations"), (Phase.BACKWARD, "their gradients")):
+            out.append(Collective(
+                CollectiveKind.SEND_RECV, (MeshAxis.PP,), phase, values, numel * dtype_bytes,
+                f"pipeline: chunk {chunk.index} (pp rank {chunk.rank}) and chunk {nxt.index} (pp rank {nxt.rank}) "
+                f"exchange {what} at their boundary, once per microbatch",
+                count=spec.microbatches, overlaps="the other microbatches' compute (as the schedule orders it)",
+            ))
+    return out
+
+
+# ---- the plan's pipeline -------------------------------------------------------------------
+RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
+
+
+def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
+                  layout: tuple[int, ...] | None, dtype_bytes: int) -> PipelineSpec | None:
+    """Chunks and schedule for pp > 1 (None for pp = 1)."""
+    from fivedc.mesh import MeshAxis
+    from fivedc.schedule import make_schedule, min_microbatches
+
+    p = mesh.size(MeshAxis.PP)
+    if p == 1:
+        return None
+    if schedule == "dualpipe":
+        raise PlanError("dualpipe keeps two copies of the model, which the runtime does not run",
+                        hint="use dualpipev: the same V-shaped chunks and bubble on one copy")
+    if virtual is None and schedule == "interleaved":
+        virtual = 2
+    n_units = len(units(graph))
+    if layout is None and n_units < p * (virtual or (2 if schedule == "dualpipev" else 1)):
+        partition([1.0] * n_units, p * (virtual or (2 if schedule == "dualpipev" else 1)), what="layers and op groups")
+    m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
+    _check_microbatches(graph, mesh, m)
+    sched = make_schedule(schedule, p, m, virtual)
+    n_chunks = p * sched.v
+    costs, sizes = unit_costs(graph, mesh, dtype_bytes)
+    if layout is not None:
+        if len(layout) != n_chunks:
+            raise PlanError(f"the layout gives {len(layout)} chunks; {schedule} on pp={p} runs {n_chunks}",
+                            hint=f"give {n_chunks} layer counts, one per chunk ({sched.v} per pp rank)")
+        ranges = layout_ranges(layout, graph)
+    else:
+        ranges = partition(costs, n_chunks, what="layers and op groups")
+    all_units = units(graph)
+    chunks = []
+    for k, (a, b) in enumerate(ranges):
+        what = _describe(graph, all_units[a:b])
+        sends = boundary_values(graph, b) if k < n_chunks - 1 else ()
+        chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
+    return PipelineSpec(schedule, m, sched.v, tuple(chunks))
+
+
+def _default_microbatches(graph: Graph, mesh: Mesh, p: int, least: int) -> int:
+    """pp microbatches (or the schedule's least, if more), else the nearest count that
+    splits the local batch: the next larger divisor, or the largest one."""
+    from fivedc.mesh import MeshAxis
+
+    local = graph.dim(graph.batch_dim) // mesh.size(MeshAxis.DP, MeshAxis.EP)
+    want = max(p, least)
+    divisors = [d for d in range(1, local + 1) if local % d == 0]
+    return next((d for d in divisors if d >= want), divisors[-1])
+
+
+def _check_microbatches(graph: Graph, mesh: Mesh, m: int) -> None:
+    from fivedc.mesh import MeshAxis
+
+    batch = graph.dim(graph.batch_dim)
+    data = mesh.size(MeshAxis.DP, MeshAxis.EP)
+    local = batch // data
+    if m < 1 or local % m:
+        choices = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
+        raise PlanError(
+            f"{graph.batch_dim}={batch} over dp*ep={data} leaves {local} per rank, which does not split into "
+            f"{m} microbatches",
+            hint=f"choose --microbatches in {{{choices}}}, or change {graph.batch_dim}",
+        )
+
+
+def _describe(graph: Graph, chunk_units: list[Unit]) -> str:
+    """`embedding, layers.0-3`: op runs by kind, consecutive layers as a range."""
+    parts: list[list] = []
+    for unit in chunk_units:
+        if unit.layer is None:
+            parts.append(["ops", unit.describe(graph)])
+            continue
+        name = graph.body.items[unit.start].name
+        if parts and parts[-1][0] == "layers" and parts[-1][1] == name:
+            parts[-1][3] = unit.layer
+        else:
+            parts.append(["layers", name, unit.layer, unit.layer])
+    return ", ".join(
+        p[1] if p[0] == "ops" else f"{p[1]}.{p[2]}" + (f"-{p[3]}" if p[3] != p[2] else "") for p in parts
+    )

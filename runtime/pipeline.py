@@ -1,0 +1,191 @@
+"""Runs one training step of a pipeline schedule on one rank: its action list, in order.
+
+The plan's `PipelineSpec` names the schedule, the microbatches and the chunks (unit
+ranges, `fivedc/stages.py`); the schedule is regenerated from its name, so every
+rank runs exactly the checked action list of its pp rank. Semantics (those of
+`fivedc/schedule/simulator.py`): a SEND is an `isend` waited for at the end of the
+step; a RECV blocks; activations and gradients travel with their own tags, in
+order per (sender, receiver). A chunk's boundary values travel as one flat buffer;
+its shapes follow from the plan (types, shardings, the microbatch's batch size).
+
+The inputs split along the batch dim into microbatches. Forward of (j, c) runs the
+chunk's units on microbatch j; on the last chunk the loss is the microbatch's share
+of the full loss (cross-entropy divides by the global token count), so summing the
+microbatches gives the full-batch loss and gradients accumulate to the full-batch
+gradients. B runs autograd through the chunk and sends the gradients of its inputs;
+I computes only those (keeping the graph), W then the weight gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fivedc.mesh import MeshAxis
+from fivedc.schedule import Action, ActionKind, make_schedule
+from fivedc.stages import PipelineSpec, Unit, chunk_param_names, units, value_types
+
+K = ActionKind
+TAGS = {K.SEND_FORWARD: 0, K.RECV_FORWARD: 0, K.SEND_BACKWARD: 1, K.RECV_BACKWARD: 1}
+
+
+@dataclass
+class _Micro:
+    """What one (microbatch, chunk) keeps between its forward and its backward."""
+
+    received: list[Tensor] = field(default_factory=list)  # boundary inputs (leaves)
+    outputs: list[Tensor] = field(default_factory=list)  # boundary outputs, or [loss]
+    grads_in: list[Tensor] | None = None  # gradients of the outputs, from the next chunk
+    grads_out: list[Tensor] = field(default_factory=list)  # gradients of `received`
+    done: bool = False  # backward (B, or W after I) has run
+    sent: bool = False  # grads_out has been sent
+
+
+class PipelineRunner:
+    def __init__(self, program, spec: PipelineSpec, *, dtype: torch.dtype, device: torch.device) -> None:
+        graph, ctx = program.graph, program.ctx
+        self.program, self.spec, self.graph, self.ctx = program, spec, graph, ctx
+        self.dtype, self.device = dtype, device
+        pp_rank = ctx.coords[MeshAxis.PP]
+        self.schedule = make_schedule(spec.schedule, ctx.mesh.size(MeshAxis.PP), spec.microbatches,
+                                      spec.virtual if spec.schedule == "interleaved" else None)
+        self.actions = self.schedule.ranks[pp_rank]
+        self.all_units: list[Unit] = units(graph)
+        self.types = value_types(graph)
+        self.last_chunk = len(spec.chunks) - 1
+        self.chunk_params = [chunk_param_names(graph, spec, chunk=c) for c in range(len(spec.chunks))]
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self, params, inputs: dict[str, Tensor]) -> Tensor:
+        """Forward and backward of every microbatch on this rank; the sum of the losses
+        computed here (zero on ranks without the last chunk)."""
+        m = self.spec.microbatches
+        batch = self.graph.batch_dim
+        micro_inputs = [{} for _ in range(m)]
+        for item in self.graph.inputs:
+            index = item.type.dims.index(batch)
+            for j, part in enumerate(inputs[item.name].chunk(m, dim=index)):
+                micro_inputs[j][item.name] = part
+        state: dict[tuple[int, int], _Micro] = {}
+        sends: list = []
+        total = torch.zeros((), dtype=torch.float64)
+        for action in self.actions:
+            key = (action.microbatch, action.chunk)
+            kind = action.kind
+            if kind == K.FORWARD:
+                micro = state.setdefault(key, _Micro())
+                if self._local_prev(action.chunk):  # the previous chunk ran here: hand over, no transfer
+                    previous = state[(action.microbatch, action.chunk - 1)].outputs
+                    micro.received = [t.detach().requires_grad_(True) for t in previous]
+                loss = self._forward(params, micro_inputs[action.microbatch], micro, action.chunk)
+                if loss is not None:
+                    total = total + loss.detach().double()
+            elif kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
+                micro = state[key]
+                self._backward(kind, micro, self._leaves(params, action.chunk))
+                if kind != K.BACKWARD_WEIGHT and self._local_prev(action.chunk):
+                    state[(action.microbatch, action.chunk - 1)].grads_in = micro.grads_out
+                    micro.grads_out, micro.sent = [], True
+                if kind != K.BACKWARD_INPUT:  # the graph is done with: free the activations
+                    micro.outputs, micro.received, micro.grads_in, micro.done = [], [], None, True
+                    self._forget(state, key)
+            elif kind == K.SEND_FORWARD:
+                sends.append(self._send(state[key].outputs, action))
+            elif kind == K.SEND_BACKWARD:
+                micro = state[key]
+                sends.append(self._send(micro.grads_out, action))
+                micro.grads_out, micro.sent = [], True
+                self._forget(state, key)
+            elif kind == K.RECV_FORWARD:
+                target = state.setdefault((action.microbatch, action.chunk + 1), _Micro())
+                target.received = [t.requires_grad_(True) for t in self._recv(action, action.chunk)]
+            else:  # RECV_BACKWARD: gradients for the outputs of chunk c-1
+                target = state[(action.microbatch, action.chunk - 1)]
+                target.grads_in = self._recv(action, action.chunk - 1)
+        for _, work in sends:  # the buffer stays referenced until its send is done
+            work.wait()
+        return total
+
+    def _forward(self, params, inputs: dict[str, Tensor], micro: _Micro, chunk: int) -> Tensor | None:
+        spec = self.spec.chunks[chunk]
+        env = dict(inputs)
+        dims = {i.name: i.type.dims for i in self.graph.inputs}
+        if chunk > 0:
+            names = self.spec.chunks[chunk - 1].sends
+            env.update(zip(names, micro.received))
+            dims.update((n, self.types[n][0].dims) for n in names)
+        first, stop = spec.units
+        self.program.run_units(self.all_units[first:stop], params, env, dims)
+        if chunk == self.last_chunk:
+            micro.outputs = [env[self.graph.output]]
+            return micro.outputs[0]
+        micro.outputs = [env[n] for n in spec.sends]
+        return None
+
+    def _local_prev(self, chunk: int) -> bool:
+        previous = self.schedule.prev_chunk(chunk)
+        return previous is not None and self.schedule.stage_of(previous) == self.schedule.stage_of(chunk)
+
+    def _forget(self, state: dict, key: tuple[int, int]) -> None:
+        """Drop a (microbatch, chunk) once its backward is done and its input
+        gradients are sent (the first chunk of a pipeline sends none)."""
+        micro = state[key]
+        if micro.done and (micro.sent or self.schedule.prev_chunk(key[1]) is None):
+            del state[key]
+
+    def _leaves(self, params, chunk: int) -> list[Tensor]:
+        """The chunk's parameter leaves (ZeRO-3's view: the owned chunks are the leaves)."""
+        leaves = params if isinstance(params, dict) else params.zero.params
+        return [leaves[name] for name in sorted(self.chunk_params[chunk])]
+
+    def _backward(self, kind: ActionKind, micro: _Micro, weights: list[Tensor]) -> None:
+        outputs, grads = micro.outputs, micro.grads_in
+        pairs = [(o, g) for o, g in zip(outputs, grads or [None] * len(outputs)) if o.requires_grad]
+        if not pairs:
+            micro.grads_out = [torch.zeros_like(t) for t in micro.received]
+            return
+        outs, gs = [o for o, _ in pairs], [g for _, g in pairs] if grads is not None else None
+        leaves = [t for t in micro.received]
+        if kind == K.BACKWARD_INPUT:
+            found = torch.autograd.grad(outs, leaves, gs, retain_graph=True, allow_unused=True) if leaves else ()
+            micro.grads_out = [g if g is not None else torch.zeros_like(t) for g, t in zip(found, leaves)]
+            return
+        if kind == K.BACKWARD_WEIGHT:
+            torch.autograd.backward(outs, gs, inputs=weights)
+            return
+        torch.autograd.backward(outs, gs)
+        micro.grads_out = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+
+    # ---- point to point ------------------------------------------------------------------------
+    def _peer(self, pp_rank: int) -> int:
+        return self.ctx.mesh.rank_of({**self.ctx.coords, MeshAxis.PP: pp_rank})
+
+    def _send(self, tensors: list[Tensor], action: Action):
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]).contiguous()
+        return flat, dist.isend(flat, dst=self._peer(action.peer), tag=TAGS[action.kind])
+
+    def _recv(self, action: Action, producer: int) -> list[Tensor]:
+        """The boundary tensors after chunk `producer` (forward), or their gradients."""
+        names = self.spec.chunks[producer].sends
+        shapes = [self._local_shape(n) for n in names]
+        flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=self.dtype, device=self.device)
+        dist.recv(flat, src=self._peer(action.peer), tag=TAGS[action.kind])
+        out, offset = [], 0
+        for shape in shapes:
+            size = math.prod(shape)
+            out.append(flat[offset:offset + size].view(shape).clone())
+            offset += size
+        return out
+
+    def _local_shape(self, name: str) -> tuple[int, ...]:
+        t, sharding = self.types[name]
+        graph, mesh = self.graph, self.ctx.mesh
+        shape = []
+        for dim in t.dims:
+            size = graph.local_size(dim, sharding, mesh)
+            shape.append(size // self.spec.microbatches if dim == graph.batch_dim else size)
+        return tuple(shape)
