@@ -1,0 +1,181 @@
+"""Pipeline parallelism: chunks, the plan, bad input, and equivalence for every schedule.
+
+The property test trains random models with pp in {2, 4} composed with dp, tp and
+ZeRO (world <= 8), every runnable schedule and microbatches in {pp, 2pp}, against
+the single-device run in float64. The schedules themselves (checker, simulator,
+bubble formulas) are tested without processes in tests/test_schedules.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fivedc.cli import main
+from fivedc.errors import PlanError
+from fivedc.frontend_dsl import load_model, parse_model
+from fivedc.ir import CollectiveKind, Phase
+from fivedc.mesh import Mesh, MeshAxis
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+from fivedc.runtime.train import TrainSettings
+from fivedc.runtime.verify import single_device_mesh, verify_plan
+from fivedc.stages import RUNNABLE, partition
+from random_models import model_text
+
+TOL = 1e-10
+
+
+def compile_text(text: str, mesh: str, **options):
+    return compile_graph(parse_model(text, filename="m.5d"), CompileOptions(mesh=Mesh.parse(mesh), **options))
+
+
+def small(*, layers: int = 4, batch: int = 4, style: str = "llama") -> str:
+    return model_text(style=style, batch=batch, seq=4, heads=2, kv_heads=2, head_dim=4, ffn=8, vocab=8,
+                      layers=layers, causal=True)
+
+
+# ---- partitioning -------------------------------------------------------------------------
+@given(costs=st.lists(st.integers(1, 20), min_size=1, max_size=30), parts=st.integers(1, 8))
+def test_partition_is_contiguous_and_optimal(costs: list[int], parts: int) -> None:
+    if len(costs) < parts:
+        with pytest.raises(PlanError, match=f"needs {parts} chunks"):
+            partition(costs, parts)
+        return
+    ranges = partition([float(c) for c in costs], parts)
+    assert len(ranges) == parts and ranges[0][0] == 0 and ranges[-1][1] == len(costs)
+    assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(parts - 1))
+    best = _best_max(costs, parts)
+    assert max(sum(costs[a:b]) for a, b in ranges) == pytest.approx(best)
+
+
+def _best_max(costs: list[int], parts: int) -> float:
+    """Brute force over cut positions (small inputs only)."""
+    import itertools
+
+    n = len(costs)
+    return min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+        for cuts in itertools.combinations(range(1, n), parts - 1)
+    )
+
+
+def test_chunks_follow_the_layout_and_the_schedule_placement() -> None:
+    plan = compile_text(small(layers=6), "1x2x1x1x1", schedule="interleaved", microbatches=2)
+    chunks = plan.pipeline.chunks
+    assert [c.rank for c in chunks] == [0, 1, 0, 1] and plan.pipeline.virtual == 2
+    assert "embedding" in chunks[0].what and "cross_entropy" in chunks[-1].what
+    assert all(c.sends == ("x.4",) for c in chunks[:-1])  # the layer stack's carried value
+    given = compile_text(small(layers=6), "1x2x1x1x1", pp_layout=(1, 5))
+    assert [c.what for c in given.pipeline.chunks] == ["embedding, layers.0", "layers.1-5, rmsnorm+linear+cross_entropy"]
+    v = compile_text(small(layers=6), "1x2x1x1x1", schedule="dualpipev", microbatches=4)
+    assert [c.rank for c in v.pipeline.chunks] == [0, 1, 1, 0]
+
+
+def test_plan_lists_the_p2p_transfers_and_memory_per_stage() -> None:
+    plan = compile_text(small(layers=4), "1x2x1x1x1", microbatches=4, dtype="fp32")
+    hops = [c for c in plan.collectives if c.kind == CollectiveKind.SEND_RECV]
+    assert {c.phase for c in hops} == {Phase.FORWARD, Phase.BACKWARD}
+    # x per microbatch: [batch 4 / 4, seq 4, hidden 8] in fp32
+    assert all(c.axes == (MeshAxis.PP,) and c.count == 4 and c.bytes == 1 * 4 * 8 * 4 for c in hops)
+    whole = compile_text(small(layers=4), "1x1x1x1x1", dtype="fp32")
+    assert plan.memory.params < whole.memory.params  # each rank holds only its chunks' parameters
+
+
+def test_shared_parameter_across_stages_is_refused() -> None:
+    text = small(layers=2).replace("linear(rmsnorm(x, lnf), w_head)", "linear(rmsnorm(x, lnf), wte2)") \
+        .replace("param w_head: [hidden, vocab] = normal(0.3)", "")
+    text = text.replace("param wte: [vocab, hidden] = normal(0.5)",
+                        "param wte: [vocab, hidden] = normal(0.5)\n  param wte2: [hidden, vocab]")
+    text = text.replace("x = embedding(tokens, wte)", "x = embedding(tokens, wte)\n  y = linear(x, wte2)")
+    with pytest.raises(PlanError, match="used in two places"):
+        compile_text(text, "1x2x1x1x1")
+
+
+# ---- bad input ------------------------------------------------------------------------------
+@pytest.mark.parametrize("options,message,hint", [
+    ({"mesh": "1x8x1x1x1"}, "the model has 6 layers and op groups but the pipeline needs 8 chunks", "pp * virtual"),
+    ({"mesh": "1x2x1x1x1", "schedule": "interleaved", "microbatches": 1}, "m=1 is not a multiple of p=2", "use m=2"),
+    ({"mesh": "1x2x1x1x1", "schedule": "dualpipev", "microbatches": 2}, "needs at least 4 microbatches", "m >= 4"),
+    ({"mesh": "1x2x1x1x1", "microbatches": 3}, "leaves 4 per rank, which does not split into 3", "{1, 2, 4}"),
+    ({"mesh": "1x2x1x1x1", "schedule": "dualpipe"}, "two copies of the model", "dualpipev"),
+    ({"mesh": "1x2x1x1x1", "schedule": "fastest"}, "unknown pipeline schedule 'fastest'", "1f1b"),
+    ({"mesh": "1x2x1x1x1", "pp_layout": (2, 3)}, "places 5 layers, but the model has 4", "summing"),
+])
+def test_bad_pipeline_input_is_a_clear_error(options: dict, message: str, hint: str) -> None:
+    options = dict(options)
+    mesh = options.pop("mesh")
+    with pytest.raises(PlanError) as error:
+        compile_text(small(layers=4), mesh, **options)
+    assert message in str(error.value) and hint in error.value.render()
+
+
+def test_cli_compiles_and_draws_a_schedule(tmp_path, capsys) -> None:
+    plan = tmp_path / "plan.json"
+    assert main(["compile", "examples/tiny_llama.5d", "--mesh", "1x2x1x1x1", "--schedule", "zb-h1",
+                 "--microbatches", "4", "-o", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "zb-h1, 4 microbatches" in out and "Pipeline chunks" in out
+    picture = tmp_path / "schedule.svg"
+    assert main(["show", str(plan), "--schedule", str(picture)]) == 0
+    assert picture.stat().st_size > 1000 and "bubble" in capsys.readouterr().out
+    flat = tmp_path / "flat.json"
+    assert main(["compile", "examples/tiny_llama.5d", "--mesh", "1x1x1x1x1", "-o", str(flat)]) == 0
+    assert main(["show", str(flat), "--schedule", str(picture)]) == 2
+    assert "has no pipeline" in capsys.readouterr().err
+
+
+# ---- equivalence with the single-device run ------------------------------------------------
+def check(graph, pool, mesh: str, **options) -> None:
+    plan = compile_graph(graph, CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64", **options))
+    reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype="fp64"))
+    report = verify_plan(plan, reference, settings=TrainSettings(steps=2), pool=pool)
+    assert report.max_error <= TOL, report
+    assert report.losses[1] != report.losses[0]
+
+
+@pytest.mark.parametrize("schedule", RUNNABLE)
+def test_every_schedule_matches_single_device(schedule: str, worker_pool) -> None:
+    m = 4 if schedule == "dualpipev" else 2
+    check(load_model("examples/tiny_llama.5d"), worker_pool, "1x2x1x1x1", schedule=schedule, microbatches=m)
+
+
+@st.composite
+def pipeline_case(draw):
+    pp = draw(st.sampled_from([2, 4]))
+    dp = draw(st.sampled_from([d for d in (1, 2) if d * pp <= 8]))
+    tp = draw(st.sampled_from([t for t in (1, 2) if dp * pp * t <= 8]))
+    schedule = draw(st.sampled_from(RUNNABLE))
+    m = draw(st.sampled_from([2 * pp] if schedule == "dualpipev" else [pp, 2 * pp]))
+    v = 2 if schedule in ("interleaved", "dualpipev") else 1
+    text = model_text(
+        style=draw(st.sampled_from(["gpt", "llama"])), batch=dp * m, seq=2 * tp, heads=tp, kv_heads=tp,
+        head_dim=4, ffn=2 * tp, vocab=4 * tp, layers=max(1, pp * v - draw(st.integers(0, 1))),
+        causal=draw(st.booleans()),
+    )
+    zero = draw(st.sampled_from([0, 0, 1, 2]))
+    return text, f"{dp}x{pp}x{tp}x1x1", schedule, m, zero
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=pipeline_case())
+def test_random_pipelines_match_single_device(case, worker_pool) -> None:
+    text, mesh, schedule, m, zero = case
+    check(parse_model(text, filename="<random>"), worker_pool, mesh, schedule=schedule, microbatches=m, zero=zero,
+          sequence_parallel=Mesh.parse(mesh).size(MeshAxis.TP) > 1)
+
+
+def test_a_skipped_layer_is_caught(worker_pool) -> None:
+    """The harness can fail: a plan whose second chunk starts one layer late runs
+    the model without that layer."""
+    from dataclasses import replace
+
+    graph = load_model("examples/tiny_llama.5d")
+    plan = compile_graph(graph, CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), dtype="fp64", pp_layout=(1, 1)))
+    first, second = plan.pipeline.chunks
+    assert second.what == "layers.1, rmsnorm+linear+cross_entropy"
+    skipped = replace(second, units=(second.units[0] + 1, second.units[1]))
+    broken = replace(plan, pipeline=replace(plan.pipeline, chunks=(first, skipped)))
+    reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype="fp64"))
+    report = verify_plan(broken, reference, settings=TrainSettings(steps=2), pool=worker_pool)
+    assert report.loss_error > 1e-3
