@@ -61,31 +61,19 @@ def plan(zero: int, overlap: bool, bucket_mb: float = 1.0):
 
 
 def train_job(info: RankInfo, payload) -> dict:
-    """Train `steps` steps; the seconds per step after the first, and the bytes held."""
+    """Train `steps` steps after one warm-up step; the seconds per step, and the bytes held."""
     import torch
 
-    from fivedc.runtime.groups import MeshGroups
-    from fivedc.runtime.kernels import KernelContext
-    from fivedc.runtime.program import Program, init_params, make_inputs, qualified_params, shard
-    from fivedc.runtime.train import TrainSettings, train
+    from fivedc.runtime.train import TrainSettings
+    from fivedc.runtime.verify import setup_rank, train_plan
 
     the_plan, steps = payload
     torch.set_num_threads(1)
-    graph, mesh = the_plan.graph, the_plan.mesh
-    axis_sets = {c.axes for c in the_plan.collectives} | {p.grad_partial for _, p in qualified_params(graph) if p.grad_partial}
-    groups = MeshGroups(mesh, device_type="cpu", axis_sets=sorted(axis_sets))
-    ctx = KernelContext(graph, mesh, mesh.coords(info.rank), groups)
-    named = dict(qualified_params(graph))
-    full = init_params(graph, seed=0, dtype=torch.float32)
-    params = {n: shard(t, named[n].dims, named[n].sharding, ctx) for n, t in full.items()}
-    inputs = {i.name: shard(t, i.type.dims, i.sharding, ctx)
-              for i, t in zip(graph.inputs, make_inputs(graph, seed=0, dtype=torch.float32).values())}
     settings = TrainSettings(steps=1, dtype="fp32")
-    program = Program(graph, ctx)
-    train(program, params, inputs, settings, zero=the_plan.zero, buckets=the_plan.buckets, overlap=the_plan.overlap)
+    program, params, inputs, _ = setup_rank(the_plan, info, settings)
+    train_plan(the_plan, program, params, inputs, settings)  # warm-up
     start = time.perf_counter()
-    record = train(program, params, inputs, TrainSettings(steps=steps, dtype="fp32"), zero=the_plan.zero,
-                   buckets=the_plan.buckets, overlap=the_plan.overlap)
+    record = train_plan(the_plan, program, params, inputs, TrainSettings(steps=steps, dtype="fp32"))
     return {"seconds": (time.perf_counter() - start) / steps, "held": record.held}
 
 

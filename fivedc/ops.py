@@ -60,8 +60,13 @@ OP_SPECS: dict[str, OpSpec] = {
             "moe",
             ("x", "router", "w_gate", "w_up", "w_down"),
             4,
-            (("top_k", 2), ("score", "softmax"), ("capacity_factor", 0.0)),
-            doc="routed experts: router[hidden, experts], w_*[experts, ...]; SwiGLU with 5 args, GELU with 4",
+            (("top_k", 2), ("score", "softmax"), ("capacity_factor", 0.0), ("aux_loss", 0.0),
+             ("bias_update", 0.0), ("normalize", True)),
+            doc="routed experts: router[hidden, experts], w_*[experts, ...]; SwiGLU with 5 args, GELU with 4. "
+                "Each token goes to its top_k experts by score (softmax|sigmoid), gates normalised to sum 1; "
+                "capacity_factor left out: dropless, given (> 0): each expert keeps ceil(factor x tokens per "
+                "sequence x top_k / experts) per sequence; aux_loss: Switch balancing loss coefficient; "
+                "bias_update: DeepSeek-V3 loss-free balancing rate (0: off). See passes/experts.py",
         ),
     )
 }

@@ -14,7 +14,7 @@ Each collective says what compute it overlaps with (`Collective.overlaps`).
 from __future__ import annotations
 
 from fivedc.ir import Collective, CollectiveKind, Graph, Op, Param, Phase, walk_ops, walk_params
-from fivedc.mesh import Mesh
+from fivedc.mesh import Mesh, MeshAxis
 from fivedc.overlap import Bucket
 
 K = CollectiveKind
@@ -35,12 +35,19 @@ def sync_bytes(graph: Graph, mesh: Mesh, param: Param, dtype_bytes: int, zero: i
 
 
 def zero_notes(graph: Graph, mesh: Mesh, zero: int) -> tuple[str, ...]:
+    notes = []
     if zero and not any(mesh.size(*p.grad_partial) > 1 for p, _ in walk_params(graph.body)):
-        return (
+        notes.append(
             f"ZeRO-{zero} shards over each parameter's data-parallel group (the ranks that hold the "
-            "same replica), and every such group here has one rank: it changes nothing",
+            "same replica), and every such group here has one rank: it changes nothing"
         )
-    return ()
+    if zero == 3 and mesh.size(MeshAxis.PP) > 1:
+        notes.append(
+            "ZeRO-3 under a pipeline keeps each parameter gathered across the microbatches of a step "
+            "(gathered once, its gradient reduce-scattered after the last microbatch): during the step "
+            "a rank holds its chunks' whole parameters, so ZeRO-3 saves memory only between steps"
+        )
+    return tuple(notes)
 
 
 def param_sync_collectives(graph: Graph, mesh: Mesh, *, dtype_bytes: int, zero: int, overlap: bool,
@@ -96,6 +103,14 @@ def _zero_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, o
         return [make(K.ALL_GATHER, Phase.OPTIMIZER,
                      f"ZeRO-{zero}: each rank updated its 1/{n} chunk of {param.name}; gather the parameter", layers)]
     group = "*".join(axes)
+    summed = f"{param.name} is replicated over {group} while its ops split the work over {group}: sum its gradient"
+    if mesh.size(MeshAxis.PP) > 1:  # runtime/zero.py keep_gathered: once per step, across the microbatches
+        return [
+            make(K.ALL_GATHER, Phase.FORWARD, f"ZeRO-3 under a pipeline: gather {param.name} once per step and keep "
+                 "it across the microbatches", layers),
+            make(K.REDUCE_SCATTER, Phase.GRAD_SYNC, f"{summed} after the last microbatch; ZeRO-3 keeps only this "
+                 f"rank's 1/{n} chunk", layers),
+        ]
     prefetch = "the compute of the previous use (prefetched one use ahead)" if overlap else ""
     return [
         make(K.ALL_GATHER, Phase.FORWARD,
@@ -103,7 +118,5 @@ def _zero_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, o
              uses * layers, prefetch),
         make(K.ALL_GATHER, Phase.BACKWARD,
              f"ZeRO-3: gather {param.name} again for the backward of each use (not kept from forward)", uses * layers),
-        make(K.REDUCE_SCATTER, Phase.BACKWARD,
-             f"{param.name} is replicated over {group} while its ops split the work over {group}: sum its "
-             f"gradient; ZeRO-3 keeps only this rank's 1/{n} chunk", uses * layers),
+        make(K.REDUCE_SCATTER, Phase.BACKWARD, f"{summed}; ZeRO-3 keeps only this rank's 1/{n} chunk", uses * layers),
     ]

@@ -16,6 +16,7 @@ from fivedc.errors import ShardingError
 from fivedc.ir import Collective, CollectiveKind, Op, Phase, TensorType
 from fivedc.mesh import MeshAxis
 from fivedc.sharding import Sharding
+from fivedc.passes.expert_collectives import moe_collectives
 from fivedc.passes.layout import RuleContext
 
 Shardings = list[Sharding | None]
@@ -222,18 +223,23 @@ def _cross_entropy(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> Ru
 
 
 def _moe(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
+    """Tokens as the data axes and cp split them, hidden whole and replicated over tp;
+    the expert weights split their experts dim over ep (placed by passes/experts.py)
+    and their ffn dim over tp, so the output is partial over tp. The all-to-alls that
+    carry tokens to their experts are the op's own collectives."""
     x_t = types[0]
     x = _without_tp(_unsplit(ctx.resolve_partial(shs[0], x_t), x_t.dims[-1:]))
+    ep = (MeshAxis.EP,) if ctx.active(MeshAxis.EP) else ()
     weights = []
     for t in types[2:]:
         ffn = t.dims[2] if t.dims[1] == x_t.dims[-1] else t.dims[1]
+        w = Sharding.of(**{t.dims[0]: ep})
         if ctx.tp is not None:
             ctx.check_divisible(ffn, (MeshAxis.TP,), op.loc, "tensor parallelism inside experts")
-            weights.append(Sharding.of(**{ffn: (MeshAxis.TP,)}))
-        else:
-            weights.append(Sharding())
+            w = w.with_split(ffn, (MeshAxis.TP,))
+        weights.append(w)
     out = x.with_partial((MeshAxis.TP,)) if ctx.tp is not None else x
-    return RuleResult((x, Sharding()) + tuple(weights), out)
+    return RuleResult((x, Sharding()) + tuple(weights), out, moe_collectives(ctx, op, x, types))
 
 
 Rule = Callable[[RuleContext, Op, Shardings, Types], RuleResult]

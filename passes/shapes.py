@@ -147,12 +147,19 @@ def _moe(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
         raise _fail(op, f"router {_fmt(router)} must be [{hidden}, experts]")
     experts = router.dims[1]
     weights = [_tensor(op, types, i) for i in range(2, len(types))]
+    ffn = set()
     for w in weights:
         if len(w.dims) != 3 or w.dims[0] != experts or hidden not in (w.dims[1], w.dims[2]):
             raise _fail(op, f"expert weight {_fmt(w)} must be [{experts}, {hidden}, ffn] or [{experts}, ffn, {hidden}]")
+        ffn.add(w.dims[2] if w.dims[1] == hidden else w.dims[1])
+    if len(ffn) > 1:
+        raise _fail(op, f"the expert weights name different ffn dims ({', '.join(sorted(ffn))})",
+                    hint="w_gate, w_up and w_down share one ffn dim")
     top_k = op.attr("top_k", 2)
-    if not isinstance(top_k, int) or not 1 <= top_k <= graph.dim(experts):
-        raise _fail(op, f"top_k={top_k} must be between 1 and {experts}={graph.dim(experts)}")
+    n = graph.dim(experts)
+    if not isinstance(top_k, int) or not 1 <= top_k <= n:
+        raise _fail(op, f"top_k={top_k} must be between 1 and {experts}={n}",
+                    hint=f"choose top_k in 1..{n}, or add experts")
     return x
 
 

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from fivedc.errors import NotSupportedError
 from fivedc.ir import Graph, Op
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
@@ -226,10 +225,10 @@ def _cross_entropy(ctx, op, args, dims):
 
 
 def _moe(ctx, op, args, dims):
-    raise NotSupportedError(
-        "executing MoE layers is not supported yet (they compile to a plan)", loc=op.loc,
-        hint="verify a dense model, e.g. examples/gpt.5d",
-    )
+    """Routing, dispatch over ep, the local experts as batched matmuls, combine: runtime/moe.py."""
+    from fivedc.runtime.moe import moe_kernel
+
+    return moe_kernel(ctx, op, args, dims)
 
 
 Kernel = Callable[[KernelContext, Op, list, list], Tensor]

@@ -80,12 +80,12 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
         overlap = False
     local_buckets = [b for b in expand_buckets(buckets) if all(n in params for n in b)]
     optimizer = ZeroOptimizer(params, groups, stage=zero, lr=settings.lr, weight_decay=settings.weight_decay,
-                              buckets=local_buckets, overlap=overlap)
+                              buckets=local_buckets, overlap=overlap, keep_gathered=runner is not None)
     loss_axes = loss_axes_of(graph, ctx.mesh)
     register_params(ctx, optimizer.params)  # MoE layers name their per-layer state by their router
     record = TrainRecord()
     for _ in range(settings.steps):
-        with gathered_params_scope(zero):
+        with gathered_params_scope(0 if optimizer.keep_gathered else zero):
             view = optimizer.view()
             if runner is not None:
                 loss = runner.step(view, inputs)  # forward and backward of every microbatch

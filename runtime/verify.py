@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fivedc.errors import NotSupportedError
 from fivedc.ir import Graph, Op, walk_ops
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.plan import ExecutionPlan
@@ -64,11 +63,11 @@ def _relative(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() / denominator if a.numel() else 0.0
 
 
-def rank_job(info, payload) -> dict:
-    """One rank of a verification run (module-level so the worker pool can pickle it)."""
+def setup_rank(plan: ExecutionPlan, info, settings: TrainSettings) -> tuple[Program, dict, dict, dict]:
+    """This rank's program, its shards of the seeded parameters (only its chunks' with
+    a pipeline) and of the inputs, and the parameters' IR records by name."""
     from fivedc.runtime.groups import MeshGroups
 
-    plan, reference, settings = payload
     graph, mesh = plan.graph, plan.mesh
     axis_sets = {c.axes for c in plan.collectives} | {p.grad_partial for _, p in qualified_params(graph) if p.grad_partial}
     axis_sets.add(loss_axes_of(graph, mesh))
@@ -76,7 +75,7 @@ def rank_job(info, payload) -> dict:
     ctx = KernelContext(graph, mesh, mesh.coords(info.rank), groups)
     device = torch.device(info.device)
     full = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype)
-    if plan.pipeline is not None:  # only the parameters of this rank's chunks
+    if plan.pipeline is not None:
         mine = chunk_param_names(graph, plan.pipeline, pp_rank=ctx.coords[MeshAxis.PP])
         full = {n: t for n, t in full.items() if n in mine}
     named = dict(qualified_params(graph))
@@ -85,8 +84,21 @@ def rank_job(info, payload) -> dict:
         i.name: shard(t, i.type.dims, i.sharding, ctx).to(device)
         for i, t in zip(graph.inputs, make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype).values())
     }
-    record = train(Program(graph, ctx), params, inputs, settings, zero=plan.zero, buckets=plan.buckets,
-                   overlap=plan.overlap, pipeline=plan.pipeline)
+    return Program(graph, ctx), params, inputs, named
+
+
+def train_plan(plan: ExecutionPlan, program: Program, params: dict, inputs: dict, settings: TrainSettings) -> TrainRecord:
+    """`train` with everything the plan decides: ZeRO, buckets, overlap, the pipeline."""
+    return train(program, params, inputs, settings, zero=plan.zero, buckets=plan.buckets, overlap=plan.overlap,
+                 pipeline=plan.pipeline)
+
+
+def rank_job(info, payload) -> dict:
+    """One rank of a verification run (module-level so the worker pool can pickle it)."""
+    plan, reference, settings = payload
+    program, params, inputs, named = setup_rank(plan, info, settings)
+    ctx = program.ctx
+    record = train_plan(plan, program, params, inputs, settings)
     errors = {"loss": (0.0, "loss"), "grad": (0.0, ""), "param": (0.0, "")}
     for step, (mine, ref) in enumerate(zip(record.losses, reference.losses)):
         errors["loss"] = max(errors["loss"], (abs(mine - ref) / max(abs(ref), 1e-12), f"loss at step {step + 1}"))

@@ -13,6 +13,9 @@ group rank `i`. Per stage, on each rank:
   use gathers it (`_Gather`: all-gather forward, reduce-scatter of the gradient
   backward); the gathered tensor is not kept for backward: a saved-tensor hook
   drops it and gathers again when backward needs it (fetch, compute, discard).
+  Under a pipeline (`keep_gathered`) each parameter is gathered once per step and
+  kept across the microbatches, its gradient reduce-scattered after the last: the
+  memory of whole parameters during the step, instead of m times the traffic.
 
 AdamW is written out here (torch's formula, decoupled weight decay), because it
 updates slices of parameters in place; in 16-bit training the owned chunk has an
@@ -152,9 +155,12 @@ class ZeroOptimizer:
     """
 
     def __init__(self, params: dict[str, Tensor], groups: dict[str, object | None], *, stage: int,
-                 lr: float, weight_decay: float, buckets: list[tuple[str, ...]] = (), overlap: bool = True) -> None:
+                 lr: float, weight_decay: float, buckets: list[tuple[str, ...]] = (), overlap: bool = True,
+                 keep_gathered: bool = False) -> None:
         self.stage, self.lr, self.weight_decay, self.groups = stage, lr, weight_decay, groups
         self.overlap = overlap
+        self.keep_gathered = keep_gathered and stage == 3  # a pipeline: gather once per step, not per use
+        self.gathered: dict[str, Tensor] = {}
         self.access_order: tuple[str, ...] = ()  # ZeRO-3: the last forward's parameter reads
         self.prefetch: tuple[int, str, _PendingGather] | None = None
         self.shapes = {name: p.shape for name, p in params.items()}
@@ -178,6 +184,10 @@ class ZeroOptimizer:
             if stage < 3 else None
 
     def view(self) -> dict[str, Tensor] | _Gathered:
+        if self.keep_gathered:  # whole parameters for the step, leaves that accumulate every microbatch
+            self.gathered = {n: self.specs[n].gather(p.detach()).view(self.shapes[n]).clone().requires_grad_(True)
+                             for n, p in self.params.items()}
+            return self.gathered
         return _Gathered(self) if self.stage == 3 else self.params
 
     def forward_done(self, view: dict[str, Tensor] | _Gathered) -> None:
@@ -189,6 +199,10 @@ class ZeroOptimizer:
         on, most buckets started during backward): full sums for stages 0 and 1, the
         owned chunk for stage 2. Stage 3's gradients arrive summed and chunked."""
         summed = self.buckets.finish() if self.buckets is not None else {}
+        for name, full in self.gathered.items():  # kept-gathered ZeRO-3: reduce-scatter once per step
+            grad = full.grad if full.grad is not None else torch.zeros_like(full)
+            summed[name] = self.specs[name].reduce_scatter(grad.reshape(-1))
+        self.gathered = {}
         self.grads = {}
         for name, p in self.params.items():
             grad = summed.get(name)

@@ -4,7 +4,9 @@
 GPT-style (layernorm, gelu MLP with bias, learned positions) or Llama-style
 (rmsnorm, rope, GQA, SwiGLU), with random layers, heads, kv-heads and widths.
 `draw_cp_case` adds context parallelism (cp in {2, 4}) with its attention variant
-and sequence layout.
+and sequence layout. `draw_moe_case` draws mixture-of-experts models (experts,
+top-k, score, SwiGLU or GELU experts, a shared expert, balancing, capacity) on
+meshes with ep in {2, 4} composed with dp and tp.
 """
 
 from __future__ import annotations
@@ -127,3 +129,81 @@ def draw_cp_case(draw, *, max_world: int = 8) -> Case:
         cp_attention=draw(st.sampled_from(["ring", "allgather"])),
         cp_layout=draw(st.sampled_from([None, "contiguous", "balanced"])),
     )
+
+
+def moe_model_text(*, batch: int, seq: int, hidden: int, experts: int, expert_ffn: int, vocab: int, layers: int,
+                   top_k: int, score: str, swiglu: bool, shared: bool, down_first: bool, extra: str) -> str:
+    """Embedding, `layers` x (rmsnorm, moe [+ a shared SwiGLU expert], residual), a head.
+    `down_first` writes w_down as [experts, hidden, ffn]; `extra` adds moe keywords."""
+    down = "[experts, hidden, ffn]" if down_first else "[experts, ffn, hidden]"
+    gate = "param we_gate: [experts, hidden, ffn] = normal(0.3)\n    " if swiglu else ""
+    weights = "we_gate, we_up, we_down" if swiglu else "we_up, we_down"
+    shared_params = ("param ws_gate: [hidden, ffn] = normal(0.3)\n    param ws_up: [hidden, ffn] = normal(0.3)\n"
+                     "    param ws_down: [ffn, hidden] = normal(0.3)\n    ") if shared else ""
+    out = "add(r, linear(swiglu(linear(h, ws_gate), linear(h, ws_up)), ws_down))" if shared else "r"
+    return f"""
+model random_moe {{
+  dims {{
+    batch = {batch}
+    seq = {seq}
+    hidden = {hidden}
+    experts = {experts}
+    ffn = {expert_ffn}
+    vocab = {vocab}
+  }}
+  input tokens: int[batch, seq]
+  input targets: int[batch, seq]
+  param wte: [vocab, hidden] = normal(0.5)
+  x = embedding(tokens, wte)
+  repeat {layers} as layers {{
+    param norm: [hidden] = ones
+    param router: [hidden, experts] = normal(0.5)
+    {gate}param we_up: [experts, hidden, ffn] = normal(0.3)
+    param we_down: {down} = normal(0.3)
+    {shared_params}h = rmsnorm(x, norm)
+    r = moe(h, router, {weights}, top_k={top_k}, score="{score}"{extra})
+    x = add(x, {out})
+  }}
+  param lnf: [hidden] = ones
+  param w_head: [hidden, vocab] = normal(0.3)
+  loss = cross_entropy(linear(rmsnorm(x, lnf), w_head), targets)
+  return loss
+}}
+"""
+
+
+@st.composite
+def draw_moe_case(draw, *, max_world: int = 8, capacity: bool = False) -> Case:
+    """An MoE model on a mesh with ep in {2, 4} composed with dp and tp (world <= 8).
+    Dropless unless `capacity`: then a capacity factor small enough to drop tokens."""
+    ep = draw(st.sampled_from([2, 4]))
+    dp = draw(st.sampled_from([d for d in (1, 2) if d * ep <= max_world]))
+    tp = draw(st.sampled_from([t for t in (1, 2) if dp * ep * t <= max_world]))
+    sp = draw(st.booleans()) if tp > 1 else False
+    experts = ep * draw(st.integers(1, 2))
+    top_k = draw(st.integers(1, min(3, experts)))
+    keywords = []
+    if top_k == 1 or draw(st.booleans()):
+        keywords.append(f"normalize={str(top_k > 1 and draw(st.booleans())).lower()}")
+    if draw(st.booleans()):
+        keywords.append("aux_loss=0.5")
+    if draw(st.booleans()):
+        keywords.append("bias_update=0.05")
+    if capacity:  # seq * top_k >= 2 * experts: with a factor <= 0.5 some expert must drop
+        keywords.append(f"capacity_factor={draw(st.sampled_from([0.25, 0.5]))}")
+    text = moe_model_text(
+        batch=dp * ep * draw(st.integers(1, 2)),
+        seq=16 if capacity else tp * draw(st.integers(2, 4)),
+        hidden=draw(st.sampled_from([6, 8, 12])),
+        experts=experts,
+        expert_ffn=tp * draw(st.integers(2, 4)),
+        vocab=tp * draw(st.integers(3, 6)),
+        layers=draw(st.integers(1, 2)),
+        top_k=top_k,
+        score=draw(st.sampled_from(["softmax", "sigmoid"])),
+        swiglu=draw(st.booleans()),
+        shared=draw(st.booleans()),
+        down_first=draw(st.booleans()),
+        extra="".join(", " + k for k in keywords),
+    )
+    return Case(text, f"{dp}x1x{tp}x1x{ep}", sp)
