@@ -81,14 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     c = sub.add_parser("compile", help=COMMANDS["compile"], description=COMMANDS["compile"])
-    c.add_argument("model", help="a .5d model file")
+    c.add_argument("model", help="a .5d model file, or path/to/file.py:factory (an nn.Module traced with torch.fx)")
     _mesh_args(c, required=True)
     c.add_argument("--dtype", default="bf16", help="training precision for the estimates (bf16, fp32, fp64)")
     c.add_argument("-o", "--output", default=None, help="plan file to write (default MODEL.plan.json)")
     c.add_argument("-q", "--quiet", action="store_true", help="write the plan, print one line")
     c.add_argument("-v", "--verbose", action="store_true", help="list every parameter")
     v = sub.add_parser("verify", help=COMMANDS["verify"], description=COMMANDS["verify"])
-    v.add_argument("model", help="a .5d model file")
+    v.add_argument("model", help="a .5d model file, or path/to/file.py:factory (checked against the plain module)")
     _mesh_args(v, required=True)
     v.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
     v.add_argument("--dtype", default="fp64", help="fp64 (default) or fp32")
@@ -107,14 +107,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _compile(model: str, mesh_text: str, args, *, dtype: str):
+def load_graph(model: str):
+    """A `.5d` model, or `path/to/file.py:factory` traced with torch.fx."""
+    from fivedc.frontend_py import graph_from_spec, is_spec
+
+    if is_spec(model):
+        return graph_from_spec(model)
     from fivedc.frontend_dsl import load_model
+
+    return load_model(model)
+
+
+def _compile(model: str, mesh_text: str, args, *, dtype: str):
     from fivedc.mesh import Mesh
     from fivedc.pipeline import compile_graph
 
     mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
-    graph = load_model(model)
-    return compile_graph(graph, compile_options(args, mesh, dtype=dtype))
+    return compile_graph(load_graph(model), compile_options(args, mesh, dtype=dtype))
 
 
 def _console():
@@ -132,7 +141,7 @@ def cmd_compile(args) -> int:
     start = time.perf_counter()
     plan = _compile(args.model, args.mesh, args, dtype=args.dtype)
     seconds = time.perf_counter() - start
-    output = Path(args.output) if args.output else Path(Path(args.model).stem + ".plan.json")
+    output = Path(args.output) if args.output else Path(Path(args.model.split(":")[0]).stem + ".plan.json")
     plan.save(output)
     if args.quiet:
         print(f"wrote {output} ({len(plan.collectives)} collectives, {format_bytes(plan.memory.total)} per rank)")

@@ -30,12 +30,16 @@ def run_verify(args) -> int:
     if args.steps < 1:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
     mesh = Mesh.parse(args.mesh, rank_order=args.rank_order)
+    tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
+    from fivedc.frontend_py import is_spec
+
+    if is_spec(args.model):
+        return _verify_module(args, mesh, tol)
     graph = load_model(args.model)
     plan = compile_graph(graph, compile_options(args, mesh, dtype=args.dtype))
     reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype))
     check_executable(plan.graph)
     settings = TrainSettings(steps=args.steps, seed=args.seed, dtype=args.dtype)
-    tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
     if "WORLD_SIZE" in os.environ:
         report = _under_launcher(plan, reference, settings)
         if report is None:
@@ -50,6 +54,40 @@ def run_verify(args) -> int:
         raise VerifyMismatch(
             f"the parallel run differs from the single-device run: relative error "
             f"{report.max_error:.3e} > {tol:.0e} ({report.worst})"
+        )
+    return 0
+
+
+def _verify_module(args, mesh, tol: float) -> int:
+    """`file.py:factory`: the parallelized module against the plain one, both trained
+    with torch's AdamW (fivedc/parallel_check.py)."""
+    from fivedc.parallel_check import check_module
+
+    if args.zero:
+        raise FivedcError("verify of a module runs without ZeRO", hint="drop --zero, or verify a .5d model")
+    options = dict(sequence_parallel=args.sp, cp_attention=args.cp_attention, cp_layout=args.cp_layout,
+                   overlap=args.overlap, bucket_mb=args.bucket_mb)
+    if "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        from fivedc.runtime.pool import check_world, init_from_env
+
+        check_world(mesh.world, mesh=mesh)
+        init_from_env()
+        try:
+            report = check_module(args.model, mesh=mesh, steps=args.steps, dtype=args.dtype, seed=args.seed, **options)
+        finally:
+            dist.destroy_process_group()
+        if report is None:
+            return 0
+    else:
+        print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})")
+        report = check_module(args.model, mesh=mesh, steps=args.steps, dtype=args.dtype, seed=args.seed, **options)
+    _print_report(report, tol)
+    if report.max_error > tol:
+        raise VerifyMismatch(
+            f"the parallel module differs from the plain one: relative error {report.max_error:.3e} > {tol:.0e} "
+            f"({report.worst})"
         )
     return 0
 
@@ -81,5 +119,27 @@ def _print_report(report, tol: float) -> None:
     print(f"  loss        {report.loss_error:.3e}")
     print(f"  gradients   {report.grad_error:.3e}")
     print(f"  parameters  {report.param_error:.3e}   (worst: {report.worst})")
+    _print_expert_load(report)
     verdict = "OK" if report.max_error <= tol else "MISMATCH"
     print(f"{verdict}: tolerance {tol:.0e}, {report.world} processes")
+
+
+def _print_expert_load(report, shown: int = 6) -> None:
+    """Per step: each MoE layer's imbalance (busiest expert's tokens / mean), and drops."""
+    if not report.expert_load:
+        return
+    print("expert load (assignments per expert over all ranks; imbalance = busiest / mean):")
+    for step, layers in enumerate(report.expert_load, start=1):
+        ratios = {name: load.imbalance for name, load in layers.items()}
+        if len(ratios) <= shown:
+            text = ", ".join(f"{name} {ratio:.2f}" for name, ratio in ratios.items())
+        else:
+            worst = max(ratios, key=ratios.get)
+            text = f"{len(ratios)} layers, mean {sum(ratios.values()) / len(ratios):.2f}, worst {worst} {ratios[worst]:.2f}"
+        routed = sum(sum(load.routed) for load in layers.values())
+        dropped = sum(sum(load.dropped) for load in layers.values())
+        drops = f"; dropped {dropped} of {routed} ({100 * dropped / routed:.1f}%)" if dropped else ""
+        print(f"  step {step}: {text}{drops}")
+    same = "the same as" if report.routing_matches else "DIFFERENT from"
+    print(f"  routing: tokens per expert {same} the single-device run")
+

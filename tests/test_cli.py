@@ -105,3 +105,13 @@ def test_cp_that_does_not_divide_the_sequence_is_a_clear_error(tmp_path, capsys)
     assert "choose cp in {1, 2, 4}" in err and "Traceback" not in err and not out.exists()
     with pytest.raises(SystemExit):
         main(["compile", "examples/tiny_llama.5d", "--mesh", "1x1x1x2x1", "--cp-attention", "rign"])
+
+
+def test_compile_and_verify_a_python_module_factory(tmp_path, capsys) -> None:
+    out = tmp_path / "nanogpt.plan.json"
+    assert main(["compile", "examples/nanogpt.py:factory", "--mesh", "2x1x2x1x1", "--sp", "-q", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["graph"]["name"]
+    assert main(["verify", "examples/llama.py:factory", "--mesh", "1x1x2x1x1"]) == 0
+    assert "OK: tolerance 1e-10" in capsys.readouterr().out
+    assert main(["compile", "examples/missing.py:factory", "--mesh", "2x1x1x1x1", "-o", str(out)]) == 2
+    assert "examples/missing.py does not exist" in capsys.readouterr().err

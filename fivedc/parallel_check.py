@@ -1,0 +1,146 @@
+"""Equivalence of a parallelized module with the plain one, both trained by `torch.optim.AdamW`.
+
+`train_module` runs the ordinary loop (`zero_grad`, `loss = model(*inputs)`,
+`backward`, `step`) on either a plain module or a `ParallelModule` and records the
+loss of every step, the gradients of every step and the parameters at the end, in
+the original module's names (a parallel module's are gathered to full, so
+comparing them checks every rank's shards). `check_module` trains the plain module
+in this process, then the parallelized one on `mesh.world` workers (a
+`WorkerPool`, or a temporary one), and reports the worst relative error of each
+kind (relative to the largest magnitude of the reference tensor, as
+`runtime/verify.py` does). The module comes from a `file.py:factory` spec, so
+each worker builds it again; the reference's initial state is sent along, so the
+factory need not be seeded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor, nn
+
+_DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+
+
+@dataclass
+class ModuleRun:
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict[str, Tensor]] = field(default_factory=list)  # per step, the module's parameter names
+    params: dict[str, Tensor] = field(default_factory=dict)  # after the last step
+
+
+@dataclass(frozen=True)
+class ModuleCheck:
+    """The fields `fivedc verify` prints, as for a DSL model's `VerifyReport`."""
+
+    losses: tuple[float, ...]  # the plain module's, per step
+    parallel_losses: tuple[float, ...]
+    loss_error: float
+    grad_error: float
+    param_error: float
+    worst: str
+    world: int = 1
+    expert_load: tuple = ()  # (MoE routing statistics: none for a dense module)
+
+    @property
+    def max_error(self) -> float:
+        return max(self.loss_error, self.grad_error, self.param_error)
+
+
+def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: float = 1e-2,
+                 weight_decay: float = 0.1) -> ModuleRun:
+    from fivedc.parallel_module import ParallelModule
+
+    parallel = isinstance(model, ParallelModule)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+    run = ModuleRun()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        loss.backward()
+        run.losses.append(loss.item())
+        grads = model.full_grads() if parallel else {n: p.grad for n, p in model.named_parameters()}
+        run.grads.append({n: g.detach().clone().cpu() for n, g in grads.items()})
+        opt.step()
+    state = model.full_state_dict() if parallel else model.state_dict()
+    names = {m.key for m in model.fivedc_traced.params} if parallel else dict(model.named_parameters())
+    run.params = {k: v.detach().clone().cpu() for k, v in state.items() if k in names}
+    return run
+
+
+def rank_job(info, payload) -> ModuleRun | None:
+    """One rank: build the module from its spec, load the reference's start, parallelize, train."""
+    from fivedc.frontend_py import load_factory
+    from fivedc.parallelize import parallelize
+
+    spec, kwargs, dtype, state, inputs, options, settings = payload
+    module, _ = load_factory(spec, kwargs=kwargs)
+    if dtype is not None:
+        module = module.to(_DTYPES[dtype])
+    module.load_state_dict(state)
+    model = parallelize(module, example_inputs=inputs, device=info.device, **options)
+    run = train_module(model, inputs, **settings)
+    return run if info.rank == 0 else None
+
+
+def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2, lr: float = 1e-2,
+                 weight_decay: float = 0.1, dtype: str | None = None, seed: int | None = None, pool=None,
+                 **options) -> ModuleCheck | None:
+    """Train the plain module here and `parallelize(module, mesh=mesh, **options)` on `mesh.world`
+    processes (mesh: a `Mesh` or its text), and compare. dtype ("fp64", "fp32"): cast the module
+    (default: as built); seed: `torch.manual_seed` before the factory runs. Inside a torch.distributed job (torchrun) this
+    process is one rank: every rank must call it, and rank 0 gets the result, the others None."""
+    import torch.distributed as dist
+
+    from fivedc.frontend_py import load_factory
+    from fivedc.mesh import Mesh
+    from fivedc.runtime.pool import RankInfo, run_once
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    module, inputs = load_factory(spec, kwargs=kwargs)
+    if dtype is not None:
+        module = module.to(_DTYPES[dtype])
+        inputs = _cast(inputs, _DTYPES[dtype])
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay}
+    reference = train_module(module, inputs, **settings)
+    payload = (spec, kwargs, dtype, state, inputs, {"mesh": mesh, **options}, settings)
+    world = (mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)).world
+    if dist.is_initialized():
+        device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+        parallel = rank_job(RankInfo(dist.get_rank(), dist.get_world_size(), device), payload)
+        return replace(compare(reference, parallel), world=world) if parallel is not None else None
+    runner = pool.run if pool is not None else run_once
+    parallel = runner(rank_job, world=world, payload=payload)[0]
+    return replace(compare(reference, parallel), world=world)
+
+
+def compare(reference: ModuleRun, parallel: ModuleRun) -> ModuleCheck:
+    worst = {"loss": (0.0, ""), "grad": (0.0, ""), "param": (0.0, "")}
+    for step, (ref, got) in enumerate(zip(reference.losses, parallel.losses, strict=True)):
+        worst["loss"] = max(worst["loss"], (abs(got - ref) / max(abs(ref), 1e-12), f"loss at step {step + 1}"))
+    for step, (ref, got) in enumerate(zip(reference.grads, parallel.grads, strict=True)):
+        for name, want in ref.items():
+            err = _relative(got[name], want)
+            worst["grad"] = max(worst["grad"], (err, f"gradient of {name} at step {step + 1}"))
+    for name, want in reference.params.items():
+        worst["param"] = max(worst["param"], (_relative(parallel.params[name], want), name))
+    return ModuleCheck(tuple(reference.losses), tuple(parallel.losses), worst["loss"][0], worst["grad"][0],
+                       worst["param"][0], max(worst.values())[1])
+
+
+def _relative(got: Tensor, want: Tensor) -> float:
+    if got.shape != want.shape:
+        return float("inf")
+    scale = max(want.abs().max().item(), 1e-12) if want.numel() else 1.0
+    return (got.double() - want.double()).abs().max().item() / scale if want.numel() else 0.0
+
+
+def _cast(inputs, dtype: torch.dtype):
+    """Floating-point example inputs in `dtype` (token ids stay integers)."""
+    def cast(x):
+        return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+    return {k: cast(v) for k, v in inputs.items()} if isinstance(inputs, dict) else tuple(cast(x) for x in inputs)

@@ -1,0 +1,71 @@
+"""Gradient sync for a parallelized module: summed by the time `loss.backward()` returns.
+
+Each parameter shard's gradient is a summand over its `grad_partial` axes (dp, cp,
+and tp for norm weights under SP). `GradSync` sums it there with the plan's
+buckets (`runtime/buckets.py`), started during backward from post-accumulate-grad
+hooks in the plan's order (or all at the end with overlap off), and completes
+them in a callback queued on the autograd engine, which runs before `backward()`
+returns. So `.grad` holds the full gradient of each shard when the user's
+`opt.step()` runs, and any `torch.optim` optimizer works unchanged.
+
+Gradient accumulation keeps torch's semantics (`.grad` adds up until
+`zero_grad()`): a hook on each parameter's incoming gradient sets the
+accumulated, already summed `.grad` aside before this backward's gradient lands,
+so only the new part is reduced, and adds it back afterwards. Parameters with
+nothing to sum over (a 1x1x1x1x1 mesh) get no hooks at all.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from fivedc.plan import ExecutionPlan
+from fivedc.runtime.buckets import GradBuckets, expand_buckets
+from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.program import qualified_params
+
+
+class GradSync:
+    def __init__(self, params: dict[str, nn.Parameter], plan: ExecutionPlan, ctx: KernelContext) -> None:
+        groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None
+                  for name, p in qualified_params(plan.graph)}
+        synced = {name for name, group in groups.items() if group is not None and params[name].requires_grad}
+        buckets = [b for b in expand_buckets(plan.buckets) if all(groups.get(n) is not None for n in b)]
+        buckets = [kept for b in buckets if (kept := tuple(n for n in b if n in synced))]  # frozen ones dropped
+        covered = {name for b in buckets for name in b}
+        # a parameter the plan left out of its buckets still gets summed, alone, after backward
+        buckets += [(name,) for name in params if name in synced and name not in covered]
+        self.params = params
+        self.synced = tuple(name for name in params if name in synced)
+        self.reducer = GradBuckets(params, buckets, {}, groups, stage=0, overlap=plan.overlap)
+        self.held: dict[str, Tensor | None] = {}  # .grad from earlier backwards, set aside
+        self.queued = False
+        for name in self.synced:
+            params[name].register_hook(partial(self._incoming, name))
+
+    def _incoming(self, name: str, grad: Tensor) -> None:
+        """Before this backward's gradient is accumulated: set the summed one aside."""
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self.queued = True
+        p = self.params[name]
+        self.held[name] = p.grad
+        p.grad = None
+
+    def _finish(self) -> None:
+        """At the end of backward: start what is left, wait, and set each summed `.grad`."""
+        self.queued = False
+        for name in self.synced:
+            if name not in self.held:  # no gradient in this backward: reduce zeros, keep the old one
+                p = self.params[name]
+                self.held[name], p.grad = p.grad, None
+        summed = self.reducer.finish()
+        for name, grad in summed.items():
+            p = self.params[name]
+            grad = grad.view_as(p)
+            before = self.held.pop(name, None)
+            p.grad = grad if before is None else before + grad
+        self.held.clear()

@@ -1,0 +1,216 @@
+"""The module `fivedc.parallelize` returns: this rank's shards, run by fivedc's runtime.
+
+`ParallelModule` holds one `nn.Parameter` per IR parameter instance, cut to this
+rank's shard, under the IR's qualified names (`wte`, `layers.0.c_attn_q`), so
+`state_dict()` is the sharded state in the plan's names. `forward` takes the same
+arguments as the original module's, with FULL global tensors (every rank passes
+the same batch); it cuts this rank's shard (batch over dp, sequence over cp in the
+plan's layout), runs the plan's `Program`, and returns the full loss: the local
+summand all-reduced over the loss's pending axes, with an identity backward, so
+`loss.backward()` seeds each rank's own summand. Gradients are summed over their
+`grad_partial` axes before `backward()` returns (`fivedc/parallel_grads.py`), so
+a plain `torch.optim` optimizer over `parameters()` trains it.
+`full_state_dict()` gathers the parameters back into the original module's keys
+(with its persistent buffers) and `load_state_dict` takes either form.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from fivedc.errors import FivedcError
+from fivedc.frontend_fx import TracedModel
+from fivedc.ir import Param
+from fivedc.parallel_grads import GradSync
+from fivedc.plan import ExecutionPlan
+from fivedc.runtime.collectives import Step, apply_steps, redistribute
+from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.program import Program, qualified_params, shard
+from fivedc.runtime.train import loss_partial_axes
+
+
+class ParallelModule(nn.Module):
+    """One rank's part of a module parallelized by fivedc (see `fivedc.parallelize`)."""
+
+    def __init__(self, module: nn.Module, traced: TracedModel, plan: ExecutionPlan, *, example_inputs,
+                 device: torch.device, sync_module_states: bool = True) -> None:
+        super().__init__()
+        self.fivedc_plan = plan
+        self.fivedc_traced = traced
+        self._fivedc_name = type(module).__name__
+        self._fivedc_signature = inspect.signature(module.forward)
+        self._fivedc_fixed = _fixed_arguments(self._fivedc_signature, example_inputs)
+        self._fivedc_device = device
+        self._fivedc_groups = _mesh_groups(plan, device)
+        rank = dist.get_rank() if self._fivedc_groups is not None else 0
+        self._fivedc_ctx = KernelContext(plan.graph, plan.mesh, plan.mesh.coords(rank), self._fivedc_groups)
+        self._fivedc_program = Program(plan.graph, self._fivedc_ctx)
+        self._fivedc_specs: dict[str, Param] = dict(qualified_params(plan.graph))
+        state = module.state_dict()
+        keys = {m.key for m in traced.params}
+        self._fivedc_keys = tuple(state)  # the original order, parameters and persistent buffers
+        self._fivedc_buffers = {k: v.detach().clone() for k, v in state.items() if k not in keys}
+        full = traced.to_ir_params(state)
+        if sync_module_states and self._fivedc_groups is not None:
+            _broadcast(full, device)
+        frozen = {m.ir_name for m in traced.params if not module.get_parameter(m.key).requires_grad}
+        self._fivedc_params: dict[str, nn.Parameter] = {}
+        for name, spec in self._fivedc_specs.items():
+            local = shard(full[name].detach(), spec.dims, spec.sharding, self._fivedc_ctx)
+            self._register(name, nn.Parameter(local.to(device).clone(), requires_grad=name not in frozen))
+        axes = loss_partial_axes(plan.graph)
+        self._fivedc_loss_steps = (Step("all_reduce", axes),) if axes and self._fivedc_groups is not None \
+            and plan.mesh.size(*axes) > 1 else ()
+        self._fivedc_grads = GradSync(self._fivedc_params, plan, self._fivedc_ctx)
+
+    # ---- training ---------------------------------------------------------------------
+    def forward(self, *args, **kwargs) -> Tensor:
+        """The full loss of the model on the global batch given (every rank passes the same)."""
+        inputs = self._fivedc_inputs(args, kwargs)
+        loss = self._fivedc_program.loss(self._fivedc_params, inputs)
+        if self._fivedc_loss_steps:
+            loss = redistribute(loss, self._fivedc_loss_steps, (), self._fivedc_groups)
+        return loss
+
+    def _fivedc_inputs(self, args: tuple, kwargs: dict) -> dict[str, Tensor]:
+        try:
+            bound = self._fivedc_signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise FivedcError(f"{self._fivedc_name} (parallelized) called with wrong arguments: {error}") from None
+        bound.apply_defaults()
+        for name, traced in self._fivedc_fixed.items():
+            if not _same(bound.arguments.get(name), traced):
+                raise FivedcError(
+                    f"{self._fivedc_name} (parallelized) was traced with {name}={traced!r}, got "
+                    f"{bound.arguments.get(name)!r}",
+                    hint="arguments that are not tensors are fixed when the module is traced; "
+                    "parallelize again with example inputs that have the new value",
+                )
+        graph, out = self.fivedc_plan.graph, {}
+        for item in graph.inputs:
+            value = bound.arguments.get(item.name)
+            shape = tuple(graph.dim(d) for d in item.type.dims)
+            if not isinstance(value, Tensor) or tuple(value.shape) != shape:
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise FivedcError(
+                    f"{self._fivedc_name} (parallelized) was traced with {item.name} of shape {shape}, got {got}",
+                    hint="the plan is compiled for the example inputs' shapes: pass full global tensors of that "
+                    "shape on every rank, or parallelize again with example inputs of the new shape",
+                )
+            out[item.name] = shard(value, item.type.dims, item.sharding, self._fivedc_ctx).to(self._fivedc_device)
+        return out
+
+    # ---- state dicts ------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The original module's state dict, gathered (a collective: call it on every rank)."""
+        local = {n: p.detach() for n, p in self._fivedc_params.items()}
+        params = self.fivedc_traced.from_ir_params(self._fivedc_gather(local))
+        merged = {**self._fivedc_buffers, **params}
+        return {k: merged[k] for k in self._fivedc_keys if k in merged}
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """Every parameter's gradient, gathered, in the original module's parameter names (collective)."""
+        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self._fivedc_params.items()}
+        return self.fivedc_traced.from_ir_params(self._fivedc_gather({n: g.detach() for n, g in grads.items()}))
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Load the original module's (full) state dict: each rank keeps its shards."""
+        ir = self.fivedc_traced.to_ir_params(dict(state_dict))
+        with torch.no_grad():
+            for name, spec in self._fivedc_specs.items():
+                self._fivedc_params[name].copy_(shard(ir[name], spec.dims, spec.sharding, self._fivedc_ctx))
+        for key in self._fivedc_buffers.keys() & state_dict.keys():
+            self._fivedc_buffers[key] = state_dict[key].detach().clone()
+
+    def load_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True, assign: bool = False):
+        """The sharded state dict (this rank's, in the IR's names) or the full one (the original module's keys)."""
+        keys = {m.key for m in self.fivedc_traced.params}
+        if state_dict and keys <= set(state_dict) and not set(state_dict) & set(self._fivedc_params):
+            self.load_full_state_dict(state_dict)
+            return torch.nn.modules.module._IncompatibleKeys([], [])
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def extra_repr(self) -> str:
+        return f"{self._fivedc_name}, mesh={self.fivedc_plan.mesh}, rank coords={dict(self._fivedc_ctx.coords)}"
+
+    # ---- internals --------------------------------------------------------------------
+    def _register(self, name: str, param: nn.Parameter) -> None:
+        """`layers.0.wq` as parameter `wq` of a child `0` of a child `layers`, so that the
+        names in `named_parameters()` and `state_dict()` are the IR's."""
+        *path, leaf = name.split(".")
+        holder: nn.Module = self
+        for part in path:
+            child = holder._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                holder.add_module(part, child)
+            holder = child
+        try:
+            holder.register_parameter(leaf, param)
+        except KeyError as error:
+            raise FivedcError(f"the IR parameter {name} clashes with an attribute of nn.Module: {error}",
+                              hint="rename the module that holds it") from None
+        self._fivedc_params[name] = param
+
+    def _fivedc_gather(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Full tensors from this rank's shards: all-gather each split dim, undo the sequence layout."""
+        ctx, graph, out = self._fivedc_ctx, self.fivedc_plan.graph, {}
+        order = ctx.seq_order()
+        for name, tensor in local.items():
+            spec = self._fivedc_specs[name]
+            full = tensor
+            for index, dim in enumerate(spec.dims):
+                axes = spec.sharding.axes_of(dim)
+                if axes and self._fivedc_groups is not None:
+                    full = apply_steps(full, (Step("all_gather", axes, index),), self._fivedc_groups)
+                if dim == graph.seq_dim and order is not None:
+                    full = full.index_select(index, torch.argsort(order).to(full.device))
+            out[name] = full.cpu() if full is tensor else full.detach().cpu()
+        return out
+
+
+def _fixed_arguments(signature: inspect.Signature, example) -> dict[str, object]:
+    """The forward's non-tensor arguments in the example: the trace fixed them."""
+    bound = signature.bind(**example) if isinstance(example, dict) else signature.bind(*example)
+    bound.apply_defaults()
+    return {k: v for k, v in bound.arguments.items() if not isinstance(v, Tensor)}
+
+
+def _same(a: object, b: object) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a comparison that is not a bool (arrays): only identity counts
+        return False
+
+
+def _mesh_groups(plan: ExecutionPlan, device: torch.device):
+    """The process groups of the plan's mesh; None on a one-rank mesh outside a distributed job."""
+    from fivedc.runtime.groups import MeshGroups
+
+    if not dist.is_initialized():
+        return None
+    axis_sets = {c.axes for c in plan.collectives}
+    axis_sets |= {p.grad_partial for _, p in qualified_params(plan.graph) if p.grad_partial}
+    axis_sets |= {p.sharding.axes_of(d) for _, p in qualified_params(plan.graph) for d in p.dims}
+    axis_sets |= {loss_partial_axes(plan.graph)}
+    return MeshGroups(plan.mesh, device_type=device.type, axis_sets=sorted(a for a in axis_sets if a))
+
+
+def _broadcast(full: dict[str, Tensor], device: torch.device) -> None:
+    """Rank 0's initial parameters on every rank (as DDP does), one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, t in full.items():
+        by_dtype.setdefault(t.dtype, []).append(name)
+    for dtype, names in by_dtype.items():
+        flat = torch.cat([full[n].detach().reshape(-1) for n in names]).to(device)
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for n in names:
+            size = full[n].numel()
+            full[n] = flat[offset:offset + size].view(full[n].shape).cpu()
+            offset += size
