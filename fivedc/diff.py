@@ -13,12 +13,12 @@ and `render_diff` a short report marked `+` added, `-` removed, `~` changed.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.console import Console
 from rich.text import Text
 
-from fivedc.ir import Collective, walk_params
+from fivedc.ir import Collective, Graph, Repeat, walk_params
 from fivedc.mesh import MESH_ORDER
 from fivedc.plan import ExecutionPlan, qualified
 from fivedc.sharding import Sharding
@@ -126,6 +126,32 @@ class PlanDiff:
             },
             "memory": {t.name: {"a": t.a, "b": t.b, "ratio": t.ratio} for t in self.memory},
         }
+
+
+def canonical_values(graph: Graph) -> Graph:
+    """The graph with its SSA values renamed in program order (v0, v1, ...), so plans
+    of the same model from two frontends (DSL and torch.fx) diff by structure;
+    parameter, input and dim names stay as they are."""
+    names: dict[str, str] = {}
+
+    def new(name: str) -> str:
+        names[name] = f"v{len(names)}"
+        return names[name]
+
+    def ref(arg):
+        return names.get(arg, arg) if isinstance(arg, str) else arg
+
+    def block(b):
+        args, items = tuple(new(a) for a in b.args), []
+        for item in b.items:
+            if isinstance(item, Repeat):
+                carried, body = tuple(ref(c) for c in item.carried), block(item.body)
+                items.append(replace(item, carried=carried, body=body, results=tuple(new(r) for r in item.results)))
+            else:
+                items.append(replace(item, args=tuple(ref(a) for a in item.args), out=new(item.out)))
+        return replace(b, args=args, items=tuple(items), yields=tuple(ref(y) for y in b.yields))
+
+    return replace(graph, body=block(graph.body))
 
 
 def _collective_json(c: CollectiveChange) -> dict:

@@ -27,7 +27,6 @@ class Case:
 
 def model_text(*, style: str, batch: int, seq: int, heads: int, kv_heads: int, head_dim: int,
                ffn: int, vocab: int, layers: int, causal: bool) -> str:
-    hidden = heads * head_dim
     norm = "layernorm(x, {w}, {w}_b)" if style == "gpt" else "rmsnorm(x, {w})"
     norm_params = "param {w}: [hidden] = ones\n    param {w}_b: [hidden] = zeros" if style == "gpt" else "param {w}: [hidden] = ones"
     if style == "gpt":

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import itertools
 import math
 import random
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fivedc.diff import diff_plans
+from fivedc.diff import canonical_values, diff_plans
 from fivedc.errors import FivedcError, NotSupportedError
 from fivedc.frontend_dsl import load_model
 from fivedc.frontend_fx import FxWarning, TracedModel, trace_module
@@ -161,36 +159,11 @@ def test_traced_models_compile_and_train_like_one_device(example: str, worker_po
     assert report.losses[1] != report.losses[0]
 
 
-def _canonical(graph):
-    """The graph with its SSA values renamed in order (v0, v1, ...), so that plans of two
-    frontends compare by structure; parameter, input and dim names stay as they are."""
-    names, counter = {}, itertools.count()
-
-    def new(name: str) -> str:
-        names[name] = f"v{next(counter)}"
-        return names[name]
-
-    def ref(arg):
-        return names.get(arg, arg) if isinstance(arg, str) else arg
-
-    def block(b):
-        args, items = tuple(new(a) for a in b.args), []
-        for item in b.items:
-            if isinstance(item, Repeat):
-                carried, body = tuple(ref(c) for c in item.carried), block(item.body)
-                items.append(replace(item, carried=carried, body=body, results=tuple(new(r) for r in item.results)))
-            else:
-                items.append(replace(item, args=tuple(ref(a) for a in item.args), out=new(item.out)))
-        return replace(b, args=args, items=tuple(items), yields=tuple(ref(y) for y in b.yields))
-
-    return replace(graph, body=block(graph.body))
-
-
 @pytest.mark.parametrize("mesh", ["2x1x2x1x1", "1x1x4x1x1"])
 def test_traced_nanogpt_and_its_dsl_twin_compile_to_the_same_plan(mesh: str) -> None:
     module, inputs = nanogpt.factory()
-    traced = _canonical(trace_module(module, inputs).graph)
-    written = _canonical(load_model(EXAMPLES / "nanogpt.5d"))
+    traced = canonical_values(trace_module(module, inputs).graph)
+    written = canonical_values(load_model(EXAMPLES / "nanogpt.5d"))
     options = CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=True)
     a, b = compile_graph(traced, options), compile_graph(written, options)
     d = diff_plans(a, b)

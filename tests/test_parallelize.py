@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fivedc
-from fivedc.diff import diff_plans
+from fivedc.diff import canonical_values, diff_plans
 from fivedc.errors import FivedcError, MeshError, NotSupportedError, ShardingError
 from fivedc.frontend_dsl import load_model
 from fivedc.frontend_py import graph_from_spec, is_spec, load_factory
@@ -234,37 +233,13 @@ def test_one_rank_mesh_is_exactly_the_plain_module(kind: str) -> None:
 
 
 # ---- plans and pins --------------------------------------------------------------------------
-def _canonical(graph):
-    """SSA values renamed in order (v0, v1, ...), so the plans of two frontends compare by structure."""
-    names: dict[str, str] = {}
-
-    def new(name: str) -> str:
-        names[name] = f"v{len(names)}"
-        return names[name]
-
-    def ref(arg):
-        return names.get(arg, arg) if isinstance(arg, str) else arg
-
-    def block(b):
-        args, items = tuple(new(a) for a in b.args), []
-        for item in b.items:
-            if isinstance(item, Repeat):
-                carried, body = tuple(ref(c) for c in item.carried), block(item.body)
-                items.append(replace(item, carried=carried, body=body, results=tuple(new(r) for r in item.results)))
-            else:
-                items.append(replace(item, args=tuple(ref(a) for a in item.args), out=new(item.out)))
-        return replace(b, args=args, items=tuple(items), yields=tuple(ref(y) for y in b.yields))
-
-    return replace(graph, body=block(graph.body))
-
-
 @pytest.mark.parametrize("mesh", ["2x1x2x1x1", "1x1x2x2x1"])
 def test_the_plan_of_the_traced_nanogpt_is_the_plan_of_its_dsl_twin(mesh: str, tmp_path) -> None:
     module, inputs = nanogpt.factory()
     traced, plan = compile_module(module, inputs, mesh=Mesh.parse(mesh), sequence_parallel=True)
     options = CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=True, dtype=plan.dtype)
-    written = compile_graph(_canonical(load_model(EXAMPLES / "nanogpt.5d")), options)
-    ours = compile_graph(_canonical(traced.graph), options)
+    written = compile_graph(canonical_values(load_model(EXAMPLES / "nanogpt.5d")), options)
+    ours = compile_graph(canonical_values(traced.graph), options)
     d = diff_plans(ours, written)
     assert d.is_empty and not d.params and not d.collectives, d.to_json()
     plan.save(tmp_path / "plan.json")  # saveable, and diffable against itself once read back

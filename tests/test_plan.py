@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from fivedc.errors import NotSupportedError, PlanError, ShapeError
+from fivedc.errors import PlanError, ShapeError
 from fivedc.frontend_dsl import load_model
 from fivedc.ir import CollectiveKind as K, Phase
 from fivedc.mesh import Mesh, MeshAxis
