@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from fivedc.errors import NotSupportedError
 from fivedc.ir import Graph, Op
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
@@ -60,6 +61,18 @@ class KernelContext:
             self._cache["order"] = None if identity else torch.tensor(order)
         return self._cache["order"]
 
+    def storage_order(self, dim: str, sharding: Sharding) -> Tensor | None:
+        """How a full tensor's `dim` is reordered before its chunks are cut, or None:
+        the sequence in layout order; an experts dim split over ep by the placement
+        (strided or explicit: rank r's experts stored together, in its order)."""
+        if dim == self.graph.seq_dim:
+            return self.seq_order()
+        if MeshAxis.EP in sharding.axes_of(dim):
+            if "experts" not in self._cache:
+                self._cache["experts"] = _expert_orders(self.graph, self.mesh)
+            return self._cache["experts"].get(dim)
+        return None
+
     def positions(self, dim: str, sharding: Sharding, coords: dict[MeshAxis, int] | None = None) -> Tensor:
         """Global positions of this rank's chunk of `dim` (the sequence in layout order)."""
         start, stop = self.shard_range(dim, sharding, coords)
@@ -82,6 +95,30 @@ class KernelContext:
                 block_positions=blocks,
             )
         return self._cache["ring"]
+
+
+def _expert_orders(graph: Graph, mesh: Mesh) -> dict[str, Tensor]:
+    """Experts dim -> storage order, for MoE ops whose placement is not contiguous."""
+    from fivedc.ir import Repeat, walk_ops
+    from fivedc.passes.experts import ExpertLayout
+
+    ep = mesh.size(MeshAxis.EP)
+    params = {p.name: p for p in graph.body.params}
+    orders: dict[str, list[int]] = {}
+    for node, _ in walk_ops(graph.body):
+        if isinstance(node, Repeat):
+            params.update({p.name: p for p in node.body.params})
+        if not (isinstance(node, Op) and node.kind == "moe" and ep > 1):
+            continue
+        dim = params[node.args[2]].dims[0]
+        layout = ExpertLayout.of(node, graph.dim(dim), ep)
+        order = [e for r in range(ep) for e in layout.local_experts(r)]
+        if orders.setdefault(dim, order) != order:
+            raise NotSupportedError(
+                f"two MoE layers place the experts of dim {dim!r} differently", loc=node.loc,
+                hint="give every layer the same @ep placement, or name their experts dims apart",
+            )
+    return {dim: torch.tensor(order) for dim, order in orders.items() if order != sorted(order)}
 
 
 def align(t: Tensor, dims: Dims, target: Dims) -> Tensor:

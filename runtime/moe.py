@@ -50,8 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from fivedc.errors import NotSupportedError
-from fivedc.ir import CollectiveKind, Op
+from fivedc.ir import Op
 from fivedc.mesh import MeshAxis
 from fivedc.passes.experts import MoeSettings, token_axes
 from fivedc.runtime.moe_a2a import Exchange
@@ -279,17 +278,5 @@ def loop_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool
     return out
 
 
-def check_placement(op: Op) -> None:
-    """The runtime stores expert shards in contiguous blocks (`shard` cuts contiguous ranges)."""
-    placement = op.annotation("ep")
-    spread = any(c.kind == CollectiveKind.ALL_TO_ALL for c in op.collectives)
-    if spread and placement is not None and placement.args[0] != "contiguous":
-        raise NotSupportedError(
-            f"moe: the runtime holds experts in contiguous blocks per ep rank; {placement} compiles to a "
-            "plan but does not execute yet", loc=op.loc,
-            hint="verify with @ep(contiguous) (the default); the plan's bytes do not depend on the placement",
-        )
-
-
-__all__ = ["ExpertLoad", "check_placement", "batched_experts", "end_step", "loop_experts", "moe_kernel",
+__all__ = ["ExpertLoad", "batched_experts", "end_step", "loop_experts", "moe_kernel",
            "register_params", "route"]

@@ -82,10 +82,11 @@ def make_inputs(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Ten
 
 
 def shard(full: Tensor, dims: tuple[str, ...], sharding: Sharding, ctx: KernelContext) -> Tensor:
-    """This rank's chunk of a full tensor; the sequence dim is first put in layout order."""
+    """This rank's chunk of a full tensor; a dim with a storage order (the sequence
+    under cp, experts placed other than contiguously) is reordered first."""
     out = full
     for index, dim in enumerate(dims):
-        order = ctx.seq_order() if dim == ctx.graph.seq_dim else None
+        order = ctx.storage_order(dim, sharding)
         if order is not None:
             out = out.index_select(index, order.to(out.device))
         if sharding.axes_of(dim):
