@@ -16,7 +16,7 @@ Recognised:
 - modules: `nn.Linear` (weight [out, in] -> IR [in..., out...], bias as an add),
   `nn.Embedding` (plain lookup), `nn.LayerNorm` (1-D, with weight), `nn.RMSNorm` and
   modules named like RMSNorm, rotary modules named like Rotary/RoPE (both checked on
-  a probe, see `fx/recognise.py`), `nn.GELU` (none or tanh), `nn.SiLU`, `nn.ReLU`,
+  a probe, see `fx/recognise.py`), MoE blocks (below), `nn.GELU` (none or tanh), `nn.SiLU`, `nn.ReLU`,
   `nn.Tanh`, `nn.Sigmoid`, `nn.Dropout` and `nn.Identity` (no-ops), `nn.CrossEntropyLoss`;
 - functions and methods: `F.linear`, `x @ W` with a parameter W [in, out],
   `F.embedding`, `F.layer_norm`, `F.rms_norm`, the activations above, `+ - * /` and
@@ -30,6 +30,17 @@ Recognised:
   (one linear per part, `c_attn_q/_k/_v`), `wpe(arange(seq))` (the table as a
   [seq, hidden] parameter), `x * rsqrt(mean(x^2) + eps) * w`, softmax(q k^T / sqrt(d))
   v with a causal mask checked on its value, `silu(a) * b` (SwiGLU).
+- MoE blocks, lowered to one IR `moe` op (the block is a leaf: its token loop is never
+  traced): mark the block's class with `fivedc_moe = True` (or name it with `MoE`/`Moe`,
+  `SparseMoeBlock`); it holds one bias-free `nn.Linear(hidden, experts)` router and three
+  parameters of its own stacked over the experts, the SwiGLU experts' gate, up and down
+  weights, each either [experts, out, in] (nn.Linear's layout, transposed to the IR's)
+  or [experts, in, out]; it takes one tensor [..., hidden] and returns the same shape.
+  Which parameter is which, `top_k` (from `top_k`/`num_experts_per_tok`, else 2 or 1),
+  softmax or sigmoid scores and renormalised gates or not are read off a random probe
+  against the IR's dropless `moe` (`fx/recognise.py`); a marked block that matches no
+  reading is an error naming it. Experts as an `nn.ModuleList` of MLPs are not
+  recognised (stack their weights into parameters). See `examples/mixtral.py`.
 Not recognised, a `NotSupportedError` at the user's line with a hint: softmax,
 matmul of activations, pow/mean/rsqrt outside those patterns, masks other than
 causal, real slicing and indexing (`logits[:, :-1]`), `cat`/`stack`, interleaved

@@ -1,4 +1,4 @@
-"""Lowering handlers for the layer-sized ops: linear, embedding, norms, rope, attention, loss.
+"""Lowering handlers for the layer-sized ops: linear, embedding, norms, rope, MoE, attention, loss.
 
 Each handler takes the lowering, the frame, the fx node and its arguments (already
 turned into `fivedc.fx.lower` values) and returns the node's value. Modules are
@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fivedc.fx.lower import Const, Frame, Lowering, ParamRef, Pending, RepeatedKV, T
-from fivedc.fx.recognise import rms_eps, rope_theta
+from fivedc.fx.recognise import moe_spec, rms_eps, rope_theta
 from fivedc.ir import DType
 
 
@@ -231,6 +231,36 @@ def rope(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
             "0..seq-1 with frequencies theta**(-i/half); the interleaved (complex) form is not supported",
         )
     return T(lw.emit(frame, node, "rope", (x.ref,), lw.ir(x), (("theta", float(theta)),)), x.ir, x.layout)
+
+
+def moe(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
+    """An MoE block module (`fivedc.fx.recognise.moe_spec`): one IR `moe` op, its stacked expert weights
+    mapped (transposed where torch stores them [experts, out, in]) to [experts, hidden, ffn] / [experts, ffn, hidden]."""
+    m = _module(frame, node)
+    spec = moe_spec(m)
+    if len(args) != 1 or kwargs:
+        raise lw.unsupported(node, f"MoE block {type(m).__name__} called with more than the tokens",
+                             "call it as moe(x) with x [..., hidden]")
+    x = lw.tensor(frame, args[0], node)
+    hidden = _last(lw, node, x, "an MoE block")
+    router = getattr(m, spec.router).weight
+    n_experts = router.shape[0]
+    experts = lw.dims.new(n_experts, "experts", 60)
+    ffn_size = getattr(m, spec.weights[2]).shape[2 if spec.transposed[2] else 1]
+    ffn = lw.dims.new(ffn_size, "expert_ffn", 60)
+    lw.unify((hidden,), (lw.dims.new(router.shape[1]),), node, "the MoE router's input is not the tokens' hidden dim")
+    r = lw.param(frame, node, key=f"{node.target}.{spec.router}.weight", module=f"{node.target}.{spec.router}",
+                 attr="weight", atoms=(hidden, experts), init="normal", shape=_shape(router), transpose=True,
+                 role="an MoE router")
+    ws = []
+    for attr, flip, atoms in zip(spec.weights, spec.transposed,
+                                 ((experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden))):
+        value = getattr(m, attr)
+        ws.append(lw.param(frame, node, key=f"{node.target}.{attr}", module=node.target, attr=attr, atoms=atoms,
+                           init="normal", shape=_shape(value), transpose=flip, role="an MoE expert weight"))
+    attrs = (("top_k", spec.top_k), ("score", spec.score), ("normalize", spec.normalize))
+    out = lw.emit(frame, node, "moe", (x.ref, r, *ws), lw.ir(x), attrs)
+    return T(out, x.ir, x.layout)
 
 
 # ---- attention and loss ---------------------------------------------------------------------

@@ -267,5 +267,6 @@ HANDLERS = {
     "expand_as": expand,
     "linear": layers.linear, "matmul": layers.matmul, "split": layers.split, "chunk": layers.split,
     "embedding": layers.embedding, "layer_norm": layers.layer_norm, "rms_norm": layers.rms_norm, "rope": layers.rope,
+    "moe": layers.moe,
     "sdpa": layers.attention, "repeat_interleave": layers.repeat_interleave, "cross_entropy": layers.cross_entropy,
 }

@@ -3,7 +3,8 @@
 Each IR parameter instance (`layers.0.c_attn_q`) is one `ParamMapping`: a
 state-dict entry (`transformer.h.0.attn.c_attn.weight`), optionally a range of its
 rows (one of q, k, v of a fused projection), optionally transposed (torch keeps a
-linear's weight as [out, in], the IR as [in..., out...]), then reshaped to the IR
+linear's weight as [out, in], the IR as [in..., out...]; an MoE block's stacked
+expert weights [experts, out, in] swap their last two dims), then reshaped to the IR
 dims. Only slicing, transposing, reshaping and concatenating happen, so
 `to_ir_params` and `from_ir_params` are exact inverses. `module_path` and `pattern`
 (`transformer.h.*.attn.c_attn`) keep the user's names, so shardings can be pinned
@@ -33,7 +34,7 @@ class ParamMapping:
     ir_shape: tuple[int, ...]
     key_shape: tuple[int, ...]  # of the whole state_dict entry
     rows: tuple[int, int] | None = None  # the slice of dim 0 this parameter is
-    transpose: bool = False  # a 2-D entry stored [out, in] by torch
+    transpose: bool = False  # the entry's last two dims swapped: stored [..., out, in] by torch
 
     def matches(self, pattern: str) -> bool:
         """Module-path pattern, dot-separated, `*` matching one path element (`blocks.*.attn.qkv`)."""
@@ -44,14 +45,14 @@ class ParamMapping:
         if self.rows is not None:
             entry = entry[self.rows[0] : self.rows[1]]
         if self.transpose:
-            entry = entry.t()
+            entry = entry.transpose(-2, -1)
         return entry.reshape(self.ir_shape)
 
     def torch_part(self, value: Tensor) -> Tensor:
         """The inverse of `to_ir`: this parameter as (its rows of) the state-dict entry."""
         rows = self.key_shape if self.rows is None else (self.rows[1] - self.rows[0], *self.key_shape[1:])
         if self.transpose:
-            return value.reshape(rows[1], rows[0]).t()
+            return value.reshape(*rows[:-2], rows[-1], rows[-2]).transpose(-2, -1)
         return value.reshape(rows)
 
 
