@@ -12,8 +12,8 @@ an `nn.Linear` weight). No capacity limit: every token reaches its experts.
 
 fivedc's fx frontend recognises `SparseMoeBlock` (its class sets `fivedc_moe =
 True`) and lowers it to one IR `moe` op, so a plan can spread the experts over the
-ep axis: `fivedc compile examples/mixtral.py:factory --mesh 1x1x1x1x2` (training it
-under `parallelize` with ep > 1 is not supported yet; `--mesh 2x1x2x1x1` is).
+ep axis: `fivedc verify examples/mixtral.py:factory --mesh 1x1x2x1x2` trains it with
+`fivedc.parallelize` (tp x ep) against the plain module.
 
 `factory()` gives a tiny model and example inputs; run this file to print the graph
 fivedc traces from it: `python examples/mixtral.py`.

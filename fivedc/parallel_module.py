@@ -30,6 +30,7 @@ from fivedc.parallel_grads import GradSync
 from fivedc.plan import ExecutionPlan
 from fivedc.runtime.collectives import Step, apply_steps, redistribute
 from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.moe import end_step, register_params
 from fivedc.runtime.program import Program, qualified_params, shard
 from fivedc.runtime.train import loss_partial_axes
 
@@ -67,11 +68,13 @@ class ParallelModule(nn.Module):
         self._fivedc_loss_steps = (Step("all_reduce", axes),) if axes and self._fivedc_groups is not None \
             and plan.mesh.size(*axes) > 1 else ()
         self._fivedc_grads = GradSync(self._fivedc_params, plan, self._fivedc_ctx)
+        register_params(self._fivedc_ctx, self._fivedc_params)  # MoE layers name their state by their router
 
     # ---- training ---------------------------------------------------------------------
     def forward(self, *args, **kwargs) -> Tensor:
         """The full loss of the model on the global batch given (every rank passes the same)."""
         inputs = self._fivedc_inputs(args, kwargs)
+        end_step(self._fivedc_ctx)  # MoE: drop the previous call's token counts (no bias update is lowered)
         loss = self._fivedc_program.loss(self._fivedc_params, inputs)
         if self._fivedc_loss_steps:
             loss = redistribute(loss, self._fivedc_loss_steps, (), self._fivedc_groups)
@@ -158,9 +161,9 @@ class ParallelModule(nn.Module):
         self._fivedc_params[name] = param
 
     def _fivedc_gather(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Full tensors from this rank's shards: all-gather each split dim, undo the sequence layout."""
-        ctx, graph, out = self._fivedc_ctx, self.fivedc_plan.graph, {}
-        order = ctx.seq_order()
+        """Full tensors from this rank's shards: all-gather each split dim, undo its storage
+        order (the sequence layout, an expert placement)."""
+        ctx, out = self._fivedc_ctx, {}
         for name, tensor in local.items():
             spec = self._fivedc_specs[name]
             full = tensor
@@ -168,7 +171,8 @@ class ParallelModule(nn.Module):
                 axes = spec.sharding.axes_of(dim)
                 if axes and self._fivedc_groups is not None:
                     full = apply_steps(full, (Step("all_gather", axes, index),), self._fivedc_groups)
-                if dim == graph.seq_dim and order is not None:
+                order = ctx.storage_order(dim, spec.sharding)
+                if order is not None:
                     full = full.index_select(index, torch.argsort(order).to(full.device))
             out[name] = full.cpu() if full is tensor else full.detach().cpu()
         return out

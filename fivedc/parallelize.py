@@ -199,7 +199,7 @@ def _check_supported(options: ParallelizeOptions) -> None:
             "over parameters() updates whole shards",
             hint="use zero=0; ZeRO runs with fivedc's own training loop (fivedc verify --zero)",
         )
-    for axis, what in ((MeshAxis.PP, "pipeline"), (MeshAxis.EP, "expert")):
+    for axis, what in ((MeshAxis.PP, "pipeline"),):
         if options.mesh.size(axis) > 1:
             raise NotSupportedError(
                 f"{what} parallelism ({axis}={options.mesh.size(axis)}) is not supported by parallelize yet",
