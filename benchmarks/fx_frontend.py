@@ -21,24 +21,21 @@ spinning OpenMP threads make multi-threaded wall times erratic).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from fivedc.frontend_py import import_file
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The example `examples/<name>.py` as a module."""
+    return import_file(EXAMPLES / f"{name}.py")
 
 
 def build(name: str, dtype=torch.float32):

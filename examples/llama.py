@@ -121,10 +121,12 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    block = TransformerBlock  # a subclass may swap the block (examples/mixtral.py does)
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(self.block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
@@ -136,11 +138,12 @@ class Transformer(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def factory(*, batch: int = 2, args: ModelArgs | None = None, seed: int = 0, dtype=torch.float64):
-    """A tiny Llama and `(tokens, targets)` of `max_seq_len` tokens."""
+def factory(*, batch: int = 2, args: ModelArgs | None = None, seed: int = 0, dtype=torch.float64,
+            model_class: type[Transformer] = Transformer):
+    """A tiny Llama (or `model_class`) and `(tokens, targets)` of `max_seq_len` tokens."""
     args = args or ModelArgs()
     torch.manual_seed(seed)
-    model = Transformer(args).to(dtype)
+    model = model_class(args).to(dtype)
     for module in model.modules():  # non-trivial norm weights, so the test sees them
         if isinstance(module, RMSNorm):
             nn.init.normal_(module.weight, 1.0, 0.1)

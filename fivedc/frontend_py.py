@@ -1,7 +1,7 @@
 """A model given as Python: `path/to/file.py:factory`, where `factory()` returns (module, example_inputs).
 
-`load_factory(spec)` imports the file (its folder first on `sys.path`, so sibling
-imports work), calls the function and checks what it returned; `graph_from_spec`
+`load_factory(spec)` imports the file (`import_file`: its folder first on `sys.path`,
+so sibling imports work), calls the function and checks what it returned; `graph_from_spec`
 traces the module into fivedc's IR. Every failure is a `FivedcError` the CLI
 prints without a traceback, located at the user's line where there is one: a
 missing file or function (with the functions the file does define), an exception
@@ -50,7 +50,7 @@ def load_factory(spec: str, *, kwargs: Mapping[str, object] | None = None):
         raise FivedcError(f"{path} does not exist" if not path.exists() else f"{path} is not a file", hint=hint)
     if path.suffix != ".py":
         raise FivedcError(f"{path} is not a Python file", loc=where, hint="a .5d file is a DSL model, not a spec")
-    source = _import(path)
+    source = import_file(path)
     factory = getattr(source, name, None)
     if not callable(factory):
         defined = [k for k, v in vars(source).items() if inspect.isfunction(v) and v.__module__ == source.__name__]
@@ -89,8 +89,11 @@ def graph_from_spec(spec: str) -> Graph:
     return traced_from_spec(spec)[2].graph
 
 
-# ---- internals -------------------------------------------------------------------------
-def _import(path: Path):
+def import_file(path: str | Path):
+    """Import a Python file as a module, its folder first on `sys.path` while it runs
+    (so it can import its siblings); imported once per path. A failure is a
+    `FivedcError` at the user's line."""
+    path = Path(path)
     resolved = path.resolve()
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
     name = f"fivedc_user_{resolved.stem}_{digest}"
@@ -118,6 +121,7 @@ def _import(path: Path):
     return module
 
 
+# ---- internals -------------------------------------------------------------------------
 def _call(factory, kwargs: dict, what: str):
     try:
         return factory(**kwargs)

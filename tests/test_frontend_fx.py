@@ -11,11 +11,9 @@ data-dependent control flow and unsupported ops at the user's line.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 from fivedc.diff import canonical_values, diff_plans
 from fivedc.errors import FivedcError, NotSupportedError
 from fivedc.frontend_dsl import load_model
+from fivedc.frontend_py import import_file
 from fivedc.frontend_fx import FxWarning, TracedModel, trace_module
 from fivedc.ir import Op, Repeat, walk_ops
 from fivedc.mesh import Mesh
@@ -41,11 +40,8 @@ HERE = str(Path(__file__).resolve())
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"fivedc_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The example `examples/<name>.py` as a module."""
+    return import_file(EXAMPLES / f"{name}.py")
 
 
 nanogpt, llama = _load("nanogpt"), _load("llama")

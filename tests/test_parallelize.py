@@ -11,13 +11,13 @@ error), the plan against the DSL twin, and the `file.py:factory` loader's errors
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from fivedc.frontend_py import import_file
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -41,11 +41,8 @@ TOL = 1e-10
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"fivedc_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The example `examples/<name>.py` as a module."""
+    return import_file(EXAMPLES / f"{name}.py")
 
 
 nanogpt, llama = _load("nanogpt"), _load("llama")
