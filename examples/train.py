@@ -1,6 +1,8 @@
-"""Train the nanoGPT example (`examples/nanogpt.py`) with fivedc under torchrun.
+"""Train an example model (`examples/nanogpt.py`, `llama.py` or `mixtral.py`) with fivedc under torchrun.
 
-    torchrun --nproc-per-node 4 examples/train_nanogpt.py --mesh 2x1x2x1x1 --sp
+    torchrun --nproc-per-node 4 examples/train.py nanogpt --mesh 2x1x2x1x1 --sp
+    torchrun --nproc-per-node 4 examples/train.py llama --mesh 1x1x2x2x1 --sp
+    torchrun --nproc-per-node 4 examples/train.py mixtral --mesh 1x1x2x1x2
 
 An ordinary training loop: `fivedc.parallelize` turns the module into this rank's
 shards, and the loop is the one you would write for one GPU. Every rank builds the
@@ -24,7 +26,22 @@ from fivedc.errors import FivedcError
 from fivedc.runtime.pool import init_from_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nanogpt import GPT, GPTConfig  # noqa: E402
+import llama  # noqa: E402
+import mixtral  # noqa: E402
+import nanogpt  # noqa: E402
+
+SEQ, VOCAB = 32, 128  # every model here: 32 tokens, a 128-token vocabulary
+DEFAULT_MESH = {"nanogpt": "2x1x2x1x1", "llama": "1x1x2x2x1", "mixtral": "1x1x2x1x2"}
+
+
+def build(name: str) -> torch.nn.Module:
+    """A tiny model of the example `name`: 2 layers, hidden 64, 4 heads."""
+    if name == "nanogpt":
+        return nanogpt.GPT(nanogpt.GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64))
+    sizes = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ)
+    if name == "llama":
+        return llama.Transformer(llama.ModelArgs(ffn_dim=192, **sizes))
+    return mixtral.Transformer(mixtral.ModelArgs(**sizes))
 
 
 def batch(step: int, *, batch_size: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,25 +54,25 @@ def batch(step: int, *, batch_size: int, seq: int, vocab: int) -> tuple[torch.Te
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mesh", default="2x1x2x1x1", help="dp x pp x tp x cp x ep")
+    parser.add_argument("model", choices=DEFAULT_MESH, help="which example to train")
+    parser.add_argument("--mesh", default=None, help="dp x pp x tp x cp x ep (default: see DEFAULT_MESH)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism under tp")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--plan", help="save the execution plan here (JSON; `fivedc diff` reads it)")
-    parser.add_argument("--checkpoint", help="save the full (gathered) state dict here, in GPT's keys")
+    parser.add_argument("--checkpoint", help="save the full (gathered) state dict here, in the module's own keys")
     args = parser.parse_args()
 
     info = init_from_env()
-    config = GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=4, n_embd=64)
     torch.manual_seed(0)
-    data = dict(batch_size=args.batch, seq=config.block_size, vocab=config.vocab_size)
-    model = fivedc.parallelize(GPT(config), mesh=args.mesh, sequence_parallel=args.sp,
-                               example_inputs=batch(0, **data))
+    data = dict(batch_size=args.batch, seq=SEQ, vocab=VOCAB)
+    model = fivedc.parallelize(build(args.model), mesh=args.mesh or DEFAULT_MESH[args.model],
+                               sequence_parallel=args.sp, example_inputs=batch(0, **data))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     for step in range(args.steps):
-        idx, targets = batch(step, **data)
-        loss = model(idx, targets)
+        tokens, targets = batch(step, **data)
+        loss = model(tokens, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
