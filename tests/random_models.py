@@ -81,25 +81,31 @@ model random_{style} {{
 """
 
 
+def _draw_dense(draw, *, dp: int, tp: int, seq_unit: int, seq_most: int, ffn_most: int, vocab_most: int) -> str:
+    """A GPT- or Llama-style model whose dims fit dp and tp: heads and kv-heads split
+    over tp, the sequence a multiple of `seq_unit`."""
+    kv_heads = tp * draw(st.integers(1, 2))
+    heads = kv_heads * draw(st.integers(1, 2))
+    return model_text(
+        style=draw(st.sampled_from(["gpt", "llama"])),
+        batch=dp * draw(st.integers(1, 2)),
+        seq=seq_unit * draw(st.integers(1, seq_most)),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=draw(st.sampled_from([4, 6])),  # hidden >= 4: layernorm over 2 features cancels gradients to noise
+        ffn=tp * draw(st.integers(1, ffn_most)) * 2,
+        vocab=tp * draw(st.integers(2, vocab_most)),
+        layers=draw(st.integers(1, 2)),
+        causal=draw(st.booleans()),
+    )
+
+
 @st.composite
 def draw_case(draw, *, max_world: int = 8) -> Case:
     dp = draw(st.sampled_from([1, 2, 4]))
     tp = draw(st.sampled_from([t for t in (1, 2, 4) if dp * t <= max_world]))
     sp = draw(st.booleans()) if tp > 1 else False
-    kv_heads = tp * draw(st.integers(1, 2))
-    heads = kv_heads * draw(st.integers(1, 2))
-    text = model_text(
-        style=draw(st.sampled_from(["gpt", "llama"])),
-        batch=dp * draw(st.integers(1, 2)),
-        seq=tp * draw(st.integers(1, 3)) * 2,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=draw(st.sampled_from([4, 6])),  # hidden >= 4: layernorm over 2 features cancels gradients to noise
-        ffn=tp * draw(st.integers(1, 4)) * 2,
-        vocab=tp * draw(st.integers(2, 6)),
-        layers=draw(st.integers(1, 2)),
-        causal=draw(st.booleans()),
-    )
+    text = _draw_dense(draw, dp=dp, tp=tp, seq_unit=2 * tp, seq_most=3, ffn_most=4, vocab_most=6)
     return Case(text, f"{dp}x1x{tp}x1x1", sp)
 
 
@@ -109,20 +115,8 @@ def draw_cp_case(draw, *, max_world: int = 8) -> Case:
     dp = draw(st.sampled_from([d for d in (1, 2) if d * cp <= max_world]))
     tp = draw(st.sampled_from([t for t in (1, 2) if dp * cp * t <= max_world]))
     sp = draw(st.booleans()) if tp > 1 else False
-    kv_heads = tp * draw(st.integers(1, 2))
-    heads = kv_heads * draw(st.integers(1, 2))
-    text = model_text(
-        style=draw(st.sampled_from(["gpt", "llama"])),
-        batch=dp * draw(st.integers(1, 2)),
-        seq=2 * cp * tp * draw(st.integers(1, 2)),  # the balanced layout's 2*cp chunks, each split over tp
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=draw(st.sampled_from([4, 6])),
-        ffn=tp * draw(st.integers(1, 3)) * 2,
-        vocab=tp * draw(st.integers(2, 5)),
-        layers=draw(st.integers(1, 2)),
-        causal=draw(st.booleans()),
-    )
+    # the sequence: the balanced layout's 2*cp chunks, each split over tp
+    text = _draw_dense(draw, dp=dp, tp=tp, seq_unit=2 * cp * tp, seq_most=2, ffn_most=3, vocab_most=5)
     return Case(
         text, f"{dp}x1x{tp}x{cp}x1", sp,
         cp_attention=draw(st.sampled_from(["ring", "allgather"])),
