@@ -168,18 +168,11 @@ def cmd_show(args) -> int:
     out = Path(args.schedule)
     if out.suffix not in (".png", ".svg"):
         raise FivedcError(f"cannot draw to {out}: the picture is .png or .svg")
-    result = draw_schedule(pipeline_schedule(plan), out)
+    from fivedc.mesh import MeshAxis
+
+    result = draw_schedule(plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP)), out)
     print(f"wrote {out}: {plan.pipeline.schedule}, bubble {result.bubble_fraction:.1%} of the step (unit costs)")
     return 0
-
-
-def pipeline_schedule(plan):
-    from fivedc.mesh import MeshAxis
-    from fivedc.schedule import make_schedule
-
-    spec = plan.pipeline
-    virtual = spec.virtual if spec.schedule == "interleaved" else None
-    return make_schedule(spec.schedule, plan.mesh.size(MeshAxis.PP), spec.microbatches, virtual)
 
 
 def _load_side(text: str, args):

@@ -21,6 +21,7 @@ from fivedc.errors import PlanError
 from fivedc.ir import Block, Collective, CollectiveKind, Graph, Op, Phase, Redistribute, Repeat, walk_ops
 from fivedc.sharding import Sharding
 from fivedc.mesh import Mesh
+from fivedc.schedule import Schedule, make_schedule, min_microbatches
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,11 @@ class PipelineSpec:
     microbatches: int
     virtual: int  # chunks per rank
     chunks: tuple[Chunk, ...]
+
+    def build_schedule(self, pp: int) -> Schedule:
+        """The schedule as data (`fivedc/schedule/`), regenerated from its name."""
+        return make_schedule(self.schedule, pp, self.microbatches,
+                             self.virtual if self.schedule == "interleaved" else None)
 
 
 def units(graph: Graph) -> list[Unit]:
@@ -135,10 +141,7 @@ def _top_level_param_users(graph: Graph) -> dict[str, int]:
 
 def partition(costs: list[float], parts: int, *, what: str = "units") -> list[tuple[int, int]]:
     """Contiguous ranges, `parts` of them, each non-empty, minimising the largest sum."""
-    n = len(costs)
-    if n < parts:
-        raise PlanError(f"the model has {n} {what} but the pipeline needs {parts} chunks",
-                        hint=f"use pp * virtual stages <= {n}")
+    _check_enough(len(costs), parts, what)
     low, high = max(costs), sum(costs)
     for _ in range(60):
         mid = (low + high) / 2
@@ -153,6 +156,12 @@ def partition(costs: list[float], parts: int, *, what: str = "units") -> list[tu
         cut = _best_cut(costs, a, b)
         ranges[k:k + 1] = [(a, cut), (cut, b)]
     return ranges
+
+
+def _check_enough(n: int, parts: int, what: str) -> None:
+    if n < parts:
+        raise PlanError(f"the model has {n} {what} but the pipeline needs {parts} chunks",
+                        hint=f"use pp * virtual stages <= {n}")
 
 
 def _groups_needed(costs: list[float], limit: float) -> int:
@@ -321,7 +330,6 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
                   layout: tuple[int, ...] | None, dtype_bytes: int) -> PipelineSpec | None:
     """Chunks and schedule for pp > 1 (None for pp = 1)."""
     from fivedc.mesh import MeshAxis
-    from fivedc.schedule import make_schedule, min_microbatches
 
     p = mesh.size(MeshAxis.PP)
     if p == 1:
@@ -331,9 +339,8 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
                         hint="use dualpipev: the same V-shaped chunks and bubble on one copy")
     if virtual is None and schedule == "interleaved":
         virtual = 2
-    n_units = len(units(graph))
-    if layout is None and n_units < p * (virtual or (2 if schedule == "dualpipev" else 1)):
-        partition([1.0] * n_units, p * (virtual or (2 if schedule == "dualpipev" else 1)), what="layers and op groups")
+    if layout is None:  # before the batch is checked: too few layers is the first thing to fix
+        _check_enough(len(units(graph)), p * (virtual or (2 if schedule == "dualpipev" else 1)), "layers and op groups")
     m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
     _check_microbatches(graph, mesh, m)
     sched = make_schedule(schedule, p, m, virtual)

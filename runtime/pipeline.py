@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fivedc.mesh import MeshAxis
-from fivedc.schedule import Action, ActionKind, make_schedule
+from fivedc.schedule import Action, ActionKind
 from fivedc.stages import PipelineSpec, Unit, chunk_param_names, units, value_types
 
 K = ActionKind
@@ -51,8 +51,7 @@ class PipelineRunner:
         self.program, self.spec, self.graph, self.ctx = program, spec, graph, ctx
         self.dtype, self.device = dtype, device
         pp_rank = ctx.coords[MeshAxis.PP]
-        self.schedule = make_schedule(spec.schedule, ctx.mesh.size(MeshAxis.PP), spec.microbatches,
-                                      spec.virtual if spec.schedule == "interleaved" else None)
+        self.schedule = spec.build_schedule(ctx.mesh.size(MeshAxis.PP))
         self.actions = self.schedule.ranks[pp_rank]
         self.all_units: list[Unit] = units(graph)
         self.types = value_types(graph)
