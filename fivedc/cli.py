@@ -30,11 +30,12 @@ def _mesh_args(p: argparse.ArgumentParser, *, required: bool) -> None:
     sp = p.add_mutually_exclusive_group()
     sp.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallelism on")
     sp.add_argument("--no-sp", dest="sp", action="store_false", help="sequence parallelism off")
-    _cp_args(p)
+    _plan_option_args(p)
 
 
-def _cp_args(p: argparse.ArgumentParser) -> None:
-    from fivedc.passes.base import CP_LAYOUTS, CP_VARIANTS
+def _plan_option_args(p: argparse.ArgumentParser) -> None:
+    """What besides the mesh and --sp shapes a plan: CP, ZeRO and buckets, the pipeline."""
+    from fivedc.passes.base import CP_LAYOUTS, CP_VARIANTS, DEFAULT_BUCKET_MB
 
     p.add_argument("--cp-attention", choices=CP_VARIANTS, default=None,
                    help="attention across cp: ring (default) or allgather; an op's @cp(...) wins")
@@ -42,7 +43,8 @@ def _cp_args(p: argparse.ArgumentParser) -> None:
                    help="sequence layout over cp (default balanced when attention is causal)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",
                    help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters (default 0: off)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)")
+    p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
+                   help=f"gradient bucket size in MiB (default {DEFAULT_BUCKET_MB:g})")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule for pp > 1: gpipe, 1f1b (default), "
                    "interleaved, zb-h1, dualpipev")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: max(pp, least))")
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("b", help="a plan .json, or MODEL.5d@MESH")
     d.add_argument("--rank-order", default=None, help="rank order for model@mesh arguments")
     d.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallel for model@mesh")
-    _cp_args(d)
+    _plan_option_args(d)
     d.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 

@@ -50,7 +50,7 @@ from fivedc.errors import FivedcError, MeshError, NotSupportedError
 from fivedc.frontend_fx import TracedModel, trace_module
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.parallel_pins import pin_shardings
-from fivedc.passes.base import CompileOptions
+from fivedc.passes.base import DEFAULT_BUCKET_MB, CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan import ExecutionPlan
 
@@ -67,7 +67,7 @@ class ParallelizeOptions:
     cp_attention: str | None = None
     cp_layout: str | None = None
     overlap: bool = True
-    bucket_mb: float = 25.0
+    bucket_mb: float = DEFAULT_BUCKET_MB
     device: torch.device | str | None = None
     sync_module_states: bool = True
 
@@ -75,7 +75,7 @@ class ParallelizeOptions:
 def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, example_inputs=None,
                 sequence_parallel: bool | None = None, shardings: Mapping[str, str] | None = None, zero: int = 0,
                 cp_attention: str | None = None, cp_layout: str | None = None, overlap: bool = True,
-                bucket_mb: float = 25.0, device: torch.device | str | None = None, sync_module_states: bool = True):
+                bucket_mb: float = DEFAULT_BUCKET_MB, device: torch.device | str | None = None, sync_module_states: bool = True):
     """Parallelize an `nn.Module` instance, or, as a decorator, an `nn.Module` class.
 
     mesh: "dp x pp x tp x cp x ep" (`"2x1x2x1x1"`) or `dp=2,tp=2`, or a `Mesh`.

@@ -16,9 +16,10 @@ from __future__ import annotations
 from fivedc.ir import Collective, CollectiveKind, Graph, Op, Param, Phase, walk_ops, walk_params
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.overlap import Bucket
+from fivedc.passes.base import DEFAULT_BUCKET_MB
 
 K = CollectiveKind
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's default bucket size
+DEFAULT_BUCKET_BYTES = int(DEFAULT_BUCKET_MB * 2**20)
 
 
 def zero_chunk(graph: Graph, mesh: Mesh, param: Param) -> int:

@@ -19,6 +19,7 @@ DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 CP_VARIANTS = ("ring", "allgather")  # how attention spans the cp axis (passes/context.py)
 CP_LAYOUTS = tuple(str(layout) for layout in SeqLayout)
 ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_BUCKET_MB = 25.0  # gradient bucket size: PyTorch DDP's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class CompileOptions:
     cp_layout: str | None = None  # None: the model's @cp(...) decides, else balanced if causal
     zero: int = 0  # ZeRO stage over each parameter's data-parallel group: 0 (off), 1, 2, 3
     overlap: bool = True  # gradient buckets reduced during backward; ZeRO-3 parameter prefetch
-    bucket_mb: float = 25.0  # gradient bucket size in MiB
+    bucket_mb: float = DEFAULT_BUCKET_MB  # gradient bucket size in MiB
     schedule: str = "1f1b"  # pipeline schedule (fivedc/schedule/), for pp > 1
     microbatches: int | None = None  # per step; None: max(pp, the schedule's least)
     virtual: int | None = None  # chunks per pp rank; None: the schedule's (interleaved: 2)
