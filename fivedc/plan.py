@@ -152,17 +152,23 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
     """Bytes per rank; under ZeRO a sharded part counts one padded chunk per parameter.
     With a pipeline: the pp rank holding the most parameter bytes, and activations for
     min(m, pp) microbatches in flight (1F1B's peak on the first rank)."""
+    step_activations = sum(
+        graph.local_numel(node.type.dims, node.sharding, mesh) * dtype_bytes * (repeat.count if repeat else 1)
+        for node, repeat in walk_ops(graph.body) if isinstance(node, Op)
+    )
     best = None
     ranks = range(mesh.size(MeshAxis.PP)) if pipeline else (None,)
     for pp_rank in ranks:
         local = chunk_param_names(graph, pipeline, pp_rank=pp_rank) if pipeline else None
-        estimate = _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank)
+        estimate = _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, step_activations)
         if best is None or estimate.params + estimate.optimizer > best.params + best.optimizer:
             best = estimate
     return best
 
 
-def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank) -> MemoryEstimate:
+def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, activations: int) -> MemoryEstimate:
+    """One pp rank's (or, without a pipeline, every rank's) estimate; `activations`:
+    every op output of the whole step on one rank."""
     def instances(name: str, repeat: Repeat | None) -> int:
         if repeat is None:
             return 1 if local is None or name in local else 0
@@ -178,11 +184,6 @@ def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank) 
         params += (chunk if zero >= 3 else local_numel) * n
         grads += (chunk if zero >= 2 else local_numel) * n
         optimizer += (chunk if zero >= 1 else local_numel) * n
-    activations = 0
-    for node, repeat in walk_ops(graph.body):
-        if isinstance(node, Op):
-            count = repeat.count if repeat else 1
-            activations += graph.local_numel(node.type.dims, node.sharding, mesh) * dtype_bytes * count
     if pipeline is not None:  # this rank's share of the step's activations, for the microbatches in flight
         share = sum(c.cost for c in pipeline.chunks if c.rank == pp_rank) / max(sum(c.cost for c in pipeline.chunks), 1)
         m = pipeline.microbatches
