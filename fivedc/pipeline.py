@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fivedc.errors import FivedcError, PassError
 from fivedc.ir import Graph
 from fivedc.plan import ExecutionPlan, build_plan
-from fivedc.stages import plan_pipeline
+from fivedc.stage_plan import plan_pipeline
 from fivedc.passes.base import CompileOptions, Pass
 from fivedc.passes.communication import InsertCommunication
 from fivedc.passes.context import SplitSequence
@@ -66,7 +66,7 @@ def run_passes(graph: Graph, options: CompileOptions, *, timings: list[PassTimin
 
 def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None) -> ExecutionPlan:
     graph = run_passes(graph, options, timings=timings)
-    # pipeline stages: chunks of layers balanced by cost, and the schedule (fivedc/stages.py)
+    # pipeline stages: chunks of layers balanced by cost, and the schedule (fivedc/stage_plan.py)
     pipeline = plan_pipeline(graph, options.mesh, schedule=options.schedule, microbatches=options.microbatches,
                              virtual=options.virtual, layout=options.pp_layout, dtype_bytes=options.dtype_bytes)
     return build_plan(

@@ -21,7 +21,8 @@ from fivedc.mesh import Mesh, MeshAxis
 from fivedc.overlap import Bucket, plan_buckets
 from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_chunk, zero_notes
 from fivedc.serialize import decode, encode
-from fivedc.stages import PipelineSpec, chunk_param_names, pipeline_collectives
+from fivedc.stage_plan import pipeline_collectives
+from fivedc.stages import PipelineSpec, chunk_param_names
 
 PLAN_VERSION = 1
 

@@ -8,6 +8,7 @@ expensive chunk is as cheap as it can be, or as a layout given in layers says.
 The schedule's placement puts chunk c on a pp rank. Values live across a cut are
 what one chunk sends the next (`boundary_values`); inputs are on every rank, and
 parameters are not sent: each lives on the rank of the one chunk that uses it.
+`fivedc/stage_plan.py` turns these into the plan's `PipelineSpec`.
 
 Cost of an op: its multiply-adds on one rank (linear: output elements x contracted
 size; attention: queries x keys x head dim, twice), else its output elements.
@@ -18,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivedc.errors import PlanError
-from fivedc.ir import Block, Collective, CollectiveKind, Graph, Op, Phase, Redistribute, Repeat, walk_ops
+from fivedc.ir import Block, Graph, Op, Redistribute, Repeat, walk_ops
 from fivedc.sharding import Sharding
 from fivedc.mesh import Mesh
-from fivedc.schedule import Schedule, make_schedule, min_microbatches
+from fivedc.schedule import Schedule, make_schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +142,7 @@ def _top_level_param_users(graph: Graph) -> dict[str, int]:
 
 def partition(costs: list[float], parts: int, *, what: str = "units") -> list[tuple[int, int]]:
     """Contiguous ranges, `parts` of them, each non-empty, minimising the largest sum."""
-    _check_enough(len(costs), parts, what)
+    check_enough(len(costs), parts, what)
     low, high = max(costs), sum(costs)
     for _ in range(60):
         mid = (low + high) / 2
@@ -158,7 +159,7 @@ def partition(costs: list[float], parts: int, *, what: str = "units") -> list[tu
     return ranges
 
 
-def _check_enough(n: int, parts: int, what: str) -> None:
+def check_enough(n: int, parts: int, what: str) -> None:
     if n < parts:
         raise PlanError(f"the model has {n} {what} but the pipeline needs {parts} chunks",
                         hint=f"use pp * virtual stages <= {n}")
@@ -294,112 +295,3 @@ def value_types(graph: Graph) -> dict[str, tuple]:
         else:
             out[item.out] = (item.type, item.sharding)
     return out
-
-
-def pipeline_collectives(graph: Graph, mesh: Mesh, spec: PipelineSpec, dtype_bytes: int) -> list[Collective]:
-    """The P2P transfers between consecutive chunks: activations forward, their
-    gradients backward, once per microbatch."""
-    from fivedc.mesh import MeshAxis
-
-    types = value_types(graph)
-    out = []
-    for chunk in spec.chunks[:-1]:
-        numel = 0
-        for name in chunk.sends:
-            t, sharding = types[name]
-            numel += graph.local_numel(t.dims, sharding, mesh) // (spec.microbatches if graph.batch_dim in t.dims else 1)
-        values = ", ".join(chunk.sends)
-        nxt = spec.chunks[chunk.index + 1]
-        if nxt.rank == chunk.rank:
-            continue  # the next chunk runs on the same rank: handed over, not sent
-        for phase, what in ((Phase.FORWARD, "activations"), (Phase.BACKWARD, "their gradients")):
-            out.append(Collective(
-                CollectiveKind.SEND_RECV, (MeshAxis.PP,), phase, values, numel * dtype_bytes,
-                f"pipeline: chunk {chunk.index} (pp rank {chunk.rank}) and chunk {nxt.index} (pp rank {nxt.rank}) "
-                f"exchange {what} at their boundary, once per microbatch",
-                count=spec.microbatches, overlaps="the other microbatches' compute (as the schedule orders it)",
-            ))
-    return out
-
-
-# ---- the plan's pipeline -------------------------------------------------------------------
-RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
-
-
-def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
-                  layout: tuple[int, ...] | None, dtype_bytes: int) -> PipelineSpec | None:
-    """Chunks and schedule for pp > 1 (None for pp = 1)."""
-    from fivedc.mesh import MeshAxis
-
-    p = mesh.size(MeshAxis.PP)
-    if p == 1:
-        return None
-    if schedule == "dualpipe":
-        raise PlanError("dualpipe keeps two copies of the model, which the runtime does not run",
-                        hint="use dualpipev: the same V-shaped chunks and bubble on one copy")
-    if virtual is None and schedule == "interleaved":
-        virtual = 2
-    if layout is None:  # before the batch is checked: too few layers is the first thing to fix
-        _check_enough(len(units(graph)), p * (virtual or (2 if schedule == "dualpipev" else 1)), "layers and op groups")
-    m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
-    _check_microbatches(graph, mesh, m)
-    sched = make_schedule(schedule, p, m, virtual)
-    n_chunks = p * sched.v
-    costs, sizes = unit_costs(graph, mesh, dtype_bytes)
-    if layout is not None:
-        if len(layout) != n_chunks:
-            raise PlanError(f"the layout gives {len(layout)} chunks; {schedule} on pp={p} runs {n_chunks}",
-                            hint=f"give {n_chunks} layer counts, one per chunk ({sched.v} per pp rank)")
-        ranges = layout_ranges(layout, graph)
-    else:
-        ranges = partition(costs, n_chunks, what="layers and op groups")
-    all_units = units(graph)
-    chunks = []
-    for k, (a, b) in enumerate(ranges):
-        what = _describe(graph, all_units[a:b])
-        sends = boundary_values(graph, b) if k < n_chunks - 1 else ()
-        chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
-    return PipelineSpec(schedule, m, sched.v, tuple(chunks))
-
-
-def _default_microbatches(graph: Graph, mesh: Mesh, p: int, least: int) -> int:
-    """pp microbatches (or the schedule's least, if more), else the nearest count that
-    splits the local batch: the next larger divisor, or the largest one."""
-    from fivedc.mesh import MeshAxis
-
-    local = graph.dim(graph.batch_dim) // mesh.size(MeshAxis.DP, MeshAxis.EP)
-    want = max(p, least)
-    divisors = [d for d in range(1, local + 1) if local % d == 0]
-    return next((d for d in divisors if d >= want), divisors[-1])
-
-
-def _check_microbatches(graph: Graph, mesh: Mesh, m: int) -> None:
-    from fivedc.mesh import MeshAxis
-
-    batch = graph.dim(graph.batch_dim)
-    data = mesh.size(MeshAxis.DP, MeshAxis.EP)
-    local = batch // data
-    if m < 1 or local % m:
-        choices = ", ".join(str(d) for d in range(1, local + 1) if local % d == 0)
-        raise PlanError(
-            f"{graph.batch_dim}={batch} over dp*ep={data} leaves {local} per rank, which does not split into "
-            f"{m} microbatches",
-            hint=f"choose --microbatches in {{{choices}}}, or change {graph.batch_dim}",
-        )
-
-
-def _describe(graph: Graph, chunk_units: list[Unit]) -> str:
-    """`embedding, layers.0-3`: op runs by kind, consecutive layers as a range."""
-    parts: list[list] = []
-    for unit in chunk_units:
-        if unit.layer is None:
-            parts.append(["ops", unit.describe(graph)])
-            continue
-        name = graph.body.items[unit.start].name
-        if parts and parts[-1][0] == "layers" and parts[-1][1] == name:
-            parts[-1][3] = unit.layer
-        else:
-            parts.append(["layers", name, unit.layer, unit.layer])
-    return ", ".join(
-        p[1] if p[0] == "ops" else f"{p[1]}.{p[2]}" + (f"-{p[3]}" if p[3] != p[2] else "") for p in parts
-    )

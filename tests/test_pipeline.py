@@ -20,7 +20,8 @@ from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
-from fivedc.stages import RUNNABLE, partition
+from fivedc.stage_plan import RUNNABLE
+from fivedc.stages import partition
 from random_models import model_text
 
 TOL = 1e-10
