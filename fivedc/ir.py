@@ -63,7 +63,10 @@ class TensorType:
 
 @dataclass(frozen=True, slots=True)
 class Annotation:
-    """`@col`, `@row`, `@replicate`, `@sp`, `@cp(ring)`, `@ep`, `@stage(2)` as written."""
+    """`@col`, `@row`, `@replicate`, `@sp`, `@cp(ring)`, `@ep`, `@stage` as written.
+
+    `@stage` on a top-level op: a pipeline chunk begins at that op (layers of a
+    repeat are marked by `Repeat.stage_layers`)."""
 
     kind: str
     args: tuple[Scalar, ...] = ()
@@ -189,6 +192,7 @@ class Repeat:
     results: tuple[str, ...]
     loc: SourceLoc | None = None
     carried_shardings: tuple[Sharding, ...] = ()  # of the carried values on every iteration
+    stage_layers: tuple[int, ...] = ()  # layers at which a pipeline chunk begins (marked by the user)
 
 
 Node = Union[Op, Redistribute, Repeat]
