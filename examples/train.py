@@ -3,13 +3,16 @@
     torchrun --nproc-per-node 4 examples/train.py nanogpt --mesh 2x1x2x1x1 --sp
     torchrun --nproc-per-node 4 examples/train.py llama --mesh 1x1x2x2x1 --sp
     torchrun --nproc-per-node 4 examples/train.py mixtral --mesh 1x1x2x1x2
+    torchrun --nproc-per-node 4 examples/train.py llama --mesh 2x2x1x1x1 --zero 1 --schedule interleaved
 
 An ordinary training loop: `fivedc.parallelize` turns the module into this rank's
 shards, and the loop is the one you would write for one GPU. Every rank builds the
 same global batch (here a seeded synthetic one: each token is followed by the next
 in a fixed cycle, so the loss falls) and passes all of it; the module cuts its
 own shard. `loss` is the full loss on every rank; gradients are summed by the time
-`backward()` returns. Runs on CPU (gloo) or GPU (NCCL).
+`backward()` returns. With `--zero` the parameters are this rank's flat chunks
+(the optimizer's state with them); with pp > 1 the forward runs the pipeline
+schedule and the loop stays the same. Runs on CPU (gloo) or GPU (NCCL).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def main() -> None:
     parser.add_argument("model", choices=DEFAULT_MESH, help="which example to train")
     parser.add_argument("--mesh", default=None, help="dp x pp x tp x cp x ep (default: see DEFAULT_MESH)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism under tp")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
+    parser.add_argument("--schedule", default="1f1b", help="pipeline schedule, when pp > 1")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -68,7 +73,8 @@ def main() -> None:
     torch.manual_seed(0)
     data = dict(batch_size=args.batch, seq=SEQ, vocab=VOCAB)
     model = fivedc.parallelize(build(args.model), mesh=args.mesh or DEFAULT_MESH[args.model],
-                               sequence_parallel=args.sp, example_inputs=batch(0, **data))
+                               sequence_parallel=args.sp, zero=args.zero, schedule=args.schedule,
+                               example_inputs=batch(0, **data))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     for step in range(args.steps):
         tokens, targets = batch(step, **data)

@@ -8,6 +8,11 @@ them in a callback queued on the autograd engine, which runs before `backward()`
 returns. So `.grad` holds the full gradient of each shard when the user's
 `opt.step()` runs, and any `torch.optim` optimizer works unchanged.
 
+Under ZeRO-1/2 (`fivedc/parallel_weights.FlatChunks`) the tensors the forward read
+are gathered copies and the parameters are their owned chunks (`owners`): the sum
+goes to the chunk's `.grad`, the owned slice of an all-reduced sum (stage 1) or a
+bucket's reduce-scatter (stages 2, 3), adding to what it held.
+
 Gradient accumulation keeps torch's semantics (`.grad` adds up until
 `zero_grad()`): a hook on each parameter's incoming gradient sets the
 accumulated, already summed `.grad` aside before this backward's gradient lands,
@@ -20,27 +25,30 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from fivedc.plan import ExecutionPlan
 from fivedc.runtime.buckets import GradBuckets, expand_buckets
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import qualified_params
+from fivedc.runtime.zero import FlatShard
 
 
 class GradSync:
-    def __init__(self, params: dict[str, nn.Parameter], plan: ExecutionPlan, ctx: KernelContext) -> None:
+    def __init__(self, params: dict[str, Tensor], plan: ExecutionPlan, ctx: KernelContext, *, stage: int = 0,
+                 specs: dict[str, FlatShard] | None = None, owners: dict[str, Tensor] | None = None) -> None:
         groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None
                   for name, p in qualified_params(plan.graph)}
-        synced = {name for name, group in groups.items() if group is not None and params[name].requires_grad}
+        synced = {name for name, group in groups.items()
+                  if group is not None and name in params and params[name].requires_grad}
         buckets = [b for b in expand_buckets(plan.buckets) if all(groups.get(n) is not None for n in b)]
         buckets = [kept for b in buckets if (kept := tuple(n for n in b if n in synced))]  # frozen ones dropped
         covered = {name for b in buckets for name in b}
         # a parameter the plan left out of its buckets still gets summed, alone, after backward
         buckets += [(name,) for name in params if name in synced and name not in covered]
-        self.params = params
+        self.params, self.stage, self.specs, self.owners = params, stage, specs or {}, owners
         self.synced = tuple(name for name in params if name in synced)
-        self.reducer = GradBuckets(params, buckets, {}, groups, stage=0, overlap=plan.overlap)
+        self.reducer = GradBuckets(params, buckets, self.specs, groups, stage=min(stage, 2), overlap=plan.overlap)
         self.held: dict[str, Tensor | None] = {}  # .grad from earlier backwards, set aside
         self.queued = False
         for name in self.synced:
@@ -64,8 +72,14 @@ class GradSync:
                 self.held[name], p.grad = p.grad, None
         summed = self.reducer.finish()
         for name, grad in summed.items():
-            p = self.params[name]
-            grad = grad.view_as(p)
             before = self.held.pop(name, None)
+            if self.owners is None:
+                p = self.params[name]
+                grad = grad.view_as(p)
+            else:  # ZeRO: the owned chunk goes to the parameter that is the chunk
+                p = self.owners[name]
+                spec = self.specs[name]
+                grad = spec.pad(spec.owned(grad)) if self.stage == 1 else grad
+                before = p.grad
             p.grad = grad if before is None else before + grad
         self.held.clear()

@@ -9,7 +9,11 @@ plan's layout), runs the plan's `Program`, and returns the full loss: the local
 summand all-reduced over the loss's pending axes, with an identity backward, so
 `loss.backward()` seeds each rank's own summand. Gradients are summed over their
 `grad_partial` axes before `backward()` returns (`fivedc/parallel_grads.py`), so
-a plain `torch.optim` optimizer over `parameters()` trains it.
+a plain `torch.optim` optimizer over `parameters()` trains it. Under ZeRO the
+parameters are the owned chunks of the flattened shards instead, and the forward
+gathers them (`fivedc/parallel_weights.py`); under a pipeline a rank holds only
+its chunks' parameters, and the forward runs the whole schedule
+(`fivedc/parallel_pipeline.py`).
 `full_state_dict()` gathers the parameters back into the original module's keys
 (with its persistent buffers) and `load_state_dict` takes either form.
 """
@@ -27,12 +31,14 @@ from fivedc.errors import FivedcError
 from fivedc.frontend_fx import TracedModel
 from fivedc.ir import Param
 from fivedc.parallel_grads import GradSync
+from fivedc.parallel_pipeline import PipelineLoss
+from fivedc.parallel_weights import make_weights
 from fivedc.plan import ExecutionPlan
 from fivedc.runtime.collectives import Step, apply_steps, redistribute
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.moe import end_step, register_params
 from fivedc.runtime.program import Program, qualified_params, shard
-from fivedc.runtime.train import loss_partial_axes
+from fivedc.runtime.train import loss_axes_of, loss_partial_axes
 
 
 class ParallelModule(nn.Module):
@@ -60,22 +66,41 @@ class ParallelModule(nn.Module):
         if sync_module_states and self._fivedc_groups is not None:
             _broadcast(full, device)
         frozen = {m.ir_name for m in traced.params if not module.get_parameter(m.key).requires_grad}
+        held = self._fivedc_specs
+        if plan.pipeline is not None:  # this rank's chunks' parameters only
+            self._fivedc_pipeline = PipelineLoss(self._fivedc_program, plan, device)
+            held = {n: spec for n, spec in held.items() if n in self._fivedc_pipeline.mine}
+        else:
+            self._fivedc_pipeline = None
+        local = {name: shard(full[name].detach(), spec.dims, spec.sharding, self._fivedc_ctx).to(device).clone()
+                 for name, spec in held.items()}
+        self._fivedc_weights = make_weights(local, frozen, plan, self._fivedc_ctx)
         self._fivedc_params: dict[str, nn.Parameter] = {}
-        for name, spec in self._fivedc_specs.items():
-            local = shard(full[name].detach(), spec.dims, spec.sharding, self._fivedc_ctx)
-            self._register(name, nn.Parameter(local.to(device).clone(), requires_grad=name not in frozen))
+        for name, param in self._fivedc_weights.params.items():
+            self._register(name, param)
         axes = loss_partial_axes(plan.graph)
         self._fivedc_loss_steps = (Step("all_reduce", axes),) if axes and self._fivedc_groups is not None \
             and plan.mesh.size(*axes) > 1 else ()
-        self._fivedc_grads = GradSync(self._fivedc_params, plan, self._fivedc_ctx)
-        register_params(self._fivedc_ctx, self._fivedc_params)  # MoE layers name their state by their router
+
+    @property
+    def _fivedc_grads(self) -> GradSync | None:
+        """The gradient sum of the last forward (ZeRO-0: of every forward)."""
+        return getattr(self._fivedc_weights, "sync", None)
 
     # ---- training ---------------------------------------------------------------------
     def forward(self, *args, **kwargs) -> Tensor:
         """The full loss of the model on the global batch given (every rank passes the same)."""
         inputs = self._fivedc_inputs(args, kwargs)
         end_step(self._fivedc_ctx)  # MoE: drop the previous call's token counts (no bias update is lowered)
-        loss = self._fivedc_program.loss(self._fivedc_params, inputs)
+        weights = self._fivedc_weights
+        if self._fivedc_pipeline is not None:
+            return self._fivedc_pipeline.loss(weights.view(), inputs)
+        with weights.scope():
+            view = weights.view()
+            if isinstance(view, dict):
+                register_params(self._fivedc_ctx, view)  # MoE layers name their state by their router
+            loss = self._fivedc_program.loss(view, inputs)
+        weights.forward_done(view)
         if self._fivedc_loss_steps:
             loss = redistribute(loss, self._fivedc_loss_steps, (), self._fivedc_groups)
         return loss
@@ -111,22 +136,22 @@ class ParallelModule(nn.Module):
     # ---- state dicts ------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, Tensor]:
         """The original module's state dict, gathered (a collective: call it on every rank)."""
-        local = {n: p.detach() for n, p in self._fivedc_params.items()}
-        params = self.fivedc_traced.from_ir_params(self._fivedc_gather(local))
+        weights = self._fivedc_weights
+        params = self.fivedc_traced.from_ir_params(self._fivedc_gather({n: weights.local(n) for n in weights.params}))
         merged = {**self._fivedc_buffers, **params}
         return {k: merged[k] for k in self._fivedc_keys if k in merged}
 
     def full_grads(self) -> dict[str, Tensor]:
         """Every parameter's gradient, gathered, in the original module's parameter names (collective)."""
-        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self._fivedc_params.items()}
-        return self.fivedc_traced.from_ir_params(self._fivedc_gather({n: g.detach() for n, g in grads.items()}))
+        weights = self._fivedc_weights
+        return self.fivedc_traced.from_ir_params(self._fivedc_gather({n: weights.local_grad(n) for n in weights.params}))
 
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load the original module's (full) state dict: each rank keeps its shards."""
         ir = self.fivedc_traced.to_ir_params(dict(state_dict))
-        with torch.no_grad():
-            for name, spec in self._fivedc_specs.items():
-                self._fivedc_params[name].copy_(shard(ir[name], spec.dims, spec.sharding, self._fivedc_ctx))
+        for name in self._fivedc_params:
+            spec = self._fivedc_specs[name]
+            self._fivedc_weights.load_local(name, shard(ir[name], spec.dims, spec.sharding, self._fivedc_ctx))
         for key in self._fivedc_buffers.keys() & state_dict.keys():
             self._fivedc_buffers[key] = state_dict[key].detach().clone()
 
@@ -175,6 +200,8 @@ class ParallelModule(nn.Module):
                 if order is not None:
                     full = full.index_select(index, torch.argsort(order).to(full.device))
             out[name] = full.cpu() if full is tensor else full.detach().cpu()
+        if self._fivedc_pipeline is not None:
+            out = self._fivedc_pipeline.share(out, self._fivedc_specs)
         return out
 
 
@@ -201,7 +228,7 @@ def _mesh_groups(plan: ExecutionPlan, device: torch.device):
     axis_sets = {c.axes for c in plan.collectives}
     axis_sets |= {p.grad_partial for _, p in qualified_params(plan.graph) if p.grad_partial}
     axis_sets |= {p.sharding.axes_of(d) for _, p in qualified_params(plan.graph) for d in p.dims}
-    axis_sets |= {loss_partial_axes(plan.graph)}
+    axis_sets |= {loss_axes_of(plan.graph, plan.mesh)}
     return MeshGroups(plan.mesh, device_type=device.type, axis_sets=sorted(a for a in axis_sets if a))
 
 

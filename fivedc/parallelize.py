@@ -48,7 +48,7 @@ from torch import nn
 
 from fivedc.errors import FivedcError, MeshError, NotSupportedError
 from fivedc.frontend_fx import TracedModel, trace_module
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.mesh import Mesh
 from fivedc.parallel_pins import pin_shardings
 from fivedc.passes.base import DEFAULT_BUCKET_MB, CompileOptions
 from fivedc.pipeline import compile_graph
@@ -68,6 +68,10 @@ class ParallelizeOptions:
     cp_layout: str | None = None
     overlap: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    virtual: int | None = None
+    pp_layout: tuple[int, ...] | None = None
     device: torch.device | str | None = None
     sync_module_states: bool = True
 
@@ -75,20 +79,27 @@ class ParallelizeOptions:
 def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, example_inputs=None,
                 sequence_parallel: bool | None = None, shardings: Mapping[str, str] | None = None, zero: int = 0,
                 cp_attention: str | None = None, cp_layout: str | None = None, overlap: bool = True,
-                bucket_mb: float = DEFAULT_BUCKET_MB, device: torch.device | str | None = None, sync_module_states: bool = True):
+                bucket_mb: float = DEFAULT_BUCKET_MB, schedule: str = "1f1b", microbatches: int | None = None,
+                virtual: int | None = None, pp_layout: tuple[int, ...] | None = None,
+                device: torch.device | str | None = None, sync_module_states: bool = True):
     """Parallelize an `nn.Module` instance, or, as a decorator, an `nn.Module` class.
 
     mesh: "dp x pp x tp x cp x ep" (`"2x1x2x1x1"`) or `dp=2,tp=2`, or a `Mesh`.
     example_inputs: the forward's arguments to trace with (full global tensors).
     sequence_parallel: Megatron SP under tp. shardings: `{"module.path.*.pattern":
     "col" | "row" | "replicate"}`. cp_attention: "ring" | "allgather"; cp_layout:
-    "balanced" | "contiguous". overlap, bucket_mb: gradient buckets reduced during
-    backward. device: where the shards live (default: the current CUDA device with
+    "balanced" | "contiguous". zero: 0-3, the ZeRO stage (the parameters become
+    this rank's flat chunks; any torch optimizer over them keeps sharded state).
+    overlap, bucket_mb: gradient buckets reduced during backward. schedule
+    ("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "dualpipev"), microbatches,
+    virtual, pp_layout (layers per chunk): the pipeline, when pp > 1; the forward
+    then runs the whole schedule. device: where the shards live (default: the current CUDA device with
     NCCL, else the module's). sync_module_states: start from rank 0's weights.
     """
     options = ParallelizeOptions(
         mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh), example_inputs, sequence_parallel,
-        dict(shardings or {}), zero, cp_attention, cp_layout, overlap, bucket_mb, device, sync_module_states,
+        dict(shardings or {}), zero, cp_attention, cp_layout, overlap, bucket_mb, schedule, microbatches, virtual,
+        tuple(pp_layout) if pp_layout is not None else None, device, sync_module_states,
     )
     if module is None:
         return lambda target: _apply(target, options)
@@ -136,13 +147,14 @@ def _apply(target, options: ParallelizeOptions):
 def _build(module: nn.Module, options: ParallelizeOptions):
     from fivedc.parallel_module import ParallelModule
 
-    _check_supported(options)
     example = _example_inputs(module, options.example_inputs)
     _check_world(options.mesh)
     traced, plan = compile_module(
         module, example, mesh=options.mesh, shardings=options.shardings,
         sequence_parallel=options.sequence_parallel, zero=options.zero, cp_attention=options.cp_attention,
         cp_layout=options.cp_layout, overlap=options.overlap, bucket_mb=options.bucket_mb,
+        schedule=options.schedule, microbatches=options.microbatches, virtual=options.virtual,
+        pp_layout=options.pp_layout,
     )
     return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
                           sync_module_states=options.sync_module_states)
@@ -190,21 +202,6 @@ def _example_inputs(module: nn.Module, given):
             f"{name}.example_inputs(self) returning them: full global tensors of the training shapes",
         )
     return dict(source) if isinstance(source, dict) else tuple(source)
-
-
-def _check_supported(options: ParallelizeOptions) -> None:
-    if options.zero:
-        raise NotSupportedError(
-            f"ZeRO (zero={options.zero}) for a parallelized module is not supported yet: a torch optimizer "
-            "over parameters() updates whole shards",
-            hint="use zero=0; ZeRO runs with fivedc's own training loop (fivedc verify --zero)",
-        )
-    for axis, what in ((MeshAxis.PP, "pipeline"),):
-        if options.mesh.size(axis) > 1:
-            raise NotSupportedError(
-                f"{what} parallelism ({axis}={options.mesh.size(axis)}) is not supported by parallelize yet",
-                hint=f"use {axis}=1 in the mesh",
-            )
 
 
 def _check_world(mesh: Mesh) -> None:

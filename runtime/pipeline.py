@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fivedc.mesh import MeshAxis
-from fivedc.schedule import Action, ActionKind
+from fivedc.schedule import ActionKind
 from fivedc.stages import PipelineSpec, Unit, chunk_param_names, units, value_types
 
 K = ActionKind
@@ -62,13 +62,7 @@ class PipelineRunner:
     def step(self, params, inputs: dict[str, Tensor]) -> Tensor:
         """Forward and backward of every microbatch on this rank; the sum of the losses
         computed here (zero on ranks without the last chunk)."""
-        m = self.spec.microbatches
-        batch = self.graph.batch_dim
-        micro_inputs = [{} for _ in range(m)]
-        for item in self.graph.inputs:
-            index = item.type.dims.index(batch)
-            for j, part in enumerate(inputs[item.name].chunk(m, dim=index)):
-                micro_inputs[j][item.name] = part
+        micro_inputs = self._split(inputs)
         state: dict[tuple[int, int], _Micro] = {}
         sends: list = []
         total = torch.zeros((), dtype=torch.float64)
@@ -93,21 +87,60 @@ class PipelineRunner:
                     micro.outputs, micro.received, micro.grads_in, micro.done = [], [], None, True
                     self._forget(state, key)
             elif kind == K.SEND_FORWARD:
-                sends.append(self._send(state[key].outputs, action))
+                sends.append(self._send(state[key].outputs, action.peer, TAGS[kind]))
             elif kind == K.SEND_BACKWARD:
                 micro = state[key]
-                sends.append(self._send(micro.grads_out, action))
+                sends.append(self._send(micro.grads_out, action.peer, TAGS[kind]))
                 micro.grads_out, micro.sent = [], True
                 self._forget(state, key)
             elif kind == K.RECV_FORWARD:
                 target = state.setdefault((action.microbatch, action.chunk + 1), _Micro())
-                target.received = [t.requires_grad_(True) for t in self._recv(action, action.chunk)]
+                target.received = [t.requires_grad_(True) for t in self._recv(action.peer, TAGS[kind], action.chunk)]
             else:  # RECV_BACKWARD: gradients for the outputs of chunk c-1
                 target = state[(action.microbatch, action.chunk - 1)]
-                target.grads_in = self._recv(action, action.chunk - 1)
+                target.grads_in = self._recv(action.peer, TAGS[kind], action.chunk - 1)
         for _, work in sends:  # the buffer stays referenced until its send is done
             work.wait()
         return total
+
+    def forward_only(self, params, inputs: dict[str, Tensor]) -> Tensor:
+        """Every microbatch's forward and no backward (evaluation, under `torch.no_grad()`):
+        this rank's chunks in model order, one microbatch after another; the sum of the
+        losses computed here. Every rank works in (microbatch, chunk) order, so a
+        receive never waits on a send that comes later."""
+        chunks, mine = self.spec.chunks, self.ctx.coords[MeshAxis.PP]
+        total = torch.zeros((), dtype=torch.float64)
+        sends: list = []
+        for inputs_j in self._split(inputs):
+            outputs: list[Tensor] = []
+            for chunk in chunks:
+                if chunk.rank != mine:
+                    continue
+                micro = _Micro()
+                if chunk.index > 0:
+                    before = chunks[chunk.index - 1]  # ran here just now, or is received
+                    micro.received = outputs if before.rank == mine else self._recv(before.rank, TAGS[K.RECV_FORWARD],
+                                                                                    before.index)
+                loss = self._forward(params, inputs_j, micro, chunk.index)
+                if loss is not None:
+                    total = total + loss.detach().double()
+                outputs = micro.outputs
+                after = chunks[chunk.index + 1] if chunk.index < self.last_chunk else None
+                if after is not None and after.rank != mine:
+                    sends.append(self._send(outputs, after.rank, TAGS[K.SEND_FORWARD]))
+        for _, work in sends:
+            work.wait()
+        return total
+
+    def _split(self, inputs: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+        """The inputs of each microbatch: split along the batch dim."""
+        m, batch = self.spec.microbatches, self.graph.batch_dim
+        micro_inputs: list[dict[str, Tensor]] = [{} for _ in range(m)]
+        for item in self.graph.inputs:
+            index = item.type.dims.index(batch)
+            for j, part in enumerate(inputs[item.name].chunk(m, dim=index)):
+                micro_inputs[j][item.name] = part
+        return micro_inputs
 
     def _forward(self, params, inputs: dict[str, Tensor], micro: _Micro, chunk: int) -> Tensor | None:
         spec = self.spec.chunks[chunk]
@@ -138,7 +171,7 @@ class PipelineRunner:
 
     def _leaves(self, params, chunk: int) -> list[Tensor]:
         """The chunk's parameter leaves (ZeRO-3's view: the owned chunks are the leaves)."""
-        leaves = params if isinstance(params, dict) else params.zero.params
+        leaves = params if isinstance(params, dict) else params.sharded.chunks
         return [leaves[name] for name in sorted(self.chunk_params[chunk])]
 
     def _backward(self, kind: ActionKind, micro: _Micro, weights: list[Tensor]) -> None:
@@ -163,16 +196,16 @@ class PipelineRunner:
     def _peer(self, pp_rank: int) -> int:
         return self.ctx.mesh.rank_of({**self.ctx.coords, MeshAxis.PP: pp_rank})
 
-    def _send(self, tensors: list[Tensor], action: Action):
+    def _send(self, tensors: list[Tensor], peer: int, tag: int):
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).contiguous()
-        return flat, dist.isend(flat, dst=self._peer(action.peer), tag=TAGS[action.kind])
+        return flat, dist.isend(flat, dst=self._peer(peer), tag=tag)
 
-    def _recv(self, action: Action, producer: int) -> list[Tensor]:
+    def _recv(self, peer: int, tag: int, producer: int) -> list[Tensor]:
         """The boundary tensors after chunk `producer` (forward), or their gradients."""
         names = self.spec.chunks[producer].sends
         shapes = [self._local_shape(n) for n in names]
         flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=self.dtype, device=self.device)
-        dist.recv(flat, src=self._peer(action.peer), tag=TAGS[action.kind])
+        dist.recv(flat, src=self._peer(peer), tag=tag)
         out, offset = [], 0
         for shape in shapes:
             size = math.prod(shape)

@@ -161,13 +161,12 @@ class ZeroOptimizer:
         self.overlap = overlap
         self.keep_gathered = keep_gathered and stage == 3  # a pipeline: gather once per step, not per use
         self.gathered: dict[str, Tensor] = {}
-        self.access_order: tuple[str, ...] = ()  # ZeRO-3: the last forward's parameter reads
-        self.prefetch: tuple[int, str, _PendingGather] | None = None
         self.shapes = {name: p.shape for name, p in params.items()}
         self.specs = {name: flat_shard(p.numel(), groups.get(name) if stage else None) for name, p in params.items()}
         if stage == 3:  # keep only the owned chunk, a leaf that receives its gradient's chunk
             self.params = {n: self.specs[n].pad(self.specs[n].owned(p.detach().reshape(-1))).requires_grad_(True)
                            for n, p in params.items()}
+            self.sharded = ShardedParams(self.params, self.specs, self.shapes, overlap=overlap)
         else:
             self.params = {n: p.detach().requires_grad_(True) for n, p in params.items()}
         self.grads: dict[str, Tensor] = {}  # after `reduce_gradients`: summed, full or the owned chunk
@@ -188,7 +187,7 @@ class ZeroOptimizer:
             self.gathered = {n: self.specs[n].gather(p.detach()).view(self.shapes[n]).clone().requires_grad_(True)
                              for n, p in self.params.items()}
             return self.gathered
-        return _Gathered(self) if self.stage == 3 else self.params
+        return self.sharded.view() if self.stage == 3 else self.params
 
     def forward_done(self, view: dict[str, Tensor] | _Gathered) -> None:
         if isinstance(view, _Gathered):
@@ -267,30 +266,48 @@ class ZeroOptimizer:
         return grad[: self.specs[name].owned_length] if self.stage == 2 else grad
 
 
+class ShardedParams:
+    """ZeRO-3 parameters at rest: each the owned chunk of its flat local tensor (`chunks`,
+    leaves that receive their gradient's chunk), gathered on every use (`view()`).
+    With overlap on, the next parameter in the order of the previous forward's reads
+    is gathered while the current one is used (one prefetch in flight)."""
+
+    def __init__(self, chunks: dict[str, Tensor], specs: dict[str, FlatShard], shapes: dict[str, torch.Size],
+                 *, overlap: bool) -> None:
+        self.chunks, self.specs, self.shapes, self.overlap = chunks, specs, shapes, overlap
+        self.access_order: tuple[str, ...] = ()  # the last forward's parameter reads
+        self.prefetch: tuple[int, str, _PendingGather] | None = None
+
+    def view(self) -> _Gathered:
+        return _Gathered(self)
+
+    def gather(self, name: str) -> Tensor:
+        """The full local parameter, a new tensor outside autograd."""
+        return self.specs[name].gather(self.chunks[name].detach()).view(self.shapes[name])
+
+
 class _Gathered:
     """ZeRO-3's parameters as the program sees them: each access gathers a fresh
-    tensor, freed after its use (see `gathered_params_scope`). With overlap on, the
-    next parameter in the order of the previous step's accesses is gathered while
-    the current one is used (one prefetch in flight)."""
+    tensor, freed after its use (see `gathered_params_scope`)."""
 
-    def __init__(self, zero: ZeroOptimizer) -> None:
-        self.zero = zero
+    def __init__(self, sharded: ShardedParams) -> None:
+        self.sharded = sharded
         self.seen: list[str] = []
 
     def __getitem__(self, name: str) -> Tensor:
-        z = self.zero
+        z = self.sharded
         if z.specs[name].n == 1:
-            return z.params[name].view(z.shapes[name])
+            return z.chunks[name].view(z.shapes[name])
         pending = self._take_prefetch(name)
         self.seen.append(name)
-        full = _Gather.apply(z.params[name], z.specs[name], z.shapes[name], pending)
+        full = _Gather.apply(z.chunks[name], z.specs[name], z.shapes[name], pending)
         root = full if full._base is None else full._base
         root._fivedc_regather = _Regather(name, z)
         self._prefetch_next()
         return full
 
     def _take_prefetch(self, name: str) -> _PendingGather | None:
-        slot, self.zero.prefetch = self.zero.prefetch, None
+        slot, self.sharded.prefetch = self.sharded.prefetch, None
         if slot is None:
             return None
         position, prefetched, pending = slot
@@ -300,33 +317,32 @@ class _Gathered:
         return None
 
     def _prefetch_next(self) -> None:
-        z, position = self.zero, len(self.seen)
+        z, position = self.sharded, len(self.seen)
         if not z.overlap or position >= len(z.access_order):
             return
         name = z.access_order[position]
         if z.specs[name].n > 1:
-            z.prefetch = (position, name, z.specs[name].gather_async(z.params[name].detach()))
+            z.prefetch = (position, name, z.specs[name].gather_async(z.chunks[name].detach()))
 
     def done(self) -> None:
         """After the forward: this step's access order is the next step's prefetch order."""
-        if self.zero.prefetch is not None:
-            self.zero.prefetch[2].wait()
-            self.zero.prefetch = None
-        self.zero.access_order = tuple(self.seen)
+        if self.sharded.prefetch is not None:
+            self.sharded.prefetch[2].wait()
+            self.sharded.prefetch = None
+        self.sharded.access_order = tuple(self.seen)
 
 
 class _Regather:
     """How to make a gathered parameter again; autograd saves this instead of it."""
 
-    def __init__(self, name: str, zero: ZeroOptimizer, layout: tuple = ()) -> None:
-        self.name, self.zero, self.layout = name, zero, layout
+    def __init__(self, name: str, sharded: ShardedParams, layout: tuple = ()) -> None:
+        self.name, self.sharded, self.layout = name, sharded, layout
 
     def at(self, t: Tensor) -> _Regather:
-        return _Regather(self.name, self.zero, (t.size(), t.stride(), t.storage_offset()))
+        return _Regather(self.name, self.sharded, (t.size(), t.stride(), t.storage_offset()))
 
     def get(self) -> Tensor:
-        z = self.zero
-        full = z.specs[self.name].gather(z.params[self.name].detach()).view(z.shapes[self.name])
+        full = self.sharded.gather(self.name)
         root = full if full._base is None else full._base
         return root.as_strided(*self.layout)
 

@@ -11,6 +11,7 @@ error), the plan against the DSL twin, and the `file.py:factory` loader's errors
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -27,13 +28,15 @@ from fivedc.errors import FivedcError, MeshError, NotSupportedError, ShardingErr
 from fivedc.frontend_dsl import load_model
 from fivedc.frontend_py import graph_from_spec, is_spec, load_factory
 from fivedc.ir import Repeat
-from fivedc.mesh import Mesh
+from fivedc.mesh import Mesh, MeshAxis
 from fivedc.parallel_check import check_module, compare, train_module
 from fivedc.parallel_module import ParallelModule
 from fivedc.parallelize import compile_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan import ExecutionPlan
+from fivedc.runtime.program import qualified_params
+from fivedc.stages import chunk_param_names
 
 HERE = str(Path(__file__).resolve())
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -49,21 +52,23 @@ nanogpt, llama = _load("nanogpt"), _load("llama")
 
 
 # ---- drawn models (module-level: the workers build them from `HERE:make_model`) ----------
-def make_model(*, kind: str, seed: int, dp: int = 1, tp: int = 1, cp: int = 1, sp: bool = False, fp32: bool = False):
+def make_model(*, kind: str, seed: int, dp: int = 1, tp: int = 1, cp: int = 1, sp: bool = False, fp32: bool = False,
+               pp: int = 1):
     """A small nanoGPT or Llama whose sizes divide by the mesh: heads, ffn and vocab by tp,
-    the batch by dp, the sequence by 2 cp (balanced layout), and by cp x tp under SP."""
+    the batch by dp, the sequence by 2 cp (balanced layout), and by cp x tp under SP;
+    under pp, 2 pp layers and a batch of 2 pp microbatches per dp rank."""
     dtype = torch.float32 if fp32 else torch.float64
     rng = random.Random(seed)
     seq = 2 * cp * (tp if sp else 1) * rng.choice([1, 2])
-    batch = dp * rng.choice([1, 2])
+    batch = dp * rng.choice([1, 2]) * (2 * pp if pp > 1 else 1)
     if kind == "nanogpt":  # (one head would be a size-1 dim, which the fx frontend cannot name)
         heads = tp * rng.choice([1, 2]) if tp > 1 else rng.choice([2, 4])
-        config = nanogpt.GPTConfig(block_size=seq, vocab_size=tp * rng.choice([8, 20]), n_layer=rng.choice([1, 2, 3]),
+        config = nanogpt.GPTConfig(block_size=seq, vocab_size=tp * rng.choice([8, 20]), n_layer=rng.choice([1, 2, 3]) if pp == 1 else 2 * pp,
                                    n_head=heads, n_embd=heads * rng.choice([4, 8]))
         return nanogpt.factory(batch=batch, config=config, seed=seed, dtype=dtype)
     kv = tp * rng.choice([1, 2]) if tp == 1 else tp
     heads = kv * (2 if kv == 1 else rng.choice([1, 2]))
-    args = llama.ModelArgs(dim=heads * rng.choice([4, 8]), n_layers=rng.choice([1, 2]), n_heads=heads, n_kv_heads=kv,
+    args = llama.ModelArgs(dim=heads * rng.choice([4, 8]), n_layers=rng.choice([1, 2]) if pp == 1 else 2 * pp, n_heads=heads, n_kv_heads=kv,
                            vocab_size=tp * rng.choice([8, 20]), ffn_dim=tp * rng.choice([6, 10]), max_seq_len=seq,
                            rope_theta=rng.choice([10000.0, 500.0]))
     return llama.factory(batch=batch, args=args, seed=seed, dtype=dtype)
@@ -76,6 +81,13 @@ CASES = [  # (model, mesh, options): every landed axis, alone and combined, worl
     ("llama", "1x1x2x1x1", {"sequence_parallel": False}),
     ("llama", "2x1x2x2x1", {"sequence_parallel": True}),
     ("llama", "4x1x1x1x1", {"overlap": False}),
+    ("nanogpt", "2x1x2x1x1", {"zero": 1, "sequence_parallel": True}),
+    ("llama", "4x1x1x1x1", {"zero": 2}),
+    ("llama", "2x1x1x2x1", {"zero": 3}),
+    ("nanogpt", "2x2x1x1x1", {"schedule": "interleaved", "zero": 1}),
+    ("llama", "1x2x2x1x1", {"schedule": "dualpipev", "zero": 3, "sequence_parallel": True}),
+    ("nanogpt", "1x4x2x1x1", {"schedule": "zb-h1", "zero": 2}),
+    ("llama", "2x2x1x1x1", {"schedule": "gpipe", "overlap": False}),
 ]
 
 
@@ -84,7 +96,7 @@ def test_parallelized_module_trains_like_the_plain_module(case: int, worker_pool
     kind, mesh, options = CASES[case]
     sizes = dict(zip(("dp", "pp", "tp", "cp"), map(int, mesh.split("x"))))
     kwargs = {"kind": kind, "seed": case, "dp": sizes["dp"], "tp": sizes["tp"], "cp": sizes["cp"],
-              "sp": bool(options.get("sequence_parallel"))}
+              "sp": bool(options.get("sequence_parallel")), "pp": sizes["pp"]}
     report = check_module(f"{HERE}:make_model", kwargs=kwargs, mesh=mesh, pool=worker_pool, **options)
     assert report.max_error <= TOL, (kwargs, report)
     assert report.losses[1] != report.losses[0]
@@ -195,6 +207,49 @@ def test_decorated_class_state_dicts_accumulation_and_overlap(worker_pool) -> No
     assert out["plan"] == expected
 
 
+def pipeline_zero_job(info, payload) -> dict:
+    """Llama under pp=2 x dp=2 with ZeRO-1: what a rank holds, evaluation, a scaled loss,
+    accumulation and the full state dict."""
+    module, inputs = make_model(kind="llama", seed=11, dp=2, pp=2)
+    model = fivedc.parallelize(module, mesh="2x2x1x1x1", example_inputs=inputs, zero=1, device=info.device)
+    plan, out = model.fivedc_plan, {}
+    pp_rank = model._fivedc_ctx.coords[MeshAxis.PP]
+    sizes = {n: math.prod(plan.graph.dim(d) for d in p.dims) for n, p in qualified_params(plan.graph)}
+    held = dict(model.named_parameters())
+    out["holds_its_chunks"] = set(held) == chunk_param_names(plan.graph, plan.pipeline, pp_rank=pp_rank)
+    out["flat_halves"] = all(p.shape == (math.ceil(sizes[n] / 2),) for n, p in held.items())
+    with torch.no_grad():
+        evaluated = model(*inputs)
+    loss = model(*inputs)
+    out["eval_error"] = abs(evaluated.item() - loss.item())
+    (loss * 0.5).backward()
+    half = model.full_grads()
+    model.zero_grad()
+    model(*inputs).backward()
+    once = model.full_grads()
+    model(*inputs).backward()
+    twice = model.full_grads()
+    out["scaled_error"] = max((2 * half[k] - once[k]).abs().max().item() for k in once)
+    out["accumulated_error"] = max((twice[k] - 2 * once[k]).abs().max().item() for k in once)
+    plain, _ = make_model(kind="llama", seed=11, dp=2, pp=2)
+    plain(*inputs).backward()
+    out["grad_error"] = max((once[n] - p.grad).abs().max().item() for n, p in plain.named_parameters())
+    torch.manual_seed(1)
+    state = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
+    model.load_state_dict(state)
+    full = model.full_state_dict()
+    out["full_round_trip"] = list(full) == list(state) and all(torch.equal(full[k], state[k]) for k in state)
+    return out
+
+
+def test_a_pipeline_with_zero_holds_its_chunks_and_keeps_torch_semantics(worker_pool) -> None:
+    outs = worker_pool.run(pipeline_zero_job, world=4, payload=None)
+    for out in outs:
+        assert out["holds_its_chunks"] and out["flat_halves"] and out["full_round_trip"], out
+        assert out["eval_error"] <= 1e-12 and out["grad_error"] <= 1e-12, out
+        assert out["scaled_error"] <= 1e-12 and out["accumulated_error"] <= 1e-12, out
+
+
 class OldStyle(nn.Module):
     """`super(OldStyle, self)`: still works once the name is bound to the decorated class."""
 
@@ -291,8 +346,8 @@ def test_misuse_is_a_clear_error() -> None:
     with pytest.raises(MeshError, match="no process group is initialised") as info:
         fivedc.parallelize(module, mesh="2x1x2x1x1", example_inputs=inputs)
     assert "torchrun --nproc-per-node=4" in info.value.hint
-    with pytest.raises(NotSupportedError, match="ZeRO"):
-        fivedc.parallelize(module, mesh="2x1x1x1x1", example_inputs=inputs, zero=1)
+    with pytest.raises(FivedcError, match="microbatches"):
+        compile_module(module, inputs, mesh=Mesh.parse("1x2x1x1x1"), microbatches=3)
     with pytest.raises(FivedcError, match="needs example inputs") as info:
         fivedc.parallelize(module, mesh="1x1x1x1x1")
     assert "GPT.example_inputs(self)" in info.value.hint

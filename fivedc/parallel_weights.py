@@ -1,0 +1,150 @@
+"""Where a parallelized module keeps its weights, per ZeRO stage (used by `fivedc/parallel_module.py`).
+
+Every mode registers one `nn.Parameter` per IR parameter instance this rank holds
+(`params`, under the IR's qualified names); they are what a torch optimizer over
+`parameters()` steps, so its state is sharded exactly as they are.
+
+- `WholeShards` (ZeRO-0): the parameters are this rank's local (tp/ep-split)
+  shards, and the forward reads them. `GradSync` sums their gradients over their
+  `grad_partial` axes during backward.
+- `FlatChunks` (ZeRO-1 and 2, and ZeRO-3 under a pipeline): the parameters are
+  the owned chunks of the flattened local shards (`runtime/zero.FlatShard`, padded
+  so every rank holds the same bytes). Each forward all-gathers them into full
+  local tensors, new leaves that autograd accumulates into, and a `GradSync` over
+  those sums the gradients into the chunks' `.grad`: the full sum's owned slice
+  (ZeRO-1, an all-reduce) or a reduce-scatter (ZeRO-2, 3). The optimizer updates
+  only the chunks; the next forward gathers them again.
+- `GatheredOnUse` (ZeRO-3): the parameters are the owned chunks; every use
+  gathers a fresh tensor (`runtime/zero.ShardedParams`) that backward gathers
+  again instead of keeping; the gradient's chunk arrives through autograd, the
+  gather's backward being a reduce-scatter.
+
+Parameters with nothing to shard over (a group of one rank), and frozen ones, stay
+whole local shards in every mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fivedc.parallel_grads import GradSync
+from fivedc.plan import ExecutionPlan
+from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.program import qualified_params
+from fivedc.runtime.zero import FlatShard, ShardedParams, flat_shard, gathered_params_scope
+
+
+class WholeShards:
+    """ZeRO-0: the local shards themselves."""
+
+    stage = 0
+
+    def __init__(self, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan, ctx: KernelContext) -> None:
+        self.params = {n: nn.Parameter(t, requires_grad=n not in frozen) for n, t in local.items()}
+        self.sync = GradSync(self.params, plan, ctx)
+
+    def view(self) -> dict[str, Tensor]:
+        return self.params
+
+    def scope(self):
+        return gathered_params_scope(0)
+
+    def forward_done(self, view) -> None:
+        pass
+
+    def local(self, name: str) -> Tensor:
+        return self.params[name].detach()
+
+    def local_grad(self, name: str) -> Tensor:
+        p = self.params[name]
+        return p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+
+    def load_local(self, name: str, tensor: Tensor) -> None:
+        with torch.no_grad():
+            self.params[name].copy_(tensor)
+
+
+class _Chunked:
+    """The parameters are owned chunks (`FlatShard`) where the ZeRO group has more than one rank."""
+
+    def __init__(self, stage: int, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan,
+                 ctx: KernelContext) -> None:
+        self.stage, self.plan, self.ctx = stage, plan, ctx
+        groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None for name, p in qualified_params(plan.graph)}
+        self.shapes = {n: t.shape for n, t in local.items()}
+        self.specs: dict[str, FlatShard] = {}
+        self.params: dict[str, nn.Parameter] = {}
+        for name, tensor in local.items():
+            spec = flat_shard(tensor.numel(), groups.get(name))
+            if spec.n > 1 and name not in frozen:
+                self.specs[name] = spec
+                self.params[name] = nn.Parameter(spec.pad(spec.owned(tensor.reshape(-1))))
+            else:
+                self.params[name] = nn.Parameter(tensor, requires_grad=name not in frozen)
+
+    def local(self, name: str) -> Tensor:
+        p = self.params[name].detach()
+        return self.specs[name].gather(p).view(self.shapes[name]) if name in self.specs else p
+
+    def local_grad(self, name: str) -> Tensor:
+        p = self.params[name]
+        grad = p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+        return self.specs[name].gather(grad).view(self.shapes[name]) if name in self.specs else grad
+
+    def load_local(self, name: str, tensor: Tensor) -> None:
+        with torch.no_grad():
+            if name in self.specs:
+                spec = self.specs[name]
+                tensor = spec.pad(spec.owned(tensor.reshape(-1)))
+            self.params[name].copy_(tensor)
+
+
+class FlatChunks(_Chunked):
+    """ZeRO-1/2 (and ZeRO-3 under a pipeline): gathered once per forward, summed into the chunks."""
+
+    def __init__(self, stage: int, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan,
+                 ctx: KernelContext) -> None:
+        super().__init__(stage, local, frozen, plan, ctx)
+        self.sync: GradSync | None = None  # the last forward's
+
+    def view(self) -> dict[str, Tensor]:
+        work = {n: self.specs[n].gather(self.params[n].detach()).view(self.shapes[n]).requires_grad_(True)
+                for n in self.specs}
+        self.sync = GradSync(work, self.plan, self.ctx, stage=self.stage, specs=self.specs,
+                             owners={n: self.params[n] for n in work})
+        return {**self.params, **work}
+
+    def scope(self):
+        return gathered_params_scope(0)
+
+    def forward_done(self, view) -> None:
+        pass
+
+
+class GatheredOnUse(_Chunked):
+    """ZeRO-3: gathered at each use, gathered again in backward, the gradient's chunk by autograd."""
+
+    def __init__(self, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan, ctx: KernelContext) -> None:
+        super().__init__(3, local, frozen, plan, ctx)
+        specs = {n: self.specs.get(n, FlatShard(t.numel(), 1, 0, None)) for n, t in local.items()}
+        self.sharded = ShardedParams(self.params, specs, self.shapes, overlap=plan.overlap)
+
+    def view(self):
+        return self.sharded.view()
+
+    def scope(self):
+        return gathered_params_scope(3)
+
+    def forward_done(self, view) -> None:
+        view.done()
+
+
+def make_weights(local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan, ctx: KernelContext):
+    """The weights of a parallelized module for the plan's ZeRO stage (a pipeline gathers
+    once per step, so ZeRO-3 under pp keeps the gathered tensors through the step)."""
+    if plan.zero == 0:
+        return WholeShards(local, frozen, plan, ctx)
+    if plan.zero == 3 and plan.pipeline is None:
+        return GatheredOnUse(local, frozen, plan, ctx)
+    return FlatChunks(plan.zero, local, frozen, plan, ctx)
