@@ -60,12 +60,14 @@ def run_verify(args) -> int:
 def _verify_module(args, mesh, tol: float) -> int:
     """`file.py:factory`: the parallelized module against the plain one, both trained
     with torch's AdamW (fivedc/parallel_check.py)."""
+    from fivedc.cli import compile_options
     from fivedc.parallel_check import check_module
 
-    if args.zero:
-        raise FivedcError("verify of a module runs without ZeRO", hint="drop --zero, or verify a .5d model")
-    options = dict(sequence_parallel=args.sp, cp_attention=args.cp_attention, cp_layout=args.cp_layout,
-                   overlap=args.overlap, bucket_mb=args.bucket_mb)
+    plan = compile_options(args, mesh, dtype=args.dtype)  # the same options a compile of the module takes
+    options = dict(sequence_parallel=plan.sequence_parallel, cp_attention=plan.cp_attention,
+                   cp_layout=plan.cp_layout, overlap=plan.overlap, bucket_mb=plan.bucket_mb, zero=plan.zero,
+                   schedule=plan.schedule, microbatches=plan.microbatches, virtual=plan.virtual,
+                   pp_layout=plan.pp_layout)
     if "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
 

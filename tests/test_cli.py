@@ -111,7 +111,7 @@ def test_compile_and_verify_a_python_module_factory(tmp_path, capsys) -> None:
     out = tmp_path / "nanogpt.plan.json"
     assert main(["compile", "examples/nanogpt.py:factory", "--mesh", "2x1x2x1x1", "--sp", "-q", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["graph"]["name"]
-    assert main(["verify", "examples/llama.py:factory", "--mesh", "1x1x2x1x1"]) == 0
+    assert main(["verify", "examples/llama.py:factory", "--mesh", "1x2x2x1x1", "--zero", "2"]) == 0
     assert "OK: tolerance 1e-10" in capsys.readouterr().out
     assert main(["compile", "examples/missing.py:factory", "--mesh", "2x1x1x1x1", "-o", str(out)]) == 2
     assert "examples/missing.py does not exist" in capsys.readouterr().err
