@@ -1,30 +1,30 @@
 """Lowering of a parsed model (the lark tree of `grammars/fivedc.lark`) to `fivedc.ir.Graph`.
 
-One walk, top to bottom: evaluate dims, declare inputs and params, check every call
-against `fivedc.ops.OP_SPECS`, give every op result an SSA name unique in the graph
-(`x`, `x.1`, ... for assignments, `linear#3` for nested calls) and turn each `repeat`
-into a `Repeat` whose loop-carried values are the outer names its body reassigns.
-Every user mistake raises `DslError` at the token that caused it. `parse_model` in
-`fivedc/frontend_dsl.py` is the entry point; nothing here touches lark's parser.
+One walk, top to bottom: evaluate dims, declare inputs and params
+(`fivedc/dsl_decls.py`), check every call against `fivedc.ops.OP_SPECS`, give every
+op result an SSA name unique in the graph (`x`, `x.1`, ... for assignments,
+`linear#3` for nested calls) and turn each `repeat` into a `Repeat` whose
+loop-carried values are the outer names its body reassigns. Pipeline marks:
+`x = f(g(y)) @stage` on a top-level statement puts the `@stage` annotation on the
+statement's first op (g: a chunk begins there); `repeat layers @stage(4, 8)` sets
+`Repeat.stage_layers`. Every user mistake raises `DslError` at the token that
+caused it. `parse_model` in `fivedc/frontend_dsl.py` is the entry point; nothing
+here touches lark's parser.
 """
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lark import Token, Tree
 
+from fivedc.dsl_decls import Declarations
+from fivedc.dsl_values import MAX_DEPTH, close as _close, show as _show
 from fivedc.errors import DslError, SourceLoc
-from fivedc.ir import Annotation, Block, DType, Graph, Input, Node, Op, Param, Repeat, Scalar, TensorType
-from fivedc.dsl_values import MAX_DEPTH, Values, show as _show
+from fivedc.ir import Annotation, Block, DType, Graph, Input, Node, Op, Param, Repeat, Scalar
 from fivedc.ops import OP_SPECS, OpSpec
 
 ANNOTATION_KINDS = ("col", "row", "replicate", "sp", "cp", "ep", "stage")
-DTYPES = {"int": DType.INT, "float": DType.FLOAT}
-INITS = ("normal", "ones", "zeros")
-DEFAULT_STD = 0.02
-MAX_DIM = 2**63 - 1
 _WANT = {bool: "true or false", str: 'a "string"', int: "an integer", float: "a number"}
 
 
@@ -111,7 +111,7 @@ def _seq_dim(first: Input) -> str | None:
     return dims[1] if len(dims) >= needed else None
 
 
-class _Lowering(Values):
+class _Lowering(Declarations):
     def __init__(self, source: Source) -> None:
         self.src = source
         self.names = _Names()
@@ -126,6 +126,10 @@ class _Lowering(Values):
     def graph(self, model: Tree) -> Graph:
         name, *rest = model.children
         annotations = tuple(self.annotation(a) for a in rest if a.data == "annotation")
+        for tree, annotation in zip([a for a in rest if a.data == "annotation"], annotations):
+            if annotation.kind == "stage":
+                raise self.src.error(tree, "@stage marks where a pipeline chunk begins, not the model",
+                                     "put @stage after a top-level op statement, or @stage(layer, ...) on a repeat")
         top = _Scope({}, {})
         result = self.block([s for s in rest if s.data != "annotation"], top)
         if result is None:
@@ -174,95 +178,6 @@ class _Lowering(Values):
             raise self.src.error(name, f"return needs a value, but {name} is a param")
         return self.ref(name, scope)
 
-    # ---- declarations ---------------------------------------------------------------
-    def dims_block(self, tree: Tree, scope: _Scope) -> None:
-        if scope.repeat is not None:
-            raise self.src.error(tree, "dims must be declared outside repeat")
-        for dim_def in tree.children:
-            name, expr = dim_def.children
-            if name in self.dims:
-                first = self.dim_locs[name]
-                raise self.src.error(name, f"dim {name} is defined twice (first at {first})")
-            value = self.expr(expr, 0)
-            shown = f"{name} = {self.src.span(expr, expr)}"
-            shown += "" if expr.data == "int_lit" else f" = {_show(value)}"
-            if value < 1:
-                raise self.src.error(name, f"dim {shown} must be at least 1")
-            if value > MAX_DIM:
-                raise self.src.error(name, f"dim {shown} is too large (at most 2**63 - 1)")
-            self.dims[str(name)] = value
-            self.dim_locs[str(name)] = self.src.at(name)
-
-    def input_decl(self, tree: Tree, scope: _Scope) -> None:
-        name, dtype, shape = tree.children
-        if scope.repeat is not None:
-            raise self.src.error(tree, "inputs must be declared outside repeat")
-        self.check_new(name)
-        if dtype not in DTYPES:
-            raise self.src.error(dtype, f"unknown dtype {dtype}; an input is int[...] or float[...]")
-        dims = self.shape(shape)
-        if not dims:
-            raise self.src.error(shape, f"input {name} needs at least one dim, the batch dim")
-        if self.inputs and dims[0] != self.inputs[0].type.dims[0]:
-            first = self.inputs[0]
-            raise self.src.error(
-                tree,
-                f"input {name} starts with dim {dims[0]}, but every input must start with the "
-                f"batch dim {first.type.dims[0]} (the first dim of input {first.name})",
-            )
-        self.names.value(str(name))
-        scope.values[str(name)] = str(name)
-        self.declared[str(name)] = ("input", self.src.at(name))
-        self.inputs.append(Input(str(name), TensorType(dims, DTYPES[dtype]), self.src.at(tree)))
-
-    def param_decl(self, tree: Tree, scope: _Scope) -> None:
-        name, shape, *init = tree.children
-        if name in scope.params:
-            first = scope.params[name].loc
-            raise self.src.error(name, f"param {name} is declared twice (first at {first})")
-        what, where = self.declared.get(name, ("param", None))
-        if what != "param":
-            raise self.src.error(name, f"param {name} clashes with the {what} {name} defined at {where}")
-        kind, std = self.init(init[0]) if init else ("normal", DEFAULT_STD)
-        param = Param(str(name), self.shape(shape), kind, std, self.src.at(tree))
-        scope.params[param.name] = param
-        scope.own.append(param)
-        self.declared.setdefault(param.name, ("param", self.src.at(name)))
-
-    def check_new(self, name: Token) -> None:
-        if name in self.declared:
-            what, where = self.declared[name]
-            raise self.src.error(name, f"{name} is already declared as a {what} at {where}")
-
-    def init(self, tree: Tree) -> tuple[str, float]:
-        name, *std = tree.children
-        if name not in INITS:
-            message = f"unknown init {name}; use normal, normal(std), ones or zeros"
-            raise self.src.error(name, message, _close(name, INITS))
-        if not std:
-            return str(name), DEFAULT_STD
-        if name != "normal":
-            raise self.src.error(std[0], f"{name} takes no argument; only normal(std) does")
-        value = self.as_float(std[0], self.number(std[0]))
-        if value <= 0:
-            raise self.src.error(std[0], f"normal's std must be positive, got {_show(value)}")
-        return "normal", value
-
-    def shape(self, tree: Tree) -> tuple[str, ...]:
-        dims: list[str] = []
-        for dim in tree.children:
-            self.dim_value(dim)
-            if dim in dims:
-                raise self.src.error(dim, f"dim {dim} appears twice in one shape")
-            dims.append(str(dim))
-        return tuple(dims)
-
-    def dim_value(self, name: Token) -> int:
-        if name not in self.dims:
-            hint = _close(name, self.dims) or "dims are defined in `dims { ... }` before they are used"
-            raise self.src.error(name, f"undefined dim {name}", hint)
-        return self.dims[name]
-
     # ---- statements and calls -------------------------------------------------------
     def assign(self, tree: Tree, scope: _Scope) -> None:
         name, call = tree.children
@@ -279,6 +194,7 @@ class _Lowering(Values):
             raise self.src.error(tree, f"calls are nested more than {MAX_DEPTH} deep")
         kind, *rest = tree.children
         spec = self.spec(kind)
+        first = len(scope.items)
         args: list[str | float] = []
         attrs: list[tuple[str, Scalar]] = []
         annotations: list[Annotation] = []
@@ -287,6 +203,8 @@ class _Lowering(Values):
                 annotations.append(self.annotation(child))
                 if [a.kind for a in annotations].count(annotations[-1].kind) > 1:
                     raise self.src.error(child, f"@{annotations[-1].kind} is given twice on one call")
+                if annotations[-1].kind == "stage":
+                    self.check_stage_on_op(child, annotations[-1], scope, depth)
             elif child.data == "kwarg":
                 attrs.append(self.kwarg(child, spec, attrs))
             elif attrs:
@@ -295,9 +213,32 @@ class _Lowering(Values):
                 args.append(self.arg(child, scope, depth))
         self.check_arity(tree, spec, len(args))
         out = self.names.temp(spec.kind) if target is None else self.names.value(target)
+        stage = [a for a in annotations if a.kind == "stage"]
+        if stage and first < len(scope.items):  # the statement's nested calls run first: its chunk begins there
+            annotations.remove(stage[0])
+            start = scope.items[first]
+            scope.items[first] = replace(start, annotations=start.annotations + (stage[0],))
         op = Op(out, spec.kind, tuple(args), tuple(attrs), tuple(annotations), self.src.at(tree))
         scope.items.append(op)
         return out
+
+    def check_stage_on_op(self, tree: Tree, stage: Annotation, scope: _Scope, depth: int) -> None:
+        """`x = f(...) @stage` at top level: a pipeline chunk begins at this statement."""
+        if scope.repeat is not None:
+            raise self.src.error(
+                tree, f"@stage on an op inside repeat {scope.repeat}: a pipeline chunk can only begin at a layer",
+                f"mark layers on the repeat instead: `repeat {scope.repeat} @stage(2) {{ ... }}` begins a chunk "
+                "at layer 2",
+            )
+        if stage.args:
+            raise self.src.error(
+                tree, f"@stage on an op takes no arguments, got {stage}: it marks that a pipeline chunk "
+                "begins at this statement",
+                "write `@stage`; to begin chunks at layers of a repeat, write `repeat NAME @stage(2) { ... }`",
+            )
+        if depth > 0:
+            raise self.src.error(tree, "@stage marks a whole statement, not a call nested in it",
+                                 "put it after the statement's outermost call: `y = relu(linear(x, w)) @stage`")
 
     def spec(self, kind: Token) -> OpSpec:
         if kind not in OP_SPECS:
@@ -372,18 +313,48 @@ class _Lowering(Values):
             raise self.src.error(tree, "nested repeat is not supported", hint)
         count_node, *stmts = tree.children
         name = stmts.pop(0) if stmts and isinstance(stmts[0], Token) else None
+        marks = [s for s in stmts if s.data == "annotation"]
+        stmts = stmts[len(marks):]
         prefix = self.repeat_prefix(tree, count_node, name)
         count = self.expr(count_node, 0)
         if count < 1:
             shown = f"{self.src.span(count_node, count_node)} = {_show(count)}"
             raise self.src.error(count_node, f"repeat count {shown} must be at least 1")
+        stage_layers = self.stage_layers(marks, prefix, count)
         assigned = (str(s.children[0]) for s in stmts if s.data == "assign")
         carried = [n for n in dict.fromkeys(assigned) if n in scope.values]
         body = self.repeat_body(stmts, scope.child(prefix), carried)
         results = tuple(self.names.value(n) for n in carried)
         outer = tuple(scope.values[n] for n in carried)
-        scope.items.append(Repeat(prefix, count, outer, body, results, self.src.at(tree)))
+        scope.items.append(Repeat(prefix, count, outer, body, results, self.src.at(tree), stage_layers=stage_layers))
         scope.values.update(zip(carried, results))
+
+    def stage_layers(self, trees: list[Tree], prefix: str, count: int) -> tuple[int, ...]:
+        """`repeat layers @stage(4, 8)`: the layers at which a pipeline chunk begins."""
+        layers: list[int] = []
+        for i, tree in enumerate(trees):
+            mark = self.annotation(tree)
+            if mark.kind != "stage":
+                raise self.src.error(tree, f"@{mark.kind} does not go on a repeat; only @stage(layer, ...) does",
+                                     f"put @{mark.kind} on the op call it is about, inside the body or after it")
+            if i > 0:
+                raise self.src.error(tree, f"@stage is given twice on repeat {prefix}",
+                                     "list every layer in one @stage(...)")
+            if not mark.args:
+                raise self.src.error(
+                    tree, f"@stage on repeat {prefix} needs the layers at which a pipeline chunk begins",
+                    f"e.g. `repeat {prefix} @stage({count // 2}) {{ ... }}` begins a chunk at layer {count // 2}",
+                )
+            for node, layer in zip(tree.children[1:], mark.args):
+                if not isinstance(layer, int) or isinstance(layer, bool):
+                    shown = f'"{layer}"' if isinstance(node, Token) else _show(layer)
+                    raise self.src.error(node, f"@stage takes layer numbers, got {shown}")
+                if not 0 <= layer < count:
+                    raise self.src.error(node, f"@stage({_show(layer)}): repeat {prefix} has layers 0 to {count - 1}")
+                if layer in layers:
+                    raise self.src.error(node, f"layer {layer} is marked twice in @stage")
+                layers.append(layer)
+        return tuple(sorted(layers))
 
     def repeat_body(self, stmts: list[Tree], inner: _Scope, carried: list[str]) -> Block:
         """Lower a body whose `carried` names enter as fresh SSA args and leave as yields."""
@@ -409,7 +380,3 @@ class _Lowering(Values):
         self.prefixes[prefix] = self.src.at(tree)
         return prefix
 
-
-def _close(word: str, choices) -> str:
-    match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
-    return f"did you mean '{match[0]}'?" if match else ""

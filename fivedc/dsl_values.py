@@ -4,10 +4,12 @@
 grammar leaves as text, with every mistake a `DslError` at its token (a number out
 of range, a float where a dim needs an integer, a division that is not exact). It
 needs `self.src` (a `Source`) and `self.dim_value(name)` from the lowering.
+`show` and `close` write numbers and did-you-mean suggestions for messages.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 
 from lark import Token, Tree
@@ -89,3 +91,9 @@ def show(value: Scalar) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"a {value.bit_length()}-bit number"
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def close(word: str, choices) -> str:
+    """`did you mean 'x'?` for the nearest of `choices`, or ""."""
+    match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f"did you mean '{match[0]}'?" if match else ""

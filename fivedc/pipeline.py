@@ -66,7 +66,8 @@ def run_passes(graph: Graph, options: CompileOptions, *, timings: list[PassTimin
 
 def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None) -> ExecutionPlan:
     graph = run_passes(graph, options, timings=timings)
-    # pipeline stages: chunks of layers balanced by cost, and the schedule (fivedc/stage_plan.py)
+    # pipeline stages: chunks of layers (at the model's @stage marks, a given layout, or balanced by cost)
+    # and the schedule (fivedc/stage_plan.py)
     pipeline = plan_pipeline(graph, options.mesh, schedule=options.schedule, microbatches=options.microbatches,
                              virtual=options.virtual, layout=options.pp_layout, dtype_bytes=options.dtype_bytes)
     return build_plan(

@@ -2,21 +2,24 @@
 
 `plan_pipeline` (called by `fivedc/pipeline.py` for pp > 1) checks the request
 (enough layers, microbatches that split the batch, a schedule the runtime runs),
-cuts the units into chunks (`fivedc/stages.py`: balanced by cost, or a layout
-given in layers) and names, for each chunk, its layers, cost, parameter bytes and
-the values it sends on; `pipeline_collectives` lists those transfers for the plan.
+cuts the units into chunks (`fivedc/stages.py`: at the model's `@stage` marks,
+which must give exactly the chunks the schedule runs; else a layout given in
+layers; else balanced by cost) and names, for each chunk, its layers, cost,
+parameter bytes and the values it sends on; `pipeline_collectives` lists those
+transfers for the plan. Marks on a pp=1 mesh are not used (the summary says so).
 """
 
 from __future__ import annotations
 
-from fivedc.errors import PlanError
-from fivedc.ir import Collective, CollectiveKind, Graph, Phase
+from fivedc.errors import PlanError, SourceLoc
+from fivedc.ir import Collective, CollectiveKind, Graph, Op, Phase, Repeat, walk_ops
 from fivedc.mesh import Mesh, MeshAxis
-from fivedc.schedule import make_schedule, min_microbatches
+from fivedc.schedule import SCHEDULES, make_schedule, min_microbatches
 from fivedc.stages import (
-    Chunk, PipelineSpec, Unit, check_enough, boundary_values, layout_ranges, partition, unit_costs, units,
-    value_types,
+    Chunk, PipelineSpec, Unit, check_enough, boundary_values, has_marks, layout_ranges, marked_ranges, partition,
+    unit_costs, units, value_types,
 )
+
 
 def pipeline_collectives(graph: Graph, mesh: Mesh, spec: PipelineSpec, dtype_bytes: int) -> list[Collective]:
     """The P2P transfers between consecutive chunks: activations forward, their
@@ -56,27 +59,104 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
                         hint="use dualpipev: the same V-shaped chunks and bubble on one copy")
     if virtual is None and schedule == "interleaved":
         virtual = 2
-    if layout is None:  # before the batch is checked: too few layers is the first thing to fix
-        check_enough(len(units(graph)), p * (virtual or (2 if schedule == "dualpipev" else 1)), "layers and op groups")
+    per_rank = virtual if schedule == "interleaved" else 2 if schedule == "dualpipev" else 1
+    _check_mark_places(graph)
+    all_units = units(graph)
+    marked = has_marks(graph)
+    if marked:  # before the batch is checked: the marks decide the chunks
+        _check_marks(graph, all_units, layout, schedule, p, per_rank)
+    elif layout is None:
+        check_enough(len(all_units), p * per_rank, "layers and op groups")
     m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
     _check_microbatches(graph, mesh, m)
     sched = make_schedule(schedule, p, m, virtual)
     n_chunks = p * sched.v
     costs, sizes = unit_costs(graph, mesh, dtype_bytes)
-    if layout is not None:
+    if marked:
+        ranges, cut = marked_ranges(all_units), "marks"
+    elif layout is not None:
         if len(layout) != n_chunks:
             raise PlanError(f"the layout gives {len(layout)} chunks; {schedule} on pp={p} runs {n_chunks}",
                             hint=f"give {n_chunks} layer counts, one per chunk ({sched.v} per pp rank)")
-        ranges = layout_ranges(layout, graph)
+        ranges, cut = layout_ranges(layout, graph), "layout"
     else:
-        ranges = partition(costs, n_chunks, what="layers and op groups")
-    all_units = units(graph)
+        ranges, cut = partition(costs, n_chunks, what="layers and op groups"), "cost"
     chunks = []
     for k, (a, b) in enumerate(ranges):
         what = _describe(graph, all_units[a:b])
         sends = boundary_values(graph, b) if k < n_chunks - 1 else ()
         chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
-    return PipelineSpec(schedule, m, sched.v, tuple(chunks))
+    return PipelineSpec(schedule, m, sched.v, tuple(chunks), cut)
+
+
+# ---- the model's @stage marks ------------------------------------------------------------------
+def _check_marks(graph: Graph, all_units: list[Unit], layout: tuple[int, ...] | None, schedule: str,
+                 p: int, per_rank: int) -> None:
+    """Marks not together with a layout, and giving the chunks the schedule runs."""
+    first = next(u for u in all_units if u.marked)
+    where = [_mark_name(graph, u) for k, u in enumerate(all_units) if u.marked and k > 0]
+    if layout is not None:
+        raise PlanError(
+            f"the model marks its pipeline chunks with @stage (at {_mark_name(graph, first)}) and --pp-layout "
+            f"{','.join(map(str, layout))} gives layers per chunk too; use one of the two",
+            loc=_mark_loc(graph, first),
+            hint="drop --pp-layout to cut at the model's marks, or remove the @stage marks to cut as the layout says",
+        )
+    n, runs = len(where) + 1, p * per_rank
+    if n == runs or schedule not in SCHEDULES or per_rank < (2 if schedule == "interleaved" else 1):
+        return  # an unknown schedule or a bad --virtual is make_schedule's error
+    boundaries = f"{len(where)} stage boundar{'y' if len(where) == 1 else 'ies'}"
+    at = f" (before {', '.join(where)})" if where else " (a mark on the first op or layer cuts nothing)"
+    raise PlanError(
+        f"the model marks {boundaries}{at}, giving {n} chunk{'s' if n != 1 else ''}; "
+        f"{schedule} on pp={p} runs {runs} chunks ({per_rank} per pp rank)",
+        hint=_marks_hint(n, runs, schedule, p, per_rank),
+    )
+
+
+def _marks_hint(n: int, runs: int, schedule: str, p: int, per_rank: int) -> str:
+    more = "remove" if n > runs else "add"
+    fixes = [f"{more} {abs(n - runs)} mark{'s' if abs(n - runs) != 1 else ''}"]
+    if n % per_rank == 0 and n // per_rank >= 2:
+        fixes.append(f"use pp={n // per_rank} ({schedule} runs {per_rank} chunk{'s' if per_rank > 1 else ''} per rank)")
+    if n % p == 0 and n // p >= 2 and not (schedule == "interleaved" and n // p == per_rank):
+        fixes.append(f"use --schedule interleaved --virtual {n // p} ({n // p} chunks per rank on pp={p})")
+    if n == 2 * p and schedule != "dualpipev":
+        fixes.append(f"use --schedule dualpipev (2 chunks per rank on pp={p})")
+    if n == p and per_rank > 1:
+        fixes.append(f"use --schedule 1f1b (1 chunk per rank on pp={p})")
+    return "; or ".join(fixes)
+
+
+def _check_mark_places(graph: Graph) -> None:
+    """Marks the DSL cannot write but another frontend could: layers out of range,
+    twice, or `@stage` on an op inside a repeat body."""
+    for item in graph.body.items:
+        if isinstance(item, Repeat) and (len(set(item.stage_layers)) != len(item.stage_layers)
+                                         or any(not 0 <= k < item.count for k in item.stage_layers)):
+            raise PlanError(f"repeat {item.name} marks layers {list(item.stage_layers)} as chunk starts; "
+                            f"each must be a different layer in 0..{item.count - 1}", loc=item.loc)
+    for node, repeat in walk_ops(graph.body):
+        if repeat is not None and isinstance(node, Op) and node.annotation("stage") is not None:
+            raise PlanError(f"@stage on an op inside repeat {repeat.name}: a chunk can only begin at a layer",
+                            loc=node.annotation("stage").loc or node.loc,
+                            hint=f"mark layers on the repeat instead: repeat {repeat.name} @stage(2) {{ ... }}")
+
+
+def _mark_name(graph: Graph, unit: Unit) -> str:
+    """`layers.4`, or the marked op's value name (its kind, for a temporary) and line."""
+    if unit.layer is not None:
+        return f"{graph.body.items[unit.start].name}.{unit.layer}"
+    op = next(i for i in graph.body.items[unit.start:unit.stop] if isinstance(i, Op) and i.annotation("stage"))
+    name = op.kind if "#" in op.out else op.out
+    return f"{name} (line {op.loc.line})" if op.loc else name
+
+
+def _mark_loc(graph: Graph, unit: Unit) -> SourceLoc | None:
+    if unit.layer is not None:
+        return graph.body.items[unit.start].loc
+    op = next(i for i in graph.body.items[unit.start:unit.stop] if isinstance(i, Op) and i.annotation("stage"))
+    return op.annotation("stage").loc or op.loc
 
 
 def _default_microbatches(graph: Graph, mesh: Mesh, p: int, least: int) -> int:

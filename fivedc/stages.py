@@ -2,9 +2,12 @@
 
 The unit of partitioning is a *unit*: one layer of a repeat block, or a run of
 top-level ops between repeats (the embedding before the first repeat, the final
-norm, head and loss after the last). Units run in order; `partition` cuts them
-into `pp * v` chunks (v chunks per rank for interleaved or V schedules) so the most
-expensive chunk is as cheap as it can be, or as a layout given in layers says.
+norm, head and loss after the last); a top-level op marked `@stage` starts a new
+run. Units run in order and are cut into `pp * v` chunks (v chunks per rank for
+interleaved or V schedules) in one of three ways (`CUTS`): where the model marks
+them (`marked_ranges`: `@stage` ops and `Repeat.stage_layers`), as a layout given
+in layers says (`layout_ranges`), or by `partition`, so the most expensive chunk is
+as cheap as it can be.
 The schedule's placement puts chunk c on a pp rank. Values live across a cut are
 what one chunk sends the next (`boundary_values`); inputs are on every rank, and
 parameters are not sent: each lives on the rank of the one chunk that uses it.
@@ -27,11 +30,13 @@ from fivedc.schedule import Schedule, make_schedule
 
 @dataclass(frozen=True, slots=True)
 class Unit:
-    """Top-level items [start, stop), or layer `layer` of the repeat at item `start`."""
+    """Top-level items [start, stop), or layer `layer` of the repeat at item `start`;
+    `marked`: the model marks a pipeline chunk as beginning here."""
 
     start: int
     stop: int
     layer: int | None = None
+    marked: bool = False
 
     def describe(self, graph: Graph) -> str:
         if self.layer is None:
@@ -51,12 +56,25 @@ class Chunk:
     sends: tuple[str, ...] = ()  # values passed to the next chunk
 
 
+# How the chunks were cut, as the plan's summary says it.
+CUTS = {
+    "cost": "balanced by cost",
+    "layout": "layers per chunk from --pp-layout",
+    "marks": "cut at the model's @stage marks",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineSpec:
     schedule: str
     microbatches: int
     virtual: int  # chunks per rank
     chunks: tuple[Chunk, ...]
+    cut: str = "cost"  # a key of CUTS
+
+    def __post_init__(self) -> None:
+        if self.cut not in CUTS:
+            raise PlanError(f"unknown pipeline cut {self.cut!r}; one of {', '.join(CUTS)}")
 
     def build_schedule(self, pp: int) -> Schedule:
         """The schedule as data (`fivedc/schedule/`), regenerated from its name."""
@@ -65,19 +83,46 @@ class PipelineSpec:
 
 
 def units(graph: Graph) -> list[Unit]:
+    """The units in order. A marked op begins a unit together with the redistributions
+    just before it (communication insertion put them there for that op)."""
+    items = graph.body.items
     out: list[Unit] = []
-    start = None
-    for index, item in enumerate(graph.body.items):
+    start, marked = None, False
+    for index, item in enumerate(items):
         if isinstance(item, Repeat):
             if start is not None:
-                out.append(Unit(start, index))
+                out.append(Unit(start, index, marked=marked))
                 start = None
-            out += [Unit(index, index + 1, layer) for layer in range(item.count)]
-        elif start is None:
-            start = index
+            marks = set(item.stage_layers)
+            out += [Unit(index, index + 1, layer, layer in marks) for layer in range(item.count)]
+            continue
+        if start is None:
+            start, marked = index, False
+        if isinstance(item, Op) and item.annotation("stage") is not None:
+            cut = index
+            while cut > start and isinstance(items[cut - 1], Redistribute):
+                cut -= 1
+            if cut > start:
+                out.append(Unit(start, cut, marked=marked))
+                start = cut
+            marked = True
     if start is not None:
-        out.append(Unit(start, len(graph.body.items)))
+        out.append(Unit(start, len(items), marked=marked))
     return out
+
+
+def has_marks(graph: Graph) -> bool:
+    """Whether the model marks any pipeline chunk boundary (`@stage`, `stage_layers`)."""
+    return any(
+        (isinstance(i, Op) and i.annotation("stage") is not None) or (isinstance(i, Repeat) and i.stage_layers)
+        for i in graph.body.items
+    )
+
+
+def marked_ranges(all_units: list[Unit]) -> list[tuple[int, int]]:
+    """The unit ranges between marks (a mark on the first unit cuts nothing)."""
+    cuts = [k for k, unit in enumerate(all_units) if unit.marked and k > 0]
+    return list(zip([0, *cuts], [*cuts, len(all_units)]))
 
 
 def op_cost(graph: Graph, op: Op, mesh: Mesh, types: dict) -> float:

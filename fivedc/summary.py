@@ -2,8 +2,10 @@
 
 `render_summary` writes, with rich tables and no colour (it must read well when
 piped), in order: a header (model, mesh, rank order, sequence parallelism, the
-context-parallel layout and attention variants, dtype, plan version), the mesh groups, one row per parameter (global and local shape,
-sharding, the axes its gradient is summed over), the output shardings seen per op
+context-parallel layout and attention variants, the pipeline's schedule and how its
+chunks were cut (or that a pp=1 plan leaves the model's @stage marks unused), dtype,
+plan version), the mesh groups, the pipeline chunks, one row per parameter (global
+and local shape, sharding, the axes its gradient is summed over), the output shardings seen per op
 kind, every collective with its bytes, count and reason followed by bytes per step
 per phase, and the memory estimate per rank. Every cell is a `Text`, never markup,
 because reasons quote shardings in brackets (`[batch:dp seq:tp]`). `format_bytes`
@@ -24,6 +26,7 @@ from fivedc.mesh import Mesh, MeshAxis
 from fivedc.plan import ExecutionPlan, qualified
 from fivedc.seq_layout import describe
 from fivedc.sharding import Sharding
+from fivedc.stages import CUTS, has_marks
 
 MAX_PARAM_ROWS = 40  # without --verbose, a longer parameter table is cut here
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
@@ -112,7 +115,7 @@ def _header(plan: ExecutionPlan) -> Table:
         ("rank order", ",".join(plan.mesh.rank_order) + " (innermost first)"),
         ("sequence parallel", "on" if plan.sequence_parallel else "off"),
         *((("context parallel", cp_text(plan)),) if plan.mesh.size(MeshAxis.CP) > 1 else ()),
-        *((("pipeline", _pipeline_text(plan)),) if plan.pipeline else ()),
+        *((("pipeline", _pipeline_text(plan)),) if plan.pipeline or has_marks(graph) else ()),
         ("ZeRO", f"stage {plan.zero}" if plan.zero else "off"),
         ("overlap", _overlap_text(plan)),
         ("dtype", plan.dtype),
@@ -127,13 +130,15 @@ def _header(plan: ExecutionPlan) -> Table:
 
 def _pipeline_text(plan: ExecutionPlan) -> str:
     spec = plan.pipeline
-    return (f"{spec.schedule}, {spec.microbatches} microbatches, {spec.virtual} chunk(s) per pp rank; "
-            f"draw it with: fivedc show PLAN --schedule out.png")
+    if spec is None:
+        return "off (pp=1): the model's @stage marks are not used"
+    return (f"{spec.schedule}, {spec.microbatches} microbatches, {spec.virtual} chunk(s) per pp rank, "
+            f"{CUTS[spec.cut]}; draw it with: fivedc show PLAN --schedule out.png")
 
 
 def _pipeline(plan: ExecutionPlan) -> Table:
     spec = plan.pipeline
-    table = _table("Pipeline chunks", "chunk", "pp rank", "layers", "cost (share)", "parameters", "sends")
+    table = _table(f"Pipeline chunks ({CUTS[spec.cut]})", "chunk", "pp rank", "layers", "cost (share)", "parameters", "sends")
     total = sum(c.cost for c in spec.chunks) or 1.0
     for c in spec.chunks:
         _row(table, c.index, c.rank, c.what, f"{c.cost / total:.1%}", format_bytes(c.param_bytes),

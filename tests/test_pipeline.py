@@ -68,8 +68,10 @@ def test_chunks_follow_the_layout_and_the_schedule_placement() -> None:
     assert [c.rank for c in chunks] == [0, 1, 0, 1] and plan.pipeline.virtual == 2
     assert "embedding" in chunks[0].what and "cross_entropy" in chunks[-1].what
     assert all(c.sends == ("x.4",) for c in chunks[:-1])  # the layer stack's carried value
+    assert plan.pipeline.cut == "cost"  # no @stage marks (those: tests/test_stage_marks.py)
     given = compile_text(small(layers=6), "1x2x1x1x1", pp_layout=(1, 5))
     assert [c.what for c in given.pipeline.chunks] == ["embedding, layers.0", "layers.1-5, rmsnorm+linear+cross_entropy"]
+    assert given.pipeline.cut == "layout"
     v = compile_text(small(layers=6), "1x2x1x1x1", schedule="dualpipev", microbatches=4)
     assert [c.rank for c in v.pipeline.chunks] == [0, 1, 1, 0]
 
