@@ -1,7 +1,8 @@
 """What changes between two execution plans (`fivedc diff A B`).
 
 `diff_plans(a, b)` compares the mesh (axis sizes, world, rank order), the options
-(model, sequence parallelism, dtype), the mesh groups (matched by their axes), the
+(model, sequence parallelism, dtype, ZeRO stage, overlap; the pipeline's schedule,
+microbatches, how its chunks were cut and what each holds), the mesh groups (matched by their axes), the
 parameter shardings (matched by qualified name, `layers.*.wq`), the collectives and
 the memory estimate per rank. Collectives are matched by the key (phase, kind, axes,
 tensor, dim); a key that occurs several times is paired up in plan order, and a pair
@@ -251,6 +252,9 @@ def diff_plans(a: ExecutionPlan, b: ExecutionPlan) -> PlanDiff:
         ("model", a.graph.name, b.graph.name),
         ("sequence_parallel", a.sequence_parallel, b.sequence_parallel),
         ("dtype", a.dtype, b.dtype),
+        ("zero", a.zero, b.zero),
+        ("overlap", a.overlap, b.overlap),
+        *_pipeline_values(a, b),
     ])
     ta, tb = phase_totals(a.collectives), phase_totals(b.collectives)
     memory = _totals([(name, getattr(a.memory, name), getattr(b.memory, name)) for name in MEMORY_CATEGORIES])
@@ -263,6 +267,20 @@ def diff_plans(a: ExecutionPlan, b: ExecutionPlan) -> PlanDiff:
         bytes_per_step=_totals([(phase, ta[phase], tb[phase]) for phase in ta]),
         memory=memory,
     )
+
+
+def _pipeline_values(a: ExecutionPlan, b: ExecutionPlan) -> list[tuple[str, object, object]]:
+    """The schedule, microbatches, how the chunks were cut and the chunks themselves ("-" at pp=1)."""
+    def fields(plan: ExecutionPlan) -> dict[str, object]:
+        spec = plan.pipeline
+        if spec is None:
+            return dict.fromkeys(("schedule", "microbatches", "pipeline_cut", "pipeline_chunks"), "-")
+        return {"schedule": spec.schedule if spec.virtual == 1 else f"{spec.schedule} (v={spec.virtual})",
+                "microbatches": spec.microbatches, "pipeline_cut": spec.cut,
+                "pipeline_chunks": " | ".join(c.what for c in spec.chunks)}
+
+    fa, fb = fields(a), fields(b)
+    return [(name, fa[name], fb[name]) for name in fa]
 
 
 # ---- report ----------------------------------------------------------------------------

@@ -160,6 +160,19 @@ def test_diff_tp1_vs_tp2() -> None:
     assert {t.name for t in d.memory} >= {"params", "grads", "optimizer", "total"}
 
 
+def test_diff_names_the_zero_stage_and_the_pipeline() -> None:
+    def compiled(**fields) -> ExecutionPlan:
+        return compile_graph(load_model(str(TINY)), CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), **fields))
+
+    d = diff_plans(compiled(), compiled(zero=2, schedule="gpipe", microbatches=4, pp_layout=(1, 1)))
+    options = d.to_json()["options"]
+    assert options["zero"] == [0, 2] and options["schedule"] == ["1f1b", "gpipe"]
+    assert options["microbatches"] == [2, 4] and options["pipeline_cut"] == ["cost", "layout"]
+    assert "pipeline_chunks" not in options  # the same chunks, cut two ways
+    flat = diff_plans(plan("2x1x2x1x1"), compiled())
+    assert flat.to_json()["options"]["schedule"] == ["-", "1f1b"]
+
+
 def test_diff_sp_off_vs_on_swaps_all_reduce_for_reduce_scatter_and_all_gather() -> None:
     d = diff_plans(plan("2x1x2x1x1", False), plan("2x1x2x1x1", True))
     assert d.to_json()["options"] == {"sequence_parallel": [False, True]}
