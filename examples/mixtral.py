@@ -15,8 +15,14 @@ True`) and lowers it to one IR `moe` op, so a plan can spread the experts over t
 ep axis: `fivedc verify examples/mixtral.py:factory --mesh 1x1x2x1x2` trains it with
 `fivedc.parallelize` (tp x ep) against the plain module.
 
+`hf_factory()` builds the same model with the MoE block written as Hugging Face's
+`MixtralSparseMoeBlock`: each expert its own module (`experts.3.w1`, `w3`, `w2`:
+bias-free `nn.Linear`s), the usual loop over experts with `index_add_`, and
+`(out, router_logits)` returned, of which the layer uses only `out`. The frontend
+recognises it by its name and stacks the experts' weights into the same `moe` op.
+
 `factory()` gives a tiny model and example inputs; run this file to print the graph
-fivedc traces from it: `python examples/mixtral.py`.
+fivedc traces from it: `python examples/mixtral.py` (`--hf` for `hf_factory`).
 """
 
 from __future__ import annotations
@@ -72,11 +78,52 @@ class SparseMoeBlock(nn.Module):
         return out.reshape(shape)
 
 
+class MixtralBlockSparseTop2MLP(nn.Module):
+    """One expert, as Hugging Face writes it: w1 (gate), w3 (up), w2 (down)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.expert_ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.expert_ffn_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.expert_ffn_dim, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    """Hugging Face's block: experts as separate modules; returns (out, router_logits)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = args.n_experts, args.top_k
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = nn.ModuleList(MixtralBlockSparseTop2MLP(args) for _ in range(args.n_experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
+        final = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            out = self.experts[expert_idx](hidden_states[top_x]) * routing_weights[top_x, idx, None]
+            final.index_add_(0, top_x, out)
+        return final.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
 class TransformerBlock(nn.Module):
+    moe_block = SparseMoeBlock
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.attention = Attention(args)
-        self.block_sparse_moe = SparseMoeBlock(args)
+        self.block_sparse_moe = self.moe_block(args)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
@@ -85,8 +132,21 @@ class TransformerBlock(nn.Module):
         return h + self.block_sparse_moe(self.ffn_norm(h))
 
 
+class HFTransformerBlock(TransformerBlock):
+    moe_block = MixtralSparseMoeBlock
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        moe_out, _ = self.block_sparse_moe(self.ffn_norm(h))  # the router logits are not used
+        return h + moe_out
+
+
 class Transformer(llama.Transformer):
     block = TransformerBlock
+
+
+class HFTransformer(llama.Transformer):
+    block = HFTransformerBlock
 
 
 def factory(*, batch: int = 2, args: ModelArgs | None = None, seed: int = 0, dtype=torch.float64):
@@ -94,8 +154,13 @@ def factory(*, batch: int = 2, args: ModelArgs | None = None, seed: int = 0, dty
     return llama.factory(batch=batch, args=args or ModelArgs(), seed=seed, dtype=dtype, model_class=Transformer)
 
 
+def hf_factory(*, batch: int = 2, args: ModelArgs | None = None, seed: int = 0, dtype=torch.float64):
+    """The same with Hugging Face's MoE block (separate experts, a tuple returned)."""
+    return llama.factory(batch=batch, args=args or ModelArgs(), seed=seed, dtype=dtype, model_class=HFTransformer)
+
+
 if __name__ == "__main__":
     from fivedc.frontend_fx import trace_module
 
-    module, inputs = factory()
+    module, inputs = (hf_factory if "--hf" in sys.argv else factory)()
     print(trace_module(module, inputs).summary())

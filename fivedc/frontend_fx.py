@@ -31,22 +31,31 @@ Recognised:
   [seq, hidden] parameter), `x * rsqrt(mean(x^2) + eps) * w`, softmax(q k^T / sqrt(d))
   v with a causal mask checked on its value, `silu(a) * b` (SwiGLU).
 - MoE blocks, lowered to one IR `moe` op (the block is a leaf: its token loop is never
-  traced): mark the block's class with `fivedc_moe = True` (or name it with `MoE`/`Moe`,
-  `SparseMoeBlock`); it holds one bias-free `nn.Linear(hidden, experts)` router and three
-  parameters of its own stacked over the experts, the SwiGLU experts' gate, up and down
-  weights, each either [experts, out, in] (nn.Linear's layout, transposed to the IR's)
-  or [experts, in, out]; it takes one tensor [..., hidden] and returns the same shape.
-  Which parameter is which, `top_k` (from `top_k`/`num_experts_per_tok`, else 2 or 1),
-  softmax or sigmoid scores and renormalised gates or not are read off a random probe
-  against the IR's dropless `moe` (`fx/recognise.py`); a marked block that matches no
-  reading is an error naming it. Experts as an `nn.ModuleList` of MLPs are not
-  recognised (stack their weights into parameters). See `examples/mixtral.py`.
+  traced; `fx/moe.py`): mark the block's class with `fivedc_moe = True` (or name it with
+  `MoE`/`Moe`, as Hugging Face's `MixtralSparseMoeBlock`); it holds one bias-free
+  `nn.Linear(hidden, experts)` router and SwiGLU experts (gate, up, down), either three
+  parameters of its own stacked over the experts ([experts, out, in] as nn.Linear stores
+  them, or [experts, in, out]) or an `nn.ModuleList` of expert modules with three weights
+  each (`experts.3.w1.weight`: stacked into one IR parameter, each expert a slice); it
+  takes one tensor [..., hidden] and returns the same shape, or `(out, router_logits)`
+  of which only `out` may be used (`out, _ = moe(x)`, `moe(x)[0]`). Which weight is
+  which, `top_k`, softmax or sigmoid scores and renormalised gates or not are read off
+  a random probe; `fivedc_aux_loss = a` on the block gives the op `aux_loss=a`. See
+  `examples/mixtral.py` (`factory`, and `hf_factory` for the Hugging Face layout).
+- dims of size 1 (one head, a batch of one) stay dims of the IR: a view that merges
+  one keeps it with its neighbour (a head with head_dim, the sequence with the batch);
+  a parameter's size-1 dims ([1, seq, hidden]) are broadcast dims and left out.
+Stage marks: a module with `fivedc_stage_boundary = True`, or matching a pattern of
+`trace_module(..., stage_boundaries=("layers.4", "ln_f"))`, begins a pipeline chunk:
+`Repeat.stage_layers` for a layer of a repeated stack, `@stage` on the first top-level
+op traced from any other module (`fx/marks.py`; a mark inside a layer body is an error).
 Not recognised, a `NotSupportedError` at the user's line with a hint: softmax,
 matmul of activations, pow/mean/rsqrt outside those patterns, masks other than
 causal, real slicing and indexing (`logits[:, :-1]`), `cat`/`stack`, interleaved
 (complex) rotary embeddings, `expand`-based `repeat_kv` (use `repeat_interleave`),
 tied or shared weights, `padding_idx`, data-dependent control flow, class weights
-or label smoothing or non-mean losses, any other op or module. Approximations are an
+or label smoothing or non-mean losses, a squeeze of a model dim of size 1, the router
+logits of an MoE block used (the hint: `fivedc_aux_loss`), any other op or module. Approximations are an
 `FxWarning` at the user's line: active dropout dropped, `ignore_index` not
 represented, extra outputs beside the loss dropped.
 """
@@ -60,6 +69,7 @@ from torch import Tensor, nn
 from fivedc.errors import PassError, ShapeError
 from fivedc.fx.build import finish
 from fivedc.fx.lower import FxWarning, Lowering
+from fivedc.fx.marks import mark_stages
 from fivedc.fx.params import ParamMapping, from_ir_params, to_ir_params
 from fivedc.fx.patterns import rewrite
 from fivedc.fx.trace import trace_graphs
@@ -95,13 +105,19 @@ class TracedModel:
         return _summary(self)
 
 
-def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str | None = None) -> TracedModel:
-    """Trace `module` on `example_inputs` (positional tuple, or keyword dict) into fivedc's IR."""
+def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str | None = None,
+                 stage_boundaries: tuple[str, ...] | list[str] = ()) -> TracedModel:
+    """Trace `module` on `example_inputs` (positional tuple, or keyword dict) into fivedc's IR.
+
+    stage_boundaries: module-path patterns (`"layers.4"`, `"ln_f"`, `*` for one path element) at
+    which a pipeline chunk begins, besides the modules marked `fivedc_stage_boundary = True`
+    (`fivedc/fx/marks.py`)."""
     trace = trace_graphs(module, example_inputs)
     for traced in (trace.top, *(r.body for r in trace.repeats)):
         rewrite(traced.gm, traced.values)
     lowering = Lowering(trace)
     draft = lowering.draft(name or type(module).__name__.lower())
+    mark_stages(module, trace, draft, stage_boundaries)
     graph, mappings, expected = finish(draft, share_dims=True)
     if not _consistent(graph, expected):
         graph, mappings, expected = finish(draft, share_dims=False)
@@ -147,21 +163,31 @@ def _summary(model: TracedModel) -> str:
 def _block(block, keys, repeat: str | None, lines: list[str], pad: str) -> None:
     for p in block.params:
         m = keys.get((repeat, p.name))
-        where = "  # " + ".".join(filter(None, (m.pattern, m.key.rpartition(".")[2]))) if m else ""
+        where = "  # " + ".".join(filter(None, (_source(m), m.key.rpartition(".")[2]))) if m else ""
         extra = f"rows {m.rows[0]}:{m.rows[1]}" if m and m.rows else ""
         lines.append(f"{pad}param {p.name}: [{', '.join(p.dims)}]{where} {extra}".rstrip())
     for item in block.items:
         if isinstance(item, Repeat):
             carried = ", ".join(f"{c} as {a}" for c, a in zip(item.carried, item.body.args))
-            lines.append(f"{pad}repeat {item.count} as {item.name} {{  # carries {carried}")
+            stages = f" @stage({', '.join(map(str, item.stage_layers))})" if item.stage_layers else ""
+            lines.append(f"{pad}repeat {item.count} as {item.name}{stages} {{  # carries {carried}")
             _block(item.body, keys, item.name, lines, pad + "  ")
             lines.append(f"{pad}}}  # -> {', '.join(item.results)}")
             continue
         args = [str(a) for a in item.args] + [f"{k}={_literal(v)}" for k, v in item.attrs]
         loc = f"  # {item.loc.file.rpartition('/')[2]}:{item.loc.line}" if item.loc else ""
-        lines.append(f"{pad}{item.out} = {item.kind}({', '.join(args)}){loc}")
+        notes = "".join(f" {a}" for a in item.annotations)
+        lines.append(f"{pad}{item.out} = {item.kind}({', '.join(args)}){notes}{loc}")
     if repeat is not None:
         lines.append(f"{pad}# yields {', '.join(block.yields)}")
+
+
+def _source(m: ParamMapping) -> str:
+    """The module pattern a parameter comes from; separate experts stacked as `experts.{0..3}.w1`."""
+    if m.index is None:
+        return m.pattern
+    head, _, tail = f"{m.pattern}.".rpartition(f".{m.index}.")
+    return f"{head}.{{0..{m.ir_shape[0] - 1}}}.{tail}".rstrip(".")
 
 
 def _literal(value) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from fivedc.errors import SourceLoc
 from fivedc.fx.dims import DimTable
 from fivedc.fx.params import ParamMapping
-from fivedc.ir import Block, DType, Graph, Input, Op, Param, Repeat, Scalar, TensorType
+from fivedc.ir import Annotation, Block, DType, Graph, Input, Op, Param, Repeat, Scalar, TensorType
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class Source:
     key_shape: tuple[int, ...]
     rows: tuple[int, int] | None = None
     transpose: bool = False
+    stack: tuple[str, ...] = ()  # keys stacked along the IR's first dim (separate experts); key is the first
 
 
 @dataclass(eq=False)
@@ -55,6 +56,8 @@ class DOp:
     args: tuple  # DValue | DParam | float
     attrs: tuple[tuple[str, Scalar], ...]
     loc: SourceLoc | None
+    scope: tuple[str, ...] = ()  # the module paths (relative to the block's module) it was traced in
+    annotations: tuple[Annotation, ...] = ()
 
 
 @dataclass(eq=False)
@@ -74,6 +77,7 @@ class DRepeat:
     body: DBlock
     results: list[DValue]
     loc: SourceLoc | None
+    stage_layers: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -117,10 +121,11 @@ def finish(draft: Draft, *, share_dims: bool = True) -> tuple[Graph, tuple[Param
             if isinstance(item, DRepeat):
                 carried = tuple(value(v) for v in item.carried)
                 body = block(item.body)
-                items.append(Repeat(item.name, item.count, carried, body, tuple(value(v) for v in item.results), item.loc))
+                items.append(Repeat(item.name, item.count, carried, body, tuple(value(v) for v in item.results), item.loc,
+                                    stage_layers=item.stage_layers))
             else:
                 args_ = tuple(arg(a) for a in item.args)
-                items.append(Op(value(item.out), item.kind, args_, item.attrs, loc=item.loc))
+                items.append(Op(value(item.out), item.kind, args_, item.attrs, item.annotations, loc=item.loc))
                 expected[value(item.out)] = TensorType(dims_of(item.out.atoms), item.out.dtype)
         return Block(args, params, tuple(items), tuple(value(v) for v in b.yields))
 
@@ -162,15 +167,19 @@ def _mappings(draft: Draft, names: dict[int, str], dims: DimTable) -> tuple[Para
         for i in range(count):
             for p in b.params:
                 prefix = f"{path}.{i}." if repeat else ""
-                module = (prefix + p.module).rstrip(".")
-                out.append(ParamMapping(
-                    ir_name=f"{repeat.name}.{i}.{names[id(p)]}" if repeat else names[id(p)],
-                    param=names[id(p)], repeat=repeat.name if repeat else None,
-                    key=prefix + p.source.key, module_path=module,
-                    pattern=(f"{path}.*." + p.module).rstrip(".") if repeat else module,
-                    ir_shape=tuple(dims.size(a) for a in dims.leaves(p.atoms)),
-                    key_shape=p.source.key_shape, rows=p.source.rows, transpose=p.source.transpose,
-                ))
+                stack = p.source.stack
+                for index, key in enumerate(stack or (p.source.key,)):
+                    owner = key.rpartition(".")[0] if stack else p.module
+                    module = (prefix + owner).rstrip(".")
+                    out.append(ParamMapping(
+                        ir_name=f"{repeat.name}.{i}.{names[id(p)]}" if repeat else names[id(p)],
+                        param=names[id(p)], repeat=repeat.name if repeat else None,
+                        key=prefix + key, module_path=module,
+                        pattern=(f"{path}.*." + owner).rstrip(".") if repeat else module,
+                        ir_shape=tuple(dims.size(a) for a in dims.leaves(p.atoms)),
+                        key_shape=p.source.key_shape, rows=p.source.rows, transpose=p.source.transpose,
+                        index=index if stack else None,
+                    ))
     return tuple(out)
 
 

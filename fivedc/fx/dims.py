@@ -127,8 +127,16 @@ class DimTable:
         if any(self.size(a) != 1 for a in l1[i:] + l2[j:]):
             raise DimMismatch("the two shapes have different sizes")
 
-    def regroup(self, groups: tuple[Group, ...], shape: tuple[int, ...]) -> tuple[Group, ...]:
-        """The groups of a `view`/`reshape` of a tensor with `groups` to `shape` (row-major)."""
+    def regroup(self, groups: tuple[Group, ...], shape: tuple[int, ...], *,
+                tokens: frozenset[int] = frozenset()) -> tuple[Group, ...]:
+        """The groups of a `view`/`reshape` of a tensor with `groups` to `shape` (row-major).
+
+        A dim of size 1 that has an atom (one head, a batch of one) is a dim of the IR
+        value, so it stays in the layout: a size-1 torch dim takes it when it comes
+        next; else it joins the next larger torch dim (merging [.., 1, head_dim] into
+        [.., hidden] keeps the head), unless it is one of the `tokens` (batch, seq: the
+        roots of their classes), which joins the one before (flattening [batch, 1, vocab]
+        to [batch, vocab] keeps the sequence with the batch); trailing ones the last."""
         atoms = list(self.leaves(tuple(a for g in groups for a in g)))
         out: list[Group] = []
         i = 0
@@ -142,6 +150,10 @@ class DimTable:
             have = 1
             while have < want:
                 while i < len(atoms) and self.size(atoms[i]) == 1:
+                    if out and not group and self.find(atoms[i]) in tokens:
+                        out[-1] += (atoms[i],)
+                    else:
+                        group.append(atoms[i])
                     i += 1
                 if i >= len(atoms):
                     raise DimMismatch(f"cannot view as {tuple(shape)}")
@@ -161,6 +173,10 @@ class DimTable:
             out.append(tuple(group))
         if any(self.size(a) != 1 for a in atoms[i:]):
             raise DimMismatch(f"cannot view as {tuple(shape)}")
+        if atoms[i:]:
+            if not out:
+                raise DimMismatch(f"a view to {tuple(shape)} drops a named dim of size 1")
+            out[-1] += tuple(atoms[i:])
         return tuple(out)
 
     # ---- names ----------------------------------------------------------------------

@@ -66,6 +66,7 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
         else:
             env[node] = _convert(graph, node, fx.node.map_arg((node.args, node.kwargs), lambda n: env[n]))
             env[node].meta["stack_trace"] = node.meta.get("stack_trace", "")
+            env[node].meta["nn_module_stack"] = node.meta.get("nn_module_stack") or {}  # for stage marks
     return fx.GraphModule(attrs, graph, type(module).__name__)
 
 

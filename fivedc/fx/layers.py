@@ -14,8 +14,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fivedc.fx.lower import Const, Frame, Lowering, ParamRef, Pending, RepeatedKV, T
-from fivedc.fx.recognise import moe_spec, rms_eps, rope_theta
+from fivedc.fx.lower import Const, Frame, Lowering, ParamRef, Pending, RepeatedKV, RouterLogits, T
+from fivedc.fx.moe import moe_spec
+from fivedc.fx.recognise import rms_eps, rope_theta
 from fivedc.ir import DType
 
 
@@ -233,9 +234,11 @@ def rope(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     return T(lw.emit(frame, node, "rope", (x.ref,), lw.ir(x), (("theta", float(theta)),)), x.ir, x.layout)
 
 
-def moe(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
-    """An MoE block module (`fivedc.fx.recognise.moe_spec`): one IR `moe` op, its stacked expert weights
-    mapped (transposed where torch stores them [experts, out, in]) to [experts, hidden, ffn] / [experts, ffn, hidden]."""
+def moe(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs):
+    """An MoE block module (`fivedc/fx/moe.py`): one IR `moe` op, its expert weights (stacked parameters,
+    or the experts' own weights stacked) mapped (transposed where torch stores them [.., out, in]) to
+    [experts, hidden, ffn] / [experts, ffn, hidden]. A block returning `(out, router_logits)` gives both;
+    the logits may not be used (`RouterLogits`)."""
     m = _module(frame, node)
     spec = moe_spec(m)
     if len(args) != 1 or kwargs:
@@ -246,21 +249,34 @@ def moe(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     router = getattr(m, spec.router).weight
     n_experts = router.shape[0]
     experts = lw.dims.new(n_experts, "experts", 60)
-    ffn_size = getattr(m, spec.weights[2]).shape[2 if spec.transposed[2] else 1]
-    ffn = lw.dims.new(ffn_size, "expert_ffn", 60)
+    down = m.get_parameter(spec.keys(2, n_experts)[0])
+    ffn = lw.dims.new(down.shape[-1 if spec.transposed[2] else -2], "expert_ffn", 60)
     lw.unify((hidden,), (lw.dims.new(router.shape[1]),), node, "the MoE router's input is not the tokens' hidden dim")
     r = lw.param(frame, node, key=f"{node.target}.{spec.router}.weight", module=f"{node.target}.{spec.router}",
                  attr="weight", atoms=(hidden, experts), init="normal", shape=_shape(router), transpose=True,
                  role="an MoE router")
     ws = []
-    for attr, flip, atoms in zip(spec.weights, spec.transposed,
-                                 ((experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden))):
-        value = getattr(m, attr)
-        ws.append(lw.param(frame, node, key=f"{node.target}.{attr}", module=node.target, attr=attr, atoms=atoms,
-                           init="normal", shape=_shape(value), transpose=flip, role="an MoE expert weight"))
+    for i, atoms in enumerate(((experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden))):
+        keys = spec.keys(i, n_experts)
+        shape = _shape(m.get_parameter(keys[0]))
+        if spec.experts:  # separate experts: `experts.{e}.w1.weight`, stacked
+            attr = spec.weights[i].removesuffix(".weight").replace(".", "_")
+            ws.append(lw.param(frame, node, key="", stack=tuple(f"{node.target}.{k}" for k in keys),
+                               module=f"{node.target}.{spec.experts}", attr=attr, atoms=atoms, init="normal",
+                               shape=shape, transpose=spec.transposed[i], role="an MoE expert weight"))
+        else:
+            ws.append(lw.param(frame, node, key=f"{node.target}.{keys[0]}", module=node.target, attr=keys[0],
+                               atoms=atoms, init="normal", shape=shape, transpose=spec.transposed[i],
+                               role="an MoE expert weight"))
     attrs = (("top_k", spec.top_k), ("score", spec.score), ("normalize", spec.normalize))
-    out = lw.emit(frame, node, "moe", (x.ref, r, *ws), lw.ir(x), attrs)
-    return T(out, x.ir, x.layout)
+    aux = getattr(m, "fivedc_aux_loss", 0.0)
+    if isinstance(aux, bool) or not isinstance(aux, (int, float)) or aux < 0:
+        raise lw.unsupported(node, f"{type(m).__name__}.fivedc_aux_loss = {aux!r}",
+                             "fivedc_aux_loss is the Switch balancing loss coefficient: a number >= 0 (0.01)")
+    if aux:
+        attrs += (("aux_loss", float(aux)),)
+    out = T(lw.emit(frame, node, "moe", (x.ref, r, *ws), lw.ir(x), attrs), x.ir, x.layout)
+    return (out, RouterLogits(node.target, type(m).__name__, node)) if spec.logits else out
 
 
 # ---- attention and loss ---------------------------------------------------------------------
@@ -300,10 +316,14 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
 
 def _bhsd(lw: Lowering, node: fx.Node, t: T, what: str) -> tuple[int, int, int, int]:
     groups = lw.groups(t)
-    if len(groups) == 4 and groups[1] == () and len(groups[3]) == 1 and lw.ir(t)[-1] == groups[3][0]:
-        # one head: the view's size-1 dim is that head, split off the front of head_dim
-        head, rest = lw.dims.refine(groups[3][0], (1, lw.dims.size(groups[3][0])))
-        groups = (groups[0], (head,), groups[2], (rest,))
+    if len(groups) == 4 and (groups[1] == ()) != (groups[3] == ()):
+        # one head (or a head_dim of 1): the view's size-1 dim is split off the projection's
+        # output dim, the front of head_dim (the back of heads), as a view into heads would
+        whole = groups[3] or groups[1]
+        if len(whole) == 1 and lw.ir(t)[-1] == whole[0]:
+            size = lw.dims.size(whole[0])
+            head, rest = lw.dims.refine(whole[0], (1, size) if groups[1] == () else (size, 1))
+            groups = (groups[0], (head,), groups[2], (rest,))
     if len(groups) != 4 or any(len(g) != 1 for g in groups):
         raise lw.unsupported(node, f"attention {what} that is not [batch, heads, seq, head_dim]")
     b, h, s, d = (g[0] for g in groups)

@@ -78,7 +78,17 @@ class RepeatedKV:
     dim: int
 
 
-DYNAMIC = (T, Pending, ParamRef, RepeatedKV)
+@dataclass(frozen=True, eq=False)
+class RouterLogits:
+    """The router logits an MoE block returns beside its output (`out, logits = moe(x)`): usable by nothing,
+    since the IR's moe routes inside and gives no logits out."""
+
+    block: str  # the block's module path
+    cls: str  # its class name
+    node: fx.Node  # the block's call
+
+
+DYNAMIC = (T, Pending, ParamRef, RepeatedKV, RouterLogits)
 SHAPE_QUERIES = {"size", "dim", "numel", "shape", "ndim", "dtype", "device", "is_floating_point"}
 
 
@@ -100,6 +110,7 @@ class Lowering:
         self.repeats = {spec.calls[0]: spec for spec in trace.repeats}
         self.later = {n for spec in trace.repeats for n in spec.calls[1:]}
         self.seq_atom: int | None = None
+        self.token_atoms: list[int] = []  # the inputs' batch and sequence dims
         self.owners: dict[int, tuple[str, str]] = {}  # id of a parameter tensor -> (key, role) of its first use
         self.inputs: list = []
 
@@ -143,6 +154,7 @@ class Lowering:
             atoms = tuple(self.dims.new(s, h, p) for s, (h, p) in zip(example.shape, _INPUT_HINTS))
             if not atoms:
                 raise NotSupportedError(f"input {name} is a scalar; inputs start with the batch dim", loc=loc)
+            self.token_atoms.extend(atoms[:2])
             if batch is None:
                 batch, self.seq_atom = atoms[0], atoms[1] if len(atoms) > 1 else None
             else:
@@ -189,6 +201,12 @@ class Lowering:
         out = self.tensor(inner, out, _output(inner))
         self.unify(_flat(out.layout), _flat(carried.layout), node, "a layer must return a tensor shaped like its input")
         if self.dims.leaves(out.ir) != self.dims.leaves(carried.ir):
+            odd = set(self.dims.leaves(out.ir)) ^ set(self.dims.leaves(carried.ir))
+            if odd and all(self.dims.size(a) == 1 for a in odd):
+                raise NotSupportedError(
+                    f"layer {spec.path}.0 returns a tensor whose size-1 dims ({self.describe(odd)}) are not its "
+                    "input's: a dim of size 1 cannot be told apart from the others it is viewed with",
+                    loc=node_loc(node), hint=SIZE_ONE_HINT)
             raise NotSupportedError(f"layer {spec.path}.0 returns its input's dims in another order", loc=node_loc(node))
         inner.block.yields = [self.value_of(inner, out, _output(inner))]
         name = "layers" if not any(isinstance(i, DRepeat) and i.name == "layers" for i in frame.block.items) else spec.path
@@ -205,6 +223,14 @@ class Lowering:
     def groups(self, t: T) -> tuple[tuple[int, ...], ...]:
         return tuple(self.dims.leaves(g) for g in t.layout)
 
+    def tokens(self) -> frozenset[int]:
+        """The classes of the batch and sequence dims (a size-1 one stays with the other in a view)."""
+        return frozenset(self.dims.find(a) for a in self.token_atoms)
+
+    def describe(self, atoms) -> str:
+        """Dims by their best name so far: `heads (size 1), batch (size 1)`."""
+        return ", ".join(f"{self.dims.best_hint(a)[0] or 'a dim'} (size {self.dims.size(a)})" for a in atoms)
+
     def same(self, a: int, b: int) -> bool:
         return self.dims.find(a) == self.dims.find(b)
 
@@ -217,26 +243,36 @@ class Lowering:
     def emit(self, frame: Frame, node: fx.Node, kind: str, args: tuple, atoms: tuple[int, ...],
              attrs: tuple = (), base: str | None = None) -> DValue:
         out = DValue(base or node.name, atoms)
-        frame.block.items.append(DOp(out, kind, args, attrs, node_loc(node)))
+        frame.block.items.append(DOp(out, kind, args, attrs, node_loc(node), scope(node)))
         return out
 
     def param(self, frame: Frame, node: fx.Node, *, key: str, module: str, attr: str, atoms: tuple[int, ...],
-              init: str, shape: tuple[int, ...], rows=None, transpose=False, part: str = "", role: str = "") -> DParam:
+              init: str, shape: tuple[int, ...], rows=None, transpose=False, part: str = "", role: str = "",
+              stack: tuple[str, ...] = ()) -> DParam:
+        """The IR parameter of state-dict entry `key` (relative to the frame's module), or of the
+        entries `stack` (each `shape`) stacked along its first dim."""
+        key = stack[0] if stack else key
         cache = (key, rows, role)
         if cache not in frame.params:
-            tensor = frame.traced.gm.get_parameter(key)
-            first = self.owners.setdefault(id(tensor), (key, role))
-            uses = {r for k, _, r in frame.params if k == key} | ({first[1]} if first[0] != key else set())
-            if first[0] != key or uses - {role}:
-                raise NotSupportedError(
-                    f"parameter {key} is used both as {uses.pop() or 'a tensor'} and as {role} "
-                    f"(tied weights{': the same tensor as ' + first[0] if first[0] != key else ''})",
-                    loc=node_loc(node), hint="untie the weights: the IR gives every parameter one use and one layout",
-                )
-            p = DParam(module, attr, part, atoms, init, Source(key, shape, rows, transpose), node_loc(node))
+            for k in stack or (key,):
+                self._claim(frame, node, k, role)
+            source = Source(key, shape, rows, transpose, tuple(stack))
+            p = DParam(module, attr, part, atoms, init, source, node_loc(node))
             frame.params[cache] = p
             frame.block.params.append(p)
         return frame.params[cache]
+
+    def _claim(self, frame: Frame, node: fx.Node, key: str, role: str) -> None:
+        """A parameter tensor has one use and one layout in the IR: tied weights are refused."""
+        tensor = frame.traced.gm.get_parameter(key)
+        first = self.owners.setdefault(id(tensor), (key, role))
+        uses = {r for k, _, r in frame.params if k == key} | ({first[1]} if first[0] != key else set())
+        if first[0] != key or uses - {role}:
+            raise NotSupportedError(
+                f"parameter {key} is used both as {uses.pop() or 'a tensor'} and as {role} "
+                f"(tied weights{': the same tensor as ' + first[0] if first[0] != key else ''})",
+                loc=node_loc(node), hint="untie the weights: the IR gives every parameter one use and one layout",
+            )
 
     def tensor(self, frame: Frame, sym, node: fx.Node) -> T:
         """A value an ordinary op can take: emits a pending linear, lays out a parameter."""
@@ -247,11 +283,18 @@ class Lowering:
         if isinstance(sym, Pending):
             return materialize(self, frame, sym)
         if isinstance(sym, ParamRef):
-            atoms = tuple(self.dims.new(s) for s in sym.value.shape)
+            # a parameter's size-1 dims are broadcast dims ([1, seq, hidden] added to [batch, seq, hidden]),
+            # not model dims: the IR parameter leaves them out
+            shape = tuple(sym.value.shape)
+            keep = [s != 1 for s in shape] if any(s != 1 for s in shape) else [True] * len(shape)
+            layout = tuple((self.dims.new(s),) if k else () for s, k in zip(shape, keep))
+            atoms = _flat(layout)
             owner, _, attr = sym.key.rpartition(".")
             p = self.param(frame, node, key=sym.key, module=owner, attr=attr, atoms=atoms, init="normal",
-                           shape=tuple(sym.value.shape), role="a tensor")
-            return T(p, atoms, tuple((a,) for a in atoms))
+                           shape=shape, role="a tensor")
+            return T(p, atoms, layout)
+        if isinstance(sym, RouterLogits):
+            raise self.logits_used(sym, node)
         if isinstance(sym, RepeatedKV):
             raise self.unsupported(node, "repeat_interleave over heads feeding anything but attention",
                                    "repeat k and v only right before F.scaled_dot_product_attention")
@@ -270,6 +313,17 @@ class Lowering:
         return NotSupportedError(f"not supported by the fx frontend: {what} (fx node {node.name})",
                                  loc=node_loc(node), hint=hint)
 
+    def logits_used(self, logits: RouterLogits, node: fx.Node) -> NotSupportedError:
+        at = node_loc(logits.node)
+        return NotSupportedError(
+            f"the router logits that MoE block {logits.block} returns{f' (at {at})' if at else ''} are used here; "
+            "fivedc's moe op routes inside and gives no logits out",
+            loc=node_loc(node),
+            hint="fivedc's moe adds the Switch load-balancing loss to the gradients itself: compute the loss without "
+            f"the router logits (use only `out, _ = moe(x)`) and set `fivedc_aux_loss = 0.01` (your coefficient) on "
+            f"{logits.cls}, as the DSL writes `moe(..., aux_loss=0.01)`",
+        )
+
     def warn(self, node: fx.Node, message: str) -> None:
         loc = node_loc(node)
         text = f"{loc}: {message}" if loc else message
@@ -283,11 +337,22 @@ class Lowering:
         return op_name(node, frame.traced.gm)
 
 
+SIZE_ONE_HINT = ("trace with example inputs (or a config) where that dim is larger than 1 (batch=2, n_head=2), "
+                 "or keep the size-1 dim out of that view or squeeze")
 _INPUT_HINTS = [("batch", 100), ("seq", 100), ("hidden", 10)] + [(None, 0)] * 16
 
 
 def _output(frame: Frame) -> fx.Node:
     return next(n for n in reversed(frame.traced.gm.graph.nodes) if n.op == "output")
+
+
+def scope(node: fx.Node) -> tuple[str, ...]:
+    """The module paths a node was traced in, outermost first (the tracer's `nn_module_stack`)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [v[0] for v in stack.values() if isinstance(v, tuple) and v and v[0]]
+    if node.op == "call_module" and str(node.target) not in paths:
+        paths.append(str(node.target))
+    return tuple(paths)
 
 
 def _flat(layout) -> tuple[int, ...]:

@@ -18,7 +18,8 @@ from torch import nn
 from fivedc.fx import layers
 from fivedc.fx.build import DParam
 from fivedc.fx.layers import arg
-from fivedc.fx.lower import DYNAMIC, SHAPE_QUERIES, Const, Frame, Lowering, ParamRef, Pending, T
+from fivedc.fx.lower import (DYNAMIC, SHAPE_QUERIES, SIZE_ONE_HINT, Const, Frame, Lowering, ParamRef, Pending,
+                             RouterLogits, T)
 from fivedc.fx.recognise import CASTS
 from fivedc.ir import DType
 from fivedc.ops import OP_SPECS
@@ -47,6 +48,13 @@ def dispatch(lw: Lowering, frame: Frame, node: fx.Node):
         return Const(value) if isinstance(value, torch.Tensor) else value
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: frame.syms[n])
     name = lw.op_name(frame, node)
+    if name == "getitem" and isinstance(args[0], (tuple, list)):  # unpacking (`out, logits = moe(x)`) uses nothing
+        item = args[0][args[1]]
+        return Const(item) if isinstance(item, torch.Tensor) else item
+    if name not in SHAPE_QUERIES and not (name == "getattr" and args[1] in SHAPE_QUERIES):
+        used = next((a for a in _leaves((args, kwargs)) if isinstance(a, RouterLogits)), None)
+        if used is not None:
+            raise lw.logits_used(used, node)
     stateful = node.op == "call_module" and any(True for _ in frame.traced.gm.get_submodule(node.target).parameters())
     if not stateful and not any(isinstance(a, DYNAMIC) for a in _leaves((args, kwargs))):
         value = values.get(node)
@@ -132,6 +140,11 @@ def _broadcast(lw: Lowering, node: fx.Node, ga, gb) -> tuple:
     for x, y in zip(ga, gb):
         if x and y:
             lw.unify(x, y, node, "operands that torch broadcasts together")
+            lx, ly = set(lw.dims.leaves(x)), set(lw.dims.leaves(y))
+            if not (lx <= ly or ly <= lx):  # each holds a size-1 dim the other lacks: [1 head, d] + [batch 1, d]
+                raise lw.unsupported(node, f"operands whose dims of size 1 ({lw.describe(lx ^ ly)}) do not line up",
+                                     SIZE_ONE_HINT)
+            x = x if lx >= ly else y  # the one that keeps a size-1 dim (a head) the other merged away
         out.append(x or y)
     return tuple(out)
 
@@ -179,7 +192,7 @@ def view(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     x = lw.tensor(frame, args[0], node)
     shape = tuple(frame.traced.values[node].shape)
     try:
-        layout = lw.dims.regroup(x.layout, shape)
+        layout = lw.dims.regroup(x.layout, shape, tokens=lw.tokens())
     except Exception as error:
         raise lw.unsupported(node, f"a view or reshape to {shape}: {error}") from None
     return T(x.ref, x.ir, layout, x.dtype)
@@ -213,8 +226,10 @@ def squeeze(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     x = lw.tensor(frame, args[0], node)
     dim = arg(args, kwargs, 1, "dim")
     dims = range(len(x.layout)) if dim is None else [d % len(x.layout) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
-    if any(x.layout[d] for d in dims if lw.dims.numel(x.layout[d]) == 1):
-        raise lw.unsupported(node, "squeeze of a named dim of size 1")
+    named = [a for d in dims if lw.dims.numel(x.layout[d]) == 1 for a in lw.dims.leaves(x.layout[d])]
+    if named:
+        raise lw.unsupported(node, f"squeeze of a model dim of size 1 ({lw.describe(named)}): the IR keeps every "
+                             "dim, so the tensors after it would not match", SIZE_ONE_HINT)
     return T(x.ref, x.ir, tuple(g for i, g in enumerate(x.layout) if i not in dims or g), x.dtype)
 
 

@@ -5,8 +5,11 @@ state-dict entry (`transformer.h.0.attn.c_attn.weight`), optionally a range of i
 rows (one of q, k, v of a fused projection), optionally transposed (torch keeps a
 linear's weight as [out, in], the IR as [in..., out...]; an MoE block's stacked
 expert weights [experts, out, in] swap their last two dims), then reshaped to the IR
-dims. Only slicing, transposing, reshaping and concatenating happen, so
-`to_ir_params` and `from_ir_params` are exact inverses. `module_path` and `pattern`
+dims. Experts kept as separate modules (`experts.3.w1.weight`, an `nn.ModuleList`)
+are one IR parameter stacked over the experts: one mapping per expert, each with the
+`index` of its slice of the IR parameter's first dim. Only slicing, transposing,
+reshaping, stacking and concatenating happen, so `to_ir_params` and
+`from_ir_params` are exact inverses. `module_path` and `pattern`
 (`transformer.h.*.attn.c_attn`) keep the user's names, so shardings can be pinned
 by module-path pattern.
 """
@@ -35,6 +38,7 @@ class ParamMapping:
     key_shape: tuple[int, ...]  # of the whole state_dict entry
     rows: tuple[int, int] | None = None  # the slice of dim 0 this parameter is
     transpose: bool = False  # the entry's last two dims swapped: stored [..., out, in] by torch
+    index: int | None = None  # the entry is this slice of the IR parameter's first dim (separate experts)
 
     def matches(self, pattern: str) -> bool:
         """Module-path pattern, dot-separated, `*` matching one path element (`blocks.*.attn.qkv`)."""
@@ -42,14 +46,17 @@ class ParamMapping:
         return len(want) == len(have) and all(fnmatch.fnmatchcase(h, w) for h, w in zip(have, want))
 
     def to_ir(self, entry: Tensor) -> Tensor:
+        """The IR parameter (its slice `index`, for one of separate experts) from the state-dict entry."""
         if self.rows is not None:
             entry = entry[self.rows[0] : self.rows[1]]
         if self.transpose:
             entry = entry.transpose(-2, -1)
-        return entry.reshape(self.ir_shape)
+        return entry.reshape(self.ir_shape if self.index is None else self.ir_shape[1:])
 
     def torch_part(self, value: Tensor) -> Tensor:
-        """The inverse of `to_ir`: this parameter as (its rows of) the state-dict entry."""
+        """The inverse of `to_ir`: this parameter (the whole IR value) as (its rows of) the state-dict entry."""
+        if self.index is not None:
+            value = value.reshape(self.ir_shape)[self.index]
         rows = self.key_shape if self.rows is None else (self.rows[1] - self.rows[0], *self.key_shape[1:])
         if self.transpose:
             return value.reshape(*rows[:-2], rows[-1], rows[-2]).transpose(-2, -1)
@@ -57,14 +64,22 @@ class ParamMapping:
 
 
 def to_ir_params(mappings: tuple[ParamMapping, ...], state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-    out = {}
+    out: dict[str, Tensor] = {}
+    stacks: dict[str, dict[int, Tensor]] = {}
     for m in mappings:
         if m.key not in state_dict:
             raise FivedcError(f"the state dict has no entry {m.key!r} (IR parameter {m.ir_name})")
         entry = state_dict[m.key]
         if tuple(entry.shape) != m.key_shape:
             raise FivedcError(f"{m.key} has shape {tuple(entry.shape)}; the traced model had {m.key_shape}")
-        out[m.ir_name] = m.to_ir(entry)
+        if m.index is None:
+            out[m.ir_name] = m.to_ir(entry)
+        else:
+            stacks.setdefault(m.ir_name, {})[m.index] = m.to_ir(entry)
+    for name, slices in stacks.items():
+        if sorted(slices) != list(range(len(slices))):
+            raise FivedcError(f"the entries stacked into {name} do not cover it: slices {sorted(slices)}")
+        out[name] = torch.stack([slices[i] for i in range(len(slices))])
     return out
 
 

@@ -28,6 +28,7 @@ from fivedc.errors import FivedcError, NotSupportedError
 from fivedc.fx.locs import def_loc, error_loc, frames, node_loc, user_loc
 from fivedc.fx.recognise import is_recognised_leaf
 
+STAGE_MARK = "fivedc_stage_boundary"  # a module attribute: a pipeline chunk begins at this module
 _SHAPE_QUERIES = {"size", "dim", "shape", "ndim", "dtype", "device", "numel", "is_floating_point"}
 
 # ---- the traced result ------------------------------------------------------------------
@@ -224,10 +225,11 @@ def _fetch(root: nn.Module, target: str) -> object:
 def _uniform_lists(module: nn.Module, inline: set[str]) -> dict[str, int]:
     """ModuleLists (outermost only) whose layers can be one `Repeat`: path -> layer count."""
     found: dict[str, int] = {}
+    leaves = [p for p, m in module.named_modules() if p and is_recognised_leaf(m)]  # an MoE block's experts
     for path, sub in module.named_modules():
         if not isinstance(sub, nn.ModuleList) or len(sub) < 2 or path in inline or not path:
             continue
-        if any(path.startswith(p + ".") for p in found):
+        if any(path.startswith(p + ".") for p in (*found, *leaves)):
             continue
         if _uniform(list(sub)):
             found[path] = len(sub)
@@ -251,7 +253,8 @@ def _uniform(layers: list[nn.Module]) -> bool:
 def _signature(layer: nn.Module) -> tuple:
     modules = tuple(
         (name, type(sub), tuple(sorted((k, v) for k, v in vars(sub).items()
-                                       if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None))))))
+                                       if not k.startswith("_") and k != STAGE_MARK  # marks one layer, see marks.py
+                                       and isinstance(v, (bool, int, float, str, type(None))))))
         for name, sub in layer.named_modules()
     )
     params = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
