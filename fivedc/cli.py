@@ -51,6 +51,9 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual", type=int, default=None, help="chunks per pp rank for interleaved (default 2)")
     p.add_argument("--pp-layout", default=None, metavar="N,N,...",
                    help="layers per chunk instead of balancing by cost, e.g. 3,5,5,3")
+    p.add_argument("--stage-boundary", action="append", default=[], metavar="PATTERN",
+                   help="file.py:factory models: a pipeline chunk begins at the modules matching PATTERN "
+                   "(e.g. layers.4; * matches one path element); repeat for more")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="sum gradients after backward, no ZeRO-3 prefetch (to measure what overlap gains)")
 
@@ -109,15 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_graph(model: str):
-    """A `.5d` model, or `path/to/file.py:factory` traced with torch.fx."""
+def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = ()):
+    """A `.5d` model, or `path/to/file.py:factory` traced with torch.fx (with pipeline
+    chunks beginning at the modules `stage_boundaries` match)."""
     from fivedc.frontend_py import graph_from_spec, is_spec
 
     if is_spec(model):
-        return graph_from_spec(model)
+        return graph_from_spec(model, stage_boundaries=tuple(stage_boundaries))
+    check_no_stage_boundaries(model, stage_boundaries)
     from fivedc.frontend_dsl import load_model
 
     return load_model(model)
+
+
+def check_no_stage_boundaries(model: str, stage_boundaries) -> None:
+    if stage_boundaries:
+        raise FivedcError(
+            f"--stage-boundary marks modules of a traced file.py:factory model; {model} is a DSL model",
+            hint="mark the DSL instead: `repeat layers @stage(4) { ... }` begins a chunk at layer 4, "
+            "`@stage` after a top-level statement begins one there",
+        )
 
 
 def _compile(model: str, mesh_text: str, args, *, dtype: str):
@@ -125,7 +139,7 @@ def _compile(model: str, mesh_text: str, args, *, dtype: str):
     from fivedc.pipeline import compile_graph
 
     mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
-    return compile_graph(load_graph(model), compile_options(args, mesh, dtype=dtype))
+    return compile_graph(load_graph(model, args.stage_boundary), compile_options(args, mesh, dtype=dtype))
 
 
 def _console():

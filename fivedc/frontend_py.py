@@ -76,17 +76,19 @@ def load_factory(spec: str, *, kwargs: Mapping[str, object] | None = None):
     return module, dict(inputs) if isinstance(inputs, dict) else tuple(inputs)
 
 
-def traced_from_spec(spec: str, *, kwargs: Mapping[str, object] | None = None):
-    """(module, example_inputs, TracedModel) of a `file.py:factory` spec."""
+def traced_from_spec(spec: str, *, kwargs: Mapping[str, object] | None = None,
+                     stage_boundaries: tuple[str, ...] = ()):
+    """(module, example_inputs, TracedModel) of a `file.py:factory` spec; `stage_boundaries`:
+    module-path patterns where a pipeline chunk begins (`trace_module`)."""
     from fivedc.frontend_fx import trace_module
 
     module, inputs = load_factory(spec, kwargs=kwargs)
-    return module, inputs, trace_module(module, inputs)
+    return module, inputs, trace_module(module, inputs, stage_boundaries=stage_boundaries)
 
 
-def graph_from_spec(spec: str) -> Graph:
+def graph_from_spec(spec: str, *, stage_boundaries: tuple[str, ...] = ()) -> Graph:
     """The IR graph of the module `file.py:factory` builds, traced on its example inputs."""
-    return traced_from_spec(spec)[2].graph
+    return traced_from_spec(spec, stage_boundaries=stage_boundaries)[2].graph
 
 
 def import_file(path: str | Path):

@@ -72,6 +72,7 @@ class ParallelizeOptions:
     microbatches: int | None = None
     virtual: int | None = None
     pp_layout: tuple[int, ...] | None = None
+    stage_boundaries: tuple[str, ...] = ()  # module-path patterns where a pipeline chunk begins
     device: torch.device | str | None = None
     sync_module_states: bool = True
 
@@ -81,7 +82,7 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
                 cp_attention: str | None = None, cp_layout: str | None = None, overlap: bool = True,
                 bucket_mb: float = DEFAULT_BUCKET_MB, schedule: str = "1f1b", microbatches: int | None = None,
                 virtual: int | None = None, pp_layout: tuple[int, ...] | None = None,
-                device: torch.device | str | None = None, sync_module_states: bool = True):
+                stage_boundaries: tuple[str, ...] = (), device: torch.device | str | None = None, sync_module_states: bool = True):
     """Parallelize an `nn.Module` instance, or, as a decorator, an `nn.Module` class.
 
     mesh: "dp x pp x tp x cp x ep" (`"2x1x2x1x1"`) or `dp=2,tp=2`, or a `Mesh`.
@@ -93,13 +94,15 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     overlap, bucket_mb: gradient buckets reduced during backward. schedule
     ("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "dualpipev"), microbatches,
     virtual, pp_layout (layers per chunk): the pipeline, when pp > 1; the forward
-    then runs the whole schedule. device: where the shards live (default: the current CUDA device with
+    then runs the whole schedule. stage_boundaries: module-path patterns
+    (`"layers.4"`) where a pipeline chunk begins, as do modules with
+    `fivedc_stage_boundary = True`; the marks then decide the chunks. device: where the shards live (default: the current CUDA device with
     NCCL, else the module's). sync_module_states: start from rank 0's weights.
     """
     options = ParallelizeOptions(
         mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh), example_inputs, sequence_parallel,
         dict(shardings or {}), zero, cp_attention, cp_layout, overlap, bucket_mb, schedule, microbatches, virtual,
-        tuple(pp_layout) if pp_layout is not None else None, device, sync_module_states,
+        tuple(pp_layout) if pp_layout is not None else None, tuple(stage_boundaries), device, sync_module_states,
     )
     if module is None:
         return lambda target: _apply(target, options)
@@ -108,8 +111,9 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
 
 def compile_module(module: nn.Module, example_inputs, *, mesh: Mesh | None = None,
                    options: CompileOptions | None = None, shardings: Mapping[str, str] | None = None,
-                   **fields) -> tuple[TracedModel, ExecutionPlan]:
-    """Trace `module` on `example_inputs`, pin `shardings`, compile: no process group needed.
+                   stage_boundaries: tuple[str, ...] = (), **fields) -> tuple[TracedModel, ExecutionPlan]:
+    """Trace `module` on `example_inputs` (pipeline chunks beginning at `stage_boundaries`),
+    pin `shardings`, compile: no process group needed.
 
     Give `options` (a `CompileOptions`, as the CLI builds), or `mesh` and any other
     `CompileOptions` fields as keywords (sequence_parallel, zero, ...; dtype defaults
@@ -119,7 +123,7 @@ def compile_module(module: nn.Module, example_inputs, *, mesh: Mesh | None = Non
             raise FivedcError("compile_module needs a mesh (or CompileOptions)")
         fields.setdefault("dtype", module_dtype(module))
         options = CompileOptions(mesh=mesh, **fields)
-    traced = trace_module(module, example_inputs)
+    traced = trace_module(module, example_inputs, stage_boundaries=stage_boundaries)
     return traced, compile_graph(pin_shardings(traced, shardings), options)
 
 
@@ -150,7 +154,7 @@ def _build(module: nn.Module, options: ParallelizeOptions):
     example = _example_inputs(module, options.example_inputs)
     _check_world(options.mesh)
     traced, plan = compile_module(
-        module, example, mesh=options.mesh, shardings=options.shardings,
+        module, example, mesh=options.mesh, shardings=options.shardings, stage_boundaries=options.stage_boundaries,
         sequence_parallel=options.sequence_parallel, zero=options.zero, cp_attention=options.cp_attention,
         cp_layout=options.cp_layout, overlap=options.overlap, bucket_mb=options.bucket_mb,
         schedule=options.schedule, microbatches=options.microbatches, virtual=options.virtual,

@@ -17,7 +17,7 @@ DEFAULT_TOL = {"fp64": 1e-10, "fp32": 1e-4}
 
 
 def run_verify(args) -> int:
-    from fivedc.cli import compile_options
+    from fivedc.cli import check_no_stage_boundaries, compile_options
     from fivedc.frontend_dsl import load_model
     from fivedc.mesh import Mesh
     from fivedc.passes.base import CompileOptions
@@ -35,6 +35,7 @@ def run_verify(args) -> int:
 
     if is_spec(args.model):
         return _verify_module(args, mesh, tol)
+    check_no_stage_boundaries(args.model, args.stage_boundary)
     graph = load_model(args.model)
     plan = compile_graph(graph, compile_options(args, mesh, dtype=args.dtype))
     reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype))
@@ -67,7 +68,7 @@ def _verify_module(args, mesh, tol: float) -> int:
     options = dict(sequence_parallel=plan.sequence_parallel, cp_attention=plan.cp_attention,
                    cp_layout=plan.cp_layout, overlap=plan.overlap, bucket_mb=plan.bucket_mb, zero=plan.zero,
                    schedule=plan.schedule, microbatches=plan.microbatches, virtual=plan.virtual,
-                   pp_layout=plan.pp_layout)
+                   pp_layout=plan.pp_layout, stage_boundaries=tuple(args.stage_boundary))
     if "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
 

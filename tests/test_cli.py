@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from fivedc.cli import main
+from fivedc.plan import ExecutionPlan
 
 BAD_MODEL = """model broken {
   dims { batch = 2 seq = 4 }
@@ -113,5 +114,13 @@ def test_compile_and_verify_a_python_module_factory(tmp_path, capsys) -> None:
     assert json.loads(out.read_text())["graph"]["name"]
     assert main(["verify", "examples/llama.py:factory", "--mesh", "1x2x2x1x1", "--zero", "2"]) == 0
     assert "OK: tolerance 1e-10" in capsys.readouterr().out
+    marked = tmp_path / "marked.plan.json"
+    assert main(["compile", "examples/nanogpt.py:factory", "--mesh", "1x2x1x1x1", "--stage-boundary", "transformer.h.1",
+                 "-q", "-o", str(marked)]) == 0
+    chunks = ExecutionPlan.load(marked).pipeline.chunks
+    assert [c.what for c in chunks] == ["embedding+add, layers.0", "layers.1, layernorm+linear+cross_entropy"]
+    capsys.readouterr()
+    assert main(["compile", "examples/gpt.5d", "--mesh", "1x2x1x1x1", "--stage-boundary", "layers.1"]) == 2
+    assert "is a DSL model" in capsys.readouterr().err
     assert main(["compile", "examples/missing.py:factory", "--mesh", "2x1x1x1x1", "-o", str(out)]) == 2
     assert "examples/missing.py does not exist" in capsys.readouterr().err

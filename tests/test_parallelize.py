@@ -61,8 +61,8 @@ def make_model(*, kind: str, seed: int, dp: int = 1, tp: int = 1, cp: int = 1, s
     rng = random.Random(seed)
     seq = 2 * cp * (tp if sp else 1) * rng.choice([1, 2])
     batch = dp * rng.choice([1, 2]) * (2 * pp if pp > 1 else 1)
-    if kind == "nanogpt":  # (one head would be a size-1 dim, which the fx frontend cannot name)
-        heads = tp * rng.choice([1, 2]) if tp > 1 else rng.choice([2, 4])
+    if kind == "nanogpt":
+        heads = tp * rng.choice([1, 2]) if tp > 1 else rng.choice([1, 2, 4])
         config = nanogpt.GPTConfig(block_size=seq, vocab_size=tp * rng.choice([8, 20]), n_layer=rng.choice([1, 2, 3]) if pp == 1 else 2 * pp,
                                    n_head=heads, n_embd=heads * rng.choice([4, 8]))
         return nanogpt.factory(batch=batch, config=config, seed=seed, dtype=dtype)
@@ -88,6 +88,7 @@ CASES = [  # (model, mesh, options): every landed axis, alone and combined, worl
     ("llama", "1x2x2x1x1", {"schedule": "dualpipev", "zero": 3, "sequence_parallel": True}),
     ("nanogpt", "1x4x2x1x1", {"schedule": "zb-h1", "zero": 2}),
     ("llama", "2x2x1x1x1", {"schedule": "gpipe", "overlap": False}),
+    ("nanogpt", "1x2x1x1x1", {"stage_boundaries": ("transformer.h.1",)}),
 ]
 
 
@@ -208,11 +209,13 @@ def test_decorated_class_state_dicts_accumulation_and_overlap(worker_pool) -> No
 
 
 def pipeline_zero_job(info, payload) -> dict:
-    """Llama under pp=2 x dp=2 with ZeRO-1: what a rank holds, evaluation, a scaled loss,
-    accumulation and the full state dict."""
+    """Llama under pp=2 x dp=2 with ZeRO-1, cut before layer 3: what a rank holds,
+    evaluation, a scaled loss, accumulation and the full state dict."""
     module, inputs = make_model(kind="llama", seed=11, dp=2, pp=2)
-    model = fivedc.parallelize(module, mesh="2x2x1x1x1", example_inputs=inputs, zero=1, device=info.device)
+    model = fivedc.parallelize(module, mesh="2x2x1x1x1", example_inputs=inputs, zero=1, device=info.device,
+                               stage_boundaries=("layers.3",))
     plan, out = model.fivedc_plan, {}
+    out["chunks"] = [c.what for c in plan.pipeline.chunks]
     pp_rank = model._fivedc_ctx.coords[MeshAxis.PP]
     sizes = {n: math.prod(plan.graph.dim(d) for d in p.dims) for n, p in qualified_params(plan.graph)}
     held = dict(model.named_parameters())
@@ -245,6 +248,7 @@ def pipeline_zero_job(info, payload) -> dict:
 def test_a_pipeline_with_zero_holds_its_chunks_and_keeps_torch_semantics(worker_pool) -> None:
     outs = worker_pool.run(pipeline_zero_job, world=4, payload=None)
     for out in outs:
+        assert out["chunks"][1].startswith("layers.3"), out["chunks"]
         assert out["holds_its_chunks"] and out["flat_halves"] and out["full_round_trip"], out
         assert out["eval_error"] <= 1e-12 and out["grad_error"] <= 1e-12, out
         assert out["scaled_error"] <= 1e-12 and out["accumulated_error"] <= 1e-12, out
@@ -339,6 +343,12 @@ def test_bad_pins_are_clear_errors(pins, message: str, hint: str) -> None:
     with pytest.raises(ShardingError, match="sharding pin") as info:
         compile_module(module, inputs, mesh=Mesh.parse("1x1x2x1x1"), shardings=pins)
     assert message in info.value.message and hint in info.value.hint + info.value.message
+
+
+def test_stage_boundaries_cut_the_pipeline_where_they_say() -> None:
+    module, inputs = make_model(kind="nanogpt", seed=1, pp=2)
+    _, plan = compile_module(module, inputs, mesh=Mesh.parse("1x2x1x1x1"), stage_boundaries=("transformer.h.3",))
+    assert plan.pipeline.cut == "marks" and plan.pipeline.chunks[1].what.startswith("layers.3")
 
 
 def test_misuse_is_a_clear_error() -> None:
