@@ -22,6 +22,7 @@ from torch import Tensor
 from fivedc.errors import NotSupportedError
 from fivedc.ir import Graph, Op
 from fivedc.mesh import Mesh, MeshAxis
+from fivedc.runtime import weight_grads
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
 from fivedc.seq_layout import layout_order
 from fivedc.sharding import Sharding
@@ -136,6 +137,9 @@ def _arg_sharding(op: Op, index: int) -> Sharding:
 def _linear(ctx, op, args, dims):
     x, w = args
     k = len([d for d in dims[0] if d not in op.type.dims])
+    store = weight_grads.store_of(ctx)  # a zero-bubble pipeline: the weight gradient may wait for W
+    if store is not None and torch.is_grad_enabled() and w.requires_grad:
+        return weight_grads.DeferrableLinear.apply(x, w, k, store)
     return torch.tensordot(x, w, dims=k)
 
 

@@ -13,7 +13,8 @@ chunk's units on microbatch j; on the last chunk the loss is the microbatch's sh
 of the full loss (cross-entropy divides by the global token count), so summing the
 microbatches gives the full-batch loss and gradients accumulate to the full-batch
 gradients. B runs autograd through the chunk and sends the gradients of its inputs;
-I computes only those (keeping the graph), W then the weight gradients.
+I computes those and every gradient but the linear layers' weight gradients, whose
+matmuls it keeps (`runtime/weight_grads.py`); W then does only those matmuls.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from torch import Tensor
 
 from fivedc.mesh import MeshAxis
 from fivedc.schedule import ActionKind
-from fivedc.stages import PipelineSpec, Unit, chunk_param_names, units, value_types
+from fivedc.runtime.weight_grads import DeferredGrad
+from fivedc.runtime.weight_grads import enable as enable_deferred_weight_grads
+from fivedc.stages import PipelineSpec, Unit, units, value_types
 
 K = ActionKind
 TAGS = {K.SEND_FORWARD: 0, K.RECV_FORWARD: 0, K.SEND_BACKWARD: 1, K.RECV_BACKWARD: 1}
@@ -41,6 +44,7 @@ class _Micro:
     outputs: list[Tensor] = field(default_factory=list)  # boundary outputs, or [loss]
     grads_in: list[Tensor] | None = None  # gradients of the outputs, from the next chunk
     grads_out: list[Tensor] = field(default_factory=list)  # gradients of `received`
+    deferred: list[DeferredGrad] = field(default_factory=list)  # I's weight gradients, for W
     done: bool = False  # backward (B, or W after I) has run
     sent: bool = False  # grads_out has been sent
 
@@ -56,7 +60,8 @@ class PipelineRunner:
         self.all_units: list[Unit] = units(graph)
         self.types = value_types(graph)
         self.last_chunk = len(spec.chunks) - 1
-        self.chunk_params = [chunk_param_names(graph, spec, chunk=c) for c in range(len(spec.chunks))]
+        split = any(a.kind == K.BACKWARD_WEIGHT for a in self.actions)
+        self.weight_grads = enable_deferred_weight_grads(ctx) if split else None
 
     # ---- one step --------------------------------------------------------------------------
     def step(self, params, inputs: dict[str, Tensor]) -> Tensor:
@@ -79,7 +84,7 @@ class PipelineRunner:
                     total = total + loss.detach().double()
             elif kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
                 micro = state[key]
-                self._backward(kind, micro, self._leaves(params, action.chunk))
+                self._backward(kind, micro)
                 if kind != K.BACKWARD_WEIGHT and self._local_prev(action.chunk):
                     state[(action.microbatch, action.chunk - 1)].grads_in = micro.grads_out
                     micro.grads_out, micro.sent = [], True
@@ -169,12 +174,12 @@ class PipelineRunner:
         if micro.done and (micro.sent or self.schedule.prev_chunk(key[1]) is None):
             del state[key]
 
-    def _leaves(self, params, chunk: int) -> list[Tensor]:
-        """The chunk's parameter leaves (ZeRO-3's view: the owned chunks are the leaves)."""
-        leaves = params if isinstance(params, dict) else params.sharded.chunks
-        return [leaves[name] for name in sorted(self.chunk_params[chunk])]
-
-    def _backward(self, kind: ActionKind, micro: _Micro, weights: list[Tensor]) -> None:
+    def _backward(self, kind: ActionKind, micro: _Micro) -> None:
+        if kind == K.BACKWARD_WEIGHT:  # the weight-gradient matmuls I kept
+            for deferred in micro.deferred:
+                deferred.run()
+            micro.deferred = []
+            return
         outputs, grads = micro.outputs, micro.grads_in
         pairs = [(o, g) for o, g in zip(outputs, grads or [None] * len(outputs)) if o.requires_grad]
         if not pairs:
@@ -183,13 +188,11 @@ class PipelineRunner:
         outs, gs = [o for o, _ in pairs], [g for _, g in pairs] if grads is not None else None
         leaves = [t for t in micro.received]
         if kind == K.BACKWARD_INPUT:
-            found = torch.autograd.grad(outs, leaves, gs, retain_graph=True, allow_unused=True) if leaves else ()
-            micro.grads_out = [g if g is not None else torch.zeros_like(t) for g, t in zip(found, leaves)]
-            return
-        if kind == K.BACKWARD_WEIGHT:
-            torch.autograd.backward(outs, gs, inputs=weights)
-            return
-        torch.autograd.backward(outs, gs)
+            with self.weight_grads.defer():
+                torch.autograd.backward(outs, gs)
+            micro.deferred = self.weight_grads.take()
+        else:
+            torch.autograd.backward(outs, gs)
         micro.grads_out = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
     # ---- point to point ------------------------------------------------------------------------

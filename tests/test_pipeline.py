@@ -192,3 +192,36 @@ def test_zero3_under_a_pipeline_gathers_once_per_step(worker_pool) -> None:
     gathers = [c for c in plan.collectives if c.kind == CollectiveKind.ALL_GATHER and c.tensor == "wte"]
     assert [(c.phase, c.count) for c in gathers] == [(Phase.FORWARD, 1)]
     check(graph, worker_pool, "2x2x1x1x1", zero=3, microbatches=2, schedule="zb-h1")
+
+
+# ---- zero-bubble's split backward ---------------------------------------------------------------
+def test_the_input_pass_keeps_linear_weight_gradients_for_the_weight_pass() -> None:
+    """I computes dX (and every non-linear gradient) and keeps the dW matmuls; W does only
+    those. Together they equal one ordinary backward."""
+    import torch
+
+    from fivedc.runtime.weight_grads import DeferrableLinear, WeightGradStore
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    w1 = torch.randn(4, 2, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    w2 = torch.randn(2, 6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    scale = torch.randn(4, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def loss(linear):
+        return (linear(torch.tanh(linear(x, w1, 1)), w2, 2) * scale).sin().sum()
+
+    loss(lambda a, b, k: torch.tensordot(a, b, dims=k)).backward()
+    want = {n: t.grad.clone() for n, t in (("x", x), ("w1", w1), ("w2", w2), ("scale", scale))}
+    for t in (x, w1, w2, scale):
+        t.grad = None
+    store = WeightGradStore()
+    out = loss(lambda a, b, k: DeferrableLinear.apply(a, b, k, store))
+    with store.defer():
+        out.backward()
+    deferred = store.take()
+    assert len(deferred) == 2 and w1.grad is None and w2.grad is None  # waiting for W
+    assert torch.allclose(x.grad, want["x"], atol=1e-12) and torch.allclose(scale.grad, want["scale"], atol=1e-12)
+    for item in deferred:
+        item.run()
+    assert torch.allclose(w1.grad, want["w1"], atol=1e-12) and torch.allclose(w2.grad, want["w2"], atol=1e-12)
