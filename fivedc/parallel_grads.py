@@ -31,7 +31,7 @@ from fivedc.plan import ExecutionPlan
 from fivedc.runtime.buckets import GradBuckets, expand_buckets
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import qualified_params
-from fivedc.runtime.zero import FlatShard
+from fivedc.runtime.flat_shard import FlatShard
 
 
 class GradSync:

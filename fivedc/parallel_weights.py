@@ -8,12 +8,13 @@ Every mode registers one `nn.Parameter` per IR parameter instance this rank hold
   shards, and the forward reads them. `GradSync` sums their gradients over their
   `grad_partial` axes during backward.
 - `FlatChunks` (ZeRO-1 and 2, and ZeRO-3 under a pipeline): the parameters are
-  the owned chunks of the flattened local shards (`runtime/zero.FlatShard`, padded
+  the owned chunks of the flattened local shards (`runtime/flat_shard.FlatShard`, padded
   so every rank holds the same bytes). Each forward all-gathers them into full
-  local tensors, new leaves that autograd accumulates into, and a `GradSync` over
-  those sums the gradients into the chunks' `.grad`: the full sum's owned slice
-  (ZeRO-1, an all-reduce) or a reduce-scatter (ZeRO-2, 3). The optimizer updates
-  only the chunks; the next forward gathers them again.
+  local tensors (`runtime/flat_shard.gather_flat`: one collective per gradient
+  bucket of the plan, not one per parameter), new leaves that autograd accumulates into, and
+  a `GradSync` over those sums the gradients into the chunks' `.grad`: the full
+  sum's owned slice (ZeRO-1, an all-reduce) or a reduce-scatter (ZeRO-2, 3). The
+  optimizer updates only the chunks; the next forward gathers them again.
 - `GatheredOnUse` (ZeRO-3): the parameters are the owned chunks; every use
   gathers a fresh tensor (`runtime/zero.ShardedParams`) that backward gathers
   again instead of keeping; the gradient's chunk arrives through autograd, the
@@ -25,14 +26,19 @@ whole local shards in every mode.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator, Mapping
+
 import torch
 from torch import Tensor, nn
 
 from fivedc.parallel_grads import GradSync
 from fivedc.plan import ExecutionPlan
+from fivedc.runtime.buckets import expand_buckets
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import qualified_params
-from fivedc.runtime.zero import FlatShard, ShardedParams, flat_shard, gathered_params_scope
+from fivedc.runtime.flat_shard import FlatShard, flat_shard, gather_flat
+from fivedc.runtime.zero import ShardedParams, gathered_params_scope
 
 
 class WholeShards:
@@ -107,19 +113,56 @@ class FlatChunks(_Chunked):
                  ctx: KernelContext) -> None:
         super().__init__(stage, local, frozen, plan, ctx)
         self.sync: GradSync | None = None  # the last forward's
+        self.gathered: dict[str, Tensor] = {}  # the last forward's whole tensors
+        self.buckets = expand_buckets(plan.buckets)  # gathered by the plan's buckets, as it lists them
 
     def view(self) -> dict[str, Tensor]:
-        work = {n: self.specs[n].gather(self.params[n].detach()).view(self.shapes[n]).requires_grad_(True)
-                for n in self.specs}
-        self.sync = GradSync(work, self.plan, self.ctx, stage=self.stage, specs=self.specs,
-                             owners={n: self.params[n] for n in work})
-        return {**self.params, **work}
+        """Every chunked parameter gathered whole (`gather_flat`: one all-gather per plan
+        bucket, not one per parameter), as a fresh leaf for this forward.
+
+        The gathered tensors live until the next forward (held here) or while an
+        autograd graph of theirs does. Their `GradSync` sees them through weak
+        references: its hooks on them keep it alive, so strong ones would make a
+        cycle, and every forward's whole parameters would wait for Python's cycle
+        collector (5 extra copies after 6 steps, benchmarks/parallelize_zero.py)."""
+        self.gathered = {}  # the previous forward's, unless a graph still holds them: freed before the gather
+        full = gather_flat({n: self.params[n].detach() for n in self.specs}, self.specs,
+                           buckets=self.buckets, bucket_bytes=self.plan.bucket_bytes)
+        self.gathered = {n: full[n].view(self.shapes[n]).requires_grad_(True) for n in self.specs}
+        self.sync = GradSync(_WeakParams(self.gathered), self.plan, self.ctx, stage=self.stage, specs=self.specs,
+                             owners={n: self.params[n] for n in self.gathered})
+        return {**self.params, **self.gathered}
 
     def scope(self):
         return gathered_params_scope(0)
 
     def forward_done(self, view) -> None:
         pass
+
+
+class _WeakParams(Mapping[str, Tensor]):
+    """A forward's gathered tensors, weakly. One already freed was used by no graph still
+    alive, so its gradient in any backward is zero: it reads as a fresh zero leaf."""
+
+    def __init__(self, tensors: dict[str, Tensor]) -> None:
+        self.refs = {n: weakref.ref(t) for n, t in tensors.items()}
+        self.meta = {n: (t.shape, t.dtype, t.device) for n, t in tensors.items()}
+
+    def __getitem__(self, name: str) -> Tensor:
+        t = self.refs[name]()
+        if t is None:
+            shape, dtype, device = self.meta[name]
+            return torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.refs)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def alive(self) -> list[Tensor]:
+        return [t for ref in self.refs.values() if (t := ref()) is not None]
 
 
 class GatheredOnUse(_Chunked):

@@ -4,8 +4,8 @@ A parameter whose gradient is partial over some axes (`Param.grad_partial`) need
 its gradient summed over them. Per ZeRO stage (`runtime/zero.py` runs exactly this):
 
     stage  gradient sum                       parameter gathers
-    0, 1   all-reduce per bucket (grad_sync)  1: all-gather after the step (optimizer)
-    2      reduce-scatter per bucket          all-gather after the step (optimizer)
+    0, 1   all-reduce per bucket (grad_sync)  1: all-gather per bucket after the step (optimizer)
+    2      reduce-scatter per bucket          all-gather per bucket after the step (optimizer)
     3      reduce-scatter per use (backward)  all-gather before each use, forward and backward
 
 Each collective says what compute it overlaps with (`Collective.overlaps`).
@@ -54,6 +54,8 @@ def zero_notes(graph: Graph, mesh: Mesh, zero: int) -> tuple[str, ...]:
 def param_sync_collectives(graph: Graph, mesh: Mesh, *, dtype_bytes: int, zero: int, overlap: bool,
                            buckets: tuple[Bucket, ...]) -> list[Collective]:
     out = [_bucket_collective(b, mesh, zero, overlap) for b in buckets]
+    if zero in (1, 2):  # the gathers after the step go by the same buckets (runtime/flat_shard.gather_flat)
+        return out + [_bucket_gather(b, mesh, zero) for b in buckets]
     uses = _param_uses(graph)
     for param, repeat in walk_params(graph.body):
         if mesh.size(*param.grad_partial) > 1 and zero:
@@ -78,6 +80,13 @@ def _bucket_collective(bucket: Bucket, mesh: Mesh, zero: int, overlap: bool) -> 
                       bucket.bytes, why, count=bucket.count, overlaps=overlaps)
 
 
+def _bucket_gather(bucket: Bucket, mesh: Mesh, zero: int) -> Collective:
+    n = mesh.size(*bucket.axes)
+    return Collective(K.ALL_GATHER, bucket.axes, Phase.OPTIMIZER, f"bucket {bucket.index}: {', '.join(bucket.params)}",
+                      bucket.bytes, f"ZeRO-{zero}: each rank updated its 1/{n} chunk of these parameters; gather them",
+                      count=bucket.count, overlaps="nothing (after the optimizer step)")
+
+
 def _param_uses(graph: Graph) -> dict[str, int]:
     """How many ops read each parameter name (per layer for a repeat body's own)."""
     uses: dict[str, int] = {}
@@ -91,7 +100,7 @@ def _param_uses(graph: Graph) -> dict[str, int]:
 
 def _zero_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, overlap: bool,
                       uses: int) -> list[Collective]:
-    """ZeRO's per-parameter collectives: the gathers, and stage 3's gradient reduce-scatter."""
+    """ZeRO-3's per-parameter collectives: the gathers and the gradient's reduce-scatter."""
     axes, layers = param.grad_partial, (repeat.count if repeat else 1)
     n = mesh.size(*axes)
     nbytes = sync_bytes(graph, mesh, param, dtype_bytes, zero)
@@ -100,9 +109,6 @@ def _zero_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, o
     def make(kind: K, phase: Phase, reason: str, count: int, overlaps: str = "") -> Collective:
         return Collective(kind, axes, phase, name, nbytes, reason, count=count, loc=param.loc, overlaps=overlaps)
 
-    if zero in (1, 2):
-        return [make(K.ALL_GATHER, Phase.OPTIMIZER,
-                     f"ZeRO-{zero}: each rank updated its 1/{n} chunk of {param.name}; gather the parameter", layers)]
     group = "*".join(axes)
     summed = f"{param.name} is replicated over {group} while its ops split the work over {group}: sum its gradient"
     if mesh.size(MeshAxis.PP) > 1:  # runtime/zero.py keep_gathered: once per step, across the microbatches

@@ -4,18 +4,20 @@ A parameter's ZeRO group is its `grad_partial` axes: the ranks that hold the sam
 replica of it and sum its gradient (dp and ep for dense weights, dp for experts,
 and cp and, under SP, tp where those apply). Its local tensor is flattened and cut
 into `n` equal chunks (the last one padded), chunk `i` owned by the rank with
-group rank `i`. Per stage, on each rank:
+group rank `i` (`runtime/flat_shard.py`). Per stage, on each rank:
 
 - ZeRO-1: full gradient all-reduced; AdamW moments only for the owned chunk; the
-  owned chunk of the parameter updated in place, then the chunks all-gathered.
+  owned chunk of every parameter updated in place, then all parameters all-gathered,
+  one collective per gradient bucket of the plan (`gather_flat`), not per parameter.
 - ZeRO-2: the gradient reduce-scattered, only the owned chunk kept; then as ZeRO-1.
 - ZeRO-3: only the owned chunk of the parameter is kept at rest (`shards`). Every
   use gathers it (`_Gather`: all-gather forward, reduce-scatter of the gradient
   backward); the gathered tensor is not kept for backward: a saved-tensor hook
   drops it and gathers again when backward needs it (fetch, compute, discard).
-  Under a pipeline (`keep_gathered`) each parameter is gathered once per step and
-  kept across the microbatches, its gradient reduce-scattered after the last: the
-  memory of whole parameters during the step, instead of m times the traffic.
+  Under a pipeline (`keep_gathered`) the parameters are gathered once per step (by
+  `gather_flat`, as for stages 1, 2) and kept across the microbatches, each one's
+  gradient reduce-scattered after the last: the memory of whole parameters during
+  the step, instead of m times the traffic.
 
 AdamW is written out here (torch's formula, decoupled weight decay), because it
 updates slices of parameters in place; in 16-bit training the owned chunk has an
@@ -29,81 +31,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fivedc.runtime.buckets import GradBuckets
-
-@dataclass(frozen=True)
-class FlatShard:
-    """How one parameter's flattened local tensor is cut over its ZeRO group: `n`
-    chunks of `chunk` elements (the tail padded with zeros), chunk `index` owned here.
-    Owned buffers (ZeRO-3 parameters, ZeRO-2 gradients, AdamW moments) are always
-    `chunk` long, so every rank holds the same bytes and collectives need no resizing."""
-
-    numel: int
-    n: int
-    index: int
-    group: object | None  # ProcessGroup; None when n == 1
-
-    @property
-    def chunk(self) -> int:
-        return math.ceil(self.numel / self.n)
-
-    @property
-    def owned_length(self) -> int:
-        """How many real (not padding) elements the owned chunk has."""
-        return max(0, min(self.chunk, self.numel - self.index * self.chunk))
-
-    def owned(self, flat: Tensor) -> Tensor:
-        """The owned elements of a full flat tensor (a view; shorter than `chunk` at the tail)."""
-        start = min(self.index * self.chunk, self.numel)
-        return flat[start:start + self.owned_length]
-
-    def pad(self, owned: Tensor) -> Tensor:
-        out = torch.zeros(self.chunk, dtype=owned.dtype, device=owned.device)
-        out[: owned.numel()] = owned
-        return out
-
-    def gather(self, chunk: Tensor) -> Tensor:
-        """The full flat tensor from every rank's `chunk`-long owned buffer."""
-        return self.gather_async(chunk).wait() if self.n > 1 else chunk
-
-    def gather_async(self, chunk: Tensor) -> _PendingGather:
-        parts = [torch.empty_like(chunk) for _ in range(self.n)]
-        work = dist.all_gather(parts, chunk.contiguous(), group=self.group, async_op=True)
-        return _PendingGather(parts, work, self.numel)
-
-    def reduce_scatter(self, flat: Tensor) -> Tensor:
-        """This rank's `chunk`-long buffer of the sum of `flat` over the group."""
-        if self.n == 1:
-            return flat
-        padded = torch.zeros(self.chunk * self.n, dtype=flat.dtype, device=flat.device)
-        padded[: self.numel] = flat
-        if padded.is_cuda and "nccl" in str(dist.get_backend(self.group)):
-            out = torch.empty(self.chunk, dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter_tensor(out, padded, group=self.group)
-            return out
-        dist.all_reduce(padded, group=self.group)  # gloo: all-reduce, keep the chunk
-        return padded[self.index * self.chunk:(self.index + 1) * self.chunk].clone()
-
-
-@dataclass
-class _PendingGather:
-    parts: list[Tensor]
-    work: object
-    numel: int
-
-    def wait(self) -> Tensor:
-        self.work.wait()
-        whole = torch.cat(self.parts)
-        return whole if whole.numel() == self.numel else whole[: self.numel]
-
-
-def flat_shard(numel: int, group) -> FlatShard:
-    if group is None:
-        return FlatShard(numel, 1, 0, None)
-    return FlatShard(numel, dist.get_world_size(group), dist.get_rank(group), group)
+from fivedc.runtime.flat_shard import FlatShard, PendingGather, flat_shard, gather_flat
 
 
 @dataclass
@@ -135,7 +66,7 @@ class _Gather(torch.autograd.Function):
     already under way); its gradient's chunk back."""
 
     @staticmethod
-    def forward(fctx, chunk: Tensor, spec: FlatShard, shape: torch.Size, pending: _PendingGather | None) -> Tensor:
+    def forward(fctx, chunk: Tensor, spec: FlatShard, shape: torch.Size, pending: PendingGather | None) -> Tensor:
         fctx.spec = spec
         whole = pending.wait() if pending is not None else spec.gather(chunk.detach())
         return whole.view(shape)
@@ -179,13 +110,15 @@ class ZeroOptimizer:
             zeros = lambda: torch.zeros(chunk, dtype=dtype, device=p.device)  # noqa: E731
             self.state[name] = _AdamState(zeros(), zeros(), master)
         in_buckets = [b for b in buckets if all(self.groups.get(n) is not None for n in b)]
+        self.bucket_names = in_buckets  # stages 1, 2 gather the updated parameters by these, as the plan lists
         self.buckets = GradBuckets(self.params, in_buckets, self.specs, groups, stage=stage, overlap=overlap) \
             if stage < 3 else None
 
     def view(self) -> dict[str, Tensor] | _Gathered:
         if self.keep_gathered:  # whole parameters for the step, leaves that accumulate every microbatch
-            self.gathered = {n: self.specs[n].gather(p.detach()).view(self.shapes[n]).clone().requires_grad_(True)
-                             for n, p in self.params.items()}
+            full = gather_flat({n: p.detach() for n, p in self.params.items()}, self.specs)
+            self.gathered = {n: (full[n] if self.specs[n].n > 1 else full[n].clone()).view(self.shapes[n])
+                             .requires_grad_(True) for n in self.params}  # a one-rank group's is the chunk: copy
             return self.gathered
         return self.sharded.view() if self.stage == 3 else self.params
 
@@ -211,6 +144,9 @@ class ZeroOptimizer:
             p.grad = None
 
     def step(self) -> None:
+        """AdamW on every owned part; then (stages 1, 2) every parameter gathered from
+        the updated chunks, a few collectives in all (`gather_flat`)."""
+        owned_chunks: dict[str, Tensor] = {}
         for name, p in self.params.items():
             spec, state = self.specs[name], self.state[name]
             grad = self._owned_grad(name)
@@ -222,24 +158,24 @@ class ZeroOptimizer:
                     master = state.master[: owned.numel()]
                     adamw_(master, grad.float(), state, lr=self.lr, weight_decay=self.weight_decay)
                     owned.copy_(master)
-                if self.stage in (1, 2):  # every rank updated its chunk: gather the parameter
-                    p.view(-1).copy_(spec.gather(spec.pad(owned)))
+                if self.stage in (1, 2) and spec.n > 1:
+                    owned_chunks[name] = owned
+        if owned_chunks:  # every rank updated its chunk: gather the parameters, straight into them
+            flat = {name: self.params[name].detach().view(-1) for name in owned_chunks}
+            gather_flat(owned_chunks, self.specs, out=flat, buckets=self.bucket_names)
         self.grads = {}
 
     # ---- what a rank holds ----------------------------------------------------------------
     def full_grads(self) -> dict[str, Tensor]:
         """Every summed gradient at the parameter's local shape (gathers chunks; for checks)."""
-        out = {}
-        for name, grad in self.grads.items():
-            if self.stage >= 2:
-                grad = self.specs[name].gather(grad)
-            out[name] = grad.reshape(self.shapes[name]).detach().clone()
-        return out
+        grads = gather_flat(self.grads, self.specs) if self.stage >= 2 else self.grads
+        return {name: grad.reshape(self.shapes[name]).detach().clone() for name, grad in grads.items()}
 
     def full_params(self) -> dict[str, Tensor]:
         if self.stage != 3:
             return {n: p.detach().clone() for n, p in self.params.items()}
-        return {n: self.specs[n].gather(p.detach()).view(self.shapes[n]).clone() for n, p in self.params.items()}
+        full = gather_flat({n: p.detach() for n, p in self.params.items()}, self.specs)
+        return {n: full[n].view(self.shapes[n]).clone() for n in self.params}
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, summed gradients and optimizer state."""
@@ -276,7 +212,7 @@ class ShardedParams:
                  *, overlap: bool) -> None:
         self.chunks, self.specs, self.shapes, self.overlap = chunks, specs, shapes, overlap
         self.access_order: tuple[str, ...] = ()  # the last forward's parameter reads
-        self.prefetch: tuple[int, str, _PendingGather] | None = None
+        self.prefetch: tuple[int, str, PendingGather] | None = None
 
     def view(self) -> _Gathered:
         return _Gathered(self)
@@ -306,7 +242,7 @@ class _Gathered:
         self._prefetch_next()
         return full
 
-    def _take_prefetch(self, name: str) -> _PendingGather | None:
+    def _take_prefetch(self, name: str) -> PendingGather | None:
         slot, self.sharded.prefetch = self.sharded.prefetch, None
         if slot is None:
             return None

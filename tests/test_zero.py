@@ -21,7 +21,8 @@ from fivedc.pipeline import compile_graph
 from fivedc.plan import OPTIMIZER_BYTES
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
-from fivedc.runtime.zero import FlatShard, _AdamState, adamw_
+from fivedc.runtime.flat_shard import FlatShard
+from fivedc.runtime.zero import _AdamState, adamw_
 from random_models import Case, draw_case, draw_cp_case
 
 TOL = 1e-10
@@ -172,3 +173,111 @@ def test_buckets_start_during_backward_only_with_overlap(overlap: bool, worker_p
     for started_early, sums in results:
         assert sums == [2 * 3 * 1 + 2 * 3 * 2, 2 * 3 * 1 + 2 * 3 * 2, 2 * 1 + 2 * 2]
         assert started_early == (2 if overlap else 0)
+
+
+# (numel, dtype, group) per parameter: "world" is all 4 ranks, "pair" is {0, 1} or {2, 3}, None no group
+_GATHERED = {"a": (10, torch.float64, "world"), "b": (3, torch.float64, "world"), "c": (1, torch.float64, "world"),
+             "d": (9, torch.float32, "world"), "e": (5, torch.float64, "pair"), "f": (1, torch.float64, "pair"),
+             "g": (4, torch.float64, None)}
+
+
+def _gather_flat_job(info, bucket_bytes: int) -> dict:
+    import torch.distributed as dist
+
+    from fivedc.runtime.flat_shard import flat_shard, gather_flat
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in the same order
+    groups = {"world": dist.new_group([0, 1, 2, 3]), "pair": pairs[info.rank // 2], None: None}
+    specs, chunks, wanted = {}, {}, {}
+    for k, (name, (numel, dtype, group)) in enumerate(_GATHERED.items()):
+        replica = info.rank // 2 if group == "pair" else 0  # the two pairs hold different replicas
+        full = torch.arange(numel, dtype=dtype) + 100 * k + 1000 * replica
+        specs[name] = flat_shard(numel, groups[group])
+        chunks[name] = specs[name].owned(full).clone()  # this rank's real elements only (the tail unpadded)
+        wanted[name] = full
+    calls: list[int] = []
+    original = dist.all_gather
+
+    def counting(*args, **kwargs):
+        calls.append(dist.get_world_size(kwargs["group"]))
+        return original(*args, **kwargs)
+
+    dist.all_gather = counting
+    try:
+        batched = gather_flat(chunks, specs, bucket_bytes=bucket_bytes)
+        out = {name: torch.full((numel,), -1.0, dtype=dtype) for name, (numel, dtype, _) in _GATHERED.items()}
+        into = gather_flat(chunks, specs, out=out, bucket_bytes=bucket_bytes)
+    finally:
+        dist.all_gather = original
+    per_param = {name: specs[name].gather(specs[name].pad(chunks[name])) for name in specs}
+    return {"calls": calls, "batched": batched, "per_param": per_param, "wanted": wanted,
+            "into_out": all(into[n] is out[n] for n in out), "out": out}
+
+
+@pytest.mark.parametrize("bucket_bytes, calls", [
+    (25 * 2**20, [4, 4, 2]),  # one collective per (group, dtype): a-c fp64, d fp32, e-f over the pair
+    (128, [4, 4, 4, 2]),  # a (4 x 3 x 8 B = 96) and b (32) fill a bucket; c starts the next
+    (1, [4, 4, 4, 4, 2, 2]),  # every parameter alone, still in name order
+])
+def test_gather_flat_equals_the_per_parameter_gather(bucket_bytes: int, calls: list[int], worker_pool) -> None:
+    """Parameters of different sizes (some smaller than the group), two dtypes and two
+    groups per rank: one all-gather per group and dtype, the same tensors as one
+    gather per parameter, and every rank issues the same collectives in one order."""
+    for rank, got in enumerate(worker_pool.run(_gather_flat_job, world=4, payload=bucket_bytes)):
+        assert got["calls"] == calls + calls, rank  # gather_flat twice: into new tensors, then into `out`
+        assert got["into_out"], rank
+        for name, want in got["wanted"].items():
+            assert got["batched"][name].dtype == want.dtype and got["batched"][name].shape == want.shape
+            assert torch.equal(got["batched"][name], want), (rank, name)
+            assert torch.equal(got["out"][name], want), (rank, name)
+            assert torch.equal(got["per_param"][name], want), (rank, name)
+
+
+def _gathered_copies_job(info, zero: int) -> dict:
+    """Under `parallelize(zero=1|2)`: how many of each step's gathered tensors are alive
+    after the last step, with the cycle collector off; and the gradients of two forwards
+    summed in one backward against twice those of one forward (the first forward's
+    tensors held only by its graph)."""
+    import gc
+    import weakref
+    from pathlib import Path
+
+    import fivedc
+    from fivedc.frontend_py import import_file
+
+    llama = import_file(Path(__file__).resolve().parent.parent / "examples" / "llama.py")
+    module, inputs = llama.factory(batch=2)
+    model = fivedc.parallelize(module, mesh="2x1x1x1x1", example_inputs=inputs, zero=zero, device=info.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        refs = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(*inputs).backward()
+            opt.step()
+            refs.append([weakref.ref(t) for t in model._fivedc_weights.gathered.values()])
+        alive = [sum(ref() is not None for ref in step) for step in refs]
+        opt.zero_grad(set_to_none=True)
+        first = model(*inputs)
+        (first + model(*inputs)).backward()
+        twice = [p.grad.clone() for p in model.parameters()]
+        opt.zero_grad(set_to_none=True)
+        model(*inputs).backward()
+        once = [p.grad.clone() for p in model.parameters()]
+    finally:
+        if enabled:
+            gc.enable()
+    error = max(float((a - 2 * b).abs().max()) for a, b in zip(twice, once))
+    return {"alive": alive, "gathered": len(refs[0]), "error": error}
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_parallelize_frees_each_forwards_gathered_tensors(zero: int, worker_pool) -> None:
+    """ZeRO-1/2 under `fivedc.parallelize` hold one forward's whole parameters, not one
+    per forward until Python's cycle collector runs."""
+    for got in worker_pool.run(_gathered_copies_job, world=2, payload=zero):
+        assert got["gathered"] > 0
+        assert got["alive"] == [0, 0, got["gathered"]], got
+        assert got["error"] <= 1e-12, got
