@@ -47,8 +47,8 @@ def build():
 
 def stage_job(info, payload) -> dict | None:
     import fivedc
-    from fivedc.parallel_grads import GradSync
-    from fivedc.parallel_weights import FlatChunks
+    from fivedc.parallel.grads import GradSync
+    from fivedc.parallel.weights import FlatChunks
 
     stage, steps = payload
     torch.manual_seed(0)

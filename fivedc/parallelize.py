@@ -22,9 +22,9 @@ or on the class, whose constructor then returns the parallel module::
 The module is traced (`fivedc.frontend_fx.trace_module`) on example inputs
 (`example_inputs=`: a tuple or dict of tensors, or a callable taking the built
 module; else the module's own `example_inputs()` method), its shardings are
-pinned by module-path pattern (`fivedc/parallel_pins.py`), the graph is compiled
+pinned by module-path pattern (`fivedc/parallel/pins.py`), the graph is compiled
 by the same pipeline as a DSL model, and every rank keeps only its shards
-(`fivedc/parallel_module.py`). The plan's dtype is the module's parameter dtype.
+(`fivedc/parallel/module.py`). The plan's dtype is the module's parameter dtype.
 Shapes are static: the plan is for the example inputs' shapes (and non-tensor
 arguments keep their example values; a call with others is an error). The result:
 `model.fivedc_plan` (an `ExecutionPlan`: `.save()`, `fivedc diff`);
@@ -49,7 +49,7 @@ from torch import nn
 from fivedc.errors import FivedcError, MeshError, NotSupportedError
 from fivedc.frontend_fx import TracedModel, trace_module
 from fivedc.mesh import Mesh
-from fivedc.parallel_pins import pin_shardings
+from fivedc.parallel.pins import pin_shardings
 from fivedc.passes.base import DEFAULT_BUCKET_MB, CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan import ExecutionPlan
@@ -149,7 +149,7 @@ def _apply(target, options: ParallelizeOptions):
 
 
 def _build(module: nn.Module, options: ParallelizeOptions):
-    from fivedc.parallel_module import ParallelModule
+    from fivedc.parallel.module import ParallelModule
 
     example = _example_inputs(module, options.example_inputs)
     _check_world(options.mesh)

@@ -60,9 +60,9 @@ def run_verify(args) -> int:
 
 def _verify_module(args, mesh, tol: float) -> int:
     """`file.py:factory`: the parallelized module against the plain one, both trained
-    with torch's AdamW (fivedc/parallel_check.py)."""
+    with torch's AdamW (fivedc/parallel/check.py)."""
     from fivedc.cli import compile_options
-    from fivedc.parallel_check import check_module
+    from fivedc.parallel.check import check_module
 
     plan = compile_options(args, mesh, dtype=args.dtype)  # the same options a compile of the module takes
     options = dict(sequence_parallel=plan.sequence_parallel, cp_attention=plan.cp_attention,

@@ -3,7 +3,7 @@
 `FlatShard` says how one parameter's flattened local tensor is cut into `n` equal
 chunks (the last padded) over the ranks of its group, and gathers or
 reduce-scatters one parameter; `gather_flat` gathers many at once, one collective
-per group and bucket (`runtime/zero.py` and `fivedc/parallel_weights.py` use it).
+per group and bucket (`runtime/zero.py` and `fivedc/parallel/weights.py` use it).
 """
 
 from __future__ import annotations

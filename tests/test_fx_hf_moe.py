@@ -25,7 +25,7 @@ from fivedc.errors import NotSupportedError
 from fivedc.frontend_fx import trace_module
 from fivedc.ir import Repeat
 from fivedc.mesh import Mesh
-from fivedc.parallel_check import check_module
+from fivedc.parallel.check import check_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from test_frontend_fx import assert_same_as_module, line_of

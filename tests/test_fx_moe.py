@@ -162,7 +162,7 @@ def test_a_marked_block_that_is_not_the_ir_moe_is_an_error_naming_it() -> None:
 @pytest.mark.parametrize("mesh", ["1x1x1x1x2", "1x1x2x1x2"])
 def test_parallelized_mixtral_trains_like_the_plain_module_at_ep2(mesh: str, worker_pool) -> None:
     """`fivedc.parallelize` with experts spread over ep, trained with torch's AdamW."""
-    from fivedc.parallel_check import check_module
+    from fivedc.parallel.check import check_module
 
     report = check_module("examples/mixtral.py:factory", mesh=mesh, pool=worker_pool)
     assert report.max_error <= 1e-10, report

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fivedc.errors import NotSupportedError
 from fivedc.frontend_fx import trace_module
 from fivedc.ir import Repeat
-from fivedc.parallel_check import check_module
+from fivedc.parallel.check import check_module
 from test_frontend_fx import assert_same_as_module, line_of, llama, nanogpt
 
 HERE = str(Path(__file__).resolve())

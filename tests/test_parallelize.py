@@ -29,8 +29,8 @@ from fivedc.frontend_dsl import load_model
 from fivedc.frontend_py import graph_from_spec, is_spec, load_factory
 from fivedc.ir import Repeat
 from fivedc.mesh import Mesh, MeshAxis
-from fivedc.parallel_check import check_module, compare, train_module
-from fivedc.parallel_module import ParallelModule
+from fivedc.parallel.check import check_module, compare, train_module
+from fivedc.parallel.module import ParallelModule
 from fivedc.parallelize import compile_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
@@ -115,8 +115,8 @@ def test_the_check_sees_a_gradient_that_is_not_summed(worker_pool) -> None:
 
 
 def unsynced_job(info, payload):
-    from fivedc import parallel_grads
-    from fivedc.parallel_check import rank_job
+    from fivedc.parallel import grads as parallel_grads
+    from fivedc.parallel.check import rank_job
 
     original = parallel_grads.GradSync.__init__
     parallel_grads.GradSync.__init__ = lambda self, *args: None  # no hooks: gradients stay per-rank summands

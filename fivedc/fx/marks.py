@@ -3,7 +3,7 @@
 A module is marked when it has the attribute `fivedc_stage_boundary = True` (on its
 class or on the instance), or when its path matches a pattern of
 `trace_module(..., stage_boundaries=("layers.4", "ln_f"))` (dot-separated, `*`
-matching one path element, as the sharding pins of `fivedc/parallel_pins.py`). A
+matching one path element, as the sharding pins of `fivedc/parallel/pins.py`). A
 chunk then begins at the module:
 - a layer of a uniform `nn.ModuleList` that became a `Repeat` (`layers.4`; the list
   itself means its first layer): its index goes in `Repeat.stage_layers`;

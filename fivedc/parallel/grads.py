@@ -8,7 +8,7 @@ them in a callback queued on the autograd engine, which runs before `backward()`
 returns. So `.grad` holds the full gradient of each shard when the user's
 `opt.step()` runs, and any `torch.optim` optimizer works unchanged.
 
-Under ZeRO-1/2 (`fivedc/parallel_weights.FlatChunks`) the tensors the forward read
+Under ZeRO-1/2 (`fivedc/parallel/weights.FlatChunks`) the tensors the forward read
 are gathered copies and the parameters are their owned chunks (`owners`): the sum
 goes to the chunk's `.grad`, the owned slice of an all-reduced sum (stage 1) or a
 bucket's reduce-scatter (stages 2, 3), adding to what it held.

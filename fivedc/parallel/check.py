@@ -50,7 +50,7 @@ class ModuleCheck:
 
 def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: float = 1e-2,
                  weight_decay: float = 0.1) -> ModuleRun:
-    from fivedc.parallel_module import ParallelModule
+    from fivedc.parallel.module import ParallelModule
 
     parallel = isinstance(model, ParallelModule)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)

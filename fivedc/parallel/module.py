@@ -8,12 +8,12 @@ the same batch); it cuts this rank's shard (batch over dp, sequence over cp in t
 plan's layout), runs the plan's `Program`, and returns the full loss: the local
 summand all-reduced over the loss's pending axes, with an identity backward, so
 `loss.backward()` seeds each rank's own summand. Gradients are summed over their
-`grad_partial` axes before `backward()` returns (`fivedc/parallel_grads.py`), so
+`grad_partial` axes before `backward()` returns (`fivedc/parallel/grads.py`), so
 a plain `torch.optim` optimizer over `parameters()` trains it. Under ZeRO the
 parameters are the owned chunks of the flattened shards instead, and the forward
-gathers them (`fivedc/parallel_weights.py`); under a pipeline a rank holds only
+gathers them (`fivedc/parallel/weights.py`); under a pipeline a rank holds only
 its chunks' parameters, and the forward runs the whole schedule
-(`fivedc/parallel_pipeline.py`).
+(`fivedc/parallel/pipeline.py`).
 `full_state_dict()` gathers the parameters back into the original module's keys
 (with its persistent buffers) and `load_state_dict` takes either form.
 """
@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from fivedc.errors import FivedcError
 from fivedc.frontend_fx import TracedModel
 from fivedc.ir import Param
-from fivedc.parallel_grads import GradSync
-from fivedc.parallel_pipeline import PipelineLoss
-from fivedc.parallel_weights import make_weights
+from fivedc.parallel.grads import GradSync
+from fivedc.parallel.pipeline import PipelineLoss
+from fivedc.parallel.weights import make_weights
 from fivedc.plan import ExecutionPlan
 from fivedc.runtime.collectives import Step, apply_steps, redistribute
 from fivedc.runtime.kernels import KernelContext

@@ -1,4 +1,4 @@
-"""Where a parallelized module keeps its weights, per ZeRO stage (used by `fivedc/parallel_module.py`).
+"""Where a parallelized module keeps its weights, per ZeRO stage (used by `fivedc/parallel/module.py`).
 
 Every mode registers one `nn.Parameter` per IR parameter instance this rank holds
 (`params`, under the IR's qualified names); they are what a torch optimizer over
@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from fivedc.parallel_grads import GradSync
+from fivedc.parallel.grads import GradSync
 from fivedc.plan import ExecutionPlan
 from fivedc.runtime.buckets import expand_buckets
 from fivedc.runtime.kernels import KernelContext
