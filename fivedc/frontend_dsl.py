@@ -1,7 +1,7 @@
 """The DSL frontend: model text (`examples/*.5d`) to a `fivedc.ir.Graph`.
 
 `parse_model` parses with one cached LALR parser built from `grammars/fivedc.lark`
-and hands the tree to `fivedc.dsl_lower`, which checks names, dims and op calls and
+and hands the tree to `fivedc.dsl.lower`, which checks names, dims and op calls and
 builds the IR. A syntax error becomes a `DslError` at the offending character with
 the expected tokens in plain words; no lark exception, and no other exception type,
 ever leaves `parse_model`, whatever the text.
@@ -16,7 +16,7 @@ from pathlib import Path
 import lark
 from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
-from fivedc.dsl_lower import Source, lower
+from fivedc.dsl.lower import Source, lower
 from fivedc.errors import DslError
 from fivedc.ir import Graph
 

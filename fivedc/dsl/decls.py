@@ -1,6 +1,6 @@
 """Declarations in the DSL: the `dims` block, inputs and params (shapes and inits).
 
-`Declarations` is a base of the lowering in `fivedc/dsl_lower.py`, as `Values` is:
+`Declarations` is a base of the lowering in `fivedc/dsl/lower.py`, as `Values` is:
 it evaluates and checks what a model declares before its ops use it (dims at least
 1, one batch dim shared by every input, a param or input declared once, a known
 init), each mistake a `DslError` at its token. It needs from the lowering
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from lark import Token, Tree
 
-from fivedc.dsl_values import Values, close, show
+from fivedc.dsl.values import Values, close, show
 from fivedc.ir import DType, Input, Param, TensorType
 
 if TYPE_CHECKING:
-    from fivedc.dsl_lower import _Scope
+    from fivedc.dsl.lower import _Scope
 
 DTYPES = {"int": DType.INT, "float": DType.FLOAT}
 INITS = ("normal", "ones", "zeros")

@@ -1,7 +1,7 @@
 """Lowering of a parsed model (the lark tree of `grammars/fivedc.lark`) to `fivedc.ir.Graph`.
 
 One walk, top to bottom: evaluate dims, declare inputs and params
-(`fivedc/dsl_decls.py`), check every call against `fivedc.ops.OP_SPECS`, give every
+(`fivedc/dsl/decls.py`), check every call against `fivedc.ops.OP_SPECS`, give every
 op result an SSA name unique in the graph (`x`, `x.1`, ... for assignments,
 `linear#3` for nested calls) and turn each `repeat` into a `Repeat` whose
 loop-carried values are the outer names its body reassigns. Pipeline marks:
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 
 from lark import Token, Tree
 
-from fivedc.dsl_decls import Declarations
-from fivedc.dsl_values import MAX_DEPTH, close as _close, show as _show
+from fivedc.dsl.decls import Declarations
+from fivedc.dsl.values import MAX_DEPTH, close as _close, show as _show
 from fivedc.errors import DslError, SourceLoc
 from fivedc.ir import Annotation, Block, DType, Graph, Input, Node, Op, Param, Repeat, Scalar
 from fivedc.ops import OP_SPECS, OpSpec

@@ -1,6 +1,6 @@
 """Values in the DSL: literals (numbers, strings, true/false) and integer dim expressions.
 
-`Values` is the base of the lowering in `fivedc/dsl_lower.py`: it evaluates what the
+`Values` is the base of the lowering in `fivedc/dsl/lower.py`: it evaluates what the
 grammar leaves as text, with every mistake a `DslError` at its token (a number out
 of range, a float where a dim needs an integer, a division that is not exact). It
 needs `self.src` (a `Source`) and `self.dim_value(name)` from the lowering.
