@@ -20,6 +20,7 @@ COMMANDS = {
     "compile": "compile a model for a mesh: write the plan and print a readable summary",
     "show": "draw a plan's pipeline schedule as a picture (.png or .svg)",
     "verify": "train a few steps with the plan on local processes and compare with one device",
+    "run": "execute a plan (or compile a model and execute it): loss, step time and memory per rank",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
 }
 
@@ -98,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
     v.add_argument("--dtype", default="fp64", help="fp64 (default) or fp32")
     v.add_argument("--tol", type=float, default=None, help="largest relative error allowed (fp64: 1e-10)")
+    r = sub.add_parser("run", help=COMMANDS["run"], description=COMMANDS["run"])
+    r.add_argument("model", help="a plan .json written by fivedc compile, a .5d model, or path/to/file.py:factory")
+    _mesh_args(r, required=False)
+    r.add_argument("--steps", type=int, default=10, help="AdamW steps (default 10)")
+    r.add_argument("--dtype", default=None, help="fp32 (default), bf16 or fp64, for a model compiled here")
+    r.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    r.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the parameters and the synthetic batch")
     v.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("show", help=COMMANDS["show"], description=COMMANDS["show"])
     s.add_argument("plan", help="a plan .json written by fivedc compile")
@@ -142,6 +151,15 @@ def _compile(model: str, mesh_text: str, args, *, dtype: str):
     return compile_graph(load_graph(model, args.stage_boundary), compile_options(args, mesh, dtype=dtype))
 
 
+def load_plan_or_compile(model: str, args, *, dtype: str):
+    """A saved plan (.json), or the model compiled with the command line's mesh and options."""
+    from fivedc.plan import ExecutionPlan
+
+    if model.endswith(".json"):
+        return ExecutionPlan.load(model)
+    return _compile(model, args.mesh, args, dtype=dtype)
+
+
 def _console():
     """Rich console at least 140 columns wide: the collective table needs it, piped or not."""
     import shutil
@@ -171,6 +189,12 @@ def cmd_verify(args) -> int:
     from fivedc.verify_cli import run_verify
 
     return run_verify(args)
+
+
+def cmd_run(args) -> int:
+    from fivedc.run_cli import run_run
+
+    return run_run(args)
 
 
 def cmd_show(args) -> int:
@@ -217,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"compile": cmd_compile, "verify": cmd_verify, "show": cmd_show, "diff": cmd_diff}[args.command]
+    handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "show": cmd_show,
+               "diff": cmd_diff}[args.command]
     try:
         return handler(args)
     except FivedcError as error:

@@ -10,6 +10,7 @@ reported is the full loss: the local value summed over its pending axes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ class TrainSettings:
     weight_decay: float = 0.1
     seed: int = 0
     dtype: str = "fp64"
+    keep_grads: bool = True  # record every step's gradients (the equivalence checks read them)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -49,6 +51,7 @@ class TrainRecord:
     params: dict[str, Tensor] = field(default_factory=dict)  # after the last step
     held: dict[str, int] = field(default_factory=dict)  # bytes held at rest after the last backward
     expert_load: list[dict[str, ExpertLoad]] = field(default_factory=list)  # per step, MoE layer: this rank's tokens
+    seconds: list[float] = field(default_factory=list)  # per step: forward, backward, sync and update
 
 
 def loss_partial_axes(graph: Graph) -> tuple:
@@ -85,6 +88,7 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
     register_params(ctx, optimizer.params)  # MoE layers name their per-layer state by their router
     record = TrainRecord()
     for _ in range(settings.steps):
+        start = time.perf_counter()
         with gathered_params_scope(0 if optimizer.keep_gathered else zero):
             view = optimizer.view()
             if runner is not None:
@@ -100,8 +104,12 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
             dist.all_reduce(full_loss, group=ctx.group(loss_axes))
         record.losses.append(full_loss.item())
         record.held = optimizer.held_bytes()
-        record.grads.append(optimizer.full_grads())
+        if settings.keep_grads:  # for the checks: every step's summed gradients, gathered
+            record.grads.append(optimizer.full_grads())
         optimizer.step()
         record.expert_load.append(end_step(ctx))  # tokens per expert; the MoE bias update
+        if full_loss.is_cuda:
+            torch.cuda.synchronize(full_loss.device)
+        record.seconds.append(time.perf_counter() - start)
     record.params = optimizer.full_params()
     return record

@@ -124,3 +124,30 @@ def test_compile_and_verify_a_python_module_factory(tmp_path, capsys) -> None:
     assert "is a DSL model" in capsys.readouterr().err
     assert main(["compile", "examples/missing.py:factory", "--mesh", "2x1x1x1x1", "-o", str(out)]) == 2
     assert "examples/missing.py does not exist" in capsys.readouterr().err
+
+
+def test_run_executes_a_saved_plan_and_a_model(tmp_path, capsys) -> None:
+    """`fivedc run`: the plan's program trains (the loss falls), every step is timed, and
+    what a rank holds is the plan's estimate; a saved plan keeps its mesh and options."""
+    saved = tmp_path / "gpt.plan.json"
+    assert main(["compile", "examples/gpt.5d", "--mesh", "2x2x1x1x1", "--zero", "1", "--dtype", "fp32", "-q",
+                 "-o", str(saved)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(saved), "--steps", "3", "--lr", "1e-2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    losses = [float(row[1]) for row in rows]
+    assert len(losses) == 3 and losses[2] < losses[1] < losses[0]
+    plan = ExecutionPlan.load(saved)
+    from fivedc.summary import format_bytes
+
+    for kind in ("params", "grads", "optimizer"):
+        held = next(line for line in out.splitlines() if line.strip().startswith(kind))
+        assert held.split(None, 1)[1].count(format_bytes(getattr(plan.memory, kind))) == 2, held
+    assert main(["run", "examples/tiny_llama.5d", "--mesh", "1x1x2x1x1", "--sp", "--steps", "2"]) == 0
+    assert "on mesh 1x1x2x1x1 (2 processes, 2 steps, fp32" in capsys.readouterr().out
+    assert main(["run", str(saved), "--zero", "2", "--mesh", "4x1x1x1x1"]) == 2
+    err = capsys.readouterr().err
+    assert "--mesh, --zero would change them" in err and "Traceback" not in err
+    assert main(["run", "examples/gpt.5d"]) == 2
+    assert "needs a mesh" in capsys.readouterr().err

@@ -1,0 +1,96 @@
+"""`fivedc run`: execute a plan (a saved one, or a model compiled on the spot).
+
+`fivedc run PLAN.json` runs the plan as written; `fivedc run model.5d --mesh ...`
+compiles first (the same options as `compile`). Started plainly it spawns the
+mesh's world of local processes (gloo on CPU, NCCL with CUDA); under torchrun it
+is one rank of that job. It trains `--steps` AdamW steps on a seeded synthetic
+batch (`runtime/run.py`) and prints each step's loss and time (the slowest
+rank's), then the bytes the busiest rank held against the plan's estimate.
+"""
+
+from __future__ import annotations
+
+import os
+
+from fivedc.errors import FivedcError
+
+RUNNABLE_DTYPES = ("fp64", "fp32", "bf16")
+
+
+def run_run(args) -> int:
+    from fivedc.cli import load_plan_or_compile
+    from fivedc.runtime.train import TrainSettings
+
+    if args.steps < 1:
+        raise FivedcError(f"--steps {args.steps} must be at least 1")
+    if args.model.endswith(".json"):
+        given = _plan_flags_given(args)
+        if given:
+            raise FivedcError(f"{args.model} is a compiled plan: its mesh and options are fixed, and "
+                              f"{', '.join(given)} would change them",
+                              hint="drop them, or run the model file (.5d or file.py:factory) with the new options")
+    elif args.mesh is None:
+        raise FivedcError(f"running {args.model} needs a mesh", hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
+    plan = load_plan_or_compile(args.model, args, dtype=args.dtype or "fp32")
+    if plan.dtype not in RUNNABLE_DTYPES:
+        raise FivedcError(f"the plan trains in {plan.dtype}; run trains in {', '.join(RUNNABLE_DTYPES)}",
+                          hint="compile with --dtype fp32 (or bf16)")
+    settings = TrainSettings(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                             dtype=plan.dtype, keep_grads=False)
+    if "WORLD_SIZE" in os.environ:
+        report = _under_launcher(plan, settings)
+        if report is None:
+            return 0
+    else:
+        from fivedc.runtime.run import run_plan
+
+        print(f"running {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {args.steps} steps, "
+              f"{plan.dtype}, a seeded synthetic batch)")
+        report = run_plan(plan, settings)
+    _print_report(plan, report)
+    return 0
+
+
+PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",
+              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype")
+
+
+def _plan_flags_given(args) -> list[str]:
+    """The options that shape a plan given on the command line (not left at their defaults)."""
+    from fivedc.cli import build_parser
+
+    defaults = build_parser().parse_args(["run", args.model])
+    names = {"sp": "--sp/--no-sp", "overlap": "--no-overlap"}
+    return [names.get(k, "--" + k.replace("_", "-")) for k in PLAN_FLAGS if getattr(args, k) != getattr(defaults, k)]
+
+
+def _under_launcher(plan, settings):
+    """One rank of a torchrun job; rank 0 returns the merged report, the others None."""
+    import torch.distributed as dist
+
+    from fivedc.runtime.pool import check_world, init_from_env
+    from fivedc.runtime.run import merge_runs, run_job
+
+    check_world(plan.mesh.world, mesh=plan.mesh)
+    info = init_from_env()
+    try:
+        result = run_job(info, (plan, settings))
+        gathered = [None] * info.world
+        dist.all_gather_object(gathered, result)
+    finally:
+        dist.destroy_process_group()
+    return merge_runs(gathered) if info.rank == 0 else None
+
+
+def _print_report(plan, report) -> None:
+    from fivedc.summary import format_bytes
+
+    print(f"{'step':>4}  {'loss':>12}  {'ms':>9}")
+    for step, (loss, seconds) in enumerate(zip(report.losses, report.seconds), start=1):
+        print(f"{step:>4}  {loss:>12.6f}  {seconds * 1e3:>9.1f}")
+    later = sorted(report.seconds[1:]) or list(report.seconds)
+    print(f"median step after the first: {later[len(later) // 2] * 1e3:.1f} ms (slowest rank)")
+    print("held by the busiest rank after the last backward (plan's estimate):")
+    for kind in ("params", "grads", "optimizer"):
+        got, want = report.most_held(kind), getattr(plan.memory, kind)
+        print(f"  {kind:<10} {format_bytes(got):>10}   ({format_bytes(want)})")
