@@ -8,9 +8,11 @@ repeat body's buckets are planned once and run once per layer (the plan stays th
 size of one layer, whatever the depth). With overlap on, the runtime starts a
 bucket's reduction from the backward hook of its last gradient, in the plan's
 order, while backward computes the layers before it; with overlap off it reduces
-every bucket after backward. ZeRO-3 reduce-scatters each gradient inside backward
-and has no buckets; its overlap is the parameter prefetch (the next use's
-all-gather runs while the current op computes).
+every bucket after backward. ZeRO-3 without a pipeline reduce-scatters each
+gradient inside backward and has no buckets; its overlap is the parameter prefetch
+(the next use's all-gather runs while the current op computes). The ZeRO gathers
+that happen once per step (ZeRO-1/2 after the update, ZeRO-3 under a pipeline
+before the first microbatch) go by the same buckets.
 """
 
 from __future__ import annotations

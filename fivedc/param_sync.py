@@ -7,6 +7,8 @@ its gradient summed over them. Per ZeRO stage (`runtime/zero.py` runs exactly th
     0, 1   all-reduce per bucket (grad_sync)  1: all-gather per bucket after the step (optimizer)
     2      reduce-scatter per bucket          all-gather per bucket after the step (optimizer)
     3      reduce-scatter per use (backward)  all-gather before each use, forward and backward
+    3, pp  reduce-scatter per bucket, after    all-gather per bucket once per step (forward), kept
+           the last microbatch (grad_sync)    across the microbatches
 
 Each collective says what compute it overlaps with (`Collective.overlaps`).
 """
@@ -54,7 +56,7 @@ def zero_notes(graph: Graph, mesh: Mesh, zero: int) -> tuple[str, ...]:
 def param_sync_collectives(graph: Graph, mesh: Mesh, *, dtype_bytes: int, zero: int, overlap: bool,
                            buckets: tuple[Bucket, ...]) -> list[Collective]:
     out = [_bucket_collective(b, mesh, zero, overlap) for b in buckets]
-    if zero in (1, 2):  # the gathers after the step go by the same buckets (runtime/flat_shard.gather_flat)
+    if zero in (1, 2) or (zero == 3 and buckets):  # the gathers go by the same buckets (flat_shard.gather_flat)
         return out + [_bucket_gather(b, mesh, zero) for b in buckets]
     uses = _param_uses(graph)
     for param, repeat in walk_params(graph.body):
@@ -67,8 +69,8 @@ def _bucket_collective(bucket: Bucket, mesh: Mesh, zero: int, overlap: bool) -> 
     group = "*".join(bucket.axes)
     n = mesh.size(*bucket.axes)
     why = f"the parameters are replicated over {group} while their ops split the work over {group}: sum the gradients"
-    if zero == 2:
-        kind, why = K.REDUCE_SCATTER, why + f"; ZeRO-2 keeps only this rank's 1/{n} chunk of each"
+    if zero >= 2:
+        kind, why = K.REDUCE_SCATTER, why + f"; ZeRO-{zero} keeps only this rank's 1/{n} chunk of each"
     else:
         kind = K.ALL_REDUCE
     where = "the layer" if bucket.count > 1 else "the step"
@@ -81,9 +83,14 @@ def _bucket_collective(bucket: Bucket, mesh: Mesh, zero: int, overlap: bool) -> 
 
 
 def _bucket_gather(bucket: Bucket, mesh: Mesh, zero: int) -> Collective:
-    n = mesh.size(*bucket.axes)
-    return Collective(K.ALL_GATHER, bucket.axes, Phase.OPTIMIZER, f"bucket {bucket.index}: {', '.join(bucket.params)}",
-                      bucket.bytes, f"ZeRO-{zero}: each rank updated its 1/{n} chunk of these parameters; gather them",
+    n, what = mesh.size(*bucket.axes), f"bucket {bucket.index}: {', '.join(bucket.params)}"
+    if zero == 3:  # under a pipeline (runtime/zero.py keep_gathered)
+        return Collective(K.ALL_GATHER, bucket.axes, Phase.FORWARD, what, bucket.bytes,
+                          f"ZeRO-3 under a pipeline: these parameters rest in 1/{n} chunks; gather them once per "
+                          "step and keep them across the microbatches", count=bucket.count,
+                          overlaps="nothing (before the step's first microbatch)")
+    return Collective(K.ALL_GATHER, bucket.axes, Phase.OPTIMIZER, what, bucket.bytes,
+                      f"ZeRO-{zero}: each rank updated its 1/{n} chunk of these parameters; gather them",
                       count=bucket.count, overlaps="nothing (after the optimizer step)")
 
 
@@ -111,13 +118,6 @@ def _zero_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, o
 
     group = "*".join(axes)
     summed = f"{param.name} is replicated over {group} while its ops split the work over {group}: sum its gradient"
-    if mesh.size(MeshAxis.PP) > 1:  # runtime/zero.py keep_gathered: once per step, across the microbatches
-        return [
-            make(K.ALL_GATHER, Phase.FORWARD, f"ZeRO-3 under a pipeline: gather {param.name} once per step and keep "
-                 "it across the microbatches", layers),
-            make(K.REDUCE_SCATTER, Phase.GRAD_SYNC, f"{summed} after the last microbatch; ZeRO-3 keeps only this "
-                 f"rank's 1/{n} chunk", layers),
-        ]
     prefetch = "the compute of the previous use (prefetched one use ahead)" if overlap else ""
     return [
         make(K.ALL_GATHER, Phase.FORWARD,

@@ -112,7 +112,7 @@ class ExecutionPlan:
 def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int,
                zero: int = 0, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                pipeline: PipelineSpec | None = None) -> ExecutionPlan:
-    buckets = () if zero == 3 else plan_buckets(
+    buckets = () if zero == 3 and pipeline is None else plan_buckets(  # ZeRO-3 alone reduces per use
         graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes
     )
     collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero, overlap=overlap,

@@ -14,9 +14,9 @@ group rank `i` (`runtime/flat_shard.py`). Per stage, on each rank:
   use gathers it (`_Gather`: all-gather forward, reduce-scatter of the gradient
   backward); the gathered tensor is not kept for backward: a saved-tensor hook
   drops it and gathers again when backward needs it (fetch, compute, discard).
-  Under a pipeline (`keep_gathered`) the parameters are gathered once per step (by
-  `gather_flat`, as for stages 1, 2) and kept across the microbatches, each one's
-  gradient reduce-scattered after the last: the memory of whole parameters during
+  Under a pipeline (`keep_gathered`) the parameters are gathered once per step and
+  kept across the microbatches, their gradients reduce-scattered after the last,
+  both by the plan's buckets (as stages 1, 2 gather): the memory of whole parameters during
   the step, instead of m times the traffic.
 
 AdamW is written out here (torch's formula, decoupled weight decay), because it
@@ -116,7 +116,7 @@ class ZeroOptimizer:
 
     def view(self) -> dict[str, Tensor] | _Gathered:
         if self.keep_gathered:  # whole parameters for the step, leaves that accumulate every microbatch
-            full = gather_flat({n: p.detach() for n, p in self.params.items()}, self.specs)
+            full = gather_flat({n: p.detach() for n, p in self.params.items()}, self.specs, buckets=self.bucket_names)
             self.gathered = {n: (full[n] if self.specs[n].n > 1 else full[n].clone()).view(self.shapes[n])
                              .requires_grad_(True) for n in self.params}  # a one-rank group's is the chunk: copy
             return self.gathered
@@ -131,9 +131,13 @@ class ZeroOptimizer:
         on, most buckets started during backward): full sums for stages 0 and 1, the
         owned chunk for stage 2. Stage 3's gradients arrive summed and chunked."""
         summed = self.buckets.finish() if self.buckets is not None else {}
-        for name, full in self.gathered.items():  # kept-gathered ZeRO-3: reduce-scatter once per step
-            grad = full.grad if full.grad is not None else torch.zeros_like(full)
-            summed[name] = self.specs[name].reduce_scatter(grad.reshape(-1))
+        if self.gathered:  # kept-gathered ZeRO-3: reduce-scatter once per step, by the plan's buckets
+            summed.update(GradBuckets(self.gathered, self.bucket_names, self.specs, self.groups, stage=2,
+                                      overlap=False).finish())
+        for name, full in self.gathered.items():  # the rest (a bucket the pipeline split): one by one
+            if name not in summed and self.specs[name].n > 1:
+                grad = full.grad if full.grad is not None else torch.zeros_like(full)
+                summed[name] = self.specs[name].reduce_scatter(grad.reshape(-1))
         self.gathered = {}
         self.grads = {}
         for name, p in self.params.items():
