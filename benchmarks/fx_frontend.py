@@ -1,7 +1,7 @@
 """The torch.fx frontend and `fivedc.parallelize`: tracing + compile time, and step-time overhead.
 
-Part 1: for each example (`examples/nanogpt.py`, `examples/llama.py`, at the sizes
-below) the time to trace the module into the IR (`trace_module`) and to compile
+Part 1: for each example (`examples/nanogpt.py`, `examples/llama.py`,
+`examples/mixtral.py` in both its forms, at the sizes below) the time to trace the module into the IR (`trace_module`) and to compile
 the graph for a 1x1x1x1x1 and a 2x1x2x1x1 (SP) mesh; medians of `--repeats`.
 
 Part 2: the step time of the module parallelized at mesh 1x1x1x1x1 (fivedc's
@@ -38,15 +38,25 @@ def _example(name: str):
     return import_file(EXAMPLES / f"{name}.py")
 
 
+EXAMPLE_NAMES = ("nanogpt", "llama", "mixtral", "mixtral-hf")
+
+
 def build(name: str, dtype=torch.float32):
-    """A model of a size where a step is compute, not Python: 4 layers, hidden 256, seq 128."""
+    """A model of a size where a step is compute, not Python: 4 layers, hidden 256, seq 128.
+    Mixtral: 8 experts of width 256, top-2 (its stacked-expert block); "mixtral-hf" the same
+    with Hugging Face's block (a ModuleList of experts, a Python loop over them)."""
     if name == "nanogpt":
         m = _example("nanogpt")
         config = m.GPTConfig(block_size=128, vocab_size=2048, n_layer=4, n_head=8, n_embd=256)
         return m.factory(batch=8, config=config, dtype=dtype)
-    m = _example("llama")
-    args = m.ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, ffn_dim=688, max_seq_len=128)
-    return m.factory(batch=8, args=args, dtype=dtype)
+    sizes = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, max_seq_len=128)
+    if name == "llama":
+        m = _example("llama")
+        return m.factory(batch=8, args=m.ModelArgs(ffn_dim=688, **sizes), dtype=dtype)
+    m = _example("mixtral")
+    args = m.ModelArgs(n_experts=8, top_k=2, expert_ffn_dim=256, **sizes)
+    factory = m.hf_factory if name == "mixtral-hf" else m.factory
+    return factory(batch=8, args=args, dtype=dtype)
 
 
 def trace_compile_times(name: str, repeats: int) -> dict[str, float]:
@@ -109,7 +119,7 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     print("\n| example | parameters | trace (ms) | compile 1x1x1x1x1 (ms) | compile 2x1x2x1x1 SP (ms) |")
     print("|---|---|---|---|---|")
-    for name in ("nanogpt", "llama"):
+    for name in EXAMPLE_NAMES:
         t = trace_compile_times(name, args.repeats)
         n = sum(p.numel() for p in build(name)[0].parameters())
         print(f"| {name} | {n / 1e6:.2f} M | {t['trace'] * 1e3:.1f} | {t['1x1x1x1x1'] * 1e3:.1f} "
@@ -117,7 +127,7 @@ def main() -> None:
     print("\n| example | plain module wall / CPU (ms/step) | fivedc 1x1x1x1x1 wall / CPU (ms/step) "
           "| fivedc / plain, wall | fivedc / plain, CPU |")
     print("|---|---|---|---|---|")
-    for name in ("nanogpt", "llama"):
+    for name in EXAMPLE_NAMES:
         t = step_times(name, args.repeats, args.steps)
         (pw, pc), (fw, fc) = t["plain"], t["fivedc"]
         print(f"| {name} | {pw * 1e3:.1f} / {pc * 1e3:.1f} | {fw * 1e3:.1f} / {fc * 1e3:.1f} | {fw / pw:.3f} "
