@@ -31,8 +31,12 @@ arguments keep their example values; a call with others is an error). The result
 `model.state_dict()` is this rank's shards under the IR's names (`layers.0.c_fc`),
 `model.full_state_dict()` gathers the module's own state dict (a collective: call
 it on every rank), `load_state_dict` takes either; `model.full_grads()` gathers the
-gradients. `compile_module` does the tracing and compiling alone, with no process
-group (for the CLI).
+gradients. With `zero=1|2|3` the parameters are this rank's flat ZeRO chunks
+(`fivedc/parallel/weights.py`), so the optimizer's state is sharded too; with
+pp > 1 a rank holds its pipeline chunks' parameters and `model(...)` runs the
+whole schedule, its backward handing over the gradients the schedule computed
+(`fivedc/parallel/pipeline.py`); the loop stays the same. `compile_module` does the
+tracing and compiling alone, with no process group (for the CLI).
 """
 
 from __future__ import annotations
