@@ -42,7 +42,8 @@ class GroupInfo:
 
 @dataclass(frozen=True, slots=True)
 class MemoryEstimate:
-    """Bytes per rank. Activations: every op output kept for backward, no recomputation."""
+    """Bytes per rank. Activations: every op output kept for backward, no recomputation,
+    and what a MoE op's experts keep inside (`moe_inner_activations`)."""
 
     params: int
     grads: int
@@ -154,7 +155,8 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
     With a pipeline: the pp rank holding the most parameter bytes, and activations for
     min(m, pp) microbatches in flight (1F1B's peak on the first rank)."""
     step_activations = sum(
-        graph.local_numel(node.type.dims, node.sharding, mesh) * dtype_bytes * (repeat.count if repeat else 1)
+        (graph.local_numel(node.type.dims, node.sharding, mesh) + moe_inner_activations(graph, node, repeat, mesh))
+        * dtype_bytes * (repeat.count if repeat else 1)
         for node, repeat in walk_ops(graph.body) if isinstance(node, Op)
     )
     best = None
@@ -165,6 +167,32 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
         if best is None or estimate.params + estimate.optimizer > best.params + best.optimizer:
             best = estimate
     return best
+
+
+def moe_inner_activations(graph: Graph, op: Op, repeat: Repeat | None, mesh: Mesh) -> int:
+    """Elements a `moe` op keeps for backward besides its output, on one rank: the
+    router's scores [T, E], and for the R = T x top_k routed rows (about as many
+    arrive at a rank as leave it), the rows its experts receive [R, hidden], their
+    inner activations (SwiGLU: gate, up, silu and product, 4 x [R, ffn]; GELU: 2),
+    and the rows sent back [R, hidden]. T: this rank's tokens; ffn: per tp rank. A
+    lower bound: the runtime's batched experts pad to the busiest expert and copy
+    rows on the way (1.5-1.9x this in tests/test_moe.py)."""
+    if op.kind != "moe":
+        return 0
+    hidden = op.type.dims[-1]
+    tokens = graph.local_numel(op.type.dims, op.arg_specs[0].sharding, mesh) // graph.dim(hidden)
+    experts = graph.dim(next(d for d in _param_dims(graph, repeat, op.args[1]) if d != hidden))
+    weight = _param_dims(graph, repeat, op.args[2])
+    ffn = next(d for d in weight[1:] if d != hidden)
+    ffn_local = graph.local_size(ffn, op.arg_specs[2].sharding, mesh)
+    rows = tokens * int(op.attr("top_k", 2))
+    inner = (4 if len(op.args) == 5 else 2) * ffn_local
+    return tokens * experts + rows * (2 * graph.dim(hidden) + inner)
+
+
+def _param_dims(graph: Graph, repeat: Repeat | None, name: str) -> tuple[str, ...]:
+    params = {p.name: p for p in graph.body.params} | ({p.name: p for p in repeat.body.params} if repeat else {})
+    return params[name].dims
 
 
 def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, activations: int) -> MemoryEstimate:
