@@ -19,9 +19,12 @@ over dp and ep, sequence over cp, replicated over tp; `passes/experts.py` says w
    uneven splits (gloo supports uneven splits). `_AllToAll` is autograd-aware: its
    backward is the reverse all-to-all. `@ep(hierarchical)` moves rows in two
    steps, inside the node, then between nodes (`runtime/moe_a2a.py`).
-4. experts: the received rows grouped by local expert and padded to the busiest
-   one, [E_local, rows, hidden], so the local experts run as batched matmuls
-   (`batched_experts`); `loop_experts` is the per-expert loop (for benchmarks).
+4. experts (`local_experts`): rows that come from one rank (ep = 1, or one ep rank
+   sending) arrive grouped by expert already, and each expert runs on its own slice,
+   exact sizes, no copies (`sliced_experts`). Rows from several ranks are grouped by
+   local expert and padded to the busiest one, [E_local, rows, hidden], so the local
+   experts run as batched matmuls (`batched_experts`). `loop_experts` is the
+   per-expert loop by masks (the benchmarks' baseline).
 5. combine: the reverse all-to-all; each token's outputs summed with its gates.
 
 Balancing. `aux_loss=a`: Switch's a * E * sum_e f_e * P_e, f_e the share of the
@@ -135,7 +138,7 @@ def moe_kernel(ctx, op: Op, args: list, dims: list, *, experts_fn=None) -> Tenso
             dist.all_reduce(total, group=group)
     exchange = Exchange.of(ctx, op, experts)
     local = _oriented(weights, dims[2:], dims[0][-1])
-    y = expert_forward(xt, chosen, gates, keep, local, exchange, s, experts_fn or batched_experts)
+    y = expert_forward(xt, chosen, gates, keep, local, exchange, s, experts_fn or local_experts)
     if s.aux_loss:
         y = _AddAuxLoss.apply(y, _aux_part(ctx, scores, total, dims[0], experts, s))
     if s.bias_update:
@@ -255,6 +258,20 @@ def _ffn(x: Tensor, weights: list[Tensor], swiglu: bool, mm) -> Tensor:
     return mm(F.gelu(mm(x, up)), down)
 
 
+def local_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool) -> Tensor:
+    """The local experts on their received rows: on slices when the rows come grouped by
+    expert (one source rank), else batched."""
+    if recv.shape[0] == 1:
+        return sliced_experts(rows, recv, weights, swiglu)
+    return batched_experts(rows, recv, weights, swiglu)
+
+
+def sliced_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool) -> Tensor:
+    """One source rank's rows, grouped by local expert: each expert's FFN on its slice."""
+    parts = rows.split(recv[0].tolist())
+    return torch.cat([_ffn(part, [w[e] for w in weights], swiglu, torch.matmul) for e, part in enumerate(parts)])
+
+
 def batched_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool) -> Tensor:
     """All local experts at once: rows grouped by expert, padded to the busiest, bmm."""
     local = _local_expert(recv)
@@ -278,5 +295,5 @@ def loop_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool
     return out
 
 
-__all__ = ["ExpertLoad", "batched_experts", "end_step", "loop_experts", "moe_kernel",
-           "register_params", "route"]
+__all__ = ["ExpertLoad", "batched_experts", "end_step", "local_experts", "loop_experts", "moe_kernel",
+           "register_params", "route", "sliced_experts"]

@@ -24,7 +24,8 @@ from fivedc.passes.base import CompileOptions
 from fivedc.passes.experts import MoeSettings
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.kernels import KernelContext
-from fivedc.runtime.moe import batched_experts, capacity_keep, loop_experts, route
+from fivedc.runtime import moe
+from fivedc.runtime.moe import batched_experts, capacity_keep, local_experts, loop_experts, route, sliced_experts
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import reference_run, single_device_mesh, verify_plan
 from fivedc.verify_cli import _print_report
@@ -241,15 +242,30 @@ def test_capacity_keeps_first_choices_first_then_by_position() -> None:
     assert keep.tolist() == [[True, True], [True, False], [True, False], [False, False]]
 
 
-def test_batched_experts_equal_the_loop_over_experts() -> None:
+def test_batched_and_sliced_experts_equal_the_loop_over_experts() -> None:
     gen = torch.Generator().manual_seed(0)
-    recv = torch.tensor([[3, 0, 2], [1, 4, 0]])  # rows from 2 ranks for 3 local experts
-    rows = torch.randn(int(recv.sum()), 5, generator=gen, dtype=torch.float64)
-    for swiglu in (True, False):
-        weights = [torch.randn(3, 5, 4, generator=gen, dtype=torch.float64) for _ in range(1 + swiglu)]
-        weights.append(torch.randn(3, 4, 5, generator=gen, dtype=torch.float64))
-        assert torch.allclose(batched_experts(rows, recv, weights, swiglu), loop_experts(rows, recv, weights, swiglu),
-                              rtol=0, atol=1e-14)
+    for recv in (torch.tensor([[3, 0, 2], [1, 4, 0]]), torch.tensor([[4, 0, 6]])):  # from 2 ranks; from one
+        rows = torch.randn(int(recv.sum()), 5, generator=gen, dtype=torch.float64, requires_grad=True)
+        for swiglu in (True, False):
+            weights = [torch.randn(3, 5, 4, generator=gen, dtype=torch.float64) for _ in range(1 + swiglu)]
+            weights.append(torch.randn(3, 4, 5, generator=gen, dtype=torch.float64))
+            weights = [w.requires_grad_() for w in weights]
+            kinds = (loop_experts, batched_experts, local_experts) + ((sliced_experts,) if len(recv) == 1 else ())
+            results = []
+            for experts in kinds:
+                out = experts(rows, recv, weights, swiglu)
+                results.append((out, *torch.autograd.grad(out.square().sum(), [rows, *weights])))
+            for other in results[1:]:
+                assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(results[0], other))
+
+
+def test_local_experts_slice_rows_from_one_rank_and_batch_the_rest(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(moe, "sliced_experts", lambda *args: calls.append("sliced"))
+    monkeypatch.setattr(moe, "batched_experts", lambda *args: calls.append("batched"))
+    moe.local_experts(torch.zeros(5, 1), torch.tensor([[2, 3]]), [], True)
+    moe.local_experts(torch.zeros(5, 1), torch.tensor([[2, 0], [1, 2]]), [], True)
+    assert calls == ["sliced", "batched"]
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
