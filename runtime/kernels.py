@@ -189,16 +189,25 @@ def _layernorm(ctx, op, args, dims):
 
 def _rope(ctx, op, args, dims):
     (x,), (x_dims,) = args, dims
-    seq = ctx.graph.seq_dim
-    positions = ctx.positions(seq, _arg_sharding(op, 0)).to(device=x.device, dtype=x.dtype)
     half = x.shape[-1] // 2
-    theta = float(op.attr("theta", 10000.0))
-    freqs = theta ** (-torch.arange(0, half, dtype=x.dtype, device=x.device) / half)
-    angles = positions[:, None] * freqs[None, :]
-    cos = align(torch.cos(angles), (seq, x_dims[-1]), x_dims)
-    sin = align(torch.sin(angles), (seq, x_dims[-1]), x_dims)
+    cos, sin = _rope_table(ctx, op, x, x_dims)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
+    """cos and sin of this rank's global positions times the frequencies, aligned to x;
+    computed once per layout, dtype and device (every layer and step reuses them)."""
+    seq, sharding = ctx.graph.seq_dim, _arg_sharding(op, 0)
+    theta = float(op.attr("theta", 10000.0))
+    key = ("rope", str(sharding), theta, x.shape[-1], x_dims, x.dtype, x.device)
+    if key not in ctx._cache:
+        positions = ctx.positions(seq, sharding).to(device=x.device, dtype=x.dtype)
+        half = x.shape[-1] // 2
+        freqs = theta ** (-torch.arange(0, half, dtype=x.dtype, device=x.device) / half)
+        angles = positions[:, None] * freqs[None, :]
+        ctx._cache[key] = tuple(align(f(angles), (seq, x_dims[-1]), x_dims) for f in (torch.cos, torch.sin))
+    return ctx._cache[key]
 
 
 def _attention(ctx, op, args, dims):
