@@ -330,9 +330,9 @@ def test_verify_prints_the_expert_load(worker_pool, capsys) -> None:
 def test_the_activation_estimate_counts_what_the_experts_keep() -> None:
     """The plan's activation estimate against the bytes autograd really saves in a
     forward (parameters aside), for a model that is mostly one MoE layer: at least all
-    of it is counted, and the runtime keeps less than twice that (its batched experts
-    pad to the busiest expert). Without the experts' inner activations the estimate
-    would be a tenth of what is kept."""
+    of it is counted, and the runtime keeps at most a fifth more (on one device each
+    expert runs on its own slice, no padding). Without the experts' inner activations
+    the estimate would be a tenth of what is kept."""
     from fivedc.plan import moe_inner_activations
     from fivedc.runtime.program import Program, init_params, make_inputs
 
@@ -369,4 +369,4 @@ model m {
         Program(plan.graph, KernelContext(plan.graph, plan.mesh, plan.mesh.coords(0))).loss(
             params, make_inputs(plan.graph, seed=0, dtype=torch.float32))
     kept = sum(saved.values()) - sum(p.numel() * 4 for p in params.values())
-    assert 1.0 <= kept / plan.memory.activations <= 2.0, (kept, plan.memory.activations)
+    assert 1.0 <= kept / plan.memory.activations <= 1.2, (kept, plan.memory.activations)
