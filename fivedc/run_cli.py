@@ -66,20 +66,11 @@ def _plan_flags_given(args) -> list[str]:
 
 def _under_launcher(plan, settings):
     """One rank of a torchrun job; rank 0 returns the merged report, the others None."""
-    import torch.distributed as dist
-
-    from fivedc.runtime.pool import check_world, init_from_env
+    from fivedc.runtime.pool import run_as_launched_rank
     from fivedc.runtime.run import merge_runs, run_job
 
-    check_world(plan.mesh.world, mesh=plan.mesh)
-    info = init_from_env()
-    try:
-        result = run_job(info, (plan, settings))
-        gathered = [None] * info.world
-        dist.all_gather_object(gathered, result)
-    finally:
-        dist.destroy_process_group()
-    return merge_runs(gathered) if info.rank == 0 else None
+    gathered = run_as_launched_rank(run_job, mesh=plan.mesh, payload=(plan, settings))
+    return merge_runs(gathered) if gathered is not None else None
 
 
 def _print_report(plan, report) -> None:

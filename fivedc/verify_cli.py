@@ -96,21 +96,13 @@ def _verify_module(args, mesh, tol: float) -> int:
 
 def _under_launcher(plan, reference_plan, settings):
     """One rank of a torchrun job; rank 0 returns the merged report, others None."""
-    import torch.distributed as dist
-
-    from fivedc.runtime.pool import check_world, init_from_env
+    from fivedc.runtime.pool import check_world, run_as_launched_rank
     from fivedc.runtime.verify import merge_results, rank_job, reference_run
 
-    check_world(plan.mesh.world, mesh=plan.mesh)
-    info = init_from_env()
+    check_world(plan.mesh.world, mesh=plan.mesh)  # before the reference run: a wrong launch fails at once
     reference = reference_run(reference_plan, settings)
-    try:
-        result = rank_job(info, (plan, reference, settings))
-        gathered = [None] * info.world
-        dist.all_gather_object(gathered, result)
-    finally:
-        dist.destroy_process_group()
-    return merge_results(gathered, reference) if info.rank == 0 else None
+    gathered = run_as_launched_rank(rank_job, mesh=plan.mesh, payload=(plan, reference, settings))
+    return merge_results(gathered, reference) if gathered is not None else None
 
 
 def _print_report(report, tol: float) -> None:

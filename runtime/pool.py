@@ -302,6 +302,21 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = 600.0) -> Ra
     return RankInfo(rank, world, device)
 
 
+def run_as_launched_rank(fn: Callable[[RankInfo, Any], Any], *, mesh: Mesh, payload: Any) -> list[Any] | None:
+    """`fn(info, payload)` as this rank of a torchrun job of the mesh's size (checked):
+    every rank's result, in rank order, on rank 0; None on the others. The process
+    group is gone when this returns."""
+    check_world(mesh.world, mesh=mesh)
+    info = init_from_env()
+    try:
+        result = fn(info, payload)
+        gathered: list[Any] = [None] * info.world
+        dist.all_gather_object(gathered, result)
+    finally:
+        dist.destroy_process_group()
+    return gathered if info.rank == 0 else None
+
+
 def check_world(expected: int, *, mesh: Mesh | str | None = None) -> None:
     """Raise MeshError when a launcher's WORLD_SIZE differs from the `expected` ranks."""
     started = os.environ.get("WORLD_SIZE")
