@@ -29,7 +29,7 @@ from fivedc.runtime.moe import batched_experts, capacity_keep, local_experts, lo
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import reference_run, single_device_mesh, verify_plan
 from fivedc.verify_cli import _print_report
-from random_models import Case, draw_moe_case
+from random_models import Case, draw_moe_case, moe_model_text
 
 TOL = 1e-10
 K = CollectiveKind
@@ -336,27 +336,12 @@ def test_the_activation_estimate_counts_what_the_experts_keep() -> None:
     from fivedc.plan import moe_inner_activations
     from fivedc.runtime.program import Program, init_params, make_inputs
 
-    text = """
-model m {
-  dims { batch = 4  seq = 64  hidden = 64  experts = 8  ffn = 64  vocab = 32 }
-  input tokens: int[batch, seq]
-  input targets: int[batch, seq]
-  param wte: [vocab, hidden]
-  param router: [hidden, experts]
-  param we_gate: [experts, hidden, ffn]
-  param we_up: [experts, hidden, ffn]
-  param we_down: [experts, ffn, hidden]
-  param head: [hidden, vocab]
-  h = embedding(tokens, wte)
-  x = add(h, moe(h, router, we_gate, we_up, we_down, top_k=2))
-  loss = cross_entropy(linear(x, head), targets)
-  return loss
-}
-"""
+    text = moe_model_text(batch=4, seq=64, hidden=64, experts=8, expert_ffn=64, vocab=32, layers=1, top_k=2,
+                          score="softmax", swiglu=True, shared=False, down_first=False, extra="")
     plan = compile_graph(parse_model(text, filename="m.5d"), CompileOptions(mesh=single_device_mesh(), dtype="fp32"))
-    op = next(node for node, _ in walk_ops(plan.graph.body) if isinstance(node, Op) and node.kind == "moe")
+    op, repeat = next((node, r) for node, r in walk_ops(plan.graph.body) if isinstance(node, Op) and node.kind == "moe")
     tokens, rows = 4 * 64, 4 * 64 * 2
-    assert moe_inner_activations(plan.graph, op, None, plan.mesh) == tokens * 8 + rows * (2 * 64 + 4 * 64)
+    assert moe_inner_activations(plan.graph, op, repeat, plan.mesh) == tokens * 8 + rows * (2 * 64 + 4 * 64)
     params = {n: t.requires_grad_() for n, t in init_params(plan.graph, seed=0, dtype=torch.float32).items()}
     saved: dict[int, int] = {}
 
