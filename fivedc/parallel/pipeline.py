@@ -21,6 +21,8 @@ holds.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -69,21 +71,17 @@ class PipelineLoss:
         graph, mesh, out = self.plan.graph, self.plan.mesh, dict(held)
         group = self.ctx.group((MeshAxis.PP,))
         dtype = next(iter(held.values())).dtype if held else self.dtype
+        device = self.runner.device
         for r in range(mesh.size(MeshAxis.PP)):
             names = sorted(n for n, owner in self.owners.items() if owner == r)
             shapes = [tuple(graph.dim(d) for d in specs[n].dims) for n in names]
-            if r == self.pp_rank:
-                flat = torch.cat([held[n].reshape(-1).to(dtype) for n in names]) if names else torch.zeros(0, dtype=dtype)
+            sizes = [math.prod(shape) for shape in shapes]
+            if r == self.pp_rank and names:
+                flat = torch.cat([held[n].reshape(-1).to(device, dtype) for n in names])
             else:
-                flat = torch.empty(sum(torch.Size(s).numel() for s in shapes), dtype=dtype)
-            device = self.runner.device
-            flat = flat.to(device)
+                flat = torch.empty(sum(sizes), dtype=dtype, device=device)
             dist.broadcast(flat, src=mesh.rank_of({**self.ctx.coords, MeshAxis.PP: r}), group=group)
-            offset = 0
-            for name, shape in zip(names, shapes):
-                size = torch.Size(shape).numel()
-                out[name] = flat[offset:offset + size].view(shape).cpu()
-                offset += size
+            out.update((n, part.view(shape).cpu()) for n, part, shape in zip(names, flat.split(sizes), shapes))
         return out
 
 
