@@ -34,6 +34,12 @@ def qualified_params(graph: Graph) -> Iterator[tuple[str, Param]]:
                     yield f"{item.name}.{i}.{param.name}", param
 
 
+def grad_groups(graph: Graph, ctx: KernelContext) -> dict[str, object | None]:
+    """Each parameter instance's process group over its `grad_partial` axes, where its
+    gradient is summed and ZeRO shards it (None: nothing to sum over)."""
+    return {name: ctx.group(p.grad_partial) if p.grad_partial else None for name, p in qualified_params(graph)}
+
+
 def init_params(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Tensor]:
     """Full, unsharded initial parameters; each seeded by its name, so any rank can
     make any of them without making the others."""

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from fivedc.ir import Graph, Op, walk_ops
 from fivedc.mesh import MeshAxis
-from fivedc.runtime.program import Program, qualified_params
+from fivedc.runtime.program import Program, grad_groups
 from fivedc.overlap import Bucket
 from fivedc.runtime.buckets import expand_buckets
 from fivedc.runtime.moe import ExpertLoad, end_step, register_params
@@ -74,8 +74,7 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
     """Train `settings.steps` steps from `params` (this rank's local tensors: with a
     pipeline, only those of its chunks) and record them."""
     graph, ctx = program.graph, program.ctx
-    groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None
-              for name, p in qualified_params(graph) if name in params}
+    groups = {name: group for name, group in grad_groups(graph, ctx).items() if name in params}
     runner = None
     if pipeline is not None:  # gradients accumulate over microbatches: sum them after the last
         device = next(iter(params.values())).device

@@ -30,15 +30,14 @@ from torch import Tensor
 from fivedc.plan import ExecutionPlan
 from fivedc.runtime.buckets import GradBuckets, expand_buckets
 from fivedc.runtime.kernels import KernelContext
-from fivedc.runtime.program import qualified_params
+from fivedc.runtime.program import grad_groups
 from fivedc.runtime.flat_shard import FlatShard
 
 
 class GradSync:
     def __init__(self, params: dict[str, Tensor], plan: ExecutionPlan, ctx: KernelContext, *, stage: int = 0,
                  specs: dict[str, FlatShard] | None = None, owners: dict[str, Tensor] | None = None) -> None:
-        groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None
-                  for name, p in qualified_params(plan.graph)}
+        groups = grad_groups(plan.graph, ctx)
         synced = {name for name, group in groups.items()
                   if group is not None and name in params and params[name].requires_grad}
         buckets = [b for b in expand_buckets(plan.buckets) if all(groups.get(n) is not None for n in b)]

@@ -36,15 +36,13 @@ from fivedc.parallel.grads import GradSync
 from fivedc.plan import ExecutionPlan
 from fivedc.runtime.buckets import expand_buckets
 from fivedc.runtime.kernels import KernelContext
-from fivedc.runtime.program import qualified_params
+from fivedc.runtime.program import grad_groups
 from fivedc.runtime.flat_shard import FlatShard, flat_shard, gather_flat
 from fivedc.runtime.zero import ShardedParams, gathered_params_scope
 
 
 class WholeShards:
     """ZeRO-0: the local shards themselves."""
-
-    stage = 0
 
     def __init__(self, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan, ctx: KernelContext) -> None:
         self.params = {n: nn.Parameter(t, requires_grad=n not in frozen) for n, t in local.items()}
@@ -77,7 +75,7 @@ class _Chunked:
     def __init__(self, stage: int, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan,
                  ctx: KernelContext) -> None:
         self.stage, self.plan, self.ctx = stage, plan, ctx
-        groups = {name: ctx.group(p.grad_partial) if p.grad_partial else None for name, p in qualified_params(plan.graph)}
+        groups = grad_groups(plan.graph, ctx)
         self.shapes = {n: t.shape for n, t in local.items()}
         self.specs: dict[str, FlatShard] = {}
         self.params: dict[str, nn.Parameter] = {}
