@@ -14,12 +14,9 @@ import os
 
 from fivedc.errors import FivedcError
 
-RUNNABLE_DTYPES = ("fp64", "fp32", "bf16")
-
-
 def run_run(args) -> int:
     from fivedc.cli import load_plan_or_compile
-    from fivedc.runtime.train import TrainSettings
+    from fivedc.runtime.train import DTYPES, TrainSettings
 
     if args.steps < 1:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
@@ -32,8 +29,8 @@ def run_run(args) -> int:
     elif args.mesh is None:
         raise FivedcError(f"running {args.model} needs a mesh", hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
     plan = load_plan_or_compile(args.model, args, dtype=args.dtype or "fp32")
-    if plan.dtype not in RUNNABLE_DTYPES:
-        raise FivedcError(f"the plan trains in {plan.dtype}; run trains in {', '.join(RUNNABLE_DTYPES)}",
+    if plan.dtype not in DTYPES:
+        raise FivedcError(f"the plan trains in {plan.dtype}; run trains in {', '.join(DTYPES)}",
                           hint="compile with --dtype fp32 (or bf16)")
     settings = TrainSettings(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                              dtype=plan.dtype, keep_grads=False)
