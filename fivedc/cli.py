@@ -12,9 +12,10 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from fivedc.errors import FivedcError
+from fivedc.errors import EXIT_CODES, FivedcError
 
 COMMANDS = {
     "compile": "compile a model for a mesh: write the plan and print a readable summary",
@@ -22,6 +23,7 @@ COMMANDS = {
     "verify": "train a few steps with the plan on local processes and compare with one device",
     "run": "execute a plan (or compile a model and execute it): loss, step time and memory per rank",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
+    "check": "check a saved plan: it must be exactly what this fivedc compiles from its model and options",
 }
 
 
@@ -46,7 +48,7 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
                    help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters (default 0: off)")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
                    help=f"gradient bucket size in MiB (default {DEFAULT_BUCKET_MB:g})")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule for pp > 1: gpipe, 1f1b (default), "
+    p.add_argument("--schedule", default=None, help="pipeline schedule for pp > 1: gpipe, 1f1b (default), "
                    "interleaved, zb-h1, dualpipev")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: max(pp, least))")
     p.add_argument("--virtual", type=int, default=None, help="chunks per pp rank for interleaved (default 2)")
@@ -59,14 +61,23 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
                    help="sum gradients after backward, no ZeRO-3 prefetch (to measure what overlap gains)")
 
 
-def compile_options(args, mesh, *, dtype: str):
-    """CompileOptions from the command line's mesh, --sp and --cp-* arguments."""
+def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = True):
+    """CompileOptions from the command line's mesh and plan options. Pipeline flags on a
+    mesh with pp = 1 are an error (they would change nothing), unless the same flags
+    serve meshes with and without a pipeline (`fivedc diff`)."""
+    from fivedc.mesh import MeshAxis
     from fivedc.passes.base import CompileOptions
 
+    given = [f"--{name.replace('_', '-')}" for name in ("schedule", "microbatches", "virtual", "pp_layout")
+             if getattr(args, name) is not None]
+    if pipeline_flags_need_pp and given and mesh.size(MeshAxis.PP) == 1:
+        raise FivedcError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} up a pipeline, but mesh {mesh} has "
+                          "pp=1: there is none, and the flag would change nothing",
+                          hint="drop the flag, or give the mesh a pipeline axis, e.g. --mesh 1x2x1x1x1")
     return CompileOptions(
         mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
         cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
-        overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule,
+        overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or "1f1b",
         microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
     )
 
@@ -84,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fivedc",
         description="A declarative compiler from a model graph to a 5-D parallel execution plan.",
+        epilog="exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in EXIT_CODES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     c = sub.add_parser("compile", help=COMMANDS["compile"], description=COMMANDS["compile"])
@@ -93,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", default=None, help="plan file to write (default MODEL.plan.json)")
     c.add_argument("-q", "--quiet", action="store_true", help="write the plan, print one line")
     c.add_argument("-v", "--verbose", action="store_true", help="list every parameter")
+    c.add_argument("--wide", action="store_true", help="summary as wide tables (140+ columns; default fits 80)")
     v = sub.add_parser("verify", help=COMMANDS["verify"], description=COMMANDS["verify"])
     v.add_argument("model", help="a .5d model file, or path/to/file.py:factory (checked against the plain module)")
     _mesh_args(v, required=True)
@@ -118,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallel for model@mesh")
     _plan_option_args(d)
     d.add_argument("--json", action="store_true", help="machine-readable output")
+    k = sub.add_parser("check", help=COMMANDS["check"], description=COMMANDS["check"])
+    k.add_argument("plan", help="a plan .json written by fivedc compile")
     return parser
 
 
@@ -143,44 +159,51 @@ def check_no_stage_boundaries(model: str, stage_boundaries) -> None:
         )
 
 
-def _compile(model: str, mesh_text: str, args, *, dtype: str):
+def _compile(model: str, mesh_text: str, args, *, dtype: str, pipeline_flags_need_pp: bool = True):
     from fivedc.mesh import Mesh
     from fivedc.pipeline import compile_graph
 
     mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
-    return compile_graph(load_graph(model, args.stage_boundary), compile_options(args, mesh, dtype=dtype))
+    options = compile_options(args, mesh, dtype=dtype, pipeline_flags_need_pp=pipeline_flags_need_pp)
+    return compile_graph(load_graph(model, args.stage_boundary), options)
 
 
 def load_plan_or_compile(model: str, args, *, dtype: str):
     """A saved plan (.json), or the model compiled with the command line's mesh and options."""
-    from fivedc.plan import ExecutionPlan
+    from fivedc.plan_check import load_plan
 
     if model.endswith(".json"):
-        return ExecutionPlan.load(model)
+        return load_plan(model)
     return _compile(model, args.mesh, args, dtype=dtype)
 
 
-def _console():
-    """Rich console at least 140 columns wide: the collective table needs it, piped or not."""
+def _console(wide: bool = True):
+    """Rich console as wide as the terminal (80 columns when piped or unknown), at least
+    140 when `wide` (the wide collective table and the diff need it)."""
     import shutil
 
     from rich.console import Console
 
-    return Console(width=max(shutil.get_terminal_size((140, 24)).columns, 140))
+    columns = shutil.get_terminal_size((80, 24)).columns
+    return Console(width=max(columns, 140) if wide else columns)
 
 
 def cmd_compile(args) -> int:
+    from fivedc.files import check_output
+    from fivedc.frontend_py import parse_spec
     from fivedc.summary import format_bytes, render_summary
 
+    model_file = parse_spec(args.model)[0]  # file.py:factory -> file.py; a .5d path as it is
+    output = args.output if args.output is not None else model_file.stem + ".plan.json"  # str: keeps a trailing /
+    check_output(output, inputs=(model_file,))  # fail before the compile; save checks again
     start = time.perf_counter()
     plan = _compile(args.model, args.mesh, args, dtype=args.dtype)
     seconds = time.perf_counter() - start
-    output = Path(args.output) if args.output else Path(Path(args.model.split(":")[0]).stem + ".plan.json")
-    plan.save(output)
+    plan.save(output, inputs=(model_file,))
     if args.quiet:
         print(f"wrote {output} ({len(plan.collectives)} collectives, {format_bytes(plan.memory.total)} per rank)")
     else:
-        render_summary(plan, console=_console(), verbose=args.verbose)
+        render_summary(plan, console=_console(wide=args.wide), verbose=args.verbose, wide=args.wide)
         print(f"\nwrote {output} in {seconds:.2f} s")
     return 0
 
@@ -198,30 +221,33 @@ def cmd_run(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from fivedc.plan import ExecutionPlan
+    from fivedc.plan_check import load_plan
     from fivedc.schedule import draw_schedule
 
-    plan = ExecutionPlan.load(args.plan)
+    plan = load_plan(args.plan)
     if plan.pipeline is None:
         raise FivedcError(f"{args.plan} has no pipeline (pp = 1): nothing to draw",
                           hint="compile with pp > 1, e.g. --mesh 1x4x1x1x1 --schedule 1f1b")
     out = Path(args.schedule)
     if out.suffix not in (".png", ".svg"):
         raise FivedcError(f"cannot draw to {out}: the picture is .png or .svg")
+    from fivedc.files import write_output
     from fivedc.mesh import MeshAxis
 
-    result = draw_schedule(plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP)), out)
+    schedule = plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP))
+    draw = lambda tmp: draw_schedule(schedule, tmp)  # noqa: E731
+    result = write_output(args.schedule, draw, inputs=(args.plan,), what="picture")
     print(f"wrote {out}: {plan.pipeline.schedule}, bubble {result.bubble_fraction:.1%} of the step (unit costs)")
     return 0
 
 
 def _load_side(text: str, args):
-    from fivedc.plan import ExecutionPlan
+    from fivedc.plan_check import load_plan
 
     if "@" in text and not text.endswith(".json"):
         model, mesh = text.rsplit("@", 1)
-        return _compile(model, mesh, args, dtype="bf16")
-    return ExecutionPlan.load(text)
+        return _compile(model, mesh, args, dtype="bf16", pipeline_flags_need_pp=False)
+    return load_plan(text)
 
 
 def cmd_diff(args) -> int:
@@ -235,6 +261,15 @@ def cmd_diff(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    from fivedc.plan_check import load_plan
+
+    plan = load_plan(args.plan)
+    print(f"{args.plan}: a valid plan for mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype}, "
+          f"{len(plan.collectives)} collectives): exactly what this fivedc compiles from its model and options")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -242,17 +277,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "show": cmd_show,
-               "diff": cmd_diff}[args.command]
+               "diff": cmd_diff, "check": cmd_check}[args.command]
     try:
         return handler(args)
     except FivedcError as error:
         print(error.render(), file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
+        print("fivedc: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except Exception as error:  # a bug in fivedc: one line, the traceback only when asked for
+        if os.environ.get("FIVEDC_TRACEBACK"):
+            traceback.print_exc()
+        print(f"error: internal error in fivedc ({type(error).__name__}: {error})\n"
+              "hint: this is a bug in fivedc; FIVEDC_TRACEBACK=1 shows the traceback to report", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

@@ -2,13 +2,25 @@
 
 `FivedcError.render()` prints `file:line:col: error: message`, the offending source
 line and a caret under the column, then a hint with the fix. The CLI catches
-`FivedcError` at the top and exits with `exit_code` (2 for bad input) and no
-Python traceback. Nothing below the CLI prints or exits.
+`FivedcError` at the top and exits with `exit_code` and no Python traceback.
+Nothing below the CLI prints or exits.
+
+Exit codes (EXIT_CODES; `fivedc --help` and the README list them): 0 ok, 1 a
+numerical mismatch, 2 bad input, 3 a rank crashed or timed out, 4 an internal
+error (a bug in fivedc).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+EXIT_CODES = {
+    0: "ok",
+    1: "numerical mismatch: the parallel run differs from the single-device run",
+    2: "bad input: the model, the mesh, a flag or a plan file (the message says where)",
+    3: "a rank crashed or timed out",
+    4: "internal error: a bug in fivedc",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +99,8 @@ class PlanError(FivedcError):
 
 class PassError(FivedcError):
     """A compiler pass failed on a valid-looking graph: a bug in fivedc, reported with context."""
+
+    exit_code = 4
 
 
 class VerifyMismatch(FivedcError):

@@ -10,12 +10,10 @@ versioned JSON; reading a plan of another version is a `PlanError`.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fivedc.errors import PlanError
+from fivedc.errors import FivedcError, PlanError
 from fivedc.ir import Collective, CollectiveKind, Graph, Op, Repeat, Redistribute, walk_ops, walk_params
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.overlap import Bucket, plan_buckets
@@ -72,18 +70,12 @@ class ExecutionPlan:
     pipeline: PipelineSpec | None = None  # pp > 1: chunks, schedule, microbatches (fivedc/stages.py)
     notes: tuple[str, ...] = ()  # warnings for the reader, e.g. a setting that changes nothing
 
-    def save(self, path: str | Path) -> None:
-        """Write atomically: a failed write never leaves a half-written plan behind."""
-        path = Path(path)
-        text = json.dumps(encode(self), indent=1)
-        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+    def save(self, path: str | Path, *, inputs: tuple[str | Path, ...] = ()) -> None:
+        """Write atomically with `fivedc.files.write_output`: never half a plan, never over
+        a directory, device, outside symlink or one of `inputs` (an `OutputError`)."""
+        from fivedc.files import write_output
+
+        write_output(path, json.dumps(encode(self), indent=1) + "\n", inputs=inputs, what="plan")
 
     @staticmethod
     def load(path: str | Path) -> ExecutionPlan:
@@ -91,6 +83,11 @@ class ExecutionPlan:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise PlanError(f"plan file {path} does not exist") from None
+        except IsADirectoryError:
+            raise PlanError(f"{path} is a directory, not a plan file",
+                            hint="give the .json file that fivedc compile -o wrote") from None
+        except OSError as error:
+            raise PlanError(f"cannot read plan file {path}: {error.strerror}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise PlanError(f"{path} is not a fivedc plan (not JSON: {error})") from None
         return ExecutionPlan.from_json(data, source=str(path))
@@ -99,15 +96,24 @@ class ExecutionPlan:
     def from_json(data: object, *, source: str = "<plan>") -> ExecutionPlan:
         if not isinstance(data, dict) or "version" not in data:
             raise PlanError(f"{source} is not a fivedc plan (no version field)")
-        if data["version"] != PLAN_VERSION:
+        version = data["version"]
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise PlanError(f"{source}: the version field is {version!r}, not a number",
+                            hint=f'a plan this fivedc reads starts {{"version": {PLAN_VERSION}, ...}}')
+        if version != PLAN_VERSION:
             raise PlanError(
-                f"{source} is a version {data['version']} plan; this fivedc reads version {PLAN_VERSION}",
+                f"{source} is a version {version} plan; this fivedc reads version {PLAN_VERSION}",
                 hint="recompile the model with this fivedc: fivedc compile MODEL.5d --mesh ...",
             )
         try:
             return decode(ExecutionPlan, data)
+        except PlanError as error:
+            raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {error.message}",
+                            hint="recompile the model rather than editing the plan") from None
+        except FivedcError as error:  # a field's own check, e.g. a sharding that does not parse
+            raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {error.message}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {error}") from None
+            raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {type(error).__name__}: {error}") from None
 
 
 def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int,

@@ -61,40 +61,97 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, {**vars(ir), **vars(sys.modules[cls.__module__])})
 
 
-def decode(hint: Any, data: Any) -> Any:
+def decode(hint: Any, data: Any, path: str = "plan") -> Any:
+    """The object of type `hint` that `data` encodes; a `PlanError` naming the field
+    (`path`) when `data` does not have the type the field declares."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any or hint is ir.Scalar:
+    if hint is Any:
         return data
+    if hint is ir.Scalar or hint in _PRIMITIVES:
+        return _primitive(hint, data, path)
     if origin in (typing.Union, types.UnionType):
-        if data is None:
+        if data is None and type(None) in args:
             return None
         if isinstance(data, dict) and "node" in data:
-            return decode(NODE_TAGS[data["node"]], data)
+            if data["node"] not in NODE_TAGS:
+                raise PlanError(f"{path}: unknown node kind {data['node']!r}; one of {', '.join(NODE_TAGS)}")
+            return decode(NODE_TAGS[data["node"]], data, path)
         for option in args:
-            if option is type(None):
-                continue
-            if option in (str, float, int, bool) and isinstance(data, option):
+            if option in _PRIMITIVES and _is(option, data):
                 return data
-        options = [a for a in args if a is not type(None) and a not in (str, float, int, bool)]
-        return decode(options[0], data) if options else data
+        options = [a for a in args if a is not type(None) and a not in _PRIMITIVES]
+        if not options:
+            raise PlanError(f"{path}: expected {' or '.join(_name(a) for a in args)}, got {data!r}")
+        return decode(options[0], data, path)
     if origin is tuple:
+        if not isinstance(data, list):
+            raise PlanError(f"{path}: expected a list, got {data!r}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(decode(args[0], v) for v in data)
-        return tuple(decode(a, v) for a, v in zip(args, data))
-    if hint is Sharding:
-        return Sharding.parse(data)
-    if hint is SourceLoc:
-        return SourceLoc.parse(data)
+            return tuple(decode(args[0], v, f"{path}[{i}]") for i, v in enumerate(data))
+        if len(args) != len(data):
+            raise PlanError(f"{path}: expected {len(args)} items, got {len(data)}")
+        return tuple(decode(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+    if hint in (Sharding, SourceLoc):
+        if not isinstance(data, str):
+            raise PlanError(f"{path}: expected text, got {data!r}")
+        return Sharding.parse(data) if hint is Sharding else SourceLoc.parse(data)
     if hint is Mesh:
-        from fivedc.mesh import MESH_ORDER, MeshAxis
-
-        return Mesh(tuple(data["sizes"][str(a)] for a in MESH_ORDER), tuple(MeshAxis(a) for a in data["rank_order"]))
+        return _mesh(data, path)
     if isinstance(hint, type) and issubclass(hint, Enum):
-        return hint(data)
+        try:
+            return hint(data)
+        except ValueError:
+            raise PlanError(f"{path}: {data!r} is not one of {', '.join(str(m.value) for m in hint)}") from None
     if dataclasses.is_dataclass(hint):
         if not isinstance(data, dict):
-            raise PlanError(f"expected an object for {hint.__name__}, got {data!r}")
+            raise PlanError(f"{path}: expected an object for {hint.__name__}, got {data!r}")
         hints = _hints(hint)
-        kwargs = {k: decode(hints[k], v) for k, v in data.items() if k != "node" and k in hints}
+        unknown = sorted(set(data) - set(hints) - {"node", "dim_locs"})
+        if unknown:
+            raise PlanError(f"{path}: {hint.__name__} has no field {unknown[0]!r}")
+        kwargs = {k: decode(hints[k], v, f"{path}.{k}") for k, v in data.items() if k in hints}
         return hint(**kwargs)
     return data
+
+
+_PRIMITIVES = (bool, int, float, str)
+
+
+def _is(kind: type, data: Any) -> bool:
+    """JSON's types as Python reads them: a bool is not an int, an int is a float."""
+    if kind is bool:
+        return isinstance(data, bool)
+    if kind is int:
+        return isinstance(data, int) and not isinstance(data, bool)
+    if kind is float:
+        return isinstance(data, (int, float)) and not isinstance(data, bool)
+    return isinstance(data, kind)
+
+
+def _primitive(hint: Any, data: Any, path: str) -> Any:
+    kinds = _PRIMITIVES if hint is ir.Scalar else (hint,)
+    if not any(_is(k, data) for k in kinds):
+        raise PlanError(f"{path}: expected {' or '.join(_name(k) for k in kinds)}, got {data!r}")
+    return data
+
+
+def _name(kind: Any) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "text", type(None): "null"}.get(
+        kind, getattr(kind, "__name__", str(kind)))
+
+
+def _mesh(data: Any, path: str) -> Mesh:
+    from fivedc.mesh import MESH_ORDER, MeshAxis
+
+    if not isinstance(data, dict) or not isinstance(data.get("sizes"), dict):
+        raise PlanError(f"{path}: expected {{\"sizes\": {{\"dp\": N, ...}}, \"rank_order\": [...]}}, got {data!r}")
+    sizes = []
+    for axis in MESH_ORDER:
+        size = data["sizes"].get(str(axis))
+        if not _is(int, size) or size < 1:
+            raise PlanError(f"{path}.sizes.{axis}: expected an integer >= 1, got {size!r}")
+        sizes.append(size)
+    order = data.get("rank_order", [str(a) for a in MESH_ORDER])
+    if not isinstance(order, list) or sorted(map(str, order)) != sorted(map(str, MESH_ORDER)):
+        raise PlanError(f"{path}.rank_order: expected each of dp, pp, tp, cp, ep once, got {order!r}")
+    return Mesh(tuple(sizes), tuple(MeshAxis(a) for a in order))

@@ -7,9 +7,11 @@ chunks were cut (or that a pp=1 plan leaves the model's @stage marks unused), dt
 plan version), the mesh groups, the pipeline chunks, one row per parameter (global
 and local shape, sharding, the axes its gradient is summed over), the output shardings seen per op
 kind, every collective with its bytes, count and reason followed by bytes per step
-per phase, and the memory estimate per rank. Every cell is a `Text`, never markup,
-because reasons quote shardings in brackets (`[batch:dp seq:tp]`). `format_bytes`
-is shared with `fivedc.diff`.
+per phase, and the memory estimate per rank. By default it fits an 80-column
+terminal (each collective is one line of facts with its reason wrapped below it);
+`wide=True` gives one table row per collective, reason last, for 140 columns or
+more. Every cell is a `Text`, never markup, because reasons quote shardings in
+brackets (`[batch:dp seq:tp]`). `format_bytes` is shared with `fivedc.diff`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from __future__ import annotations
 from collections import Counter
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -178,6 +181,8 @@ def _params(plan: ExecutionPlan, *, verbose: bool) -> Table:
     graph, mesh = plan.graph, plan.mesh
     table = _table("Parameters", "parameter", "global shape", "sharding", "local shape", "grad reduced over")
     params = list(walk_params(graph.body))
+    table.columns[0].overflow = "fold"  # a narrow terminal folds a long name instead of cutting it
+    table.columns[0].min_width = min(24, max((len(qualified(p.name, r)) for p, r in params), default=1))
     shown = params if verbose or len(params) <= MAX_PARAM_ROWS else params[:MAX_PARAM_ROWS]
     for param, repeat in shown:
         _row(
@@ -208,7 +213,33 @@ def _where(c: Collective, graph: Graph) -> str:
     return f"{c.loc.line}:{c.loc.col}" if c.loc.file == graph.source else str(c.loc)
 
 
-def _collectives(plan: ExecutionPlan) -> Table:
+def _reason(c: Collective) -> str:
+    return c.reason + (f" (overlaps: {c.overlaps})" if c.overlaps else "")
+
+
+def _collectives(plan: ExecutionPlan, *, wide: bool) -> Table:
+    table = _collective_table(plan) if wide else _collective_list(plan)
+    if not plan.collectives:
+        table.caption = Text("no collectives: every rank computes independently")
+        table.caption_justify = "left"
+    return table
+
+
+def _collective_list(plan: ExecutionPlan) -> Table:
+    """Narrow form: per collective a line of facts, then its reason indented below."""
+    table = _table("Collectives", "phase", "collective: bytes × count, where; why below")
+    table.columns[1].ratio = 1
+    for c in plan.collectives:
+        dim = _collective_dim(c)
+        where = _where(c, plan.graph)
+        facts = (f"{c.kind} over {axes_text(c.axes)} of {c.tensor}" + (f" along {dim}" if dim != "-" else "")
+                 + f": {format_bytes(c.bytes)} × {c.count}" + (f" at {where}" if where != "-" else ""))
+        reason = Padding(Text(_reason(c), overflow="fold"), (0, 0, 0, 2))
+        table.add_row(Text(str(c.phase)), Group(Text(facts, overflow="fold"), reason))
+    return table
+
+
+def _collective_table(plan: ExecutionPlan) -> Table:
     table = _table("Collectives", "phase", "kind", "axes", "tensor", "dim", "bytes", "count", "at", "reason")
     for column in table.columns:
         column.overflow = "fold"
@@ -216,10 +247,7 @@ def _collectives(plan: ExecutionPlan) -> Table:
     table.columns[-1].min_width = 24
     for c in plan.collectives:
         _row(table, c.phase, c.kind, axes_text(c.axes), c.tensor, _collective_dim(c), format_bytes(c.bytes),
-             c.count, _where(c, plan.graph), c.reason + (f" (overlaps: {c.overlaps})" if c.overlaps else ""))
-    if not plan.collectives:
-        table.caption = Text("no collectives: every rank computes independently")
-        table.caption_justify = "left"
+             c.count, _where(c, plan.graph), _reason(c))
     return table
 
 
@@ -232,8 +260,9 @@ def _memory(plan: ExecutionPlan) -> Table:
     return table
 
 
-def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = False) -> None:
-    """Print the plan summary to `console`; `verbose` lists every parameter."""
+def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = False, wide: bool = False) -> None:
+    """Print the plan summary to `console`; `verbose` lists every parameter, `wide`
+    gives the collective table (140+ columns) instead of the 80-column list."""
     console.print(Text(f"fivedc plan: {plan.graph.name}", style="bold"))
     console.print(_header(plan))
     console.print()
@@ -246,7 +275,7 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     console.print()
     console.print(_op_kinds(plan))
     console.print()
-    console.print(_collectives(plan))
+    console.print(_collectives(plan, wide=wide))
     totals = phase_totals(plan.collectives)
     line = ", ".join(f"{phase} {format_bytes(n)}" for phase, n in totals.items())
     total = format_bytes(sum(totals.values()))

@@ -9,6 +9,7 @@ and exits 1 when one exceeds the tolerance.
 
 from __future__ import annotations
 
+import math
 import os
 
 from fivedc.errors import FivedcError, VerifyMismatch
@@ -31,6 +32,9 @@ def run_verify(args) -> int:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
     mesh = Mesh.parse(args.mesh, rank_order=args.rank_order)
     tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
+    if not (math.isfinite(tol) and tol >= 0):
+        raise FivedcError(f"--tol {tol} is not a tolerance: it must be a finite number >= 0",
+                          hint=f"e.g. --tol {DEFAULT_TOL[args.dtype]:g} (the default for {args.dtype})")
     from fivedc.frontend_py import is_spec
 
     if is_spec(args.model):

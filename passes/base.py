@@ -13,6 +13,7 @@ from typing import ClassVar, Protocol
 from fivedc.errors import FivedcError
 from fivedc.ir import Graph
 from fivedc.mesh import Mesh, MeshAxis
+from fivedc.schedule.generators import SCHEDULES
 from fivedc.seq_layout import SeqLayout
 
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
@@ -47,8 +48,18 @@ class CompileOptions:
         ):
             if value is not None and value not in choices:
                 raise FivedcError(f"unknown {what} {value!r}", hint=f"choose one of {', '.join(choices)}")
-        if not self.bucket_mb > 0:
-            raise FivedcError(f"bucket size {self.bucket_mb} MiB must be > 0", hint="e.g. --bucket-mb 25")
+        if not (isinstance(self.bucket_mb, (int, float)) and 0 < self.bucket_mb < 2**40):
+            raise FivedcError(f"bucket size {self.bucket_mb} MiB must be a number > 0 (and below 2^40)",
+                              hint="e.g. --bucket-mb 25")
+        if self.schedule not in SCHEDULES:
+            raise FivedcError(f"unknown pipeline schedule {self.schedule!r}", hint=f"choose one of {', '.join(SCHEDULES)}")
+        for what, value in (("microbatches", self.microbatches), ("virtual stages per rank", self.virtual)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise FivedcError(f"{what} {value!r} must be an integer >= 1",
+                                  hint="e.g. --microbatches 8" if what == "microbatches" else "e.g. --virtual 2")
+        if self.pp_layout is not None and (not self.pp_layout or not all(_is_int(n) and n >= 0 for n in self.pp_layout)):
+            raise FivedcError(f"pipeline layout {self.pp_layout} must be layer counts >= 0, one per chunk",
+                              hint="e.g. --pp-layout 3,5,5,3")
         if self.zero not in ZERO_STAGES:
             raise FivedcError(
                 f"unknown ZeRO stage {self.zero}",
@@ -72,6 +83,10 @@ class CompileOptions:
     def data_axes(self) -> tuple[MeshAxis, ...]:
         """Axes that split the batch of every non-expert layer (DESIGN.md: dp and ep)."""
         return (MeshAxis.DP, MeshAxis.EP)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Pass(Protocol):

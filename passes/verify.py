@@ -1,6 +1,6 @@
 """The IR verifier: structural invariants, checked at pipeline entry and exit.
 
-At entry: dims are defined, every name is defined once and before use, repeat
+At entry: dims are defined (sizes >= 1), parameters' inits known, every name is defined once and before use, repeat
 blocks carry as many values in as out, op kinds are known. At exit additionally:
 every op has a type, an output sharding and one spec per argument, and every input
 and parameter has a sharding. A violation is a bug in a frontend or a pass, so it
@@ -9,6 +9,7 @@ raises `PassError` with the node's source location.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -16,6 +17,8 @@ from fivedc.errors import PassError
 from fivedc.ir import Block, Graph, Op, Redistribute, Repeat
 from fivedc.ops import OP_SPECS
 from fivedc.passes.base import CompileOptions
+
+PARAM_INITS = ("normal", "ones", "zeros")  # what runtime/program.init_params makes
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +28,9 @@ class VerifyIR:
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         dims = {name for name, _ in graph.dims}
+        for name, size in graph.dims:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise PassError(f"dim {name} = {size!r} is not a size (an integer >= 1)", loc=graph.dim_loc(name))
         defined: set[str] = set()
         for item in graph.inputs:
             self._define(item.name, defined, item.loc)
@@ -52,6 +58,9 @@ class VerifyIR:
         for param in block.params:
             self._define(param.name, defined, param.loc)
             self._dims(param.dims, dims, param.loc)
+            if param.init not in PARAM_INITS or not (math.isfinite(param.std) and param.std >= 0):
+                raise PassError(f"parameter {param.name!r} has init {param.init!r} (std {param.std}): "
+                                f"one of {', '.join(PARAM_INITS)}, with a finite std >= 0", loc=param.loc)
             if self.stage == "exit" and param.sharding is None:
                 raise PassError(f"parameter {param.name!r} has no sharding", loc=param.loc)
         for item in block.items:

@@ -9,12 +9,14 @@ step. Errors are relative to the largest magnitude of the full reference tensor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.plan import ExecutionPlan
+from fivedc.runtime.compare import Worst, check_reference, loss_error, relative_error
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.moe import ExpertLoad
 from fivedc.runtime.program import Program, init_params, make_inputs, qualified_params, shard
@@ -41,17 +43,15 @@ class VerifyReport:
 
 
 def reference_run(plan: ExecutionPlan, settings: TrainSettings) -> TrainRecord:
-    """Train on one device with a plan compiled for a 1x1x1x1x1 mesh."""
+    """Train on one device with a plan compiled for a 1x1x1x1x1 mesh; `ReferenceNotFinite`
+    when its losses, gradients or parameters are not finite."""
     graph = plan.graph
     ctx = KernelContext(graph, plan.mesh, plan.mesh.coords(0))
     params = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype)
     inputs = make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype)
-    return train(Program(graph, ctx), params, inputs, settings)
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
-    denominator = max(scale.abs().max().item(), 1e-12) if scale.numel() else 1.0
-    return (a.double() - b.double()).abs().max().item() / denominator if a.numel() else 0.0
+    record = train(Program(graph, ctx), params, inputs, settings)
+    check_reference(record.losses, [*record.grads, record.params], what=graph.name)
+    return record
 
 
 def setup_rank(plan: ExecutionPlan, info, settings: TrainSettings) -> tuple[Program, dict, dict, dict]:
@@ -90,19 +90,33 @@ def rank_job(info, payload) -> dict:
     program, params, inputs, named = setup_rank(plan, info, settings)
     ctx = program.ctx
     record = train_plan(plan, program, params, inputs, settings)
-    errors = {"loss": (0.0, "loss"), "grad": (0.0, ""), "param": (0.0, "")}
-    for step, (mine, ref) in enumerate(zip(record.losses, reference.losses)):
-        errors["loss"] = max(errors["loss"], (abs(mine - ref) / max(abs(ref), 1e-12), f"loss at step {step + 1}"))
-    for step, (mine, ref) in enumerate(zip(record.grads, reference.grads)):
-        for name, grad in mine.items():
-            expected = shard(ref[name], named[name].dims, named[name].sharding, ctx)
-            err = _relative(grad.cpu(), expected, ref[name])
-            errors["grad"] = max(errors["grad"], (err, f"gradient of {name} at step {step + 1}"))
-    for name, value in record.params.items():
-        expected = shard(reference.params[name], named[name].dims, named[name].sharding, ctx)
-        errors["param"] = max(errors["param"], (_relative(value.cpu(), expected, reference.params[name]), name))
+    errors = compare_record(record, reference, expected=tuple(params), shard_of=lambda name, full: shard(
+        full, named[name].dims, named[name].sharding, ctx))
     load = record.expert_load if ctx.coords[MeshAxis.TP] == 0 else None  # tp ranks share their tokens
     return {"errors": errors, "losses": record.losses, "held": record.held, "expert_load": load}
+
+
+def compare_record(record: TrainRecord, reference: TrainRecord, *, expected: tuple[str, ...], shard_of) -> dict:
+    """The worst relative error of each kind between a rank's record and the reference:
+    every step's loss, every gradient of the `expected` parameters at every step, and
+    the parameters at the end (this rank's shards: `shard_of(name, full)`). A missing
+    step or tensor, or a non-finite value, is an infinite error."""
+    worst = {"loss": Worst(where="loss"), "grad": Worst(), "param": Worst()}
+    if len(record.losses) != len(reference.losses):
+        worst["loss"] = worst["loss"].add(math.inf, f"{len(record.losses)} losses for {len(reference.losses)} steps")
+    for step, (mine, ref) in enumerate(zip(record.losses, reference.losses), start=1):
+        worst["loss"] = worst["loss"].add(loss_error(mine, ref), f"loss at step {step}")
+    for step, ref in enumerate(reference.grads, start=1):
+        mine = record.grads[step - 1] if step <= len(record.grads) else {}
+        for name in expected:
+            got = mine.get(name)
+            err = math.inf if got is None else relative_error(got.cpu(), shard_of(name, ref[name]), ref[name])
+            worst["grad"] = worst["grad"].add(err, f"gradient of {name} at step {step}")
+    for name in expected:
+        got, full = record.params.get(name), reference.params[name]
+        err = math.inf if got is None else relative_error(got.cpu(), shard_of(name, full), full)
+        worst["param"] = worst["param"].add(err, name)
+    return {kind: (w.error, w.where) for kind, w in worst.items()}
 
 
 def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings: TrainSettings, pool=None) -> VerifyReport:
@@ -118,7 +132,7 @@ def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings:
 
 def merge_results(results: list[dict], reference: TrainRecord) -> VerifyReport:
     """One report from every rank's `rank_job` result: the worst error of each kind."""
-    worst = {k: max(r["errors"][k] for r in results) for k in ("loss", "grad", "param")}
+    worst = {k: max(r["errors"][k] for r in results) for k in ("loss", "grad", "param")}  # errors are never NaN
     loads = merge_loads([r.get("expert_load") for r in results])
     return VerifyReport(
         world=len(results),

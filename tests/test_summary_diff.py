@@ -1,7 +1,8 @@
 """The plan summary (`fivedc.summary`) and the plan diff (`fivedc.diff`).
 
 The summary is checked as text, the way `fivedc compile` prints it: groups, the
-parameter rows, a collective row with its reason, the memory rows. The diff is
+parameter rows, a collective row with its reason, the memory rows; by default it
+fits 80 columns with every key fact whole, `--wide` keeps the wide table. The diff is
 checked on pairs of plans that differ in one setting (tp, sequence parallelism, dp)
 against what the compiled plans themselves say.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from fivedc.cli import main
 from fivedc.diff import PlanDiff, diff_plans, render_diff
 from fivedc.frontend_dsl import load_model
 from fivedc.ir import Phase
@@ -24,23 +26,23 @@ from fivedc.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan import ExecutionPlan
-from fivedc.summary import MAX_PARAM_ROWS, format_bytes, op_shardings, render_summary
+from fivedc.summary import MAX_PARAM_ROWS, axes_text, format_bytes, op_shardings, render_summary
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = EXAMPLES / "tiny_llama.5d"
 
 
 @cache
-def plan(mesh: str, sp: bool = True, model: Path = TINY) -> ExecutionPlan:
+def plan(mesh: str, sp: bool = True, model: Path = TINY, zero: int = 0) -> ExecutionPlan:
     """Gradient buckets of 1 byte: every parameter is summed on its own, so a
     parameter's gradient sync can be found by its name."""
-    options = CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=sp, bucket_mb=2**-20)
+    options = CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=sp, bucket_mb=2**-20, zero=zero)
     return compile_graph(load_model(str(model)), options)
 
 
-def summary_text(p: ExecutionPlan, *, width: int = 160, verbose: bool = False) -> str:
+def summary_text(p: ExecutionPlan, *, width: int = 160, verbose: bool = False, wide: bool = False) -> str:
     console = Console(record=True, width=width, no_color=True, file=io.StringIO())
-    render_summary(p, console=console, verbose=verbose)
+    render_summary(p, console=console, verbose=verbose, wide=wide)
     return console.export_text()
 
 
@@ -68,7 +70,7 @@ def test_format_bytes() -> None:
 
 def test_summary_of_tiny_llama_with_sp() -> None:
     p = plan("2x1x2x1x1")
-    text = summary_text(p)
+    text = summary_text(p, wide=True)
     # header
     assert "tiny_llama" in text and "dp=2, pp=1, tp=2, cp=1, ep=1 (world 4)" in text
     assert "tp,cp,ep,dp,pp" in text
@@ -111,6 +113,56 @@ def test_summary_reads_well_piped_at_120_columns() -> None:
         assert max(len(line) for line in text.splitlines()) <= 120
         assert "\x1b[" not in text
         assert "sequence parallel" in text and "Memory per rank" in text
+
+
+SUMMARIES_AT_80 = [  # (model, mesh, sp, zero): tp with sp, cp, ep, pp, ZeRO
+    ("tiny_llama.5d", "2x1x2x1x1", True, 0),
+    ("tiny_llama.5d", "1x1x1x4x1", False, 3),
+    ("gpt.5d", "2x2x2x1x1", True, 1),
+    ("gpt.5d", "1x1x2x2x1", False, 2),
+    ("moe.5d", "2x1x1x1x2", False, 0),
+    ("moe.5d", "1x1x2x1x2", True, 3),
+]
+
+
+@pytest.mark.parametrize("model,mesh,sp,zero", SUMMARIES_AT_80)
+def test_summary_fits_80_columns_with_every_key_fact_whole(model: str, mesh: str, sp: bool, zero: int) -> None:
+    p = plan(mesh, sp, EXAMPLES / model, zero)
+    text = summary_text(p, width=80)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert p.collectives and "\x1b[" not in text
+    m = p.mesh
+    assert line_with(text, "mesh", ", ".join(f"{a}={n}" for a, n in m.as_dict().items()), f"(world {m.world})")
+    for name, value in (("params", p.memory.params), ("optimizer", p.memory.optimizer), ("total", p.memory.total)):
+        assert line_with(text, name, format_bytes(value), f"{value:,}")
+    for c in p.collectives:  # kind, group and tensor whole on the collective's first line
+        assert line_with(text, str(c.phase), f"{c.kind} over {axes_text(c.axes)} of {c.tensor}",
+                         f"{format_bytes(c.bytes)} × {c.count}")
+    assert "Parameters" in text and "Memory per rank" in text
+
+
+def test_summary_at_80_columns_puts_the_reason_under_the_collective() -> None:
+    p = plan("2x1x2x1x1")
+    lines = summary_text(p, width=80).splitlines()
+    rs = next(c for c in p.collectives if c.kind == "reduce_scatter" and c.tensor == "x")
+    at = lines.index(line_with("\n".join(lines), "forward", "reduce_scatter over tp of x along seq", "at 23:3"))
+    indent = len(lines[at + 1]) - len(lines[at + 1].lstrip())
+    assert indent > len("forward") and lines[at + 1].lstrip().startswith(rs.reason[:40].split(":")[0])
+    wide = summary_text(p, width=80, wide=True)  # the wide table folds words at 80 columns
+    assert any(c.kind not in wide for c in p.collectives)
+
+
+def test_compile_prints_80_columns_piped_and_the_wide_table_with_wide(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # what a pipe or an unknown terminal gets
+    monkeypatch.chdir(tmp_path)  # a short "wrote p.json" line
+    args = ["compile", str(TINY), "--mesh", "2x1x2x1x1", "--sp", "-o", "p.json"]
+    assert main(args) == 0
+    narrow = capsys.readouterr().out
+    assert max(len(line) for line in narrow.splitlines()) <= 80 and "reduce_scatter over tp of x" in narrow
+    assert main(args + ["--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert max(len(line) for line in wide.splitlines()) > 80
+    assert line_with(wide, "forward", "reduce_scatter", " x ", "seq", "sum the partial results")
 
 
 def test_summary_cuts_long_parameter_tables_unless_verbose() -> None:

@@ -15,10 +15,13 @@ factory need not be seeded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
+
+from fivedc.runtime.compare import Worst, check_reference, loss_error, relative_error
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
@@ -106,6 +109,7 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay}
     reference = train_module(module, inputs, **settings)
+    check_reference(reference.losses, [*reference.grads, reference.params], what=spec)
     payload = (spec, kwargs, dtype, state, inputs, {"mesh": mesh, **options}, settings)
     world = (mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)).world
     if dist.is_initialized():
@@ -118,24 +122,27 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
 
 
 def compare(reference: ModuleRun, parallel: ModuleRun) -> ModuleCheck:
-    worst = {"loss": (0.0, ""), "grad": (0.0, ""), "param": (0.0, "")}
-    for step, (ref, got) in enumerate(zip(reference.losses, parallel.losses, strict=True)):
-        worst["loss"] = max(worst["loss"], (abs(got - ref) / max(abs(ref), 1e-12), f"loss at step {step + 1}"))
-    for step, (ref, got) in enumerate(zip(reference.grads, parallel.grads, strict=True)):
+    """The worst relative error of each kind (runtime/compare.py: a missing step or
+    tensor, or a non-finite value in the parallel run, is an infinite error)."""
+    worst = {"loss": Worst(where="loss"), "grad": Worst(), "param": Worst()}
+    if len(parallel.losses) != len(reference.losses):
+        worst["loss"] = worst["loss"].add(math.inf, f"{len(parallel.losses)} losses for {len(reference.losses)} steps")
+    for step, (ref, got) in enumerate(zip(reference.losses, parallel.losses), start=1):
+        worst["loss"] = worst["loss"].add(loss_error(got, ref), f"loss at step {step}")
+    for step, ref in enumerate(reference.grads, start=1):
+        mine = parallel.grads[step - 1] if step <= len(parallel.grads) else {}
         for name, want in ref.items():
-            err = _relative(got[name], want)
-            worst["grad"] = max(worst["grad"], (err, f"gradient of {name} at step {step + 1}"))
+            err = _error(mine.get(name), want)
+            worst["grad"] = worst["grad"].add(err, f"gradient of {name} at step {step}")
     for name, want in reference.params.items():
-        worst["param"] = max(worst["param"], (_relative(parallel.params[name], want), name))
-    return ModuleCheck(tuple(reference.losses), tuple(parallel.losses), worst["loss"][0], worst["grad"][0],
-                       worst["param"][0], max(worst.values())[1])
+        worst["param"] = worst["param"].add(_error(parallel.params.get(name), want), name)
+    top = max(worst.values(), key=lambda w: w.error)
+    return ModuleCheck(tuple(reference.losses), tuple(parallel.losses), worst["loss"].error, worst["grad"].error,
+                       worst["param"].error, top.where)
 
 
-def _relative(got: Tensor, want: Tensor) -> float:
-    if got.shape != want.shape:
-        return float("inf")
-    scale = max(want.abs().max().item(), 1e-12) if want.numel() else 1.0
-    return (got.double() - want.double()).abs().max().item() / scale if want.numel() else 0.0
+def _error(got: Tensor | None, want: Tensor) -> float:
+    return math.inf if got is None else relative_error(got, want)  # a tensor the parallel run lacks
 
 
 def _cast(inputs, dtype: torch.dtype):
