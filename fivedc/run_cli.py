@@ -16,7 +16,7 @@ from fivedc.errors import FivedcError
 
 def run_run(args) -> int:
     from fivedc.cli import load_plan_or_compile
-    from fivedc.runtime.train import DTYPES, TrainSettings
+    from fivedc.runtime.train import DTYPES, TrainSettings, check_trainable
 
     if args.steps < 1:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
@@ -29,6 +29,7 @@ def run_run(args) -> int:
     elif args.mesh is None:
         raise FivedcError(f"running {args.model} needs a mesh", hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
     plan = load_plan_or_compile(args.model, args, dtype=args.dtype or "fp32")
+    check_trainable(plan.graph)
     if plan.dtype not in DTYPES:
         raise FivedcError(f"the plan trains in {plan.dtype}; run trains in {', '.join(DTYPES)}",
                           hint="compile with --dtype fp32 (or bf16)")

@@ -23,7 +23,7 @@ def run_verify(args) -> int:
     from fivedc.mesh import Mesh
     from fivedc.passes.base import CompileOptions
     from fivedc.pipeline import compile_graph
-    from fivedc.runtime.train import TrainSettings
+    from fivedc.runtime.train import TrainSettings, check_trainable
     from fivedc.runtime.verify import single_device_mesh
 
     if args.dtype not in DEFAULT_TOL:
@@ -41,6 +41,7 @@ def run_verify(args) -> int:
         return _verify_module(args, mesh, tol)
     check_no_stage_boundaries(args.model, args.stage_boundary)
     graph = load_model(args.model)
+    check_trainable(graph)
     plan = compile_graph(graph, compile_options(args, mesh, dtype=args.dtype))
     reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype))
     settings = TrainSettings(steps=args.steps, seed=args.seed, dtype=args.dtype)
@@ -53,13 +54,7 @@ def run_verify(args) -> int:
 
         print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})")
         report = verify_plan(plan, reference, settings=settings)
-    _print_report(report, tol)
-    if report.max_error > tol:
-        raise VerifyMismatch(
-            f"the parallel run differs from the single-device run: relative error "
-            f"{report.max_error:.3e} > {tol:.0e} ({report.worst})"
-        )
-    return 0
+    return judge(report, tol, what="the parallel run differs from the single-device run")
 
 
 def _verify_module(args, mesh, tol: float) -> int:
@@ -89,12 +84,15 @@ def _verify_module(args, mesh, tol: float) -> int:
     else:
         print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})")
         report = check_module(args.model, mesh=mesh, steps=args.steps, dtype=args.dtype, seed=args.seed, **options)
+    return judge(report, tol, what="the parallel module differs from the plain one")
+
+
+def judge(report, tol: float, *, what: str) -> int:
+    """Print the report; 0 when every error is within `tol`, else `VerifyMismatch` (exit 1).
+    Errors are never NaN (runtime/compare.py: a non-finite value is an infinite error)."""
     _print_report(report, tol)
-    if report.max_error > tol:
-        raise VerifyMismatch(
-            f"the parallel module differs from the plain one: relative error {report.max_error:.3e} > {tol:.0e} "
-            f"({report.worst})"
-        )
+    if not report.max_error <= tol:
+        raise VerifyMismatch(f"{what}: relative error {report.max_error:.3e} > {tol:.0e} ({report.worst})")
     return 0
 
 
@@ -118,7 +116,7 @@ def _print_report(report, tol: float) -> None:
     print(f"  gradients   {report.grad_error:.3e}")
     print(f"  parameters  {report.param_error:.3e}   (worst: {report.worst})")
     _print_expert_load(report)
-    verdict = "OK" if report.max_error <= tol else "MISMATCH"
+    verdict = "OK" if report.max_error <= tol else "MISMATCH"  # inf > tol: a NaN run never passes
     print(f"{verdict}: tolerance {tol:.0e}, {report.world} processes")
 
 

@@ -58,9 +58,9 @@ def init_params(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Ten
 
 def _int_bound(graph: Graph, name: str) -> int:
     """Exclusive upper bound for an int input: the vocab of the embedding or loss using it."""
-    types = {}
+    types = {i.name: i.type for i in graph.inputs}
     for node, _ in walk_ops(graph.body):
-        if isinstance(node, Op):
+        if isinstance(node, (Op, Redistribute)):
             types[node.out] = node.type
     for node, _ in walk_ops(graph.body):
         if isinstance(node, Op) and name in node.args:

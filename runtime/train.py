@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fivedc.ir import Graph, Op, walk_ops
+from fivedc.errors import FivedcError
+from fivedc.ir import Graph, Op, walk_ops, walk_params
 from fivedc.mesh import MeshAxis
 from fivedc.runtime.program import Program, grad_groups
 from fivedc.overlap import Bucket
@@ -28,6 +29,13 @@ from fivedc.runtime.zero import ZeroOptimizer, gathered_params_scope
 from fivedc.stages import PipelineSpec
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check_trainable(graph: Graph) -> None:
+    """A model with no parameter has nothing to train or verify: say so before any step."""
+    if next(walk_params(graph.body), None) is None:
+        raise FivedcError(f"model {graph.name} has no parameters: there is nothing to train or verify",
+                          loc=graph.loc, hint="declare the weights with `param NAME: [dims]`")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
+from fivedc.errors import FivedcError
 from fivedc.runtime.compare import Worst, check_reference, loss_error, relative_error
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
@@ -106,6 +107,9 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
     if dtype is not None:
         module = module.to(_DTYPES[dtype])
         inputs = _cast(inputs, _DTYPES[dtype])
+    if not any(p.requires_grad for p in module.parameters()):
+        raise FivedcError(f"{spec} builds a module with no trainable parameters: there is nothing to verify",
+                          hint="return the model that holds the weights from the factory")
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay}
     reference = train_module(module, inputs, **settings)
