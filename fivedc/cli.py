@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -61,6 +62,29 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
                    help="sum gradients after backward, no ZeRO-3 prefetch (to measure what overlap gains)")
 
 
+def _local_run_args(p: argparse.ArgumentParser) -> None:
+    """How verify and run start their local processes."""
+    from fivedc.runtime.pool import DEFAULT_TIMEOUT_S
+
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help=f"how long a rank waits in one collective for the others before the run fails "
+                   f"(default {DEFAULT_TIMEOUT_S:g}); a long computation never times out")
+    p.add_argument("--force", action="store_true",
+                   help="start the local processes even when the mesh or the plan's memory estimate "
+                   "exceeds this machine")
+
+
+def check_local_run(args) -> None:
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise FivedcError(f"--timeout {args.timeout} must be a number of seconds > 0", hint="e.g. --timeout 600")
+
+
+def progress_printer():
+    """Print progress lines with the seconds since the command started (verify, run)."""
+    start = time.perf_counter()
+    return lambda line: print(f"  [{time.perf_counter() - start:6.1f} s] {line}", flush=True)
+
+
 def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = True):
     """CompileOptions from the command line's mesh and plan options. Pipeline flags on a
     mesh with pp = 1 are an error (they would change nothing), unless the same flags
@@ -68,18 +92,19 @@ def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = Tr
     from fivedc.mesh import MeshAxis
     from fivedc.passes.base import CompileOptions
 
+    options = CompileOptions(
+        mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
+        cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
+        overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or "1f1b",
+        microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
+    )  # checks each value first
     given = [f"--{name.replace('_', '-')}" for name in ("schedule", "microbatches", "virtual", "pp_layout")
              if getattr(args, name) is not None]
     if pipeline_flags_need_pp and given and mesh.size(MeshAxis.PP) == 1:
         raise FivedcError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} up a pipeline, but mesh {mesh} has "
                           "pp=1: there is none, and the flag would change nothing",
                           hint="drop the flag, or give the mesh a pipeline axis, e.g. --mesh 1x2x1x1x1")
-    return CompileOptions(
-        mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
-        cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
-        overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or "1f1b",
-        microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
-    )
+    return options
 
 
 def _layout(text: str | None) -> tuple[int, ...] | None:
@@ -113,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
     v.add_argument("--dtype", default="fp64", help="fp64 (default) or fp32")
     v.add_argument("--tol", type=float, default=None, help="largest relative error allowed (fp64: 1e-10)")
+    _local_run_args(v)
     r = sub.add_parser("run", help=COMMANDS["run"], description=COMMANDS["run"])
     r.add_argument("model", help="a plan .json written by fivedc compile, a .5d model, or path/to/file.py:factory")
     _mesh_args(r, required=False)
@@ -121,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     r.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
     r.add_argument("--seed", type=int, default=0, help="seed of the parameters and the synthetic batch")
+    _local_run_args(r)
     v.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("show", help=COMMANDS["show"], description=COMMANDS["show"])
     s.add_argument("plan", help="a plan .json written by fivedc compile")

@@ -15,11 +15,12 @@ import os
 from fivedc.errors import FivedcError
 
 def run_run(args) -> int:
-    from fivedc.cli import load_plan_or_compile
+    from fivedc.cli import check_local_run, load_plan_or_compile
     from fivedc.runtime.train import DTYPES, TrainSettings, check_trainable
 
     if args.steps < 1:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
+    check_local_run(args)
     if args.model.endswith(".json"):
         given = _plan_flags_given(args)
         if given:
@@ -40,11 +41,15 @@ def run_run(args) -> int:
         if report is None:
             return 0
     else:
+        from fivedc.cli import progress_printer
+        from fivedc.runtime.resources import check_local_resources
         from fivedc.runtime.run import run_plan
 
+        check_local_resources(world=plan.mesh.world, bytes_per_rank=plan.memory.total, force=args.force,
+                              what=f"running {args.model} on mesh {plan.mesh}")
         print(f"running {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {args.steps} steps, "
               f"{plan.dtype}, a seeded synthetic batch)")
-        report = run_plan(plan, settings)
+        report = run_plan(plan, settings, timeout_s=args.timeout, on_progress=progress_printer())
     _print_report(plan, report)
     return 0
 

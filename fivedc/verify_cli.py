@@ -18,7 +18,7 @@ DEFAULT_TOL = {"fp64": 1e-10, "fp32": 1e-4}
 
 
 def run_verify(args) -> int:
-    from fivedc.cli import check_no_stage_boundaries, compile_options
+    from fivedc.cli import check_local_run, check_no_stage_boundaries, compile_options
     from fivedc.frontend_dsl import load_model
     from fivedc.mesh import Mesh
     from fivedc.passes.base import CompileOptions
@@ -30,6 +30,7 @@ def run_verify(args) -> int:
         raise FivedcError(f"verify runs in fp64 or fp32, not {args.dtype!r}")
     if args.steps < 1:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
+    check_local_run(args)
     mesh = Mesh.parse(args.mesh, rank_order=args.rank_order)
     tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
     if not (math.isfinite(tol) and tol >= 0):
@@ -50,17 +51,20 @@ def run_verify(args) -> int:
         if report is None:
             return 0
     else:
+        from fivedc.cli import progress_printer
         from fivedc.runtime.verify import verify_plan
 
+        _check_machine(args, plan, reference)
         print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})")
-        report = verify_plan(plan, reference, settings=settings)
+        report = verify_plan(plan, reference, settings=settings, timeout_s=args.timeout,
+                             on_progress=progress_printer())
     return judge(report, tol, what="the parallel run differs from the single-device run")
 
 
 def _verify_module(args, mesh, tol: float) -> int:
     """`file.py:factory`: the parallelized module against the plain one, both trained
     with torch's AdamW (fivedc/parallel/check.py)."""
-    from fivedc.cli import compile_options
+    from fivedc.cli import compile_options, progress_printer
     from fivedc.parallel.check import check_module
 
     plan = compile_options(args, mesh, dtype=args.dtype)  # the same options a compile of the module takes
@@ -82,9 +86,27 @@ def _verify_module(args, mesh, tol: float) -> int:
         if report is None:
             return 0
     else:
+        from fivedc.cli import _compile
+        from fivedc.runtime.verify import single_device_mesh
+
+        plan = _compile(args.model, args.mesh, args, dtype=args.dtype)  # errors before any process starts
+        _check_machine(args, plan, _compile(args.model, str(single_device_mesh()), args, dtype=args.dtype))
         print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})")
-        report = check_module(args.model, mesh=mesh, steps=args.steps, dtype=args.dtype, seed=args.seed, **options)
+        report = check_module(args.model, mesh=mesh, steps=args.steps, dtype=args.dtype, seed=args.seed,
+                              timeout_s=args.timeout, on_progress=progress_printer(), **options)
     return judge(report, tol, what="the parallel module differs from the plain one")
+
+
+def _check_machine(args, plan, reference) -> None:
+    """Refuse (unless --force) a mesh this machine cannot run: every rank holds its share
+    of the plan (its memory estimate) and the reference's record (parameters and every
+    step's gradients), and this process runs the reference itself."""
+    from fivedc.runtime.resources import check_local_resources
+
+    record = (args.steps + 1) * reference.memory.params
+    check_local_resources(world=plan.mesh.world, bytes_per_rank=plan.memory.total + record,
+                          reference_bytes=reference.memory.total + record, force=args.force,
+                          what=f"verifying {args.model} on mesh {plan.mesh}")
 
 
 def judge(report, tol: float, *, what: str) -> int:

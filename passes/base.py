@@ -49,7 +49,7 @@ class CompileOptions:
             if value is not None and value not in choices:
                 raise FivedcError(f"unknown {what} {value!r}", hint=f"choose one of {', '.join(choices)}")
         if not (isinstance(self.bucket_mb, (int, float)) and 0 < self.bucket_mb < 2**40):
-            raise FivedcError(f"bucket size {self.bucket_mb} MiB must be a number > 0 (and below 2^40)",
+            raise FivedcError(f"bucket size {self.bucket_mb} MiB must be > 0 and finite (below 2^40 MiB)",
                               hint="e.g. --bucket-mb 25")
         if self.schedule not in SCHEDULES:
             raise FivedcError(f"unknown pipeline schedule {self.schedule!r}", hint=f"choose one of {', '.join(SCHEDULES)}")

@@ -34,7 +34,7 @@ def run_job(info, payload) -> dict:
     """One rank of a run (module-level, so a worker pool can pickle it)."""
     plan, settings = payload
     program, params, inputs, _ = setup_rank(plan, info, settings)
-    record = train_plan(plan, program, params, inputs, settings)
+    record = train_plan(plan, program, params, inputs, settings, info)
     return {"losses": record.losses, "seconds": record.seconds, "held": record.held}
 
 
@@ -48,11 +48,15 @@ def merge_runs(results: list[dict]) -> RunReport:
     )
 
 
-def run_plan(plan: ExecutionPlan, settings: TrainSettings, *, pool=None) -> RunReport:
-    """Train `settings.steps` steps with `plan` on `plan.mesh.world` local processes."""
-    from fivedc.runtime.pool import run_once
+def run_plan(plan: ExecutionPlan, settings: TrainSettings, *, pool=None, timeout_s: float | None = None,
+             on_progress=None) -> RunReport:
+    """Train `settings.steps` steps with `plan` on `plan.mesh.world` local processes (a
+    temporary pool unless `pool`); `on_progress(line)` hears each step."""
+    from fivedc.runtime.pool import DEFAULT_TIMEOUT_S, run_once
 
     payload = (plan, settings)
     world = plan.mesh.world
-    results = pool.run(run_job, world=world, payload=payload) if pool else run_once(run_job, world=world, payload=payload)
-    return merge_runs(results)
+    if pool is not None:
+        return merge_runs(pool.run(run_job, world=world, payload=payload, on_progress=on_progress))
+    return merge_runs(run_once(run_job, world=world, payload=payload, timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
+                               on_progress=on_progress))

@@ -11,6 +11,7 @@ reported is the full loss: the local value summed over its pending axes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,9 +79,11 @@ def loss_axes_of(graph: Graph, mesh) -> tuple:
 
 def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor], settings: TrainSettings,
           *, zero: int = 0, buckets: tuple[Bucket, ...] = (), overlap: bool = True,
-          pipeline: PipelineSpec | None = None) -> TrainRecord:
+          pipeline: PipelineSpec | None = None, on_step: Callable[[int, float, float], None] | None = None
+          ) -> TrainRecord:
     """Train `settings.steps` steps from `params` (this rank's local tensors: with a
-    pipeline, only those of its chunks) and record them."""
+    pipeline, only those of its chunks) and record them; `on_step(step, loss, seconds)`
+    after each step (progress for the command line)."""
     graph, ctx = program.graph, program.ctx
     groups = {name: group for name, group in grad_groups(graph, ctx).items() if name in params}
     runner = None
@@ -118,5 +121,7 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
         if full_loss.is_cuda:
             torch.cuda.synchronize(full_loss.device)
         record.seconds.append(time.perf_counter() - start)
+        if on_step is not None:
+            on_step(len(record.losses), record.losses[-1], record.seconds[-1])
     record.params = optimizer.full_params()
     return record

@@ -10,6 +10,7 @@ step. Errors are relative to the largest magnitude of the full reference tensor.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +79,18 @@ def setup_rank(plan: ExecutionPlan, info, settings: TrainSettings) -> tuple[Prog
     return Program(graph, ctx), params, inputs, named
 
 
-def train_plan(plan: ExecutionPlan, program: Program, params: dict, inputs: dict, settings: TrainSettings) -> TrainRecord:
-    """`train` with everything the plan decides: ZeRO, buckets, overlap, the pipeline."""
+def train_plan(plan: ExecutionPlan, program: Program, params: dict, inputs: dict, settings: TrainSettings,
+               info=None) -> TrainRecord:
+    """`train` with everything the plan decides: ZeRO, buckets, overlap, the pipeline;
+    each step reported as progress (`RankInfo.report`: rank 0's reach the parent)."""
+    on_step = step_reporter(info, settings.steps) if info is not None else None
     return train(program, params, inputs, settings, zero=plan.zero, buckets=plan.buckets, overlap=plan.overlap,
-                 pipeline=plan.pipeline)
+                 pipeline=plan.pipeline, on_step=on_step)
+
+
+def step_reporter(info, steps: int):
+    """A progress line per step: `step 2/5: loss 4.1589, 312 ms`."""
+    return lambda step, loss, seconds: info.report(f"step {step}/{steps}: loss {loss:.6g}, {seconds * 1e3:.0f} ms")
 
 
 def rank_job(info, payload) -> dict:
@@ -89,7 +98,7 @@ def rank_job(info, payload) -> dict:
     plan, reference, settings = payload
     program, params, inputs, named = setup_rank(plan, info, settings)
     ctx = program.ctx
-    record = train_plan(plan, program, params, inputs, settings)
+    record = train_plan(plan, program, params, inputs, settings, info)
     errors = compare_record(record, reference, expected=tuple(params), shard_of=lambda name, full: shard(
         full, named[name].dims, named[name].sharding, ctx))
     load = record.expert_load if ctx.coords[MeshAxis.TP] == 0 else None  # tp ranks share their tokens
@@ -119,14 +128,25 @@ def compare_record(record: TrainRecord, reference: TrainRecord, *, expected: tup
     return {kind: (w.error, w.where) for kind, w in worst.items()}
 
 
-def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings: TrainSettings, pool=None) -> VerifyReport:
-    """Compare `plan` on `plan.mesh.world` processes with the single-device reference."""
-    from fivedc.runtime.pool import run_once
+def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings: TrainSettings, pool=None,
+                timeout_s: float | None = None, on_progress=None) -> VerifyReport:
+    """Compare `plan` on `plan.mesh.world` processes (a temporary pool unless `pool`,
+    its collectives timing out after `timeout_s`) with the single-device reference;
+    `on_progress(line)` hears the reference run and each parallel step."""
+    from fivedc.runtime.pool import DEFAULT_TIMEOUT_S, run_once
 
+    report = on_progress or (lambda line: None)
+    start = time.perf_counter()
     reference = reference_run(reference_plan, settings)
+    report(f"reference run on one device: {settings.steps} steps in {time.perf_counter() - start:.1f} s")
     payload = (plan, reference, settings)
     world = plan.mesh.world
-    results = pool.run(rank_job, world=world, payload=payload) if pool else run_once(rank_job, world=world, payload=payload)
+    report(f"the parallel run on {world} processes" + ("" if pool is not None else " (starting them)"))
+    if pool is not None:
+        results = pool.run(rank_job, world=world, payload=payload, on_progress=on_progress)
+    else:
+        results = run_once(rank_job, world=world, payload=payload, timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
+                           on_progress=on_progress)
     return merge_results(results, reference)
 
 

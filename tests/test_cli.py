@@ -151,3 +151,57 @@ def test_run_executes_a_saved_plan_and_a_model(tmp_path, capsys) -> None:
     assert "--mesh, --zero would change them" in err and "Traceback" not in err
     assert main(["run", "examples/gpt.5d"]) == 2
     assert "needs a mesh" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--schedule", "nosuch"], "unknown pipeline schedule 'nosuch'"),
+    (["--microbatches", "0"], "microbatches 0 must be an integer >= 1"),
+    (["--pp-layout", "7,7,7"], "--pp-layout sets up a pipeline, but mesh 1x1x1x1x1 has pp=1"),
+    (["--schedule", "gpipe"], "--schedule sets up a pipeline, but mesh 1x1x1x1x1 has pp=1"),
+    (["--bucket-mb", "inf"], "bucket size inf MiB must be > 0 and finite"),
+    (["--bucket-mb", "nan"], "bucket size nan MiB must be > 0 and finite"),
+])
+def test_settings_that_mean_nothing_are_refused(flags, message, tmp_path, capsys) -> None:
+    out = tmp_path / "p.json"
+    assert main(["compile", "examples/gpt.5d", "--mesh", "1x1x1x1x1", "-q", "-o", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not out.exists()
+
+
+def test_a_world_the_machine_cannot_run_is_refused_before_any_process(tmp_path, capsys) -> None:
+    import multiprocessing
+
+    plan = tmp_path / "big.json"
+    assert main(["compile", "examples/llama3_405b.5d", "--mesh", "2048x1x8x1x1", "--sp", "-q", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    before = set(multiprocessing.active_children())
+    assert main(["run", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert "needs 16384 local processes" in err and "--force" in err and "torchrun" in err
+    assert set(multiprocessing.active_children()) == before
+    assert main(["verify", "examples/deepseek_v3.5d", "--mesh", "1x1x1x1x2"]) == 2
+    assert "of memory" in capsys.readouterr().err
+
+
+def test_a_half_set_launcher_environment_is_bad_input(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert main(["verify", "examples/gpt.5d", "--mesh", "1x1x1x1x1"]) == 2
+    err = capsys.readouterr().err
+    assert "MASTER_ADDR and MASTER_PORT are not" in err and "torchrun" in err
+
+
+def test_an_internal_error_is_one_line_and_exit_4(monkeypatch, capsys) -> None:
+    import fivedc.cli as cli
+
+    def broken(args):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_check", broken)
+    assert main(["check", "whatever.json"]) == 4
+    err = capsys.readouterr().err
+    assert "internal error in fivedc (ZeroDivisionError: a bug)" in err and "Traceback" not in err
+    assert "0 ok" in subprocess.run([sys.executable, "-m", "fivedc.cli", "--help"], capture_output=True,
+                                    text=True).stdout.replace("  ", " ")

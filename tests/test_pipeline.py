@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fivedc.cli import main
-from fivedc.errors import PlanError
+from fivedc.errors import FivedcError, PlanError
 from fivedc.frontend_dsl import load_model, parse_model
 from fivedc.ir import CollectiveKind, Phase
 from fivedc.mesh import Mesh, MeshAxis
@@ -109,7 +109,7 @@ def test_shared_parameter_across_stages_is_refused() -> None:
 def test_bad_pipeline_input_is_a_clear_error(options: dict, message: str, hint: str) -> None:
     options = dict(options)
     mesh = options.pop("mesh")
-    with pytest.raises(PlanError) as error:
+    with pytest.raises(FivedcError) as error:
         compile_text(small(layers=4), mesh, **options)
     assert message in str(error.value) and hint in error.value.render()
 

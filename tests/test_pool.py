@@ -2,28 +2,44 @@
 
 Job functions live at module level because the pool pickles them by reference.
 Failing jobs are followed by a normal one to show the pool recovers; the hung and
-dead-worker cases cost a worker restart each, so they run on two ranks only.
+dead-worker cases cost a worker restart each, so they run on two ranks only, the
+collective-timeout cases on a small pool of their own with a 2 s timeout. The last
+tests start a parent process with a pool and kill or interrupt it (Linux: they read
+/proc to find the processes left in its session).
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import select
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from fivedc.errors import FivedcError, MeshError
+import fivedc.runtime.pool as pool_module
+from fivedc.errors import FivedcError, MeshError, ShapeError, SourceLoc, VerifyMismatch
 from fivedc.mesh import Mesh
-from fivedc.runtime.pool import RankInfo, WorkerError, WorkerPool, check_world, init_from_env, run_once
+from fivedc.runtime.pool import (
+    RankError, RankInfo, WorkerError, WorkerPool, check_world, init_from_env, run_once,
+)
 
 
-def identify(info: RankInfo, payload: int) -> tuple[int, int, str, int, float]:
+def identify(info: RankInfo, payload: int) -> tuple[int, int, str, int, float, int]:
     total = torch.tensor([float(info.rank)])
     dist.all_reduce(total)
-    return info.rank, info.world, info.device, payload, total.item()
+    return info.rank, info.world, info.device, payload, total.item(), os.getpid()
 
 
 def fail_on_one(info: RankInfo, blocked: bool) -> int:
@@ -43,9 +59,33 @@ def hang_or_die(info: RankInfo, how: str) -> int:
     return info.rank
 
 
+def compute_then_sum(info: RankInfo, seconds: float) -> float:
+    """Every rank computes (sleeps) `seconds`, longer than the pool's timeout, then they meet."""
+    time.sleep(seconds)
+    total = torch.tensor([float(info.rank)])
+    dist.all_reduce(total)
+    return total.item()
+
+
+def raise_user_error(info: RankInfo, kind: str) -> int:
+    if info.rank == 1:
+        if kind == "shape":
+            loc = SourceLoc("model.5d", 3, 7, "  x = linear(h, w)")
+            raise ShapeError("hidden 30 is not divisible by tp = 4", loc=loc, hint="make hidden a multiple of 4")
+        raise VerifyMismatch("loss differs by 0.5", hint="look at the gradients")
+    return info.rank
+
+
+def report_steps(info: RankInfo, steps: int) -> int:
+    for step in range(steps):
+        dist.barrier()  # every rank reports; only rank 0's lines reach the parent
+        info.report(f"step {step} on rank {info.rank}")
+    return info.rank
+
+
 def check_ok(pool: WorkerPool, world: int) -> None:
     expected = [(r, world, "cpu", 7, float(sum(range(world)))) for r in range(world)]
-    assert pool.run(identify, world=world, payload=7) == expected
+    assert [got[:5] for got in pool.run(identify, world=world, payload=7)] == expected
 
 
 def test_results_by_rank_for_each_world(worker_pool: WorkerPool) -> None:
@@ -63,20 +103,95 @@ def test_error_names_rank_and_pool_recovers(worker_pool: WorkerPool, blocked: bo
     assert "rank 1 of 4 failed in fail_on_one" in str(caught.value)
     assert "ValueError: rank one is broken" in str(caught.value)
     assert isinstance(caught.value, FivedcError)
+    assert caught.value.exit_code == 3 and not isinstance(caught.value, RankError)
     check_ok(worker_pool, 4)
 
 
-@pytest.mark.parametrize("how", ["hang", "die"])
-def test_hung_or_dead_worker_is_replaced(worker_pool: WorkerPool, how: str) -> None:
-    saved, worker_pool.timeout_s = worker_pool.timeout_s, 2.0
-    try:
-        with pytest.raises(WorkerError) as caught:
-            worker_pool.run(hang_or_die, world=2, payload=how)
-    finally:
-        worker_pool.timeout_s = saved
-    assert caught.value.rank == 1
-    assert ("did not finish" if how == "hang" else "died (exit code 3)") in str(caught.value)
+@pytest.mark.parametrize("kind", ["shape", "mismatch"])
+def test_user_error_in_a_rank_keeps_its_message_and_exit_code(worker_pool: WorkerPool, kind: str) -> None:
+    with pytest.raises(RankError) as caught:
+        worker_pool.run(raise_user_error, world=2, payload=kind)
+    error = caught.value
+    assert error.rank == 1 and "Traceback" not in error.render()
+    if kind == "shape":
+        assert error.exit_code == 2
+        assert error.message == "hidden 30 is not divisible by tp = 4 (on rank 1 of 2 in raise_user_error)"
+        assert error.render().splitlines() == [
+            "model.5d:3:7: error: hidden 30 is not divisible by tp = 4 (on rank 1 of 2 in raise_user_error)",
+            "      x = linear(h, w)",
+            "          ^",
+            "hint: make hidden a multiple of 4",
+        ]
+    else:
+        assert error.exit_code == 1 and error.loc is None
+        assert error.render().startswith("error: loss differs by 0.5 (on rank 1 of 2")
+        assert error.hint == "look at the gradients"
     check_ok(worker_pool, 2)
+
+
+def test_dead_worker_is_replaced(worker_pool: WorkerPool) -> None:
+    with pytest.raises(WorkerError) as caught:
+        worker_pool.run(hang_or_die, world=2, payload="die")
+    assert caught.value.rank == 1 and caught.value.exit_code == 3
+    assert "died (exit code 3)" in str(caught.value)
+    check_ok(worker_pool, 2)
+
+
+@pytest.fixture(scope="module")
+def small_pool() -> Iterator[WorkerPool]:
+    """Two workers whose ranks wait at most 2 s in a collective."""
+    with WorkerPool(2, timeout_s=2.0) as pool:
+        yield pool
+
+
+def test_rank_that_never_arrives_is_named(small_pool: WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 returns and waits in the closing barrier; rank 1 sleeps outside any collective."""
+    monkeypatch.setattr(pool_module, "_ERROR_GRACE_S", 1.0)
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as caught:
+        small_pool.run(hang_or_die, world=2, payload="hang")
+    assert 2.0 <= time.monotonic() - started < 20
+    error = caught.value
+    assert error.rank == 1 and error.exit_code == 3
+    assert error.message == ("rank(s) 1 of 2 did not arrive at a collective in hang_or_die: "
+                             "rank(s) 0 waited 2 s for them and timed out")
+    assert "--timeout SECONDS (now 2)" in error.hint
+    check_ok(small_pool, 2)
+
+
+def test_long_computation_is_not_a_timeout(small_pool: WorkerPool) -> None:
+    """The ranks compute 3 s, past the 2 s timeout, but arrive together: no error. A
+    Ctrl-C sent to the workers meanwhile does nothing (the parent is the one to act)."""
+    workers = [pid for *_, pid in small_pool.run(identify, world=2, payload=0)]
+    interrupt = threading.Timer(1.0, lambda: [os.kill(pid, signal.SIGINT) for pid in workers])
+    interrupt.start()
+    started = time.monotonic()
+    assert small_pool.run(compute_then_sum, world=2, payload=3.0) == [1.0, 1.0]
+    assert time.monotonic() - started >= 3.0
+    interrupt.join()
+
+
+def test_ctrl_c_as_a_worker_starts_is_ignored(small_pool: WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each new worker gets SIGINT right after it is spawned, while Python starts."""
+    spawn_quietly = pool_module.sigint_blocked
+
+    @contextmanager
+    def spawn_then_interrupt() -> Iterator[None]:
+        with spawn_quietly():
+            yield
+        for proc in small_pool._procs.values():
+            os.kill(proc.pid, signal.SIGINT)
+
+    monkeypatch.setattr(pool_module, "sigint_blocked", spawn_then_interrupt)
+    small_pool.close()  # the next job starts new workers
+    check_ok(small_pool, 2)
+
+
+def test_progress_reaches_the_parent_from_rank_zero(worker_pool: WorkerPool) -> None:
+    lines: list[str] = []
+    assert worker_pool.run(report_steps, world=4, payload=3, on_progress=lines.append) == [0, 1, 2, 3]
+    assert lines == ["step 0 on rank 0", "step 1 on rank 0", "step 2 on rank 0"]
+    RankInfo(0, 1, "cpu").report("outside a pool: nothing happens")
 
 
 def test_unpicklable_job_and_oversized_world(worker_pool: WorkerPool) -> None:
@@ -87,7 +202,11 @@ def test_unpicklable_job_and_oversized_world(worker_pool: WorkerPool) -> None:
 
 
 def test_run_once() -> None:
-    assert run_once(identify, world=1, payload=3) == [(0, 1, "cpu", 3, 0.0)]
+    lines: list[str] = []
+    assert run_once(report_steps, world=1, payload=2, timeout_s=30, on_progress=lines.append) == [0]
+    assert lines == ["step 0 on rank 0", "step 1 on rank 0"]
+    with pytest.raises(FivedcError, match="--timeout SECONDS with SECONDS > 0"):
+        WorkerPool(1, timeout_s=0)
 
 
 def test_check_world(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,3 +237,112 @@ def test_init_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ---- a parent process killed or interrupted ------------------------------------------
+PARENT = textwrap.dedent('''
+    import os, sys, threading, time
+    from fivedc.runtime.pool import WorkerPool
+
+    def nap(info, seconds):
+        time.sleep(seconds)
+        return os.getpid()
+
+    def main():
+        with WorkerPool(2) as pool:
+            print("starting", flush=True)
+            print(*pool.run(nap, world=2, payload=0.0), flush=True)
+            pool.run(nap, world=2, payload=600.0)
+
+    if __name__ == "__main__":
+        try:
+            if sys.argv[1:] == ["thread"]:  # workers spawned from a thread: no PR_SET_PDEATHSIG
+                thread = threading.Thread(target=main)
+                thread.start()
+                thread.join()
+            else:
+                main()
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
+''')
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def start_parent(tmp_path, *args: str) -> subprocess.Popen:
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    return subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float = 120) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        pytest.fail(f"the parent printed nothing; stderr:\n{proc.communicate()[1]}")
+    return line.strip()
+
+
+def session(sid: int) -> list[int]:
+    """The processes of session `sid` that still run (exited, unreaped ones do not)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                state, _ppid, _pgrp, owner = stat.read().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
+            continue
+        if state != "Z" and int(owner) == sid:
+            found.append(int(entry))
+    return found
+
+
+def gone_within(sid: int, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := session(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def pool_folders(pid: int) -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"fivedc-pool-{pid}-*"))
+
+
+@linux_only
+@pytest.mark.parametrize("how", ["kill", "term", "kill-thread"])
+def test_workers_and_folder_go_with_a_killed_parent(tmp_path, how: str) -> None:
+    """kill: the workers die by PR_SET_PDEATHSIG and the next pool removes the folder;
+    term: the parent's handler stops them and removes it; kill-thread: the workers'
+    watching thread sees the parent gone, removes the folder and exits."""
+    proc = start_parent(tmp_path, *(["thread"] if how == "kill-thread" else []))
+    assert read_line(proc) == "starting"
+    workers = [int(pid) for pid in read_line(proc).split()]
+    assert len(workers) == 2 and set(workers) <= set(session(proc.pid))
+    assert len(pool_folders(proc.pid)) == 1
+    sig = signal.SIGTERM if how == "term" else signal.SIGKILL
+    os.kill(proc.pid, sig)
+    assert proc.wait(timeout=30) == -sig
+    assert gone_within(proc.pid, 10) == []  # the workers and multiprocessing's resource tracker
+    if how == "kill":
+        WorkerPool(1).close()
+    assert pool_folders(proc.pid) == []
+
+
+@linux_only
+def test_ctrl_c_stops_everything_with_one_line(tmp_path) -> None:
+    """SIGINT to the whole process group, as a terminal sends it, most likely while the
+    workers import torch (else during the job): only the parent reacts."""
+    proc = start_parent(tmp_path)
+    assert read_line(proc) == "starting"
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    started = time.monotonic()
+    _, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 15
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted" and stderr.count("interrupted") == 1
+    assert gone_within(proc.pid, 10) == []
+    assert pool_folders(proc.pid) == []

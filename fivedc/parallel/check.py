@@ -53,7 +53,7 @@ class ModuleCheck:
 
 
 def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: float = 1e-2,
-                 weight_decay: float = 0.1) -> ModuleRun:
+                 weight_decay: float = 0.1, on_step=None) -> ModuleRun:
     from fivedc.parallel.module import ParallelModule
 
     parallel = isinstance(model, ParallelModule)
@@ -67,6 +67,8 @@ def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: 
         grads = model.full_grads() if parallel else {n: p.grad for n, p in model.named_parameters()}
         run.grads.append({n: g.detach().clone().cpu() for n, g in grads.items()})
         opt.step()
+        if on_step is not None:
+            on_step(len(run.losses), run.losses[-1])
     state = model.full_state_dict() if parallel else model.state_dict()
     names = {m.key for m in model.fivedc_traced.params} if parallel else dict(model.named_parameters())
     run.params = {k: v.detach().clone().cpu() for k, v in state.items() if k in names}
@@ -84,13 +86,15 @@ def rank_job(info, payload) -> ModuleRun | None:
         module = module.to(_DTYPES[dtype])
     module.load_state_dict(state)
     model = parallelize(module, example_inputs=inputs, device=info.device, **options)
-    run = train_module(model, inputs, **settings)
+    steps = settings["steps"]
+    run = train_module(model, inputs, **settings,
+                       on_step=lambda step, loss: info.report(f"step {step}/{steps}: loss {loss:.6g}"))
     return run if info.rank == 0 else None
 
 
 def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2, lr: float = 1e-2,
                  weight_decay: float = 0.1, dtype: str | None = None, seed: int | None = None, pool=None,
-                 **options) -> ModuleCheck | None:
+                 timeout_s: float | None = None, on_progress=None, **options) -> ModuleCheck | None:
     """Train the plain module here and `parallelize(module, mesh=mesh, **options)` on `mesh.world`
     processes (mesh: a `Mesh` or its text), and compare. dtype ("fp64", "fp32"): cast the module
     (default: as built); seed: `torch.manual_seed` before the factory runs. Inside a torch.distributed job (torchrun) this
@@ -99,7 +103,7 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
 
     from fivedc.frontend_py import load_factory
     from fivedc.mesh import Mesh
-    from fivedc.runtime.pool import RankInfo, run_once
+    from fivedc.runtime.pool import DEFAULT_TIMEOUT_S, RankInfo, run_once
 
     if seed is not None:
         torch.manual_seed(seed)
@@ -120,8 +124,13 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
         device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
         parallel = rank_job(RankInfo(dist.get_rank(), dist.get_world_size(), device), payload)
         return replace(compare(reference, parallel), world=world) if parallel is not None else None
-    runner = pool.run if pool is not None else run_once
-    parallel = runner(rank_job, world=world, payload=payload)[0]
+    if on_progress is not None:
+        on_progress(f"reference run of the plain module: {steps} steps")
+    if pool is not None:
+        parallel = pool.run(rank_job, world=world, payload=payload, on_progress=on_progress)[0]
+    else:
+        parallel = run_once(rank_job, world=world, payload=payload, timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
+                            on_progress=on_progress)[0]
     return replace(compare(reference, parallel), world=world)
 
 

@@ -1,0 +1,101 @@
+"""How a `WorkerPool`'s processes and files go away, whatever ends the parent.
+
+Each pool's temporary folder is named after the parent's pid and holds an `owner`
+file (host and pid), so a new pool removes the folders of pools whose process was
+killed (SIGKILL runs no cleanup; their workers die with them, see `pool_worker`).
+On SIGTERM, where the program left its default action, the live pools' workers are
+stopped and their folders removed before the process dies of SIGTERM as before.
+Workers start with SIGINT blocked, so that a Ctrl-C in the terminal reaches only
+the parent, which stops them.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+PREFIX = "fivedc-pool-"  # + the owner's pid + "-" + random: fivedc-pool-4242-k3j9x0a1
+
+
+class Abandonable(Protocol):
+    def abandon(self) -> None: ...
+
+
+_LIVE: weakref.WeakSet[Abandonable] = weakref.WeakSet()
+
+
+def new_folder() -> str:
+    """A temporary folder named after this process, after removing the folders of
+    pools whose process is gone (on this host: the owner file names both)."""
+    host = socket.gethostname()
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}*-*")):
+        pid = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
+        try:
+            with open(os.path.join(path, "owner")) as owner:
+                mine = owner.read().split() == [host, pid]
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
+    with open(os.path.join(path, "owner"), "w") as owner:
+        owner.write(f"{host} {os.getpid()}\n")
+    return path
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (one that exited and was not reaped yet does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread while a worker starts: the worker inherits the mask,
+    so a Ctrl-C cannot interrupt it before it ignores SIGINT; here it is only delayed."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # starting it inside would unblock SIGINT again
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def abandon_on_sigterm(owner: Abandonable) -> None:
+    """Call `owner.abandon()` on SIGTERM, then die of it; only where SIGTERM still has
+    its default action (a program with its own handler cleans up in it)."""
+    _LIVE.add(owner)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    for owner in list(_LIVE):
+        owner.abandon()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
