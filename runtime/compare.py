@@ -59,6 +59,33 @@ class Worst:
         return Worst(error, where) if error > self.error else self
 
 
+def compare_runs(got, want, *, names: tuple[str, ...], shard_of=None) -> dict[str, tuple[float, str]]:
+    """The worst error of each kind ("loss", "grad", "param": (error, where)) between
+    two runs (anything with `losses`, per-step `grads` and final `params`): every
+    step's loss, the gradients of `names` at every step and their final values.
+    `shard_of(name, full)` is the part of a reference tensor `got` holds (default:
+    all of it); the scale is the full reference tensor. A missing step or tensor is
+    an infinite error."""
+    expected = shard_of or (lambda name, full: full)
+    worst = {"loss": Worst(where="loss"), "grad": Worst(), "param": Worst()}
+    if len(got.losses) != len(want.losses):
+        worst["loss"] = worst["loss"].add(math.inf, f"{len(got.losses)} losses for {len(want.losses)} steps")
+    for step, (mine, ref) in enumerate(zip(got.losses, want.losses), start=1):
+        worst["loss"] = worst["loss"].add(loss_error(mine, ref), f"loss at step {step}")
+    for step, ref in enumerate(want.grads, start=1):
+        mine = got.grads[step - 1] if step <= len(got.grads) else {}
+        for name in names:
+            worst["grad"] = worst["grad"].add(_error(mine.get(name), name, ref[name], expected),
+                                              f"gradient of {name} at step {step}")
+    for name in names:
+        worst["param"] = worst["param"].add(_error(got.params.get(name), name, want.params[name], expected), name)
+    return {kind: (w.error, w.where) for kind, w in worst.items()}
+
+
+def _error(got: torch.Tensor | None, name: str, full: torch.Tensor, expected) -> float:
+    return math.inf if got is None else relative_error(got.cpu(), expected(name, full), full)
+
+
 def check_reference(losses: Iterable[float], tensors: Iterable[Mapping[str, torch.Tensor]], *, what: str) -> None:
     """Raise `ReferenceNotFinite` when the single-device run's losses or tensors hold NaN/Inf."""
     for step, loss in enumerate(losses, start=1):

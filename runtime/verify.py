@@ -9,7 +9,6 @@ step. Errors are relative to the largest magnitude of the full reference tensor.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -17,7 +16,7 @@ import torch
 
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.plan import ExecutionPlan
-from fivedc.runtime.compare import Worst, check_reference, loss_error, relative_error
+from fivedc.runtime.compare import check_reference, compare_runs
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.moe import ExpertLoad
 from fivedc.runtime.program import Program, init_params, make_inputs, qualified_params, shard
@@ -99,33 +98,10 @@ def rank_job(info, payload) -> dict:
     program, params, inputs, named = setup_rank(plan, info, settings)
     ctx = program.ctx
     record = train_plan(plan, program, params, inputs, settings, info)
-    errors = compare_record(record, reference, expected=tuple(params), shard_of=lambda name, full: shard(
+    errors = compare_runs(record, reference, names=tuple(params), shard_of=lambda name, full: shard(
         full, named[name].dims, named[name].sharding, ctx))
     load = record.expert_load if ctx.coords[MeshAxis.TP] == 0 else None  # tp ranks share their tokens
     return {"errors": errors, "losses": record.losses, "held": record.held, "expert_load": load}
-
-
-def compare_record(record: TrainRecord, reference: TrainRecord, *, expected: tuple[str, ...], shard_of) -> dict:
-    """The worst relative error of each kind between a rank's record and the reference:
-    every step's loss, every gradient of the `expected` parameters at every step, and
-    the parameters at the end (this rank's shards: `shard_of(name, full)`). A missing
-    step or tensor, or a non-finite value, is an infinite error."""
-    worst = {"loss": Worst(where="loss"), "grad": Worst(), "param": Worst()}
-    if len(record.losses) != len(reference.losses):
-        worst["loss"] = worst["loss"].add(math.inf, f"{len(record.losses)} losses for {len(reference.losses)} steps")
-    for step, (mine, ref) in enumerate(zip(record.losses, reference.losses), start=1):
-        worst["loss"] = worst["loss"].add(loss_error(mine, ref), f"loss at step {step}")
-    for step, ref in enumerate(reference.grads, start=1):
-        mine = record.grads[step - 1] if step <= len(record.grads) else {}
-        for name in expected:
-            got = mine.get(name)
-            err = math.inf if got is None else relative_error(got.cpu(), shard_of(name, ref[name]), ref[name])
-            worst["grad"] = worst["grad"].add(err, f"gradient of {name} at step {step}")
-    for name in expected:
-        got, full = record.params.get(name), reference.params[name]
-        err = math.inf if got is None else relative_error(got.cpu(), shard_of(name, full), full)
-        worst["param"] = worst["param"].add(err, name)
-    return {kind: (w.error, w.where) for kind, w in worst.items()}
 
 
 def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings: TrainSettings, pool=None,

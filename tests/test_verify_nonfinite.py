@@ -22,7 +22,8 @@ from fivedc.parallel.check import ModuleRun, compare
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime import verify
-from fivedc.runtime.compare import ReferenceNotFinite, Worst, check_reference, loss_error, relative_error
+from fivedc.runtime.compare import (ReferenceNotFinite, Worst, check_reference, compare_runs, loss_error,
+                                   relative_error)
 from fivedc.runtime.train import TrainRecord, TrainSettings
 from fivedc.verify_cli import judge
 
@@ -59,12 +60,12 @@ def _record(loss: float, grad: torch.Tensor, steps: int = 2) -> TrainRecord:
     return record
 
 
-def test_compare_record_counts_nan_missing_tensors_and_missing_steps() -> None:
+def test_compare_runs_counts_nan_missing_tensors_and_missing_steps() -> None:
     good = torch.tensor([1.0, 2.0], dtype=torch.float64)
     reference = _record(1.5, good)
 
     def errors(record):
-        return verify.compare_record(record, reference, expected=("w",), shard_of=lambda name, full: full)
+        return compare_runs(record, reference, names=("w",))
 
     assert {k: e for k, (e, _) in errors(_record(1.5, good)).items()} == {"loss": 0.0, "grad": 0.0, "param": 0.0}
     nan = errors(_record(math.nan, torch.full((2,), math.nan, dtype=torch.float64)))

@@ -15,14 +15,13 @@ factory need not be seeded.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
 from fivedc.errors import FivedcError
-from fivedc.runtime.compare import Worst, check_reference, loss_error, relative_error
+from fivedc.runtime.compare import check_reference, compare_runs
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
@@ -137,25 +136,9 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
 def compare(reference: ModuleRun, parallel: ModuleRun) -> ModuleCheck:
     """The worst relative error of each kind (runtime/compare.py: a missing step or
     tensor, or a non-finite value in the parallel run, is an infinite error)."""
-    worst = {"loss": Worst(where="loss"), "grad": Worst(), "param": Worst()}
-    if len(parallel.losses) != len(reference.losses):
-        worst["loss"] = worst["loss"].add(math.inf, f"{len(parallel.losses)} losses for {len(reference.losses)} steps")
-    for step, (ref, got) in enumerate(zip(reference.losses, parallel.losses), start=1):
-        worst["loss"] = worst["loss"].add(loss_error(got, ref), f"loss at step {step}")
-    for step, ref in enumerate(reference.grads, start=1):
-        mine = parallel.grads[step - 1] if step <= len(parallel.grads) else {}
-        for name, want in ref.items():
-            err = _error(mine.get(name), want)
-            worst["grad"] = worst["grad"].add(err, f"gradient of {name} at step {step}")
-    for name, want in reference.params.items():
-        worst["param"] = worst["param"].add(_error(parallel.params.get(name), want), name)
-    top = max(worst.values(), key=lambda w: w.error)
-    return ModuleCheck(tuple(reference.losses), tuple(parallel.losses), worst["loss"].error, worst["grad"].error,
-                       worst["param"].error, top.where)
-
-
-def _error(got: Tensor | None, want: Tensor) -> float:
-    return math.inf if got is None else relative_error(got, want)  # a tensor the parallel run lacks
+    worst = compare_runs(parallel, reference, names=tuple(reference.params))
+    return ModuleCheck(tuple(reference.losses), tuple(parallel.losses), worst["loss"][0], worst["grad"][0],
+                       worst["param"][0], max(worst.values())[1])
 
 
 def _cast(inputs, dtype: torch.dtype):
