@@ -67,11 +67,11 @@ def _verify_module(args, mesh, tol: float) -> int:
     from fivedc.cli import compile_options, progress_printer
     from fivedc.parallel.check import check_module
 
-    plan = compile_options(args, mesh, dtype=args.dtype)  # the same options a compile of the module takes
-    options = dict(sequence_parallel=plan.sequence_parallel, cp_attention=plan.cp_attention,
-                   cp_layout=plan.cp_layout, overlap=plan.overlap, bucket_mb=plan.bucket_mb, zero=plan.zero,
-                   schedule=plan.schedule, microbatches=plan.microbatches, virtual=plan.virtual,
-                   pp_layout=plan.pp_layout, stage_boundaries=tuple(args.stage_boundary))
+    given = compile_options(args, mesh, dtype=args.dtype)  # the same options a compile of the module takes
+    options = dict(sequence_parallel=given.sequence_parallel, cp_attention=given.cp_attention,
+                   cp_layout=given.cp_layout, overlap=given.overlap, bucket_mb=given.bucket_mb, zero=given.zero,
+                   schedule=given.schedule, microbatches=given.microbatches, virtual=given.virtual,
+                   pp_layout=given.pp_layout, stage_boundaries=tuple(args.stage_boundary))
     if "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
 
