@@ -169,6 +169,10 @@ def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = ()):
     chunks beginning at the modules `stage_boundaries` match)."""
     from fivedc.frontend_py import graph_from_spec, is_spec
 
+    if model.endswith(".json"):
+        raise FivedcError(f"{model} is a plan file, and this command takes a model",
+                          hint="compile the model it came from (.5d or file.py:factory); "
+                          "a plan runs with fivedc run PLAN.json and checks with fivedc check PLAN.json")
     if is_spec(model):
         return graph_from_spec(model, stage_boundaries=tuple(stage_boundaries))
     check_no_stage_boundaries(model, stage_boundaries)

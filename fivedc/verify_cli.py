@@ -18,8 +18,7 @@ DEFAULT_TOL = {"fp64": 1e-10, "fp32": 1e-4}
 
 
 def run_verify(args) -> int:
-    from fivedc.cli import check_local_run, check_no_stage_boundaries, compile_options
-    from fivedc.frontend_dsl import load_model
+    from fivedc.cli import check_local_run, compile_options, load_graph
     from fivedc.mesh import Mesh
     from fivedc.passes.base import CompileOptions
     from fivedc.pipeline import compile_graph
@@ -40,8 +39,7 @@ def run_verify(args) -> int:
 
     if is_spec(args.model):
         return _verify_module(args, mesh, tol)
-    check_no_stage_boundaries(args.model, args.stage_boundary)
-    graph = load_model(args.model)
+    graph = load_graph(args.model, args.stage_boundary)  # a DSL model (or a clear error)
     check_trainable(graph)
     plan = compile_graph(graph, compile_options(args, mesh, dtype=args.dtype))
     reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype))
