@@ -19,7 +19,7 @@ from fivedc.mesh import Mesh, MeshAxis
 from fivedc.overlap import Bucket, plan_buckets
 from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_chunk, zero_notes
 from fivedc.serialize import decode, encode
-from fivedc.stage_plan import pipeline_collectives
+from fivedc.stage_plan import activations_in_flight, pipeline_collectives
 from fivedc.stages import PipelineSpec, chunk_param_names
 
 PLAN_VERSION = 1
@@ -158,8 +158,8 @@ def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int 
 def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0,
                     pipeline: PipelineSpec | None = None) -> MemoryEstimate:
     """Bytes per rank; under ZeRO a sharded part counts one padded chunk per parameter.
-    With a pipeline: the pp rank holding the most parameter bytes, and activations for
-    min(m, pp) microbatches in flight (1F1B's peak on the first rank)."""
+    With a pipeline: the pp rank holding the most parameter bytes, and its activations
+    at the peak of the microbatches its schedule keeps in flight (`activations_in_flight`)."""
     step_activations = sum(
         (graph.local_numel(node.type.dims, node.sharding, mesh) + moe_inner_activations(graph, node, repeat, mesh))
         * dtype_bytes * (repeat.count if repeat else 1)
@@ -220,10 +220,8 @@ def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, 
         params += (chunk if zero >= 3 else local_numel) * n
         grads += (chunk if zero >= 2 else local_numel) * n
         optimizer += (chunk if zero >= 1 else local_numel) * n
-    if pipeline is not None:  # this rank's share of the step's activations, for the microbatches in flight
-        share = sum(c.cost for c in pipeline.chunks if c.rank == pp_rank) / max(sum(c.cost for c in pipeline.chunks), 1)
-        m = pipeline.microbatches
-        activations = int(activations * share * min(m, mesh.size(MeshAxis.PP)) / m)
+    if pipeline is not None:  # this rank's chunks' activations for the microbatches its schedule keeps in flight
+        activations = activations_in_flight(pipeline, mesh.size(MeshAxis.PP), activations)[pp_rank]
     return MemoryEstimate(
         params=params * dtype_bytes,
         grads=grads * dtype_bytes,

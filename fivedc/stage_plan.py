@@ -14,7 +14,7 @@ from __future__ import annotations
 from fivedc.errors import PlanError, SourceLoc
 from fivedc.ir import Collective, CollectiveKind, Graph, Op, Phase, Repeat, walk_ops
 from fivedc.mesh import Mesh, MeshAxis
-from fivedc.schedule import SCHEDULES, make_schedule, min_microbatches
+from fivedc.schedule import SCHEDULES, make_schedule, min_microbatches, peak_live_weighted
 from fivedc.stages import (
     Chunk, PipelineSpec, Unit, check_enough, boundary_values, has_marks, layout_ranges, marked_ranges, partition,
     unit_costs, units, value_types,
@@ -196,3 +196,19 @@ def _describe(graph: Graph, chunk_units: list[Unit]) -> str:
     return ", ".join(
         p[1] if p[0] == "ops" else f"{p[1]}.{p[2]}" + (f"-{p[3]}" if p[3] != p[2] else "") for p in parts
     )
+
+
+def activations_in_flight(pipeline: PipelineSpec, pp: int, step_activations: float) -> tuple[int, ...]:
+    """Per pp rank, the activation bytes kept at its peak under the pipeline's schedule.
+    One microbatch's forward through chunk c keeps step_activations x cost_c / cost / m
+    (the chunk's share of the step, by its cost); the schedule, played action by action
+    (`peak_live_weighted`), says how many are alive at once on each rank: all m under
+    GPipe, p - rank under 1F1B, (p - rank - 1) x 2 + (v - 1) x p + 1 chunk-microbatches
+    under interleaved, and so on for ZB-H1 and DualPipeV."""
+    total = max(sum(c.cost for c in pipeline.chunks), 1)
+    m = pipeline.microbatches
+    weights = [0.0] * len(pipeline.chunks)
+    for chunk in pipeline.chunks:
+        weights[chunk.index] = step_activations * chunk.cost / total / m
+    return tuple(int(round(peak)) for peak in peak_live_weighted(pipeline.build_schedule(pp), weights))
+

@@ -341,3 +341,36 @@ def test_draws_png_and_svg(tmp_path) -> None:
     assert "I input grad" in text and "idle" in text
     with pytest.raises(ScheduleError, match="name a .png or .svg file"):
         draw_schedule(s, tmp_path / "zb.pdf")
+
+
+# ---- activations in flight: the memory estimate plays the schedule -------------------------------
+def _spec(name: str, p: int, m: int, v: int | None = None):
+    from fivedc.stages import Chunk, PipelineSpec
+
+    sched = make_schedule(name, p, m, v)
+    chunks = tuple(Chunk(c, sched.placement[c], (c, c + 1), f"c{c}", 1.0, 0) for c in range(p * sched.v))
+    return PipelineSpec(name, m, sched.v, chunks)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (3, 9)])
+def test_activations_in_flight_follow_each_schedule(p: int, m: int) -> None:
+    """With equal chunks, one microbatch through one chunk keeps A / (chunks x m) of the
+    step's activations A; each schedule keeps its published count of them alive."""
+    from fivedc.stage_plan import activations_in_flight
+
+    step = 2**20 * p * m * 6  # divisible, so the counts come out exact
+    per = lambda chunks: step // (chunks * m)  # noqa: E731
+    assert activations_in_flight(_spec("gpipe", p, m), p, step) == (per(p) * m,) * p  # all m, every rank
+    assert activations_in_flight(_spec("1f1b", p, m), p, step) == tuple(per(p) * min(p - r, m) for r in range(p))
+    zb = activations_in_flight(_spec("zb-h1", p, m), p, step)  # kept until W: ZB-H1's peak is 1F1B's (its paper)
+    assert zb == tuple(per(p) * count for count in simulate(make_schedule("zb-h1", p, m)).peak_live)
+    assert max(zb) == per(p) * min(p, m)
+    v = 2
+    if m % p == 0:  # interleaved (Megatron): (p - r - 1) * 2 + (v - 1) * p + 1 chunk-microbatches on rank r
+        got = activations_in_flight(_spec("interleaved", p, m, v), p, step)
+        assert got == tuple(per(p * v) * min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) for r in range(p))
+    if m >= 2 * p:  # DualPipeV: 2p + 1 chunk-microbatches on every rank (the test above of peak_live)
+        got = activations_in_flight(_spec("dualpipev", p, m), p, step)
+        assert got == tuple(per(2 * p) * count for count in simulate(make_schedule("dualpipev", p, m)).peak_live)
+    gpipe, one_f = (max(activations_in_flight(_spec(s, p, m), p, step)) for s in ("gpipe", "1f1b"))
+    assert gpipe > one_f or m <= p  # GPipe is no longer counted like 1F1B

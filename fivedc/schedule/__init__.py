@@ -10,7 +10,8 @@ from fivedc.schedule.actions import Action, ActionKind, Schedule, ScheduleError
 from fivedc.schedule.check import check_schedule
 from fivedc.schedule.generators import SCHEDULES, make_schedule, min_microbatches
 from fivedc.schedule.picture import draw_schedule
-from fivedc.schedule.simulator import DEFAULT_COSTS, DeadlockError, SimResult, simulate
+from fivedc.schedule.simulator import DEFAULT_COSTS, DeadlockError, SimResult, peak_live_weighted, simulate
 
 __all__ = ["DEFAULT_COSTS", "SCHEDULES", "Action", "ActionKind", "DeadlockError", "Schedule", "ScheduleError",
-           "SimResult", "check_schedule", "draw_schedule", "make_schedule", "min_microbatches", "simulate"]
+           "SimResult", "check_schedule", "draw_schedule", "make_schedule", "min_microbatches", "peak_live_weighted",
+           "simulate"]

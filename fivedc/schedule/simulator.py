@@ -23,7 +23,7 @@ never be matched this way deadlocks, and `simulate` raises `DeadlockError`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fivedc.schedule.actions import PARTNER, RECVS, SENDS, ActionKind as K, Schedule, ScheduleError
@@ -166,6 +166,23 @@ def peak_live(schedule: Schedule) -> tuple[int, ...]:
             live += step[a.kind]
             if live > peak:
                 peak = live
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def peak_live_weighted(schedule: Schedule, weights: Sequence[float]) -> tuple[float, ...]:
+    """Per rank, the most of `weights[chunk]` alive at once over the forwards alive (as
+    `peak_live` counts them): the activations a rank keeps at its peak when one
+    microbatch's forward through chunk c keeps `weights[c]`."""
+    peaks = []
+    for acts in schedule.ranks:
+        live = peak = 0.0
+        for a in acts:
+            if a.kind == K.FORWARD:
+                live += weights[a.chunk]
+                peak = max(peak, live)
+            elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+                live -= weights[a.chunk]
         peaks.append(peak)
     return tuple(peaks)
 
