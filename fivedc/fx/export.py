@@ -42,6 +42,9 @@ _METHODS = {aten.clone: "clone", aten.contiguous: "contiguous", aten.alias: "clo
             aten.expand: "expand", aten.t: "t"}
 
 
+_CHECKS = {aten._assert_tensor_metadata}
+
+
 def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     """Export `module` on keyword `inputs` and rewrite the graph into torch-level ops."""
     from torch.export.graph_signature import InputKind, OutputKind
@@ -49,6 +52,8 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     with _quiet():
         ep = torch.export.export(module, (), kwargs=inputs, strict=False)
     sig = ep.graph_signature
+    _inline_wrappers(ep.graph_module, trainable={s.arg.name for s in sig.input_specs
+                                                 if s.kind in (InputKind.PARAMETER, InputKind.USER_INPUT)})
     state = {s.arg.name: s.target for s in sig.input_specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
     constants = {s.arg.name: s.target for s in sig.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
     user = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
@@ -63,11 +68,101 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
         elif node.op == "output":
             outs = [a for a, s in zip(node.args[0], sig.output_specs) if s.kind == OutputKind.USER_OUTPUT]
             graph.output(env[outs[0]] if len(outs) == 1 else tuple(env[o] for o in outs))
+        elif getattr(node.target, "overloadpacket", None) in _CHECKS:
+            continue  # export's own checks of a value's dtype and device: nothing to compute
         else:
             env[node] = _convert(graph, node, fx.node.map_arg((node.args, node.kwargs), lambda n: env[n]))
             env[node].meta["stack_trace"] = node.meta.get("stack_trace", "")
             env[node].meta["nn_module_stack"] = node.meta.get("nn_module_stack") or {}  # for stage marks
     return fx.GraphModule(attrs, graph, type(module).__name__)
+
+
+# higher-order ops that only wrap a region (grad mode, autocast): (index of the submodule arg)
+_WRAPPERS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
+
+
+def _inline_wrappers(gm: fx.GraphModule, *, trainable: set[str]) -> None:
+    """Replace each region wrapper (`torch.no_grad()` or autocast around some ops, which
+    export keeps as a higher-order op over a submodule) by the ops of its region. A
+    no-grad region may only compute from values that carry no gradient (tables from
+    buffers and shapes, as rotary embeddings do): inlined over trainable values it
+    would let gradients through where the user stopped them, so that is refused."""
+    from fivedc.errors import NotSupportedError
+
+    graph = gm.graph
+    carries = set()  # nodes whose value depends on a parameter or a floating-point input
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            if node.name in trainable and _is_float(node):  # parameters and floating-point inputs
+                carries.add(node)
+            continue
+        inputs = [a for a in node.all_input_nodes]
+        wrapper = _WRAPPERS.get(getattr(node.target, "__name__", ""))
+        if wrapper is None:
+            if any(a in carries for a in inputs):
+                carries.add(node)
+            continue
+        region = getattr(gm, node.args[wrapper].target)
+        _inline_wrappers(region, trainable=set())
+        bound = [isinstance(a, fx.Node) and a in carries for a in node.args[wrapper + 1:]]
+        if node.target.__name__ == "wrap_with_set_grad_enabled" and not node.args[0] and _flows(region, bound):
+            raise NotSupportedError("a torch.no_grad() region computes its result from trainable values "
+                                    "(parameters or activations); fivedc would let gradients through it",
+                                    loc=_region_loc(node, region),
+                                    hint="compute the no-grad values from buffers and shapes only")
+        outputs = _splice(graph, node, region, node.args[wrapper + 1:])
+        for user in list(node.users):  # the wrapper returns a tuple, read with getitem
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+            if any(a in carries for a in inputs):
+                carries.add(outputs[user.args[1]])
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _region_loc(node: fx.Node, region: fx.GraphModule):
+    """The user's line of a wrapper: its own, or its region's first op's."""
+    from fivedc.fx.locs import node_loc
+
+    return node_loc(node) or next(filter(None, map(node_loc, region.graph.nodes)), None)
+
+
+def _flows(region: fx.GraphModule, bound: list[bool]) -> bool:
+    """Whether a value of the region's inputs marked in `bound` reaches its outputs (an
+    input read only for its dtype or device does not)."""
+    marked = set()
+    flags = iter(bound)
+    for inner in region.graph.nodes:
+        if inner.op == "placeholder":
+            if next(flags, False):
+                marked.add(inner)
+        elif inner.op == "output":
+            return any(a in marked for a in inner.all_input_nodes)
+        elif "_assert_tensor_metadata" not in str(inner.target) and any(a in marked for a in inner.all_input_nodes):
+            marked.add(inner)
+    return False
+
+
+def _is_float(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _splice(graph: fx.Graph, at: fx.Node, region: fx.GraphModule, args: tuple) -> list:
+    """Copy `region`'s ops before `at`, its placeholders bound to `args`; its outputs."""
+    env = {}
+    placeholders = iter(args)
+    with graph.inserting_before(at):
+        for inner in region.graph.nodes:
+            if inner.op == "placeholder":
+                env[inner] = next(placeholders)
+            elif inner.op == "output":
+                outputs = inner.args[0]
+                return [env[o] if isinstance(o, fx.Node) else o for o in outputs]
+            else:
+                env[inner] = graph.node_copy(inner, lambda n: env[n])
+    raise ValueError("a region without an output")
 
 
 @contextlib.contextmanager
@@ -88,6 +183,12 @@ def _fetch(module: nn.Module, key: str) -> object:
     return getattr(module.get_submodule(owner) if owner else module, attr)
 
 
+def _schema_args(node: fx.Node, args: tuple, kwargs: dict) -> dict:
+    """An ATen call's arguments by their names in the op's schema."""
+    names = [a.name for a in node.target._schema.arguments]
+    return dict(zip(names, args)) | kwargs
+
+
 def _convert(graph: fx.Graph, node: fx.Node, converted: tuple) -> fx.Node:
     args, kwargs = converted
     packet = getattr(node.target, "overloadpacket", None)
@@ -103,7 +204,8 @@ def _convert(graph: fx.Graph, node: fx.Node, converted: tuple) -> fx.Node:
     if packet in (aten.softmax, aten._softmax):
         return graph.call_function(F.softmax, (args[0], args[1]), {})
     if packet in (aten._to_copy, aten.to):
-        return graph.call_method("to", (args[0],), {"dtype": kwargs.get("dtype", args[1] if len(args) > 1 else None)})
+        dtype = _schema_args(node, args, kwargs).get("dtype")  # to.dtype, to.device, to.dtype_layout alike
+        return graph.call_method("to", (args[0],), {"dtype": dtype})
     if packet is aten.cross_entropy_loss:
         names = ("weight", "reduction", "ignore_index", "label_smoothing")
         options = dict(zip(names, args[2:])) | kwargs

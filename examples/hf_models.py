@@ -1,0 +1,83 @@
+"""Hugging Face transformers decoders, tiny and randomly initialised, as fivedc factories.
+
+Each function builds a model from the library itself (`transformers`, see the
+`models` extra in pyproject.toml for the tested version) with a tiny config of that
+architecture and wraps it so that `forward(input_ids, labels)` returns the library's
+own causal-LM loss. No weights are downloaded. Use one as
+`fivedc compile examples/hf_models.py:llama --mesh ...`, or list them with `ARCHITECTURES`.
+`benchmarks/compatibility.py` runs them all and writes `docs/compatibility.md`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, BATCH, SEQ = 64, 2, 8
+_DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+_MOE = dict(_DENSE, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _configs():
+    import transformers as T
+
+    return {
+        "llama": (T.LlamaConfig, _DENSE),
+        "mistral": (T.MistralConfig, _DENSE),
+        "qwen2": (T.Qwen2Config, _DENSE),
+        "qwen3": (T.Qwen3Config, dict(_DENSE, head_dim=8)),
+        "gemma": (T.GemmaConfig, dict(_DENSE, head_dim=8)),
+        "gemma2": (T.Gemma2Config, dict(_DENSE, head_dim=8)),
+        "gemma3": (T.Gemma3TextConfig, dict(_DENSE, head_dim=8)),
+        "gpt2": (T.GPT2Config, dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+        "mixtral": (T.MixtralConfig, _MOE),
+        "qwen3_moe": (T.Qwen3MoeConfig, dict(_DENSE, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32)),
+        "deepseek_v3": (T.DeepseekV3Config, dict(_DENSE, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                                 topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                                                 q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                                                 qk_nope_head_dim=4, v_head_dim=8)),
+    }
+
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
+                 "deepseek_v3")
+
+
+class CausalLMLoss(nn.Module):
+    """The library's model, called as a training loop calls it: its loss for these labels."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, tuple]:
+    """(model, (input_ids, labels)) for architecture `arch` (one of ARCHITECTURES)."""
+    import transformers as T
+
+    config_class, fields = _configs()[arch]
+    torch.manual_seed(seed)
+    config = config_class(**fields)
+    try:
+        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # an architecture whose attention has no SDPA path
+        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return CausalLMLoss(model).to(dtype), (ids, ids.clone())
+
+
+def _factory(arch: str):
+    def factory(*, seed: int = 0, dtype: torch.dtype = torch.float64):
+        return build(arch, seed=seed, dtype=dtype)
+
+    factory.__name__ = factory.__qualname__ = arch
+    factory.__doc__ = f"Hugging Face {arch}, tiny config, random init: (model, (input_ids, labels))."
+    return factory
+
+
+llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gpt2, mixtral, qwen3_moe, deepseek_v3 = map(_factory, ARCHITECTURES)

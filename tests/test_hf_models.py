@@ -1,0 +1,47 @@
+"""Models written by others: every Hugging Face architecture of `examples/hf_models.py`.
+
+Built from the library itself (tiny configs, random weights, no downloads). Today
+most stop in the frontend (docs/compatibility.md has the matrix and the reasons);
+what must hold for each, whatever it is: it compiles, or it is refused with a
+located bad-input error (exit 2, the user's file and line), never an internal
+error or a traceback. When one compiles, it must also verify on one rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from fivedc.cli import load_graph  # noqa: E402
+from fivedc.errors import FivedcError  # noqa: E402
+from fivedc.mesh import Mesh  # noqa: E402
+from fivedc.passes.base import CompileOptions  # noqa: E402
+from fivedc.pipeline import compile_graph  # noqa: E402
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
+                 "deepseek_v3")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_library_model_compiles_or_is_refused_at_its_line(arch: str) -> None:
+    spec = f"examples/hf_models.py:{arch}"
+    try:
+        compile_graph(load_graph(spec), CompileOptions(mesh=Mesh.parse("1x1x1x1x1"), dtype="fp64"))
+    except FivedcError as error:
+        assert error.exit_code == 2, error.render()
+        assert error.loc is not None and error.loc.line > 0, error.render()
+        return
+    from fivedc.parallel.check import check_module
+
+    report = check_module(spec, mesh="1x1x1x1x1", steps=2, dtype="fp64")
+    assert report.max_error <= 1e-10, report
+
+
+def test_the_examples_list_every_architecture() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_models", "examples/hf_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.ARCHITECTURES == ARCHITECTURES
