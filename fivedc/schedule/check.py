@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 
 from fivedc.schedule.actions import Action, ActionKind as K, Schedule, ScheduleError
-from fivedc.schedule.simulator import DEFAULT_COSTS, execute, pair_transfers
+from fivedc.schedule.clock import DEFAULT_COSTS, execute, pair_transfers
 
 F, B, I, W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
 SF, RF, SB, RB = K.SEND_FORWARD, K.RECV_FORWARD, K.SEND_BACKWARD, K.RECV_BACKWARD
