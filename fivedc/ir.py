@@ -106,6 +106,9 @@ class Input:
     sharding: Sharding | None = None
 
 
+PARAM_INITS = ("normal", "ones", "zeros")  # how a parameter starts (runtime/program.init_params)
+
+
 @dataclass(frozen=True, slots=True)
 class Param:
     name: str

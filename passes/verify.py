@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fivedc.errors import PassError
-from fivedc.ir import Block, Graph, Op, Redistribute, Repeat
+from fivedc.ir import PARAM_INITS, Block, Graph, Op, Redistribute, Repeat
 from fivedc.ops import OP_SPECS
 from fivedc.passes.base import CompileOptions
-
-PARAM_INITS = ("normal", "ones", "zeros")  # what runtime/program.init_params makes
 
 
 @dataclass(frozen=True, slots=True)

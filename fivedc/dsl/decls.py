@@ -5,29 +5,41 @@ it evaluates and checks what a model declares before its ops use it (dims at lea
 1, one batch dim shared by every input, a param or input declared once, a known
 init), each mistake a `DslError` at its token. It needs from the lowering
 `self.src`, `self.names`, `self.dims`, `self.dim_locs`, `self.inputs` and
-`self.declared`; a scope is the lowering's `_Scope`.
+`self.declared`; a `Scope` is what one block (the model body or a repeat body) sees and builds.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from lark import Token, Tree
 
 from fivedc.dsl.values import Values, close, show
-from fivedc.ir import DType, Input, Param, TensorType
+from fivedc.ir import PARAM_INITS, DType, Input, Node, Param, TensorType
 
-if TYPE_CHECKING:
-    from fivedc.dsl.lower import _Scope
 
 DTYPES = {"int": DType.INT, "float": DType.FLOAT}
-INITS = ("normal", "ones", "zeros")
+INITS = PARAM_INITS
 DEFAULT_STD = 0.02
 MAX_DIM = 2**63 - 1
 
 
+@dataclass(slots=True)
+class Scope:
+    """What one block sees and builds: the model body, or one repeat body."""
+
+    values: dict[str, str]  # user name -> current SSA name
+    params: dict[str, Param]  # params visible here (outer ones included)
+    repeat: str | None = None  # the prefix, inside a repeat body
+    own: list[Param] = field(default_factory=list)
+    items: list[Node] = field(default_factory=list)
+
+    def child(self, prefix: str) -> Scope:
+        return Scope(dict(self.values), dict(self.params), prefix)
+
+
 class Declarations(Values):
-    def dims_block(self, tree: Tree, scope: _Scope) -> None:
+    def dims_block(self, tree: Tree, scope: Scope) -> None:
         if scope.repeat is not None:
             raise self.src.error(tree, "dims must be declared outside repeat")
         for dim_def in tree.children:
@@ -45,7 +57,7 @@ class Declarations(Values):
             self.dims[str(name)] = value
             self.dim_locs[str(name)] = self.src.at(name)
 
-    def input_decl(self, tree: Tree, scope: _Scope) -> None:
+    def input_decl(self, tree: Tree, scope: Scope) -> None:
         name, dtype, shape = tree.children
         if scope.repeat is not None:
             raise self.src.error(tree, "inputs must be declared outside repeat")
@@ -67,7 +79,7 @@ class Declarations(Values):
         self.declared[str(name)] = ("input", self.src.at(name))
         self.inputs.append(Input(str(name), TensorType(dims, DTYPES[dtype]), self.src.at(tree)))
 
-    def param_decl(self, tree: Tree, scope: _Scope) -> None:
+    def param_decl(self, tree: Tree, scope: Scope) -> None:
         name, shape, *init = tree.children
         if name in scope.params:
             first = scope.params[name].loc

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field, replace
 
 from lark import Token, Tree
 
-from fivedc.dsl.decls import Declarations
+from fivedc.dsl.decls import Declarations, Scope
 from fivedc.dsl.values import MAX_DEPTH, close as _close, show as _show
 from fivedc.errors import DslError, SourceLoc
-from fivedc.ir import Annotation, Block, DType, Graph, Input, Node, Op, Param, Repeat, Scalar
+from fivedc.ir import Annotation, Block, DType, Graph, Input, Op, Repeat, Scalar
 from fivedc.ops import OP_SPECS, OpSpec
 
 ANNOTATION_KINDS = ("col", "row", "replicate", "sp", "cp", "ep", "stage")
@@ -83,20 +83,6 @@ class _Names:
         return name
 
 
-@dataclass(slots=True)
-class _Scope:
-    """What one block sees and builds: the model body, or one repeat body."""
-
-    values: dict[str, str]  # user name -> current SSA name
-    params: dict[str, Param]  # params visible here (outer ones included)
-    repeat: str | None = None  # the prefix, inside a repeat body
-    own: list[Param] = field(default_factory=list)
-    items: list[Node] = field(default_factory=list)
-
-    def child(self, prefix: str) -> _Scope:
-        return _Scope(dict(self.values), dict(self.params), prefix)
-
-
 def lower(tree: Tree, source: Source) -> Graph:
     """Lower the `start` tree of one model to a Graph (raises DslError)."""
     return _Lowering(source).graph(tree.children[0])
@@ -130,7 +116,7 @@ class _Lowering(Declarations):
             if annotation.kind == "stage":
                 raise self.src.error(tree, "@stage marks where a pipeline chunk begins, not the model",
                                      "put @stage after a top-level op statement, or @stage(layer, ...) on a repeat")
-        top = _Scope({}, {})
+        top = Scope({}, {})
         result = self.block([s for s in rest if s.data != "annotation"], top)
         if result is None:
             brace = self.src.loc(model.meta.end_line, model.meta.end_column - 1)
@@ -152,7 +138,7 @@ class _Lowering(Declarations):
             dim_locs=tuple(self.dim_locs.items()),
         )
 
-    def block(self, stmts: list[Tree], scope: _Scope) -> str | None:
+    def block(self, stmts: list[Tree], scope: Scope) -> str | None:
         """Lower statements in order; the SSA name returned, if the block ends in `return`."""
         handlers = {
             "dims": self.dims_block,
@@ -167,7 +153,7 @@ class _Lowering(Declarations):
             handlers[stmt.data](stmt, scope)
         return None
 
-    def ret(self, stmt: Tree, scope: _Scope, *, last: bool) -> str:
+    def ret(self, stmt: Tree, scope: Scope, *, last: bool) -> str:
         if scope.repeat is not None:
             hint = "return the loss after the repeat"
             raise self.src.error(stmt, f"return inside repeat {scope.repeat}", hint)
@@ -179,7 +165,7 @@ class _Lowering(Declarations):
         return self.ref(name, scope)
 
     # ---- statements and calls -------------------------------------------------------
-    def assign(self, tree: Tree, scope: _Scope) -> None:
+    def assign(self, tree: Tree, scope: Scope) -> None:
         name, call = tree.children
         what, where = self.declared.get(name, ("value", None))
         if what == "param":
@@ -189,7 +175,7 @@ class _Lowering(Declarations):
         scope.values[str(name)] = ssa
         self.declared.setdefault(str(name), ("value", self.src.at(name)))
 
-    def call(self, tree: Tree, scope: _Scope, depth: int, *, target: str | None = None) -> str:
+    def call(self, tree: Tree, scope: Scope, depth: int, *, target: str | None = None) -> str:
         if depth > MAX_DEPTH:
             raise self.src.error(tree, f"calls are nested more than {MAX_DEPTH} deep")
         kind, *rest = tree.children
@@ -222,7 +208,7 @@ class _Lowering(Declarations):
         scope.items.append(op)
         return out
 
-    def check_stage_on_op(self, tree: Tree, stage: Annotation, scope: _Scope, depth: int) -> None:
+    def check_stage_on_op(self, tree: Tree, stage: Annotation, scope: Scope, depth: int) -> None:
         """`x = f(...) @stage` at top level: a pipeline chunk begins at this statement."""
         if scope.repeat is not None:
             raise self.src.error(
@@ -257,14 +243,14 @@ class _Lowering(Declarations):
             tree, f"{spec.kind} takes {count} argument{plural} ({', '.join(spec.args)}), got {got}"
         )
 
-    def arg(self, node: Tree, scope: _Scope, depth: int) -> str | float:
+    def arg(self, node: Tree, scope: Scope, depth: int) -> str | float:
         if node.data == "call":
             return self.call(node, scope, depth + 1)
         if node.data == "ref":
             return self.ref(node.children[0], scope)
         return self.as_float(node, self.number(node))
 
-    def ref(self, name: Token, scope: _Scope) -> str:
+    def ref(self, name: Token, scope: Scope) -> str:
         if name in scope.values:
             return scope.values[name]
         if name in scope.params:
@@ -307,7 +293,7 @@ class _Lowering(Declarations):
         return Annotation(str(kind), tuple(self.literal(a, words=True) for a in args), self.src.at(tree))
 
     # ---- repeat ---------------------------------------------------------------------
-    def repeat(self, tree: Tree, scope: _Scope) -> None:
+    def repeat(self, tree: Tree, scope: Scope) -> None:
         if scope.repeat is not None:
             hint = "put the repeats one after the other"
             raise self.src.error(tree, "nested repeat is not supported", hint)
@@ -356,7 +342,7 @@ class _Lowering(Declarations):
                 layers.append(layer)
         return tuple(sorted(layers))
 
-    def repeat_body(self, stmts: list[Tree], inner: _Scope, carried: list[str]) -> Block:
+    def repeat_body(self, stmts: list[Tree], inner: Scope, carried: list[str]) -> Block:
         """Lower a body whose `carried` names enter as fresh SSA args and leave as yields."""
         args = tuple(self.names.value(n) for n in carried)
         inner.values.update(zip(carried, args))
