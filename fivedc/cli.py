@@ -1,21 +1,24 @@
-"""The `fivedc` command: compile, verify and diff, with errors but no tracebacks.
+"""The `fivedc` command: compile, show, verify, run, diff and check, with errors but no tracebacks.
 
-Every command turns a `FivedcError` into its rendered message (file:line:col, the
-line and a caret, a hint) on stderr and the error's exit code (2 for bad input,
-1 for a verification mismatch). Nothing is written unless the command succeeds.
+This file parses the command line and dispatches; what the commands share is in
+`cli_shared.py`, and the two that start processes are `verify_cli.py` and
+`run_cli.py`. Every command turns a `FivedcError` into its rendered message
+(file:line:col, the line and a caret, a hint) on stderr and the error's exit code
+(`fivedc.errors.EXIT_CODES`: 1 a mismatch, 2 bad input, 3 a rank failed, 4 a bug).
+Nothing is written unless the command succeeds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from fivedc.cli_shared import compile_model, load_graph
 from fivedc.errors import EXIT_CODES, FivedcError
 
 COMMANDS = {
@@ -74,48 +77,6 @@ def _local_run_args(p: argparse.ArgumentParser) -> None:
                    "exceeds this machine")
 
 
-def check_local_run(args) -> None:
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise FivedcError(f"--timeout {args.timeout} must be a number of seconds > 0", hint="e.g. --timeout 600")
-
-
-def progress_printer():
-    """Print progress lines with the seconds since the command started (verify, run)."""
-    start = time.perf_counter()
-    return lambda line: print(f"  [{time.perf_counter() - start:6.1f} s] {line}", flush=True)
-
-
-def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = True):
-    """CompileOptions from the command line's mesh and plan options. Pipeline flags on a
-    mesh with pp = 1 are an error (they would change nothing), unless the same flags
-    serve meshes with and without a pipeline (`fivedc diff`)."""
-    from fivedc.mesh import MeshAxis
-    from fivedc.passes.base import CompileOptions
-
-    options = CompileOptions(
-        mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
-        cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
-        overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or "1f1b",
-        microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
-    )  # checks each value first
-    given = [f"--{name.replace('_', '-')}" for name in ("schedule", "microbatches", "virtual", "pp_layout")
-             if getattr(args, name) is not None]
-    if pipeline_flags_need_pp and given and mesh.size(MeshAxis.PP) == 1:
-        raise FivedcError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} up a pipeline, but mesh {mesh} has "
-                          "pp=1: there is none, and the flag would change nothing",
-                          hint="drop the flag, or give the mesh a pipeline axis, e.g. --mesh 1x2x1x1x1")
-    return options
-
-
-def _layout(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise FivedcError(f"--pp-layout {text!r} is not a list of layer counts", hint="e.g. --pp-layout 3,5,5,3") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fivedc",
@@ -164,50 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = ()):
-    """A `.5d` model, or `path/to/file.py:factory` traced with torch.fx (with pipeline
-    chunks beginning at the modules `stage_boundaries` match)."""
-    from fivedc.frontend_py import graph_from_spec, is_spec
-
-    if model.endswith(".json"):
-        raise FivedcError(f"{model} is a plan file, and this command takes a model",
-                          hint="compile the model it came from (.5d or file.py:factory); "
-                          "a plan runs with fivedc run PLAN.json and checks with fivedc check PLAN.json")
-    if is_spec(model):
-        return graph_from_spec(model, stage_boundaries=tuple(stage_boundaries))
-    check_no_stage_boundaries(model, stage_boundaries)
-    from fivedc.frontend_dsl import load_model
-
-    return load_model(model)
-
-
-def check_no_stage_boundaries(model: str, stage_boundaries) -> None:
-    if stage_boundaries:
-        raise FivedcError(
-            f"--stage-boundary marks modules of a traced file.py:factory model; {model} is a DSL model",
-            hint="mark the DSL instead: `repeat layers @stage(4) { ... }` begins a chunk at layer 4, "
-            "`@stage` after a top-level statement begins one there",
-        )
-
-
-def _compile(model: str, mesh_text: str, args, *, dtype: str, pipeline_flags_need_pp: bool = True):
-    from fivedc.mesh import Mesh
-    from fivedc.pipeline import compile_graph
-
-    mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
-    options = compile_options(args, mesh, dtype=dtype, pipeline_flags_need_pp=pipeline_flags_need_pp)
-    return compile_graph(load_graph(model, args.stage_boundary), options)
-
-
-def load_plan_or_compile(model: str, args, *, dtype: str):
-    """A saved plan (.json), or the model compiled with the command line's mesh and options."""
-    from fivedc.plan_check import load_plan
-
-    if model.endswith(".json"):
-        return load_plan(model)
-    return _compile(model, args.mesh, args, dtype=dtype)
-
-
 def _console(wide: bool = True):
     """Rich console as wide as the terminal (80 columns when piped or unknown), at least
     140 when `wide` (the wide collective table and the diff need it)."""
@@ -228,7 +145,7 @@ def cmd_compile(args) -> int:
     output = args.output if args.output is not None else model_file.stem + ".plan.json"  # str: keeps a trailing /
     check_output(output, inputs=(model_file,))  # fail before the compile; save checks again
     start = time.perf_counter()
-    plan = _compile(args.model, args.mesh, args, dtype=args.dtype)
+    plan = compile_model(args.model, args.mesh, args, dtype=args.dtype)
     seconds = time.perf_counter() - start
     plan.save(output, inputs=(model_file,))
     if args.quiet:
@@ -248,7 +165,7 @@ def cmd_verify(args) -> int:
 def cmd_run(args) -> int:
     from fivedc.run_cli import run_run
 
-    return run_run(args)
+    return run_run(args, defaults=build_parser().parse_args(["run", args.model]))
 
 
 def cmd_show(args) -> int:
@@ -277,7 +194,7 @@ def _load_side(text: str, args):
 
     if "@" in text and not text.endswith(".json"):
         model, mesh = text.rsplit("@", 1)
-        return _compile(model, mesh, args, dtype="bf16", pipeline_flags_need_pp=False)
+        return compile_model(model, mesh, args, dtype="bf16", pipeline_flags_need_pp=False)
     return load_plan(text)
 
 
@@ -331,4 +248,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "load_graph"]  # load_graph: models as every command reads them

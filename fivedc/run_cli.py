@@ -14,15 +14,16 @@ import os
 
 from fivedc.errors import FivedcError
 
-def run_run(args) -> int:
-    from fivedc.cli import check_local_run, load_plan_or_compile
+def run_run(args, *, defaults) -> int:
+    """`defaults`: the run command's arguments as parsed with no flags (which flags were given)."""
+    from fivedc.cli_shared import check_local_run, load_plan_or_compile
     from fivedc.runtime.train import DTYPES, TrainSettings, check_trainable
 
     if args.steps < 1:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
     check_local_run(args)
     if args.model.endswith(".json"):
-        given = _plan_flags_given(args)
+        given = _plan_flags_given(args, defaults)
         if given:
             raise FivedcError(f"{args.model} is a compiled plan: its mesh and options are fixed, and "
                               f"{', '.join(given)} would change them",
@@ -41,7 +42,7 @@ def run_run(args) -> int:
         if report is None:
             return 0
     else:
-        from fivedc.cli import progress_printer
+        from fivedc.cli_shared import progress_printer
         from fivedc.runtime.resources import check_local_resources
         from fivedc.runtime.run import run_plan
 
@@ -58,11 +59,8 @@ PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "cp_layout", "zero", "
               "virtual", "pp_layout", "overlap", "stage_boundary", "dtype")
 
 
-def _plan_flags_given(args) -> list[str]:
+def _plan_flags_given(args, defaults) -> list[str]:
     """The options that shape a plan given on the command line (not left at their defaults)."""
-    from fivedc.cli import build_parser
-
-    defaults = build_parser().parse_args(["run", args.model])
     names = {"sp": "--sp/--no-sp", "overlap": "--no-overlap"}
     return [names.get(k, "--" + k.replace("_", "-")) for k in PLAN_FLAGS if getattr(args, k) != getattr(defaults, k)]
 

@@ -18,7 +18,7 @@ DEFAULT_TOL = {"fp64": 1e-10, "fp32": 1e-4}
 
 
 def run_verify(args) -> int:
-    from fivedc.cli import check_local_run, compile_options, load_graph
+    from fivedc.cli_shared import check_local_run, compile_options, load_graph
     from fivedc.mesh import Mesh
     from fivedc.passes.base import CompileOptions
     from fivedc.pipeline import compile_graph
@@ -49,7 +49,7 @@ def run_verify(args) -> int:
         if report is None:
             return 0
     else:
-        from fivedc.cli import progress_printer
+        from fivedc.cli_shared import progress_printer
         from fivedc.runtime.verify import verify_plan
 
         _check_machine(args, plan, reference)
@@ -62,7 +62,7 @@ def run_verify(args) -> int:
 def _verify_module(args, mesh, tol: float) -> int:
     """`file.py:factory`: the parallelized module against the plain one, both trained
     with torch's AdamW (fivedc/parallel/check.py)."""
-    from fivedc.cli import compile_options, progress_printer
+    from fivedc.cli_shared import compile_options, progress_printer
     from fivedc.parallel.check import check_module
 
     given = compile_options(args, mesh, dtype=args.dtype)  # the same options a compile of the module takes
@@ -84,11 +84,11 @@ def _verify_module(args, mesh, tol: float) -> int:
         if report is None:
             return 0
     else:
-        from fivedc.cli import _compile
+        from fivedc.cli_shared import compile_model
         from fivedc.runtime.verify import single_device_mesh
 
-        plan = _compile(args.model, args.mesh, args, dtype=args.dtype)  # errors before any process starts
-        _check_machine(args, plan, _compile(args.model, str(single_device_mesh()), args, dtype=args.dtype))
+        plan = compile_model(args.model, args.mesh, args, dtype=args.dtype)  # errors before any process starts
+        _check_machine(args, plan, compile_model(args.model, str(single_device_mesh()), args, dtype=args.dtype))
         print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})")
         report = check_module(args.model, mesh=mesh, steps=args.steps, dtype=args.dtype, seed=args.seed,
                               timeout_s=args.timeout, on_progress=progress_printer(), **options)

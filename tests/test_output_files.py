@@ -225,7 +225,7 @@ def test_compile_refuses_to_overwrite_the_model(tree: Path, capsys) -> None:
 def test_compile_checks_the_output_before_compiling(tree: Path, capsys, monkeypatch) -> None:
     (tree / "somedir").mkdir()
     _copy("gpt.5d", tree)
-    monkeypatch.setattr(fivedc.cli, "_compile", lambda *a, **k: pytest.fail("compiled before checking -o"))
+    monkeypatch.setattr(fivedc.cli, "compile_model", lambda *a, **k: pytest.fail("compiled before checking -o"))
     for output, message in (("missing/x.json", "does not exist"), ("somedir/", "names a directory"),
                             ("somedir", "is a directory")):
         assert main(["compile", "gpt.5d", "--mesh", "2x1x2x1x1", "-o", output]) == 2

@@ -8,13 +8,18 @@ read with `get_attr`. See `fivedc/fx/ops.py` for the table that routes ops here.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fivedc.fx.lower import Const, Frame, Lowering, ParamRef, Pending, RepeatedKV, RouterLogits, T
+from fivedc.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, RouterLogits, T
+
+if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
+    from fivedc.fx.lower import Lowering
 from fivedc.fx.moe import moe_spec
 from fivedc.fx.recognise import rms_eps, rope_theta
 from fivedc.ir import DType

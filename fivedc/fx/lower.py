@@ -13,93 +13,27 @@ Every fx node becomes one of:
 - `RepeatedKV`: k or v repeated over heads for grouped-query attention.
 - plain Python values (sizes, dtypes, numbers), read from the example run.
 
-The handlers per op live in `fivedc/fx/ops.py`. Anything else is a
+The values are defined in `fivedc/fx/values.py`; the handlers per op live in `fivedc/fx/ops.py`. Anything else is a
 `NotSupportedError` naming the op and the user's line: never a silent guess.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
-from torch import nn
 
 from fivedc.errors import FivedcError, NotSupportedError, PassError, SourceLoc
 from fivedc.fx.build import DBlock, DOp, DParam, DRepeat, DValue, Draft, Source
 from fivedc.fx.dims import DimMismatch, DimTable
+from fivedc.fx.layers import materialize
 from fivedc.fx.locs import def_loc, node_loc
+from fivedc.fx.ops import dispatch
 from fivedc.fx.recognise import op_name
-from fivedc.fx.trace import RepeatSpec, Trace, Traced
+from fivedc.fx.trace import RepeatSpec, Trace
+from fivedc.fx.values import (DYNAMIC, SIZE_ONE_HINT, Const, Frame, FxWarning, ParamRef, Pending,
+                               RepeatedKV, RouterLogits, T)
 from fivedc.ir import DType
-
-
-class FxWarning(UserWarning):
-    """Something the fx frontend dropped or approximated (dropout, ignore_index), at the user's line."""
-
-
-@dataclass(frozen=True, eq=False)
-class T:
-    ref: DValue | DParam
-    ir: tuple[int, ...]
-    layout: tuple[tuple[int, ...], ...]
-    dtype: DType = DType.FLOAT
-
-
-@dataclass(eq=False)
-class Pending:
-    x: T
-    module: str  # module path of the linear, relative to the scope
-    weight: str  # state-dict keys, relative to the scope
-    bias: str | None
-    shapes: tuple[tuple[int, ...], tuple[int, ...] | None]  # of the whole weight and bias entries
-    rows: tuple[int, int]
-    part: str
-    node: fx.Node
-    done: T | None = None
-
-
-@dataclass(frozen=True, eq=False)
-class ParamRef:
-    key: str
-    value: nn.Parameter
-
-
-@dataclass(frozen=True, eq=False)
-class Const:
-    value: torch.Tensor
-
-
-@dataclass(frozen=True, eq=False)
-class RepeatedKV:
-    t: T
-    repeats: int
-    dim: int
-
-
-@dataclass(frozen=True, eq=False)
-class RouterLogits:
-    """The router logits an MoE block returns beside its output (`out, logits = moe(x)`): usable by nothing,
-    since the IR's moe routes inside and gives no logits out."""
-
-    block: str  # the block's module path
-    cls: str  # its class name
-    node: fx.Node  # the block's call
-
-
-DYNAMIC = (T, Pending, ParamRef, RepeatedKV, RouterLogits)
-SHAPE_QUERIES = {"size", "dim", "numel", "shape", "ndim", "dtype", "device", "is_floating_point"}
-
-
-@dataclass(eq=False)
-class Frame:
-    """One graph being lowered: the top level, or a repeat body."""
-
-    traced: Traced
-    block: DBlock
-    syms: dict
-    params: dict  # (key, rows, role) -> DParam
 
 
 class Lowering:
@@ -164,8 +98,6 @@ class Lowering:
             frame.syms[node] = T(value, atoms, tuple((a,) for a in atoms), dtype)
 
     def walk(self, frame: Frame):
-        from fivedc.fx.ops import dispatch
-
         for node in frame.traced.gm.graph.nodes:
             if node.op == "placeholder" or node in self.later:
                 continue
@@ -276,8 +208,6 @@ class Lowering:
 
     def tensor(self, frame: Frame, sym, node: fx.Node) -> T:
         """A value an ordinary op can take: emits a pending linear, lays out a parameter."""
-        from fivedc.fx.layers import materialize
-
         if isinstance(sym, T):
             return sym
         if isinstance(sym, Pending):
@@ -337,8 +267,6 @@ class Lowering:
         return op_name(node, frame.traced.gm)
 
 
-SIZE_ONE_HINT = ("trace with example inputs (or a config) where that dim is larger than 1 (batch=2, n_head=2), "
-                 "or keep the size-1 dim out of that view or squeeze")
 _INPUT_HINTS = [("batch", 100), ("seq", 100), ("hidden", 10)] + [(None, 0)] * 16
 
 

@@ -11,6 +11,8 @@ it and the user's line.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.fx as fx
 from torch import nn
@@ -18,8 +20,11 @@ from torch import nn
 from fivedc.fx import layers
 from fivedc.fx.build import DParam
 from fivedc.fx.layers import arg
-from fivedc.fx.lower import (DYNAMIC, SHAPE_QUERIES, SIZE_ONE_HINT, Const, Frame, Lowering, ParamRef, Pending,
-                             RouterLogits, T)
+from fivedc.fx.values import (DYNAMIC, SHAPE_QUERIES, SIZE_ONE_HINT, Const, Frame, ParamRef, Pending,
+                              RouterLogits, T)
+
+if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
+    from fivedc.fx.lower import Lowering
 from fivedc.fx.recognise import CASTS
 from fivedc.ir import DType
 from fivedc.ops import OP_SPECS

@@ -1,0 +1,78 @@
+"""The package's import graph has no cycles.
+
+Every module of `fivedc` (with `passes/` as `fivedc.passes` and `runtime/` as
+`fivedc.runtime`) is parsed, and each import of another fivedc module is an edge,
+imports inside functions included (a lazy import that closes a cycle is still a
+cycle a reader must untangle). Imports under `if TYPE_CHECKING:` only name types
+and are not run, so they are left out; so is the root package's `__getattr__`,
+which makes `fivedc.parallelize` available lazily without importing the compiler.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"fivedc": ROOT / "fivedc", "fivedc.passes": ROOT / "passes", "fivedc.runtime": ROOT / "runtime"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def imports(tree: ast.AST, known: dict[str, Path]) -> set[str]:
+    """The fivedc modules `tree` imports (outside `if TYPE_CHECKING:` blocks)."""
+    out: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if _is_type_checking(node):
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & known.keys()  # from fivedc import ir
+            out |= submodules or ({node.module} & known.keys())
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names} & known.keys()
+        stack.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def import_graph() -> nx.DiGraph:
+    known = modules()
+    graph = nx.DiGraph()
+    for name, path in known.items():
+        tree = ast.parse(path.read_text())
+        if name == "fivedc":  # the root's lazy __getattr__ (see the docstring)
+            tree.body = [n for n in tree.body if not (isinstance(n, ast.FunctionDef) and n.name == "__getattr__")]
+        graph.add_node(name)
+        graph.add_edges_from((name, target) for target in imports(tree, known) if target != name)
+    return graph
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    graph = import_graph()
+    assert graph.number_of_nodes() > 80  # every module was found
+    cycles = sorted(nx.simple_cycles(graph), key=len)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c + c[:1]) for c in cycles[:10])
+
+
+def test_the_checker_sees_a_cycle() -> None:
+    known = {"fivedc.a": Path("a.py"), "fivedc.b": Path("b.py")}
+    lazy = ast.parse("def f():\n    from fivedc.b import g\n")
+    typed = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fivedc.b import g\n")
+    assert imports(lazy, known) == {"fivedc.b"} and imports(typed, known) == set()
