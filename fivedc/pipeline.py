@@ -1,10 +1,13 @@
 """The compiler pipeline, in one place: read this file first.
 
-A model (from the DSL or torch.fx) is an IR `Graph`; the passes below run in
-order, each a pure Graph -> Graph function; the last step builds the execution
-plan (collectives with reasons, groups, memory). Passes still to come slot in
-where their names are listed in docs/architecture.md (EP expert placement, PP
-stage partition, ZeRO, overlap scheduling, pipeline schedule).
+A model (from the DSL or torch.fx) is an IR `Graph`; the passes in `PIPELINE` run
+in order, each a pure Graph -> Graph function (shapes, the CP sequence split, EP
+expert placement, sharding propagation for DP/TP/SP/CP, gradient reductions,
+communication insertion). `compile_graph` then makes the decisions that are not
+yet passes: the pipeline's chunks and schedule (`stage_plan.plan_pipeline`), and in
+`plan.build_plan` the gradient buckets and overlap (`overlap.py`), ZeRO's
+collectives (`param_sync.py`) and the memory estimate; they are still to become
+passes of `PIPELINE`.
 """
 
 from __future__ import annotations

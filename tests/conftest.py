@@ -14,3 +14,8 @@ def worker_pool() -> Iterator[WorkerPool]:
     """One pool of 8 worker processes for the whole session (workers start on first use)."""
     with WorkerPool(8) as pool:
         yield pool
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/golden/*.plan.json from the compiler (review the diff before committing)")
