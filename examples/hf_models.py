@@ -53,11 +53,26 @@ class CausalLMLoss(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, labels=labels).loss
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss  # training: no KV cache
 
 
-def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, tuple]:
-    """(model, (input_ids, labels)) for architecture `arch` (one of ARCHITECTURES)."""
+class LogitsLoss(nn.Module):
+    """The library's decoder under a training loop's own loss: cross-entropy of its logits
+    against targets already shifted (as torchtitan's loop computes it)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, loss: str = "library"
+          ) -> tuple[nn.Module, tuple]:
+    """(model, (input_ids, labels)) for architecture `arch` (one of ARCHITECTURES); `loss`:
+    "library" (the model's own loss for `labels`) or "logits" (`LogitsLoss`)."""
     import transformers as T
 
     config_class, fields = _configs()[arch]
@@ -68,7 +83,8 @@ def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> tu
     except ValueError:  # an architecture whose attention has no SDPA path
         model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    return CausalLMLoss(model).to(dtype), (ids, ids.clone())
+    wrapper = CausalLMLoss if loss == "library" else LogitsLoss
+    return wrapper(model).to(dtype), (ids, torch.roll(ids, -1, dims=1) if loss == "logits" else ids.clone())
 
 
 def _factory(arch: str):

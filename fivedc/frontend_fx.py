@@ -29,7 +29,10 @@ Recognised:
   [hidden, heads, head_dim] weight), a fused projection followed by `split`/`chunk`
   (one linear per part, `c_attn_q/_k/_v`), `wpe(arange(seq))` (the table as a
   [seq, hidden] parameter), `x * rsqrt(mean(x^2) + eps) * w`, softmax(q k^T / sqrt(d))
-  v with a causal mask checked on its value, `silu(a) * b` (SwiGLU).
+  v with a causal mask checked on its value, `silu(a) * b` (SwiGLU); and as Hugging
+  Face decoders write them (through torch.export): `x * cos + rotate_half(x) * sin`
+  with constant tables (rope, theta read off the tables, checked by value),
+  `repeat_kv` by `expand` + `reshape`, and SDPA with a constant causal `attn_mask`.
 - MoE blocks, lowered to one IR `moe` op (the block is a leaf: its token loop is never
   traced; `fx/moe.py`): mark the block's class with `fivedc_moe = True` (or name it with
   `MoE`/`Moe`, as Hugging Face's `MixtralSparseMoeBlock`); it holds one bias-free
@@ -52,7 +55,7 @@ op traced from any other module (`fx/marks.py`; a mark inside a layer body is an
 Not recognised, a `NotSupportedError` at the user's line with a hint: softmax,
 matmul of activations, pow/mean/rsqrt outside those patterns, masks other than
 causal, real slicing and indexing (`logits[:, :-1]`), `cat`/`stack`, interleaved
-(complex) rotary embeddings, `expand`-based `repeat_kv` (use `repeat_interleave`),
+(complex) rotary embeddings, an `expand` that does not repeat k/v exactly,
 tied or shared weights, `padding_idx`, data-dependent control flow, class weights
 or label smoothing or non-mean losses, a squeeze of a model dim of size 1, the router
 logits of an MoE block used (the hint: `fivedc_aux_loss`), any other op or module. Approximations are an

@@ -221,6 +221,13 @@ def rms_norm(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
 
 
 def rope(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
+    """A rotary module called on the tensor it rotates, or the pattern's marker
+    `rope(x, theta=, seq_axis=)` (its tables already checked by value)."""
+    if node.op == "call_function":
+        x = lw.tensor(frame, args[0], node)
+        _last(lw, node, x, "rope")
+        return T(lw.emit(frame, node, "rope", (x.ref,), lw.ir(x), (("theta", float(kwargs["theta"])),)),
+                 x.ir, x.layout)
     m = _module(frame, node)
     if len(args) != 1 or kwargs:
         raise lw.unsupported(node, f"rotary module {type(m).__name__} called with more than the tensor to rotate",

@@ -8,7 +8,15 @@ or of a torch function, so the rewritten graph still runs and keeps its values:
   with scale = 1/sqrt(head_dim) (also `/ sqrt(d)`), the mask checked on its example
   value to be exactly causal -> `F.scaled_dot_product_attention(q, k, v, is_causal=...,
   dropout_p=...)` (the lowering warns about an active dropout);
-- `silu(a) * b` (either order, the silu used once) -> `swiglu(a, b)`.
+- `silu(a) * b` (either order, the silu used once) -> `swiglu(a, b)`;
+- `x * cos + rotate_half(x) * sin` with constant tables (from buffers and shapes, as
+  Hugging Face's rotary embeddings compute them), rotate_half(x) = cat(-x2, x1) of
+  x's halves -> `rope(x, theta=, seq_axis=)`, theta read off the tables and the whole
+  checked against fivedc's rope on x's example value;
+- `reshape(expand(unsqueeze(x, d + 1)))` repeating x along d (Hugging Face's
+  `repeat_kv`), checked on the example values -> `x.repeat_interleave(n, dim=d)`;
+- `scaled_dot_product_attention(..., attn_mask=M)` with M a constant equal to the
+  causal mask (bool or additive, checked on its value) -> `is_causal=True`.
 A near miss (another mask, another scale) is left alone, and the lowering then
 reports the softmax or matmul it cannot represent at the user's line.
 """
@@ -22,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.fx.recognise import CASTS, op_name, rms_norm, swiglu
+from fivedc.fx.recognise import CASTS, op_name, reference_rope, rms_norm, rope, swiglu
 
 
 # ---- graph patterns -------------------------------------------------------------------
@@ -172,6 +180,121 @@ class _Matcher:
             return False
         return bool((full == expected).all())
 
+    # -- rope from tables --
+    def rope(self, node: fx.Node) -> bool:
+        """`x * cos + rotate_half(x) * sin` (either order), rotate_half(x) = cat(-x2, x1)
+        of x's halves, cos and sin constant tables: rope at the theta their values give,
+        checked against fivedc's rope on x's example value."""
+        pair = self.operands(node, "add")
+        for first, second in (pair, pair[::-1]) if pair else ():
+            a, b = self.operands(first, "mul"), self.operands(second, "mul")
+            for x, cos in (a, a[::-1]) if a else ():
+                for rot, sin in (b, b[::-1]) if b else ():
+                    x = self.strip(x)
+                    if self.rotated_half(rot) is x and self.constant(cos) and self.constant(sin):
+                        found = self.rope_theta(x, self.value(cos), self.value(sin))
+                        if found is not None:
+                            self.replace(node, rope, (x,), {"theta": found[0], "seq_axis": found[1]})
+                            return True
+        return False
+
+    def rotated_half(self, node):
+        """x when `node` is cat((-x[..., h:], x[..., :h]), -1), else None."""
+        if self.name(node) != "cat" or len(node.args[0]) != 2 or node.args[1:] not in ((-1,), ()):
+            return None
+        neg, low = node.args[0]
+        if self.name(neg) != "neg":
+            return None
+        high = neg.args[0]
+        if self.name(high) != "getitem" or self.name(low) != "getitem" or high.args[0] is not low.args[0]:
+            return None
+        x = high.args[0]
+        half = self.values[x].shape[-1] // 2
+        if _last_slice(high.args[1]) != (half, None) or _last_slice(low.args[1]) != (0, half):
+            return None
+        return self.strip(x)
+
+    def constant(self, node) -> bool:
+        """Whether `node` depends on neither the inputs nor a parameter (a table from buffers and shapes)."""
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" or (n.op == "get_attr" and isinstance(self.value(n), nn.Parameter)):
+                return False
+            stack.extend(n.all_input_nodes)
+        return True
+
+    def rope_theta(self, x: fx.Node, cos, sin) -> tuple[float, int] | None:
+        """(theta, the sequence axis) for which x * cos + rotate_half(x) * sin is fivedc's rope."""
+        value = self.values[x]
+        half = value.shape[-1] // 2
+        if not isinstance(cos, torch.Tensor) or cos.dim() != value.dim() or half < 2:
+            return None
+        seq_axes = [a for a in range(value.dim() - 1) if cos.shape[a] == value.shape[a] > 1]
+        if len(seq_axes) != 1:
+            return None
+        axis = seq_axes[0]
+        at_one = [0] * (value.dim() - 1)
+        at_one[axis] = 1
+        angle = math.atan2(float(sin[(*at_one, 1)]), float(cos[(*at_one, 1)]))  # theta ** (-1 / half)
+        if not 0 < angle < 1:
+            return None
+        theta = angle ** (-half)
+        rotated = torch.cat((-value[..., half:], value[..., :half]), dim=-1)
+        computed = value * cos + rotated * sin
+        if torch.allclose(computed, reference_rope(value, axis, theta), rtol=1e-5, atol=1e-6):
+            return theta, axis
+        return None
+
+    # -- a causal attn_mask --
+    def causal_mask(self, node: fx.Node) -> bool:
+        """scaled_dot_product_attention(q, k, v, attn_mask=M) with M a constant that is
+        exactly the causal mask (bool: True where j <= i; or additive: 0 there and
+        -inf or below -1e4 elsewhere), checked on its value -> `is_causal=True`."""
+        if self.name(node) != "sdpa" or node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5]):
+            return False
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        given = dict(zip(names, node.args)) | dict(node.kwargs)
+        mask, q, k = given.get("attn_mask"), self.values.get(node.args[0]), self.values.get(node.args[1])
+        if not isinstance(mask, fx.Node) or not self.constant(mask) or q is None or k is None:
+            return False
+        value = self.values.get(mask)
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        try:
+            attend = value if value.dtype == torch.bool else value == 0
+            if value.dtype != torch.bool and not bool((value[~causal.expand(value.shape)] < -1e4).all()):
+                return False
+            if not bool((attend.expand(*q.shape[:-2], *causal.shape) == causal).all()):
+                return False
+        except (RuntimeError, AttributeError):
+            return False
+        kwargs = {k: v for k, v in given.items() if k not in ("query", "key", "value", "attn_mask")}
+        self.replace(node, F.scaled_dot_product_attention, tuple(node.args[:3]), kwargs | {"is_causal": True})
+        return True
+
+    # -- repeat_kv by expand --
+    def repeat_kv(self, node: fx.Node) -> bool:
+        """reshape(expand(unsqueeze(x, d + 1), ...), ...) that repeats each of x's
+        entries along dim d n times (grouped-query attention's `repeat_kv`, checked on
+        the example values) -> `x.repeat_interleave(n, dim=d)`."""
+        if self.name(node) != "reshape":
+            return False
+        grown = self.strip(node.args[0])
+        if self.name(grown) != "expand" or self.name(grown.args[0]) != "unsqueeze":
+            return False
+        x, axis = grown.args[0].args[0], grown.args[0].args[1]
+        value, out = self.values[x], self.values[node]
+        if not isinstance(axis, int) or not 0 < axis <= value.dim():
+            return False
+        n = out.shape[axis - 1] // value.shape[axis - 1] if value.shape[axis - 1] else 0
+        if n < 1 or not torch.equal(value.repeat_interleave(n, dim=axis - 1), out):
+            return False
+        self.replace(node, torch.repeat_interleave, (x, n), {"dim": axis - 1})
+        return True
+
     # -- swiglu --
     def swiglu(self, node: fx.Node) -> bool:
         pair = self.operands(node, "mul")
@@ -182,6 +305,16 @@ class _Matcher:
                 self.replace(node, swiglu, (act.args[0], up), {})
                 return True
         return False
+
+
+def _last_slice(index) -> tuple | None:
+    """(start, stop) of an index that slices only the last dim (step 1), else None."""
+    if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
+        return None
+    if any(i != slice(None) for i in index[:-1]) or index[-1].step not in (None, 1):
+        return None
+    stop = index[-1].stop
+    return (index[-1].start or 0, None if stop is None or stop >= 2**62 else stop)
 
 
 def _softmax_dim(node: fx.Node):
@@ -196,7 +329,8 @@ def _transpose_dims(node: fx.Node) -> list:
 def rewrite(gm: fx.GraphModule, values: dict) -> None:
     """Apply the patterns of this file's docstring to `gm` in place (values follow)."""
     matcher = _Matcher(gm, values)
-    for pattern in (matcher.rms, matcher.attention, matcher.swiglu):
+    for pattern in (matcher.rms, matcher.rope, matcher.repeat_kv, matcher.causal_mask, matcher.attention,
+                    matcher.swiglu):
         for node in list(gm.graph.nodes):
             if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method", "call_module"):
                 continue

@@ -45,6 +45,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rope(x: torch.Tensor, *, theta: float, seq_axis: int) -> torch.Tensor:
+    """fivedc's rope, as the marker a `x * cos + rotate_half(x) * sin` pattern with
+    tables checked by value becomes (`fivedc/fx/patterns.py`)."""
+    return reference_rope(x, seq_axis, theta)
+
+
 # ---- op names -----------------------------------------------------------------------------
 _FUNCTIONS = {
     operator.add: "add", torch.add: "add", operator.iadd: "add",
@@ -64,7 +70,7 @@ _FUNCTIONS = {
     torch.repeat_interleave: "repeat_interleave", torch.arange: "arange", torch.cat: "cat",
     F.linear: "linear", F.embedding: "embedding", F.layer_norm: "layer_norm", F.rms_norm: "rms_norm",
     F.scaled_dot_product_attention: "sdpa", F.cross_entropy: "cross_entropy",
-    rms_norm: "rms_norm", swiglu: "swiglu",
+    rms_norm: "rms_norm", swiglu: "swiglu", rope: "rope",
 }
 _MODULES = {
     nn.SiLU: "silu", nn.GELU: "gelu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
