@@ -87,13 +87,16 @@ def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, loss:
     return wrapper(model).to(dtype), (ids, torch.roll(ids, -1, dims=1) if loss == "logits" else ids.clone())
 
 
-def _factory(arch: str):
-    def factory(*, seed: int = 0, dtype: torch.dtype = torch.float64):
-        return build(arch, seed=seed, dtype=dtype)
+def _factory(arch: str, default_loss: str = "library"):
+    def factory(*, seed: int = 0, dtype: torch.dtype = torch.float64, loss: str = default_loss):
+        return build(arch, seed=seed, dtype=dtype, loss=loss)
 
-    factory.__name__ = factory.__qualname__ = arch
-    factory.__doc__ = f"Hugging Face {arch}, tiny config, random init: (model, (input_ids, labels))."
+    factory.__name__ = factory.__qualname__ = arch if default_loss == "library" else f"{arch}_logits"
+    factory.__doc__ = f"Hugging Face {arch}, tiny config, random init, {default_loss} loss: (model, inputs)."
     return factory
 
 
 llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gpt2, mixtral, qwen3_moe, deepseek_v3 = map(_factory, ARCHITECTURES)
+# the same decoders under a training loop's own logits loss (`LogitsLoss`): `examples/hf_models.py:llama_logits`
+(llama_logits, mistral_logits, qwen2_logits, qwen3_logits, gemma_logits, gemma2_logits, gemma3_logits, gpt2_logits,
+ mixtral_logits, qwen3_moe_logits, deepseek_v3_logits) = (_factory(a, "logits") for a in ARCHITECTURES)
