@@ -149,20 +149,23 @@ def worker_main(slot: int, conn: Connection, parent_pid: int, folder: str, pdeat
     _die_with_parent(parent_pid, folder, pdeathsig=pdeathsig)
     torch.set_num_threads(1)
     conn.send_bytes(b"ready")
-    _serve(slot, conn)
+    _serve(slot, conn, folder)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def _serve(slot: int, conn: Connection) -> None:
-    """Loop: receive a pickled job, run it, send back the outcome."""
+def _serve(slot: int, conn: Connection, folder: str) -> None:
+    """Loop: receive a pickled job, run it, send back the outcome. The parent ends it
+    with b""; the connection's end (EOF) without that means the parent is gone (a
+    parent that stops a worker ends it first), so the worker cleans up after it: it
+    may see EOF before its watching thread sees the parent's pid change."""
     lock = threading.Lock()
     while True:
         try:
             message = conn.recv_bytes()
         except EOFError:
-            return
+            _orphaned(folder)
         if not message:
             return
         job_id, job_bytes = pickle.loads(message)
