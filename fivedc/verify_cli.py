@@ -84,11 +84,14 @@ def _verify_module(args, mesh, tol: float) -> int:
         if report is None:
             return 0
     else:
-        from fivedc.cli_shared import compile_model
+        from fivedc.cli_shared import load_graph
+        from fivedc.passes.base import CompileOptions
+        from fivedc.pipeline import compile_graph
         from fivedc.runtime.verify import single_device_mesh
 
-        plan = compile_model(args.model, args.mesh, args, dtype=args.dtype)  # errors before any process starts
-        _check_machine(args, plan, compile_model(args.model, str(single_device_mesh()), args, dtype=args.dtype))
+        graph = load_graph(args.model, args.stage_boundary)  # traced once; errors before any process starts
+        reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype))
+        _check_machine(args, compile_graph(graph, given), reference)
         print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})")
         report = check_module(args.model, mesh=mesh, steps=args.steps, dtype=args.dtype, seed=args.seed,
                               timeout_s=args.timeout, on_progress=progress_printer(), **options)
