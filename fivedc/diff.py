@@ -3,8 +3,9 @@
 `diff_plans(a, b)` compares the mesh (axis sizes, world, rank order), the options
 (model, sequence parallelism, dtype, ZeRO stage, overlap; the pipeline's schedule,
 microbatches, how its chunks were cut and what each holds), the mesh groups (matched by their axes), the
-parameter shardings (matched by qualified name, `layers.*.wq`), the collectives and
-the memory estimate per rank. Collectives are matched by the key (phase, kind, axes,
+parameter shardings (matched by qualified name, `layers.*.wq`), the collectives,
+the ops that run replicated (no sharding rule; matched by target and line) and the
+memory estimate per rank. Collectives are matched by the key (phase, kind, axes,
 tensor, dim); a key that occurs several times is paired up in plan order, and a pair
 whose bytes or count differ is "resized". A `PlanDiff` holds only what changed, as
 frozen dataclasses with tuple fields; `to_json()` gives a stable dict for scripts
@@ -23,7 +24,7 @@ from fivedc.ir import Collective, Graph, Repeat, walk_params
 from fivedc.mesh import MESH_ORDER
 from fivedc.plan import ExecutionPlan, qualified
 from fivedc.sharding import Sharding
-from fivedc.summary import axes_text, format_bytes, phase_totals
+from fivedc.summary import axes_text, format_bytes, phase_totals, replicated_ops
 
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "total")
 MARK = {"added": "+", "removed": "-", "resized": "~", "changed": "~"}
@@ -69,6 +70,16 @@ class CollectiveChange:
 
 
 @dataclass(frozen=True)
+class ReplicatedChange:
+    """An op that runs replicated (no sharding rule) in one plan and not in the other."""
+
+    change: str  # added | removed
+    target: str  # aten.constant_pad_nd.default
+    at: str  # its source location
+    reason: str
+
+
+@dataclass(frozen=True)
 class TotalChange:
     """A per-step total (collective bytes of one phase) or a memory category."""
 
@@ -90,11 +101,12 @@ class PlanDiff:
     collectives: tuple[CollectiveChange, ...] = ()
     bytes_per_step: tuple[TotalChange, ...] = ()  # per phase, only those that differ
     memory: tuple[TotalChange, ...] = ()  # per rank, only categories that differ
+    replicated: tuple[ReplicatedChange, ...] = ()  # ops without a sharding rule, added or removed
 
     @property
     def is_empty(self) -> bool:
         return not any((self.mesh, self.options, self.groups, self.params, self.collectives,
-                        self.bytes_per_step, self.memory))
+                        self.bytes_per_step, self.memory, self.replicated))
 
     def collectives_with(self, change: str) -> tuple[CollectiveChange, ...]:
         return tuple(c for c in self.collectives if c.change == change)
@@ -126,6 +138,8 @@ class PlanDiff:
                 "bytes_per_step": {t.name: {"a": t.a, "b": t.b} for t in self.bytes_per_step},
             },
             "memory": {t.name: {"a": t.a, "b": t.b, "ratio": t.ratio} for t in self.memory},
+            "replicated": [{"change": r.change, "target": r.target, "at": r.at, "reason": r.reason}
+                           for r in self.replicated],
         }
 
 
@@ -266,7 +280,25 @@ def diff_plans(a: ExecutionPlan, b: ExecutionPlan) -> PlanDiff:
         collectives=_collectives(a, b),
         bytes_per_step=_totals([(phase, ta[phase], tb[phase]) for phase in ta]),
         memory=memory,
+        replicated=_replicated(a, b),
     )
+
+
+def _replicated(a: ExecutionPlan, b: ExecutionPlan) -> tuple[ReplicatedChange, ...]:
+    """Replicated ops matched by (target, location), each occurrence paired in plan order."""
+    def ops(plan: ExecutionPlan) -> list[tuple[str, str, str]]:
+        return [(str(op.attr("target")), str(op.loc or "-"), str(op.attr("reason"))) for op, _ in replicated_ops(plan.graph)]
+
+    left, right = ops(a), ops(b)
+    out = []
+    for entry in left:
+        match = next((r for r in right if r[:2] == entry[:2]), None)
+        if match is None:
+            out.append(ReplicatedChange("removed", *entry))
+        else:
+            right.remove(match)
+    out.extend(ReplicatedChange("added", *entry) for entry in right)
+    return tuple(out)
 
 
 def _pipeline_values(a: ExecutionPlan, b: ExecutionPlan) -> list[tuple[str, object, object]]:
@@ -323,6 +355,10 @@ def _lines(d: PlanDiff) -> list[str]:
     if d.bytes_per_step:
         lines.append("bytes per step: " + ", ".join(
             f"{t.name} {format_bytes(t.a)} -> {format_bytes(t.b)}" for t in d.bytes_per_step))
+    if d.replicated:
+        lines.append("replicated ops (no sharding rule, computed whole on every rank):")
+        for r in d.replicated:
+            lines.append(f"  {MARK[r.change]} {r.target} at {r.at}: {r.reason}")
     if d.memory:
         lines.append("memory per rank:")
         for t in d.memory:

@@ -73,9 +73,11 @@ from fivedc.errors import PassError, ShapeError
 from fivedc.fx.build import finish
 from fivedc.fx.lower import FxWarning, Lowering
 from fivedc.fx.marks import mark_stages
+from fivedc.fx.precision import float64_everywhere, is_float64
 from fivedc.fx.params import ParamMapping, from_ir_params, to_ir_params
 from fivedc.fx.patterns import rewrite
-from fivedc.fx.trace import trace_graphs
+from fivedc.fx.trace import export_trace, trace_graphs
+from fivedc.fx.values import Unrecognised
 from fivedc.ir import Graph, Op, Repeat, TensorType, walk_ops
 from fivedc.mesh import Mesh
 from fivedc.passes.base import CompileOptions
@@ -115,17 +117,30 @@ def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str |
     stage_boundaries: module-path patterns (`"layers.4"`, `"ln_f"`, `*` for one path element) at
     which a pipeline chunk begins, besides the modules marked `fivedc_stage_boundary = True`
     (`fivedc/fx/marks.py`)."""
-    trace = trace_graphs(module, example_inputs)
-    for traced in (trace.top, *(r.body for r in trace.repeats)):
-        rewrite(traced.gm, traced.values)
-    lowering = Lowering(trace)
-    draft = lowering.draft(name or type(module).__name__.lower())
-    mark_stages(module, trace, draft, stage_boundaries)
+    with float64_everywhere(is_float64(module)):  # fivedc/fx/precision.py
+        trace = trace_graphs(module, example_inputs)
+        try:
+            lowering, draft = _lower(trace, module, name, stage_boundaries)
+        except Unrecognised as error:
+            if trace.exported:
+                raise
+            # an op without a rule: torch.export gives it as an ATen call, which can run replicated
+            trace = export_trace(module, example_inputs, error)
+            lowering, draft = _lower(trace, module, name, stage_boundaries)
     graph, mappings, expected = finish(draft, share_dims=True)
     if not _consistent(graph, expected):
         graph, mappings, expected = finish(draft, share_dims=False)
         _consistent(graph, expected, strict=True)
     return TracedModel(graph, mappings, tuple(lowering.warned), trace.exported)
+
+
+def _lower(trace, module: nn.Module, name: str | None, stage_boundaries):
+    for traced in (trace.top, *(r.body for r in trace.repeats)):
+        rewrite(traced.gm, traced.values)
+    lowering = Lowering(trace)
+    draft = lowering.draft(name or type(module).__name__.lower())
+    mark_stages(module, trace, draft, stage_boundaries)
+    return lowering, draft
 
 
 def _consistent(graph: Graph, expected: dict[str, TensorType], *, strict: bool = False) -> bool:

@@ -20,10 +20,11 @@ class OpSpec:
     min_args: int
     attrs: tuple[tuple[str, Scalar], ...] = ()  # keyword attributes and their defaults
     doc: str = ""
+    variadic: bool = False  # any number of arguments (aten)
 
     @property
     def max_args(self) -> int:
-        return len(self.args)
+        return 1 << 16 if self.variadic else len(self.args)
 
 
 _UNARY = ("x",)
@@ -47,7 +48,9 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("swiglu", ("gate", "up"), 2, doc="silu(gate) * up"),
         OpSpec("rmsnorm", ("x", "w"), 2, (("eps", 1e-5),), doc="RMS norm over the last dim"),
         OpSpec("layernorm", ("x", "w", "b"), 2, (("eps", 1e-5),), doc="layer norm over the last dim"),
-        OpSpec("rope", ("x",), 1, (("theta", 10000.0),), doc="rotary embedding at global positions"),
+        OpSpec("rope", ("x",), 1, (("theta", 10000.0), ("freqs", "")),
+               doc="rotary embedding at global positions: frequencies theta**(-i/half), or freqs "
+                   "(comma-separated, half of the last dim) where a model's own table differs"),
         OpSpec(
             "attention",
             ("q", "k", "v"),
@@ -55,7 +58,9 @@ OP_SPECS: dict[str, OpSpec] = {
             (("causal", True),),
             doc="softmax(q k^T / sqrt(d)) v; GQA when k, v have fewer heads; @cp(ring|allgather) under cp",
         ),
-        OpSpec("cross_entropy", ("logits", "targets"), 2, doc="mean token cross-entropy (scalar)"),
+        OpSpec("cross_entropy", ("logits", "targets"), 2, (("ignore_index", -100),),
+               doc="mean token cross-entropy (scalar); with ignore_index given, targets equal to it are left out "
+                   "and the mean is over the others (as torch's F.cross_entropy); without, every token counts"),
         OpSpec(
             "moe",
             ("x", "router", "w_gate", "w_up", "w_down"),
@@ -67,6 +72,15 @@ OP_SPECS: dict[str, OpSpec] = {
                 "capacity_factor left out: dropless, given (> 0): each expert keeps ceil(factor x tokens per "
                 "sequence x top_k / experts) per sequence; aux_loss: Switch balancing loss coefficient; "
                 "bias_update: DeepSeek-V3 loss-free balancing rate (0: off). See passes/experts.py",
+        ),
+        OpSpec(
+            "aten",
+            ("tensors",),
+            0,
+            (("target", ""), ("call", ""), ("layouts", ""), ("out", ""), ("dtypes", ""), ("reason", "")),
+            doc="an ATen operator without a sharding rule, computed whole on every rank (replicated): "
+                "see fivedc/aten_call.py",
+            variadic=True,
         ),
     )
 }

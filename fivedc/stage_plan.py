@@ -11,7 +11,7 @@ transfers for the plan. Marks on a pp=1 mesh are not used (the summary says so).
 
 from __future__ import annotations
 
-from fivedc.errors import PlanError, SourceLoc
+from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir import Collective, CollectiveKind, Graph, Op, Phase, Repeat, walk_ops
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.schedule import SCHEDULES, make_schedule, min_microbatches, peak_live_weighted
@@ -69,6 +69,7 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
         check_enough(len(all_units), p * per_rank, "layers and op groups")
     m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
     _check_microbatches(graph, mesh, m)
+    _check_per_microbatch(graph, m)
     sched = make_schedule(schedule, p, m, virtual)
     n_chunks = p * sched.v
     costs, sizes = unit_costs(graph, mesh, dtype_bytes)
@@ -179,6 +180,27 @@ def _check_microbatches(graph: Graph, mesh: Mesh, m: int) -> None:
             f"{m} microbatches",
             hint=f"choose --microbatches in {{{choices}}}, or change {graph.batch_dim}",
         )
+
+
+def _check_per_microbatch(graph: Graph, m: int) -> None:
+    """Ops that see the whole batch at once cannot run one microbatch at a time: a replicated
+    `aten` op (it may reduce over the batch), and a loss with ignore_index whose targets are
+    computed (its count spans the step: the runtime counts it up front from an input only)."""
+    if m == 1:
+        return
+    inputs = {i.name for i in graph.inputs}
+    for op, _ in walk_ops(graph.body):
+        if not isinstance(op, Op):
+            continue
+        if op.kind == "aten":
+            raise NotSupportedError(
+                f"{op.attr('target')} runs replicated (no sharding rule) and sees the whole batch, so it cannot run "
+                f"in {m} microbatches", loc=op.loc, hint="use --microbatches 1, or pp=1")
+        if op.kind == "cross_entropy" and op.attr("ignore_index") is not None and op.args[1] not in inputs:
+            raise NotSupportedError(
+                f"cross_entropy with ignore_index over computed targets ({op.args[1]}): the count of targets spans "
+                f"the {m} microbatches", loc=op.loc,
+                hint="pass the targets as an input (shifted by the data loader), or use --microbatches 1")
 
 
 def _describe(graph: Graph, chunk_units: list[Unit]) -> str:

@@ -6,7 +6,8 @@ context-parallel layout and attention variants, the pipeline's schedule and how 
 chunks were cut (or that a pp=1 plan leaves the model's @stage marks unused), dtype,
 plan version), the mesh groups, the pipeline chunks, one row per parameter (global
 and local shape, sharding, the axes its gradient is summed over), the output shardings seen per op
-kind, every collective with its bytes, count and reason followed by bytes per step
+kind, the ops that run replicated (no sharding rule) with their lines and reasons, every
+collective with its bytes, count and reason followed by bytes per step
 per phase, and the memory estimate per rank. By default it fits an 80-column
 terminal (each collective is one line of facts with its reason wrapped below it);
 `wide=True` gives one table row per collective, reason last, for 140 columns or
@@ -206,6 +207,24 @@ def _op_kinds(plan: ExecutionPlan) -> Table:
     return table
 
 
+def replicated_ops(graph: Graph) -> list[tuple[Op, int]]:
+    """The ops that run whole on every rank (`aten`: no sharding rule), with how many run per step."""
+    return [(op, repeat.count if repeat else 1) for op, repeat in walk_ops(graph.body)
+            if isinstance(op, Op) and op.kind == "aten"]
+
+
+def _replicated(plan: ExecutionPlan) -> Table | None:
+    found = replicated_ops(plan.graph)
+    if not found:
+        return None
+    table = _table("Replicated ops: no sharding rule, computed whole on every rank", "op", "at", "×", "reason")
+    for op, count in found:
+        at = "-" if op.loc is None else f"{op.loc.line}:{op.loc.col}" if op.loc.file == plan.graph.source \
+            else f"{op.loc.file.rsplit('/', 1)[-1]}:{op.loc.line}"
+        _row(table, f"{op.out} = {op.attr('target')}", at, count, op.attr("reason"))
+    return table
+
+
 def _where(c: Collective, graph: Graph) -> str:
     """`line:col` in the model's own file (named in the header), else `file:line:col`."""
     if c.loc is None:
@@ -275,6 +294,10 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     console.print()
     console.print(_op_kinds(plan))
     console.print()
+    replicated = _replicated(plan)
+    if replicated is not None:
+        console.print(replicated)
+        console.print()
     console.print(_collectives(plan, wide=wide))
     totals = phase_totals(plan.collectives)
     line = ", ".join(f"{phase} {format_bytes(n)}" for phase, n in totals.items())
@@ -285,4 +308,4 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     console.print(Text("note: activations assume every op output is kept for backward (no recomputation)"))
 
 
-__all__ = ["MAX_PARAM_ROWS", "format_bytes", "op_shardings", "phase_totals", "render_summary"]
+__all__ = ["MAX_PARAM_ROWS", "format_bytes", "op_shardings", "phase_totals", "render_summary", "replicated_ops"]

@@ -219,7 +219,20 @@ def _cross_entropy(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> Ru
         )
         for what in ("max of the logits", "sum of exp(logits)", "logit of the target")
     ) if vocab_axes else ()
-    return RuleResult((logits, targets), Sharding(partial=targets.split_axes()), collectives)
+    split = targets.split_axes()
+    if op.attr("ignore_index") is not None and split:
+        collectives += (Collective(
+            CollectiveKind.ALL_REDUCE, split, Phase.FORWARD, op.out, 8,
+            f"cross-entropy with ignore_index={op.attr('ignore_index')}: the number of counted targets over the "
+            "token shards (the mean divides by it)", loc=op.loc,
+        ),)
+    return RuleResult((logits, targets), Sharding(partial=split), collectives)
+
+
+def _aten(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
+    """No rule: every argument whole on every rank (gathered, pending sums added), the
+    result computed whole (replicated); consumers cut their shards from it."""
+    return RuleResult(tuple(Sharding() for _ in shs), Sharding())
 
 
 def _moe(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
@@ -264,4 +277,5 @@ SHARDING_RULES: dict[str, Rule] = {
     "attention": _attention,
     "cross_entropy": _cross_entropy,
     "moe": _moe,
+    "aten": _aten,
 }

@@ -111,6 +111,15 @@ def _rope(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
         raise _fail(op, f"x {_fmt(x)} has no sequence dim {graph.seq_dim!r} to take positions from")
     if graph.dim(x.dims[-1]) % 2:
         raise _fail(op, f"the rotated dim {x.dims[-1]}={graph.dim(x.dims[-1])} must be even")
+    freqs = str(op.attr("freqs", "") or "")
+    if freqs:
+        try:
+            count = len([float(f) for f in freqs.split(",")])
+        except ValueError:
+            raise _fail(op, f"freqs must be numbers separated by commas, got {freqs[:40]!r}") from None
+        if count != graph.dim(x.dims[-1]) // 2:
+            raise _fail(op, f"freqs gives {count} frequencies; the rotated dim {x.dims[-1]} needs "
+                            f"{graph.dim(x.dims[-1]) // 2}")
     return x
 
 
@@ -137,6 +146,41 @@ def _cross_entropy(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     if logits.dims[:-1] != targets.dims:
         raise _fail(op, f"targets {_fmt(targets)} must be the logits' dims {_fmt(logits)} without the last")
     return TensorType(())
+
+
+def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
+    """The result's dims from the `out` layout, checked by calling the operator on meta
+    tensors of the arguments' shapes (fivedc/aten_call.py)."""
+    from fivedc.aten_call import AtenCallError, arg_layouts, meta_type, out_layout
+
+    try:
+        layouts, out = arg_layouts(op), out_layout(op)
+        for index, (t, layout) in enumerate(zip(types, layouts)):
+            if t is None:
+                raise _fail(op, f"argument {index} must be a tensor, not a number (numbers go in its call)")
+            if sorted(d for group in layout for d in group) != sorted(t.dims):
+                raise _fail(op, f"argument {index} {_fmt(t)} is laid out as {op.attr('layouts')!r}: other dims")
+        unknown = [d for group in out for d in group if d not in dict(graph.dims)]
+        if unknown:
+            raise _fail(op, f"its result names unknown dims {', '.join(unknown)}")
+        shape, dtype = meta_type(op, types, graph.dim)
+    except AtenCallError as error:
+        raise _fail(op, error.message) from None
+    want = tuple(_product(graph.dim(d) for d in group) for group in out)
+    if shape != want:
+        raise _fail(op, f"{op.attr('target')} gives shape {list(shape)} on these arguments, but the op says "
+                        f"{list(want)} ({op.attr('out')})")
+    dims = tuple(d for group in out for d in group)
+    if len(set(dims)) != len(dims):
+        raise _fail(op, f"the result {_fmt(TensorType(dims))} would name a dim twice")
+    return TensorType(dims, DType.FLOAT if dtype.is_floating_point else DType.INT)
+
+
+def _product(values) -> int:
+    n = 1
+    for v in values:
+        n *= v
+    return n
 
 
 def _moe(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
@@ -183,6 +227,7 @@ SHAPE_RULES: dict[str, Callable[[Op, ArgTypes, Graph], TensorType]] = {
     "attention": _attention,
     "cross_entropy": _cross_entropy,
     "moe": _moe,
+    "aten": _aten,
 }
 
 

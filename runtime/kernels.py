@@ -37,6 +37,8 @@ class KernelContext:
     coords: dict[MeshAxis, int]
     groups: object | None = None  # runtime.groups.MeshGroups; None on a single device
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    # cross-entropy op -> its count of targets for the whole step, set by a pipeline before its microbatches
+    step_counts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def shard_range(self, dim: str, sharding: Sharding, coords: dict[MeshAxis, int] | None = None) -> tuple[int, int]:
         """Global [start, stop) of this rank's (or `coords`') chunk of `dim` (axes major-first)."""
@@ -200,11 +202,15 @@ def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
     computed once per layout, dtype and device (every layer and step reuses them)."""
     seq, sharding = ctx.graph.seq_dim, _arg_sharding(op, 0)
     theta = float(op.attr("theta", 10000.0))
-    key = ("rope", str(sharding), theta, x.shape[-1], x_dims, x.dtype, x.device)
+    given = str(op.attr("freqs", "") or "")
+    key = ("rope", str(sharding), theta, given, x.shape[-1], x_dims, x.dtype, x.device)
     if key not in ctx._cache:
         positions = ctx.positions(seq, sharding).to(device=x.device, dtype=x.dtype)
         half = x.shape[-1] // 2
-        freqs = theta ** (-torch.arange(0, half, dtype=x.dtype, device=x.device) / half)
+        if given:
+            freqs = torch.tensor([float(f) for f in given.split(",")], dtype=x.dtype, device=x.device)
+        else:
+            freqs = theta ** (-torch.arange(0, half, dtype=x.dtype, device=x.device) / half)
         angles = positions[:, None] * freqs[None, :]
         ctx._cache[key] = tuple(align(f(angles), (seq, x_dims[-1]), x_dims) for f in (torch.cos, torch.sin))
     return ctx._cache[key]
@@ -232,11 +238,12 @@ def _attention(ctx, op, args, dims):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Sum over local tokens of (logsumexp - target logit), with the vocab split over
-    a group: max, sum of exponentials and target logit are all-reduced (3 collectives)."""
+    """Sum over local tokens of (logsumexp - target logit) x counted (0 for an ignored
+    target), with the vocab split over a group: max, sum of exponentials and target
+    logit are all-reduced (3 collectives)."""
 
     @staticmethod
-    def forward(fctx, logits, targets, start, group):
+    def forward(fctx, logits, targets, counted, start, group):
         local_max = logits.max(dim=-1).values
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - local_max.unsqueeze(-1)
@@ -247,31 +254,73 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         index = torch.where(inside, targets - start, torch.zeros_like(targets))
         target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
         dist.all_reduce(target_logit, group=group)
-        fctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, inside)
-        return (sum_exp.log() - target_logit).sum()
+        fctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, inside, counted)
+        return ((sum_exp.log() - target_logit) * counted).sum()
 
     @staticmethod
     def backward(fctx, grad):
-        softmax, index, inside = fctx.saved_tensors
+        softmax, index, inside, counted = fctx.saved_tensors
         grad_logits = softmax.clone()
         grad_logits.scatter_add_(-1, index.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
-        return grad_logits * grad, None, None, None
+        return grad_logits * (grad * counted).unsqueeze(-1), None, None, None, None
 
 
 def _cross_entropy(ctx, op, args, dims):
+    """The sum over this rank's tokens divided by the global count: every token (no
+    ignore_index), or the targets other than ignore_index, counted over the token
+    shards (an all-reduce, or the count of the whole step a pipeline set beforehand)."""
     logits, targets = args
-    tokens = 1
-    for dim in dims[1]:
-        tokens *= ctx.graph.dim(dim)  # global count: the loss is a mean over all tokens
     vocab = dims[0][-1]
     sharding = _arg_sharding(op, 0)
+    ignore = op.attr("ignore_index")
+    counted = torch.ones_like(targets, dtype=logits.dtype) if ignore is None else (targets != ignore).to(logits.dtype)
     axes = sharding.axes_of(vocab)
     if axes and ctx.mesh.size(*axes) > 1:
         start, _ = ctx.shard_range(vocab, sharding)
-        total = _VocabParallelCrossEntropy.apply(logits, targets, start, ctx.group(axes))
+        total = _VocabParallelCrossEntropy.apply(logits, targets, counted, start, ctx.group(axes))
     else:
-        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-    return total / tokens
+        flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).clamp(min=0), reduction="none")
+        total = (flat * counted.reshape(-1)).sum()
+    if ignore is None:
+        tokens = 1
+        for dim in dims[1]:
+            tokens *= ctx.graph.dim(dim)  # global count: the loss is a mean over all tokens
+        return total / tokens
+    count = ctx.step_counts.get(op.out)
+    if count is None:
+        count = counted_targets(ctx, op, targets)
+    return total / count
+
+
+def counted_targets(ctx, op, targets: Tensor) -> Tensor:
+    """How many targets of a cross-entropy with ignore_index count, over all its token
+    shards (the plan lists the all-reduce)."""
+    count = (targets != op.attr("ignore_index")).sum().to(torch.float64)
+    split = _arg_sharding(op, 1).split_axes()
+    if split and ctx.mesh.size(*split) > 1:
+        dist.all_reduce(count, group=ctx.group(split))
+    return count
+
+
+def _aten(ctx, op, args, dims):
+    """An ATen operator on whole tensors (fivedc/aten_call.py): each argument laid out as the
+    operator saw it at capture, the sequence in global order; the result back in IR order."""
+    from fivedc.aten_call import arg_layouts, decode_call, from_torch, out_layout, resolve, to_torch
+
+    seq = ctx.graph.seq_dim
+    order = ctx.seq_order()
+    tensors = []
+    for t, t_dims, layout in zip(args, dims, arg_layouts(op)):
+        if order is not None and seq in t_dims:
+            t = t.index_select(t_dims.index(seq), torch.argsort(order).to(t.device))
+        tensors.append(to_torch(t, t_dims, layout))
+    device = args[0].device if args else torch.device("cpu")
+    call_args, call_kwargs = decode_call(str(op.attr("call")), tensors, device)
+    out = resolve(str(op.attr("target")))(*call_args, **call_kwargs)
+    out = from_torch(out, out_layout(op), dict(ctx.graph.dims))
+    if order is not None and seq in op.type.dims:
+        out = out.index_select(op.type.dims.index(seq), order.to(out.device))
+    return out
 
 
 def _moe(ctx, op, args, dims):
@@ -303,4 +352,5 @@ KERNELS: dict[str, Kernel] = {
     "attention": _attention,
     "cross_entropy": _cross_entropy,
     "moe": _moe,
+    "aten": _aten,
 }

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from fivedc.mesh import MeshAxis
 from fivedc.schedule import ActionKind
+from fivedc.runtime.kernels import counted_targets
 from fivedc.runtime.weight_grads import DeferredGrad
 from fivedc.runtime.weight_grads import enable as enable_deferred_weight_grads
 from fivedc.stages import PipelineSpec, Unit, units, value_types
@@ -67,6 +68,7 @@ class PipelineRunner:
     def step(self, params, inputs: dict[str, Tensor]) -> Tensor:
         """Forward and backward of every microbatch on this rank; the sum of the losses
         computed here (zero on ranks without the last chunk)."""
+        self._count_targets(inputs)
         micro_inputs = self._split(inputs)
         state: dict[tuple[int, int], _Micro] = {}
         sends: list = []
@@ -116,6 +118,7 @@ class PipelineRunner:
         chunks, mine = self.spec.chunks, self.ctx.coords[MeshAxis.PP]
         total = torch.zeros((), dtype=torch.float64)
         sends: list = []
+        self._count_targets(inputs)
         for inputs_j in self._split(inputs):
             outputs: list[Tensor] = []
             for chunk in chunks:
@@ -136,6 +139,17 @@ class PipelineRunner:
         for _, work in sends:
             work.wait()
         return total
+
+    def _count_targets(self, inputs: dict[str, Tensor]) -> None:
+        """A loss with ignore_index divides by the count of its targets over the whole step,
+        not one microbatch's: counted here, before them, on the rank that holds the loss
+        (its targets are an input: `stage_plan._check_per_microbatch`)."""
+        self.ctx.step_counts.clear()
+        if self.spec.chunks[self.last_chunk].rank != self.ctx.coords[MeshAxis.PP]:
+            return
+        for op in self.program.losses_ignoring():
+            if op.args[1] in inputs:  # else one microbatch: the kernel counts them itself
+                self.ctx.step_counts[op.out] = counted_targets(self.ctx, op, inputs[op.args[1]])
 
     def _split(self, inputs: dict[str, Tensor]) -> list[dict[str, Tensor]]:
         """The inputs of each microbatch: split along the batch dim."""

@@ -57,17 +57,30 @@ def init_params(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Ten
 
 
 def _int_bound(graph: Graph, name: str) -> int:
-    """Exclusive upper bound for an int input: the vocab of the embedding or loss using it."""
+    """Exclusive upper bound for an int input: the vocab of the embedding or loss using it,
+    also through replicated ops that compute from it (a label shift)."""
     types = {i.name: i.type for i in graph.inputs}
+    users: dict[str, list[Op]] = {}
     for node, _ in walk_ops(graph.body):
         if isinstance(node, (Op, Redistribute)):
             types[node.out] = node.type
-    for node, _ in walk_ops(graph.body):
-        if isinstance(node, Op) and name in node.args:
-            if node.kind == "embedding":
+        if isinstance(node, Op):
+            for arg in node.args:
+                if isinstance(arg, str):
+                    users.setdefault(arg, []).append(node)
+        elif isinstance(node, Redistribute):
+            users.setdefault(node.src, []).append(node)
+    seen, todo = set(), [name]
+    while todo:
+        value = todo.pop(0)
+        for node in users.get(value, []):
+            if isinstance(node, Op) and node.kind == "embedding" and node.args[0] == value:
                 return graph.dim(_param_dims(graph, node.args[1])[0])
-            if node.kind == "cross_entropy":
+            if isinstance(node, Op) and node.kind == "cross_entropy" and node.args[1] == value:
                 return graph.dim(types[node.args[0]].dims[-1])
+            if (isinstance(node, Redistribute) or node.kind == "aten") and node.out not in seen:
+                seen.add(node.out)
+                todo.append(node.out)
     return 2
 
 
@@ -117,6 +130,11 @@ class Program:
         scope = {p.name: p.name for p in self.graph.body.params}
         self._block(self.graph.body, env, dims, params, scope)
         return env[self.graph.output]
+
+    def losses_ignoring(self) -> list[Op]:
+        """The cross-entropy ops with ignore_index (their mean divides by a count of targets)."""
+        return [op for op, _ in walk_ops(self.graph.body)
+                if isinstance(op, Op) and op.kind == "cross_entropy" and op.attr("ignore_index") is not None]
 
     def run_units(self, units, params, env: dict[str, Tensor], dims: dict[str, tuple[str, ...]]) -> None:
         """Run a pipeline chunk: top-level item ranges and single layers of repeats

@@ -45,3 +45,15 @@ def test_the_examples_list_every_architecture() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.ARCHITECTURES == ARCHITECTURES
+
+
+@pytest.mark.parametrize("mesh", ["2x1x2x1x1", "1x1x1x2x1"])
+def test_hugging_face_llama_trains_with_its_own_loss(worker_pool, mesh: str) -> None:
+    """LlamaForCausalLM(input_ids, labels=labels).loss as the library computes it: its label shift
+    runs replicated, its rotary frequencies are its own float32 table's, and under dp·tp with SP
+    and under cp the run equals the module's in float64."""
+    from fivedc.parallel.check import check_module
+
+    report = check_module("examples/hf_models.py:llama", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool,
+                          sequence_parallel=True)
+    assert report.max_error <= 1e-10, report

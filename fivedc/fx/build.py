@@ -58,6 +58,8 @@ class DOp:
     loc: SourceLoc | None
     scope: tuple[str, ...] = ()  # the module paths (relative to the block's module) it was traced in
     annotations: tuple[Annotation, ...] = ()
+    # an `aten` op's torch layouts in atoms: (one per tensor argument, the result's); named by `finish`
+    layouts: tuple | None = None
 
 
 @dataclass(eq=False)
@@ -125,7 +127,8 @@ def finish(draft: Draft, *, share_dims: bool = True) -> tuple[Graph, tuple[Param
                                     stage_layers=item.stage_layers))
             else:
                 args_ = tuple(arg(a) for a in item.args)
-                items.append(Op(value(item.out), item.kind, args_, item.attrs, item.annotations, loc=item.loc))
+                attrs = item.attrs + (_layout_attrs(item.layouts, dims_of) if item.layouts is not None else ())
+                items.append(Op(value(item.out), item.kind, args_, attrs, item.annotations, loc=item.loc))
                 expected[value(item.out)] = TensorType(dims_of(item.out.atoms), item.out.dtype)
         return Block(args, params, tuple(items), tuple(value(v) for v in b.yields))
 
@@ -144,6 +147,18 @@ def finish(draft: Draft, *, share_dims: bool = True) -> tuple[Graph, tuple[Param
         source=draft.source, loc=draft.loc,
     )
     return graph, _mappings(draft, param_names, dims), expected
+
+
+def _layout_attrs(layouts, dims_of) -> tuple[tuple[str, str], ...]:
+    """An `aten` op's `layouts` and `out` attributes (fivedc/aten_call.py) with the dims' names."""
+    from fivedc.aten_call import layout_text
+
+    def named(layout) -> tuple[tuple[str, ...], ...]:
+        return tuple(dims_of(group) for group in layout)
+
+    args, out = layouts
+    return (("layouts", ";".join(layout_text(named(layout)) for layout in args)),
+            ("out", layout_text(named(out))))
 
 
 def _tensors(b: DBlock, dims: DimTable):

@@ -72,7 +72,9 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
         elif getattr(node.target, "overloadpacket", None) in _CHECKS:
             continue  # export's own checks of a value's dtype and device: nothing to compute
         else:
-            env[node] = _convert(graph, node, fx.node.map_arg((node.args, node.kwargs), lambda n: env[n]))
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            env[node] = _convert(graph, node, (args, kwargs))
+            env[node].meta["aten"] = (node.target, args, kwargs)  # the call itself, where no rule fits
             env[node].meta["stack_trace"] = node.meta.get("stack_trace", "")
             env[node].meta["nn_module_stack"] = node.meta.get("nn_module_stack") or {}  # for stage marks
     return fx.GraphModule(attrs, graph, type(module).__name__)

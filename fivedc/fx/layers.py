@@ -226,8 +226,8 @@ def rope(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     if node.op == "call_function":
         x = lw.tensor(frame, args[0], node)
         _last(lw, node, x, "rope")
-        return T(lw.emit(frame, node, "rope", (x.ref,), lw.ir(x), (("theta", float(kwargs["theta"])),)),
-                 x.ir, x.layout)
+        attrs = (("theta", float(kwargs["theta"])),) + ((("freqs", kwargs["freqs"]),) if kwargs.get("freqs") else ())
+        return T(lw.emit(frame, node, "rope", (x.ref,), lw.ir(x), attrs), x.ir, x.layout)
     m = _module(frame, node)
     if len(args) != 1 or kwargs:
         raise lw.unsupported(node, f"rotary module {type(m).__name__} called with more than the tensor to rotate",
@@ -362,9 +362,8 @@ def cross_entropy(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
         opts = {n: arg(args, kwargs, i + 2, n) for i, n in enumerate(names)}
     if opts.get("weight") is not None or (opts.get("reduction") or "mean") != "mean" or opts.get("label_smoothing"):
         raise lw.unsupported(node, "cross_entropy with class weights, label smoothing or a reduction other than mean")
-    if opts.get("ignore_index") not in (None, -100):
-        lw.warn(node, f"cross_entropy ignore_index={opts['ignore_index']} is not represented: "
-                      "fivedc's loss averages over every token, so no target may be ignored")
+    ignore = opts.get("ignore_index")
+    ignore = -100 if ignore is None else ignore  # torch's default: targets of -100 are left out of the mean
     logits, targets = lw.tensor(frame, args[0], node), lw.tensor(frame, args[1], node)
     groups = lw.groups(logits)
     c = 1 if len(groups) >= 2 else 0
@@ -376,4 +375,5 @@ def cross_entropy(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     if lw.ir(logits) != lw.ir(targets) + (vocab,):
         raise lw.unsupported(node, "cross_entropy whose logits are not [tokens..., vocab] in the targets' order")
     lw.dims.hint(vocab, "vocab", 90)
-    return T(lw.emit(frame, node, "cross_entropy", (logits.ref, targets.ref), ()), (), ())
+    attrs = (("ignore_index", int(ignore)),)
+    return T(lw.emit(frame, node, "cross_entropy", (logits.ref, targets.ref), (), attrs), (), ())

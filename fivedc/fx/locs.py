@@ -73,3 +73,12 @@ def frames() -> list[tuple[str, int]]:
         found.append((frame.f_code.co_filename, frame.f_lineno))
         frame = frame.f_back
     return found[::-1]
+
+
+def scope(node: fx.Node) -> tuple[str, ...]:
+    """The module paths a node was traced in, outermost first (the tracer's `nn_module_stack`)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = [v[0] for v in stack.values() if isinstance(v, tuple) and v and v[0]]
+    if node.op == "call_module" and str(node.target) not in paths:
+        paths.append(str(node.target))
+    return tuple(paths)

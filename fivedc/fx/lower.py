@@ -27,12 +27,12 @@ from fivedc.errors import FivedcError, NotSupportedError, PassError, SourceLoc
 from fivedc.fx.build import DBlock, DOp, DParam, DRepeat, DValue, Draft, Source
 from fivedc.fx.dims import DimMismatch, DimTable
 from fivedc.fx.layers import materialize
-from fivedc.fx.locs import def_loc, node_loc
+from fivedc.fx.locs import def_loc, node_loc, scope
 from fivedc.fx.ops import dispatch
 from fivedc.fx.recognise import op_name
 from fivedc.fx.trace import RepeatSpec, Trace
 from fivedc.fx.values import (DYNAMIC, SIZE_ONE_HINT, Const, Frame, FxWarning, ParamRef, Pending,
-                               RepeatedKV, RouterLogits, T)
+                               RepeatedKV, RouterLogits, T, Unrecognised)
 from fivedc.ir import DType
 
 
@@ -240,8 +240,9 @@ class Lowering:
         return self.emit(frame, node, "mul", (t.ref, 1.0), t.ir)
 
     def unsupported(self, node: fx.Node, what: str, hint: str = "") -> NotSupportedError:
-        return NotSupportedError(f"not supported by the fx frontend: {what} (fx node {node.name})",
-                                 loc=node_loc(node), hint=hint)
+        """No rule for this op or this use of it: the walk keeps it replicated where it can (`fx/generic.py`)."""
+        return Unrecognised(f"not supported by the fx frontend: {what} (fx node {node.name})",
+                            loc=node_loc(node), hint=hint)
 
     def logits_used(self, logits: RouterLogits, node: fx.Node) -> NotSupportedError:
         at = node_loc(logits.node)
@@ -272,15 +273,6 @@ _INPUT_HINTS = [("batch", 100), ("seq", 100), ("hidden", 10)] + [(None, 0)] * 16
 
 def _output(frame: Frame) -> fx.Node:
     return next(n for n in reversed(frame.traced.gm.graph.nodes) if n.op == "output")
-
-
-def scope(node: fx.Node) -> tuple[str, ...]:
-    """The module paths a node was traced in, outermost first (the tracer's `nn_module_stack`)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = [v[0] for v in stack.values() if isinstance(v, tuple) and v and v[0]]
-    if node.op == "call_module" and str(node.target) not in paths:
-        paths.append(str(node.target))
-    return tuple(paths)
 
 
 def _flat(layout) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from torch import nn
 from fivedc.errors import FivedcError, NotSupportedError, SourceLoc
 from fivedc.fx.build import DOp, DRepeat, Draft
 from fivedc.fx.locs import def_loc, node_loc
-from fivedc.fx.lower import scope
+from fivedc.fx.locs import scope
 from fivedc.fx.trace import STAGE_MARK, Trace, Traced
 from fivedc.ir import Annotation
 

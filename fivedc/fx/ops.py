@@ -20,8 +20,9 @@ from torch import nn
 from fivedc.fx import layers
 from fivedc.fx.build import DParam
 from fivedc.fx.layers import arg
+from fivedc.fx.generic import aten_call_of, generic
 from fivedc.fx.values import (DYNAMIC, SHAPE_QUERIES, SIZE_ONE_HINT, Const, Frame, ParamRef, Pending,
-                              RouterLogits, T)
+                              RouterLogits, T, Unrecognised)
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
     from fivedc.fx.lower import Lowering
@@ -67,9 +68,20 @@ def dispatch(lw: Lowering, frame: Frame, node: fx.Node):
     if name in SHAPE_QUERIES or (name == "getattr" and args[1] in SHAPE_QUERIES):
         return values.get(node)
     handler = HANDLERS.get(name)
-    if handler is None:
-        raise lw.unsupported(node, _describe(frame, node), _HINTS.get(name or "", _DEFAULT_HINT))
-    return handler(lw, frame, node, args, kwargs)
+    try:
+        if handler is None:
+            raise lw.unsupported(node, _describe(frame, node), _HINTS.get(name or "", _DEFAULT_HINT))
+        return handler(lw, frame, node, args, kwargs)
+    except Unrecognised as error:  # no rule: kept as the ATen call it is, replicated, where it is one
+        call = aten_call_of(node)
+        if call is None:
+            raise
+        return generic(lw, frame, node, call, reason=_reason(frame, node, error))
+
+
+def _reason(frame: Frame, node: fx.Node, error: Unrecognised) -> str:
+    what = error.message.removeprefix("not supported by the fx frontend: ")
+    return f"no sharding rule for {what.rsplit(' (fx node', 1)[0]}"
 
 
 def _leaves(obj):
@@ -90,6 +102,8 @@ def _describe(frame: Frame, node: fx.Node) -> str:
     if node.op == "call_method":
         return f"Tensor.{node.target}"
     target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target.overloadpacket.__name__}.{target._overloadname}"
     return f"{getattr(target, '__module__', '') or ''}.{getattr(target, '__name__', str(target))}".lstrip(".")
 
 

@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.fx.recognise import CASTS, op_name, reference_rope, rms_norm, rope, swiglu
+from fivedc.fx.recognise import CASTS, freqs_text, op_name, reference_rope, rms_norm, rope, swiglu
 
 
 # ---- graph patterns -------------------------------------------------------------------
@@ -194,7 +194,8 @@ class _Matcher:
                     if self.rotated_half(rot) is x and self.constant(cos) and self.constant(sin):
                         found = self.rope_theta(x, self.value(cos), self.value(sin))
                         if found is not None:
-                            self.replace(node, rope, (x,), {"theta": found[0], "seq_axis": found[1]})
+                            self.replace(node, rope, (x,), {"theta": found[0], "seq_axis": found[1],
+                                                            "freqs": found[2]})
                             return True
         return False
 
@@ -227,8 +228,11 @@ class _Matcher:
             stack.extend(n.all_input_nodes)
         return True
 
-    def rope_theta(self, x: fx.Node, cos, sin) -> tuple[float, int] | None:
-        """(theta, the sequence axis) for which x * cos + rotate_half(x) * sin is fivedc's rope."""
+    def rope_theta(self, x: fx.Node, cos, sin) -> tuple[float, int, str] | None:
+        """(theta, the sequence axis, the frequencies) for which x * cos + rotate_half(x) * sin is
+        fivedc's rope. The frequencies are the tables' own angles at position 1 ("" when
+        theta ** (-i / half) gives them to float64 precision): a library that computes its
+        `inv_freq` in float32 has frequencies a theta does not reproduce exactly."""
         value = self.values[x]
         half = value.shape[-1] // 2
         if not isinstance(cos, torch.Tensor) or cos.dim() != value.dim() or half < 2:
@@ -245,8 +249,12 @@ class _Matcher:
         theta = angle ** (-half)
         rotated = torch.cat((-value[..., half:], value[..., :half]), dim=-1)
         computed = value * cos + rotated * sin
-        if torch.allclose(computed, reference_rope(value, axis, theta), rtol=1e-5, atol=1e-6):
-            return theta, axis
+        row = tuple(1 if a == axis else 0 for a in range(value.dim() - 1))
+        freqs = torch.atan2(sin[row][:half].double(), cos[row][:half].double())
+        exact = theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
+        given = None if torch.allclose(freqs, exact, rtol=1e-13, atol=0) else freqs
+        if torch.allclose(computed, reference_rope(value, axis, theta, given), rtol=1e-5, atol=1e-6):
+            return theta, axis, freqs_text(given) if given is not None else ""
         return None
 
     # -- a causal attn_mask --

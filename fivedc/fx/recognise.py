@@ -45,10 +45,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope(x: torch.Tensor, *, theta: float, seq_axis: int) -> torch.Tensor:
+def rope(x: torch.Tensor, *, theta: float, seq_axis: int, freqs: str = "") -> torch.Tensor:
     """fivedc's rope, as the marker a `x * cos + rotate_half(x) * sin` pattern with
     tables checked by value becomes (`fivedc/fx/patterns.py`)."""
-    return reference_rope(x, seq_axis, theta)
+    return reference_rope(x, seq_axis, theta, parse_freqs(freqs))
+
+
+def freqs_text(freqs: torch.Tensor) -> str:
+    """A rope's frequencies as the op's `freqs` attribute: exact decimal reprs, comma separated."""
+    return ",".join(repr(float(f)) for f in freqs.tolist())
+
+
+def parse_freqs(text: str) -> torch.Tensor | None:
+    return torch.tensor([float(f) for f in text.split(",")], dtype=torch.float64) if text else None
 
 
 # ---- op names -----------------------------------------------------------------------------
@@ -163,10 +172,12 @@ def rope_theta(m: nn.Module, x: torch.Tensor, seq_axis: int) -> float | None:
     return None
 
 
-def reference_rope(x: torch.Tensor, seq_axis: int, theta: float) -> torch.Tensor:
-    """fivedc's rope (`runtime/kernels.py`) on a tensor whose sequence is `seq_axis`."""
+def reference_rope(x: torch.Tensor, seq_axis: int, theta: float, freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """fivedc's rope (`runtime/kernels.py`) on a tensor whose sequence is `seq_axis`: frequencies
+    theta ** (-i / half), or the ones given."""
     half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
+    if freqs is None:
+        freqs = theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
     angles = torch.arange(x.shape[seq_axis], dtype=torch.float64)[:, None] * freqs[None, :]
     shape = [1] * x.dim()
     shape[seq_axis], shape[-1] = x.shape[seq_axis], half

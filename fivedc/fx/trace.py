@@ -67,6 +67,12 @@ def trace_graphs(module: nn.Module, example_inputs: tuple | dict) -> Trace:
         return _exported(module, tensors, concrete, error)
 
 
+def export_trace(module: nn.Module, example_inputs: tuple | dict, error: Exception) -> Trace:
+    """The model captured with torch.export (after `error` stopped the symbolic trace's lowering)."""
+    tensors, concrete = _bind(module, example_inputs)
+    return _exported(module, tensors, concrete, error)
+
+
 def _trace_fx(module: nn.Module, tensors: dict, concrete: dict) -> Trace:
     inline: set[str] = set()
     while True:

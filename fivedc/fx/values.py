@@ -16,9 +16,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fivedc.errors import NotSupportedError
 from fivedc.fx.build import DBlock, DParam, DValue
 from fivedc.fx.trace import Traced
 from fivedc.ir import DType
+
+
+class Unrecognised(NotSupportedError):
+    """An op the fx frontend has no rule for; the walk keeps it as a replicated `aten` op where it can."""
 
 
 class FxWarning(UserWarning):

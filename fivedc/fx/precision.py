@@ -1,0 +1,51 @@
+"""Float64 everywhere: how fivedc runs a model that picks its own precision for some ops.
+
+Libraries compute RMSNorm, the rotary tables or the loss in float32 on purpose
+(`x.to(torch.float32)`, `logits.float()`, `torch.arange(..., dtype=torch.float)`),
+even inside a float64 model. A plan computes at one dtype, so the casts are no ops
+in the IR. To compare the two exactly, the float64 check runs the plain module
+with every lower floating dtype read as float64, and the frontend captures a
+float64 module the same way (so the tables it reads off are float64 too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+_LOWER = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _Float64Everywhere(TorchFunctionMode):
+    """Every floating dtype a call names becomes float64 (`x.float()`, `x.to(torch.float32)`,
+    `torch.arange(..., dtype=torch.float)`), so a model that computes its norms or rotary tables
+    in float32 on purpose runs wholly in float64, as the plan does: the plan computes at one dtype."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (Tensor.float, Tensor.half, Tensor.bfloat16):
+            func = Tensor.double
+        args = tuple(_up(a) for a in args)
+        kwargs = {k: _up(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+def _up(value):
+    if isinstance(value, torch.dtype) and value in _LOWER:
+        return torch.float64
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.dtype) for v in value):
+        return type(value)(_up(v) for v in value)
+    return value
+
+
+def float64_everywhere(on: bool = True):
+    """The float64 reference: the plain module run with every lower floating dtype read as float64."""
+    return _Float64Everywhere() if on else contextlib.nullcontext()
+
+
+def is_float64(module: nn.Module) -> bool:
+    """Whether the module's floating parameters are float64 (and it has some)."""
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    return dtypes == {torch.float64}

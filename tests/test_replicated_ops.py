@@ -1,0 +1,125 @@
+"""Ops without a sharding rule run replicated (`aten` ops), and a loss's ignore_index counts right.
+
+A model written by a user with an op fivedc has no rule for (a running sum over the
+sequence) is not refused: the op runs whole on every rank, listed with its line and
+reason in the plan, the summary and `fivedc diff`, and the model trains exactly as
+on one device, composed with dp, tp (+SP), cp and ZeRO. Cross-entropy leaves targets
+of -100 out of its mean as torch does, with the count taken over every shard and, under
+a pipeline, over every microbatch of the step. A plan file can name only pure ATen
+operators.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+
+from fivedc.diff import diff_plans
+from fivedc.errors import FivedcError, NotSupportedError
+from fivedc.frontend_fx import trace_module
+from fivedc.ir import Op, walk_ops
+from fivedc.mesh import Mesh
+from fivedc.parallel.check import check_module
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+from fivedc.plan_check import load_plan
+from fivedc.summary import render_summary
+from replicated_models import RunningSum, running_sum
+from test_frontend_fx import assert_same_as_module, line_of, llama
+
+MODELS = str(Path(__file__).resolve().parent / "replicated_models.py")  # the factories workers load
+
+
+def _islands(graph):
+    return [op for op, _ in walk_ops(graph.body) if isinstance(op, Op) and op.kind == "aten"]
+
+
+def test_an_op_without_a_rule_is_one_replicated_island_at_its_line() -> None:
+    module, inputs = running_sum()
+    tm = trace_module(module, inputs)
+    (island,) = _islands(tm.graph)
+    assert island.attr("target") == "aten.cumsum.default"
+    assert island.loc.file == MODELS and island.loc.line == line_of(RunningSum.forward, "torch.cumsum")
+    assert_same_as_module(tm, module, inputs)
+    ce = next(op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op) and op.kind == "cross_entropy")
+    assert ce.attr("ignore_index") == -100
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(mesh=st.sampled_from(["2x1x2x1x1", "1x1x1x2x1", "2x1x1x2x1", "1x1x2x2x1"]), sp=st.booleans(),
+       zero=st.sampled_from([0, 3]), seed=st.integers(0, 1000))
+def test_a_replicated_island_trains_like_one_device(worker_pool, mesh: str, sp: bool, zero: int, seed: int) -> None:
+    """Its inputs gathered (the sequence put back in global order under cp's balanced layout),
+    its result cut again; loss, gradients and AdamW's parameters as on one device, in float64."""
+    report = check_module(f"{MODELS}:running_sum", kwargs={"seed": seed}, mesh=mesh, steps=2, dtype="fp64",
+                          pool=worker_pool, sequence_parallel=sp, zero=zero if mesh.startswith("2") else 0)
+    assert report.max_error <= 1e-10, report
+
+
+@pytest.mark.parametrize("mesh, microbatches", [("2x1x1x1x1", None), ("1x2x1x1x1", 2), ("2x2x1x1x1", 2)])
+def test_ignored_targets_count_over_shards_and_microbatches(worker_pool, mesh: str, microbatches) -> None:
+    """Targets of -100 unevenly spread: the mean divides by the count over every dp shard and, under
+    a pipeline, over every microbatch of the step (counted before the first one)."""
+    options = {"microbatches": microbatches} if microbatches else {}
+    report = check_module(f"{MODELS}:llama_ignoring", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool, **options)
+    assert report.max_error <= 1e-10, report
+
+
+def _plan(mesh: str = "2x1x2x1x1"):
+    module, inputs = running_sum()
+    graph = trace_module(module, inputs).graph
+    return compile_graph(graph, CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=True, dtype="fp64"))
+
+
+def test_the_summary_and_the_diff_name_the_island() -> None:
+    plan = _plan()
+    console = Console(record=True, width=200)
+    render_summary(plan, console=console)
+    text = console.export_text()
+    assert "Replicated ops" in text and "aten.cumsum.default" in text and "no sharding rule" in text
+    ce = next(op for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) and op.kind == "cross_entropy")
+    assert any("ignore_index=-100" in c.reason for c in ce.collectives)  # the count's all-reduce, with its reason
+    plain = compile_graph(trace_module(*llama.factory()).graph, CompileOptions(mesh=Mesh.parse("2x1x2x1x1")))
+    d = diff_plans(plain, plan)
+    assert [(r.change, r.target) for r in d.replicated] == [("added", "aten.cumsum.default")]
+    assert d.to_json()["replicated"][0]["target"] == "aten.cumsum.default"
+
+
+def test_a_plan_with_an_island_round_trips_and_is_checked(tmp_path) -> None:
+    plan = _plan()
+    path = tmp_path / "p.plan.json"
+    plan.save(path)
+    assert load_plan(path).graph == plan.graph
+    text = path.read_text()
+    for bad, why in (("aten.cumsum.default", "aten.add_.Tensor"),  # writes to its argument
+                     ("aten.cumsum.default", "aten.rand.default"),  # draws random numbers
+                     ("aten.cumsum.default", "os.system.call")):  # not an ATen operator
+        path.write_text(text.replace(bad, why))
+        with pytest.raises(FivedcError) as info:
+            load_plan(path)
+        assert info.value.exit_code == 2, info.value.render()
+    data = json.loads(text)
+    op = next(item for item in data["graph"]["body"]["items"] if item.get("kind") == "aten")
+    attrs = dict(op["attrs"]) if isinstance(op["attrs"], list) else op["attrs"]
+    assert "cumsum" in json.dumps(attrs)
+
+
+def test_a_replicated_island_cannot_run_per_microbatch() -> None:
+    """It may reduce over the batch: a pipeline with several microbatches refuses it at its line."""
+    module, inputs = running_sum()
+    graph = trace_module(module, inputs, stage_boundaries=("head",)).graph  # two chunks: the head apart
+    with pytest.raises(NotSupportedError, match="microbatches") as info:
+        compile_graph(graph, CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), microbatches=2))
+    assert info.value.loc.line == line_of(RunningSum.forward, "torch.cumsum")
+    compile_graph(graph, CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), microbatches=1))  # one microbatch: fine
+
+
+def test_a_replicated_island_runs_in_a_pipeline_of_one_microbatch(worker_pool) -> None:
+    report = check_module(f"{MODELS}:running_sum", mesh="1x2x1x1x1", steps=2, dtype="fp64", pool=worker_pool,
+                          microbatches=1, stage_boundaries=("head",))
+    assert report.max_error <= 1e-10, report
