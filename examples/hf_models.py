@@ -69,15 +69,16 @@ class LogitsLoss(nn.Module):
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, loss: str = "library"
-          ) -> tuple[nn.Module, tuple]:
+def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, loss: str = "library",
+          **overrides) -> tuple[nn.Module, tuple]:
     """(model, (input_ids, labels)) for architecture `arch` (one of ARCHITECTURES); `loss`:
-    "library" (the model's own loss for `labels`) or "logits" (`LogitsLoss`)."""
+    "library" (the model's own loss for `labels`) or "logits" (`LogitsLoss`); `overrides`:
+    config fields over the tiny defaults (`rope_scaling={"rope_type": "linear", "factor": 2.0}`)."""
     import transformers as T
 
     config_class, fields = _configs()[arch]
     torch.manual_seed(seed)
-    config = config_class(**fields)
+    config = config_class(**(fields | overrides))
     try:
         model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     except ValueError:  # an architecture whose attention has no SDPA path

@@ -52,8 +52,9 @@ class AtenCallError(FivedcError):
     """An `aten` op whose target or call cannot be used."""
 
 
-def resolve(target: str):
-    """The ATen overload `aten.NAME.OVERLOAD`, if it is one a plan may call."""
+def resolve(target: str, args: tuple | list | None = None, kwargs: dict | None = None):
+    """The ATen overload `aten.NAME.OVERLOAD`, if it is one a plan may call (with these
+    arguments, when given: an op that may draw random numbers is fine with dropout 0)."""
     parts = target.split(".")
     if len(parts) != 3 or parts[0] != "aten":
         raise AtenCallError(f"aten op target {target!r} is not of the form aten.NAME.OVERLOAD")
@@ -64,10 +65,25 @@ def resolve(target: str):
     schema = overload._schema
     if schema.is_mutable:
         raise AtenCallError(f"aten op target {target!r} writes to its arguments; only pure operators run replicated")
-    if torch.Tag.nondeterministic_seeded in getattr(overload, "tags", ()):
+    if torch.Tag.nondeterministic_seeded in getattr(overload, "tags", ()) and _draws(schema, args, kwargs):
         raise AtenCallError(f"aten op target {target!r} draws random numbers; the ranks and the reference would "
                             "draw different ones")
     return overload
+
+
+def _draws(schema, args, kwargs) -> bool:
+    """Whether a call of a possibly random operator draws: not with dropout_p/p 0 or train False."""
+    if args is None:
+        return False  # checked again where the arguments are known
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    bound |= dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs or {})
+    if "dropout_p" in bound:
+        return bound["dropout_p"] not in (0, 0.0)
+    if "train" in bound and bound["train"] is False:
+        return False
+    if "p" in bound and bound["p"] in (0, 0.0):
+        return False
+    return True
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -206,8 +222,9 @@ def meta_type(op, arg_types: list, dim_size) -> tuple[tuple[int, ...], torch.dty
             _torch_attr(name, torch.dtype) if name not in ("", "float") else torch.int64
         tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
     args, kwargs = decode_call(str(op.attr("call", "")), tensors, torch.device("meta"))
+    overload = resolve(str(op.attr("target", "")), args, kwargs)
     try:
-        out = resolve(str(op.attr("target", "")))(*args, **kwargs)
+        out = overload(*args, **kwargs)
     except AtenCallError:
         raise
     except Exception as error:

@@ -33,7 +33,9 @@ _BINARY = ("a", "b")
 OP_SPECS: dict[str, OpSpec] = {
     spec.kind: spec
     for spec in (
-        OpSpec("embedding", ("tokens", "table"), 2, doc="table[vocab, hidden] rows picked by int tokens"),
+        OpSpec("embedding", ("tokens", "table"), 2, (("padding_idx", 0),),
+               doc="table[vocab, hidden] rows picked by int tokens; padding_idx (when given): that row gets "
+                   "no gradient (torch's F.embedding(padding_idx=))"),
         OpSpec("linear", ("x", "w"), 2, doc="contract x's trailing dims with w's leading dims"),
         OpSpec("matmul", ("x", "w"), 2, doc="same contraction as linear"),
         OpSpec("add", _BINARY, 2, doc="elementwise a + b (b broadcast by dim name, or a number)"),

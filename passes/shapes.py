@@ -65,6 +65,9 @@ def _embedding(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
         raise _fail(op, f"the table must have two dims [vocab, hidden], got {_fmt(table)}")
     if table.dims[1] in tokens.dims:
         raise _fail(op, f"tokens {_fmt(tokens)} already have the table's dim {table.dims[1]!r}")
+    padding, rows = op.attr("padding_idx"), graph.dim(table.dims[0])
+    if padding is not None and not 0 <= padding < rows:
+        raise _fail(op, f"padding_idx={padding} is not a row of the table ({table.dims[0]}={rows})")
     return TensorType(tokens.dims + (table.dims[1],))
 
 

@@ -146,15 +146,22 @@ def _linear(ctx, op, args, dims):
 
 
 def _embedding(ctx, op, args, dims):
+    """Rows of the table (vocab-parallel: each rank its rows, zeros elsewhere); with padding_idx,
+    that row's tokens give the table no gradient (torch's F.embedding(padding_idx=))."""
     tokens, table = args
     vocab = dims[1][0]
     sharding = _arg_sharding(op, 1)
     if not sharding.axes_of(vocab):
-        return F.embedding(tokens, table)
-    start, stop = ctx.shard_range(vocab, sharding)
-    inside = (tokens >= start) & (tokens < stop)
-    local = torch.where(inside, tokens - start, torch.zeros_like(tokens))
-    return F.embedding(local, table) * inside.unsqueeze(-1).to(table.dtype)
+        out = F.embedding(tokens, table)
+    else:
+        start, stop = ctx.shard_range(vocab, sharding)
+        inside = (tokens >= start) & (tokens < stop)
+        local = torch.where(inside, tokens - start, torch.zeros_like(tokens))
+        out = F.embedding(local, table) * inside.unsqueeze(-1).to(table.dtype)
+    padding = op.attr("padding_idx")
+    if padding is not None:
+        out = torch.where((tokens == padding).unsqueeze(-1), out.detach(), out)
+    return out
 
 
 def _binary(fn):

@@ -1,10 +1,10 @@
 """Models written by others: every Hugging Face architecture of `examples/hf_models.py`.
 
-Built from the library itself (tiny configs, random weights, no downloads). Today
-most stop in the frontend (docs/compatibility.md has the matrix and the reasons);
-what must hold for each, whatever it is: it compiles, or it is refused with a
-located bad-input error (exit 2, the user's file and line), never an internal
-error or a traceback. When one compiles, it must also verify on one rank.
+Built from the library itself (tiny configs, random weights, no downloads).
+docs/compatibility.md has the full matrix and the reasons. What must hold for each,
+whatever it is: it compiles, or it is refused with a located bad-input error (exit
+2, the user's file and line), never an internal error or a traceback; a slice of
+them that compiles also verifies on one rank here.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from fivedc.mesh import Mesh  # noqa: E402
 from fivedc.passes.base import CompileOptions  # noqa: E402
 from fivedc.pipeline import compile_graph  # noqa: E402
 
+# verified on one rank here (a slice: the Llama family differs little; llama itself is verified on
+# dp2·tp2 and cp2 below); the others compile or are refused here, and are verified in the matrix
+VERIFIED_HERE = ("qwen3", "gemma", "gpt2", "mixtral", "deepseek_v3")
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
                  "deepseek_v3")
 
@@ -31,6 +34,8 @@ def test_a_library_model_compiles_or_is_refused_at_its_line(arch: str) -> None:
     except FivedcError as error:
         assert error.exit_code == 2, error.render()
         assert error.loc is not None and error.loc.line > 0, error.render()
+        return
+    if arch not in VERIFIED_HERE:  # the full matrix: benchmarks/compatibility.py -> docs/compatibility.md
         return
     from fivedc.parallel.check import check_module
 

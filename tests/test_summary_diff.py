@@ -243,7 +243,7 @@ def test_diff_sp_off_vs_on_swaps_all_reduce_for_reduce_scatter_and_all_gather() 
 def test_to_json_is_serialisable_with_stable_keys() -> None:
     d = diff_plans(plan("2x1x1x1x1", False), plan("2x1x2x1x1", True))
     data = json.loads(json.dumps(d.to_json()))
-    assert set(data) == {"mesh", "options", "groups", "params", "collectives", "memory", "identical"}
+    assert set(data) == {"mesh", "options", "groups", "params", "collectives", "memory", "replicated", "identical"}
     assert data["identical"] is False
     assert set(data["collectives"]) == {"added", "removed", "resized", "bytes_per_step"}
     mem = data["memory"]["params"]

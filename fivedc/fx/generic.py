@@ -37,11 +37,19 @@ def aten_call_of(node: fx.Node):
     return None
 
 
-def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T:
+def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T | None:
+    """The replicated `aten` op for `node`; None when its ATen call reads values a pattern
+    rewrote away (the caller reports why the node has no rule)."""
     overload, call_args, call_kwargs = call
+    used = []
+    fx.node.map_arg((call_args, call_kwargs), used.append)
+    if any(n not in frame.syms for n in used):
+        return None
+    value_args = [frame.traced.values.get(a, a) if isinstance(a, fx.Node) else a for a in call_args]
+    value_kwargs = {k: frame.traced.values.get(a, a) if isinstance(a, fx.Node) else a for k, a in call_kwargs.items()}
     try:
         target = target_name(overload)
-        resolve(target)
+        resolve(target, value_args, value_kwargs)
     except AtenCallError as error:
         raise lw.unsupported(node, f"{error.message} (no sharding rule either: {reason})") from None
     value = frame.traced.values.get(node)

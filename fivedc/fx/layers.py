@@ -136,9 +136,11 @@ def embedding(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     else:
         ref = _ref(lw, node, arg(args, kwargs, 1, "weight"), "an embedding table")
         key, table, extra = ref.key, ref.value, (arg(args, kwargs, 2, "padding_idx"), arg(args, kwargs, 3, "max_norm"))
-    if any(e is not None for e in extra):
-        raise lw.unsupported(node, "embedding with padding_idx or max_norm", "fivedc's embedding is a plain lookup")
+    padding, max_norm = extra
+    if max_norm is not None:
+        raise lw.unsupported(node, "embedding with max_norm", "fivedc's embedding is a lookup (padding_idx is fine)")
     rows, cols = table.shape
+    attrs = (("padding_idx", int(padding) % rows),) if padding is not None else ()
     hidden = lw.dims.new(cols, "hidden", 80)
     module, attr = key.rpartition(".")[0], key.rpartition(".")[2]
     if isinstance(args[0], Const):
@@ -150,7 +152,7 @@ def embedding(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     w = lw.param(frame, node, key=key, module=module, attr=attr, atoms=(vocab, hidden), init="normal",
                  shape=_shape(table), role="an embedding table")
     atoms = lw.ir(tokens) + (hidden,)
-    return T(lw.emit(frame, node, "embedding", (tokens.ref, w), atoms), atoms, tokens.layout + ((hidden,),))
+    return T(lw.emit(frame, node, "embedding", (tokens.ref, w), atoms, attrs), atoms, tokens.layout + ((hidden,),))
 
 
 def _positions(lw: Lowering, frame: Frame, node, value: torch.Tensor, key: str, table, hidden: int) -> T:

@@ -74,9 +74,10 @@ def dispatch(lw: Lowering, frame: Frame, node: fx.Node):
         return handler(lw, frame, node, args, kwargs)
     except Unrecognised as error:  # no rule: kept as the ATen call it is, replicated, where it is one
         call = aten_call_of(node)
-        if call is None:
+        kept = generic(lw, frame, node, call, reason=_reason(frame, node, error)) if call is not None else None
+        if kept is None:
             raise
-        return generic(lw, frame, node, call, reason=_reason(frame, node, error))
+        return kept
 
 
 def _reason(frame: Frame, node: fx.Node, error: Unrecognised) -> str:

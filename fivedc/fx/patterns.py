@@ -69,7 +69,7 @@ class _Matcher:
         graph = self.gm.graph
         with graph.inserting_after(node):
             new = graph.call_function(fn, args, kwargs)
-        new.meta.update(node.meta)
+        new.meta.update({k: v for k, v in node.meta.items() if k != "aten"})  # no longer that ATen call
         self.values[new] = self.values.get(node)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
