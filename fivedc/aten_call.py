@@ -28,6 +28,7 @@ An `aten` op's attributes say everything the kernel needs:
   one: it runs at the plan's dtype; `int64`, `bool`, ...), separated by `;`, for
   shape inference on meta tensors.
 - `reason`: why it runs replicated.
+- `item` (for an operator that returns several tensors, `topk`): which result this op is.
 
 On a full tensor the sequence dim is stored in the cp layout's order
 (`runtime/program.shard`); the kernel puts it back in global order for the call,
@@ -230,9 +231,20 @@ def meta_type(op, arg_types: list, dim_size) -> tuple[tuple[int, ...], torch.dty
     except Exception as error:
         raise ShapeError(f"aten op {op.attr('target')} fails on arguments of these shapes: "
                          f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", loc=op.loc) from None
+    out = pick(op, out)
     if not isinstance(out, Tensor):
         raise ShapeError(f"aten op {op.attr('target')} returns {type(out).__name__}, not one tensor", loc=op.loc)
     return tuple(out.shape), out.dtype
+
+
+def pick(op, out):
+    """The result the op stands for: the `item`-th of an operator returning several."""
+    item = op.attr("item")
+    if item is None:
+        return out
+    if not isinstance(out, (tuple, list)) or not isinstance(item, int) or not 0 <= item < len(out):
+        raise AtenCallError(f"aten op {op.out}: item {item!r} of a result that is not a tuple that long")
+    return out[item]
 
 
 def _numel(group: tuple[str, ...], dim_size) -> int:

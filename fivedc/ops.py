@@ -79,7 +79,7 @@ OP_SPECS: dict[str, OpSpec] = {
             "aten",
             ("tensors",),
             0,
-            (("target", ""), ("call", ""), ("layouts", ""), ("out", ""), ("dtypes", ""), ("reason", "")),
+            (("target", ""), ("call", ""), ("layouts", ""), ("out", ""), ("dtypes", ""), ("reason", ""), ("item", 0)),
             doc="an ATen operator without a sharding rule, computed whole on every rank (replicated): "
                 "see fivedc/aten_call.py",
             variadic=True,

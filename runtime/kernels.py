@@ -312,7 +312,7 @@ def counted_targets(ctx, op, targets: Tensor) -> Tensor:
 def _aten(ctx, op, args, dims):
     """An ATen operator on whole tensors (fivedc/aten_call.py): each argument laid out as the
     operator saw it at capture, the sequence in global order; the result back in IR order."""
-    from fivedc.aten_call import arg_layouts, decode_call, from_torch, out_layout, resolve, to_torch
+    from fivedc.aten_call import arg_layouts, decode_call, from_torch, out_layout, pick, resolve, to_torch
 
     seq = ctx.graph.seq_dim
     order = ctx.seq_order()
@@ -323,7 +323,7 @@ def _aten(ctx, op, args, dims):
         tensors.append(to_torch(t, t_dims, layout))
     device = args[0].device if args else torch.device("cpu")
     call_args, call_kwargs = decode_call(str(op.attr("call")), tensors, device)
-    out = resolve(str(op.attr("target")))(*call_args, **call_kwargs)
+    out = pick(op, resolve(str(op.attr("target")))(*call_args, **call_kwargs))
     out = from_torch(out, out_layout(op), dict(ctx.graph.dims))
     if order is not None and seq in op.type.dims:
         out = out.index_select(op.type.dims.index(seq), order.to(out.device))

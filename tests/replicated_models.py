@@ -49,3 +49,13 @@ def llama_ignoring():
     targets = targets.clone()
     targets[0, 1:] = -100
     return module, (idx, targets)
+
+
+class SortsFeatures(RunningSum):
+    """An operator with two results (values, indices) of which the model uses one."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = h + torch.sort(self.down(F.gelu(self.up(h))), dim=-1).values
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))

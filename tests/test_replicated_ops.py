@@ -123,3 +123,16 @@ def test_a_replicated_island_runs_in_a_pipeline_of_one_microbatch(worker_pool) -
     report = check_module(f"{MODELS}:running_sum", mesh="1x2x1x1x1", steps=2, dtype="fp64", pool=worker_pool,
                           microbatches=1, stage_boundaries=("head",))
     assert report.max_error <= 1e-10, report
+
+
+def test_an_operator_with_several_results_keeps_the_one_used() -> None:
+    from replicated_models import SortsFeatures
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    module = SortsFeatures().double()
+    inputs = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
+    tm = trace_module(module, inputs)
+    (island,) = _islands(tm.graph)
+    assert island.attr("target").startswith("aten.sort.") and island.attr("item") == 0
+    assert_same_as_module(tm, module, inputs)

@@ -53,9 +53,10 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     except AtenCallError as error:
         raise lw.unsupported(node, f"{error.message} (no sharding rule either: {reason})") from None
     value = frame.traced.values.get(node)
-    if not isinstance(value, torch.Tensor):
+    items = list(value) if isinstance(value, (tuple, list)) else [value]
+    if not items or not all(isinstance(v, torch.Tensor) for v in items):
         raise lw.unsupported(node, f"{target} returning {type(value).__name__} (no sharding rule: {reason})",
-                             "a replicated op must return one tensor")
+                             "a replicated op must return tensors")
     syms_args, syms_kwargs = fx.node.map_arg((call_args, call_kwargs), lambda n: frame.syms[n])
     tensors: list[T] = []
 
@@ -77,13 +78,30 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     except AtenCallError as error:
         raise lw.unsupported(node, f"{target}: {error.message}") from None
     dtypes = _arg_dtypes(frame, call_args, call_kwargs, tensors)
-    atoms = tuple(lw.dims.new(s) for s in value.shape)
-    dtype = DType.FLOAT if value.is_floating_point() else DType.INT
-    out = DValue(node.name, atoms, dtype)
-    attrs = (("target", target), ("call", text), ("dtypes", ";".join(dtypes)), ("reason", reason))
-    frame.block.items.append(DOp(out, "aten", tuple(t.ref for t in tensors), attrs, node_loc(node), scope(node),
-                                 layouts=(tuple(t.layout for t in tensors), tuple((a,) for a in atoms))))
-    return T(out, atoms, tuple((a,) for a in atoms), dtype)
+    outs = []
+    wanted = _items_used(node, len(items))
+    for index, item in enumerate(items):  # an op returning several tensors: one IR op per result used
+        if index not in wanted:
+            outs.append(None)
+            continue
+        atoms = tuple(lw.dims.new(s) for s in item.shape)
+        dtype = DType.FLOAT if item.is_floating_point() else DType.INT
+        out = DValue(node.name, atoms, dtype)
+        attrs = (("target", target), ("call", text), ("dtypes", ";".join(dtypes)), ("reason", reason))
+        attrs += (("item", index),) if isinstance(value, (tuple, list)) else ()
+        frame.block.items.append(DOp(out, "aten", tuple(t.ref for t in tensors), attrs, node_loc(node), scope(node),
+                                     layouts=(tuple(t.layout for t in tensors), tuple((a,) for a in atoms))))
+        outs.append(T(out, atoms, tuple((a,) for a in atoms), dtype))
+    return tuple(outs) if isinstance(value, (tuple, list)) else outs[0]
+
+
+def _items_used(node: fx.Node, n: int) -> set[int]:
+    """Which results of a call the graph reads (`values, _ = x.sort()` reads one)."""
+    import operator
+
+    if all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
+        return {u.args[1] % n for u in node.users}
+    return set(range(n))
 
 
 def _arg_dtypes(frame: Frame, call_args, call_kwargs, tensors: list[T]) -> list[str]:

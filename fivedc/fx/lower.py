@@ -169,8 +169,8 @@ class Lowering:
     def unify(self, g1, g2, node: fx.Node, what: str) -> None:
         try:
             self.dims.unify(tuple(g1), tuple(g2))
-        except DimMismatch as error:
-            raise NotSupportedError(f"{what}: {error}", loc=node_loc(node)) from None
+        except DimMismatch as error:  # no rule for this use: the op may still run replicated
+            raise Unrecognised(f"{what}: {error}", loc=node_loc(node)) from None
 
     def emit(self, frame: Frame, node: fx.Node, kind: str, args: tuple, atoms: tuple[int, ...],
              attrs: tuple = (), base: str | None = None) -> DValue:
