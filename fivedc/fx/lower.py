@@ -13,8 +13,9 @@ Every fx node becomes one of:
 - `RepeatedKV`: k or v repeated over heads for grouped-query attention.
 - plain Python values (sizes, dtypes, numbers), read from the example run.
 
-The values are defined in `fivedc/fx/values.py`; the handlers per op live in `fivedc/fx/ops.py`. Anything else is a
-`NotSupportedError` naming the op and the user's line: never a silent guess.
+The values are defined in `fivedc/fx/values.py`; the handlers per op live in `fivedc/fx/ops.py`. Anything else
+runs replicated as its ATen call (`fivedc/fx/generic.py`), with the reason at the user's line; what cannot
+even be that is a `NotSupportedError` naming the op and the line: never a silent guess.
 """
 
 from __future__ import annotations

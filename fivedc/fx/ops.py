@@ -5,8 +5,9 @@ arithmetic, `arange`, masks) to its example value, answers shape queries
 (`x.size(1)`) from the example run, then routes by canonical op name
 (`fivedc.fx.recognise.op_name`) to a handler: elementwise ops and activations here,
 views and transposes here (they only change the torch layout), layer-sized ops in
-`fivedc/fx/layers.py`. An op without a handler is a `NotSupportedError` that names
-it and the user's line.
+`fivedc/fx/layers.py`. An op without a handler, or a use its handler does not follow
+(`Unrecognised`), runs replicated as its ATen call (`fivedc/fx/generic.py`) where it
+is one; otherwise it is a `NotSupportedError` that names it and the user's line.
 """
 
 from __future__ import annotations
