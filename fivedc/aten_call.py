@@ -38,6 +38,7 @@ and the result's sequence dim into layout order again.
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 from torch import Tensor
@@ -197,14 +198,8 @@ def to_torch(t: Tensor, dims: tuple[str, ...], layout: Layout) -> Tensor:
     if sorted(flat) != sorted(dims):
         raise AtenCallError(f"layout {layout_text(layout)} does not hold the dims {', '.join(dims)}")
     t = t.permute(*[dims.index(d) for d in flat]) if flat else t
-    sizes, at = [], 0
-    for group in layout:
-        n = 1
-        for _ in group:
-            n *= t.shape[at]
-            at += 1
-        sizes.append(n)
-    return t.reshape(sizes)
+    size = dict(zip(flat, t.shape))
+    return t.reshape([math.prod(size[d] for d in group) for group in layout])
 
 
 def from_torch(t: Tensor, layout: Layout, sizes: dict[str, int]) -> Tensor:
@@ -218,16 +213,12 @@ def meta_type(op, arg_types: list, dim_size) -> tuple[tuple[int, ...], torch.dty
     tensors = []
     dtypes = str(op.attr("dtypes", "")).split(";")
     for t, layout, name in zip(arg_types, arg_layouts(op), dtypes + [""] * len(arg_types)):
-        shape = [_numel(group, dim_size) for group in layout]
-        dtype = torch.float64 if name in ("", "float") and t.dtype == "float" else \
-            _torch_attr(name, torch.dtype) if name not in ("", "float") else torch.int64
-        tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
+        shape = [math.prod(dim_size(d) for d in group) for group in layout]
+        tensors.append(torch.empty(shape, dtype=_meta_dtype(name, t.dtype), device="meta"))
     args, kwargs = decode_call(str(op.attr("call", "")), tensors, torch.device("meta"))
     overload = resolve(str(op.attr("target", "")), args, kwargs)
     try:
         out = overload(*args, **kwargs)
-    except AtenCallError:
-        raise
     except Exception as error:
         raise ShapeError(f"aten op {op.attr('target')} fails on arguments of these shapes: "
                          f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", loc=op.loc) from None
@@ -247,8 +238,8 @@ def pick(op, out):
     return out[item]
 
 
-def _numel(group: tuple[str, ...], dim_size) -> int:
-    n = 1
-    for d in group:
-        n *= dim_size(d)
-    return n
+def _meta_dtype(name: str, ir_dtype: str) -> torch.dtype:
+    """An argument's dtype on meta tensors: the recorded one, float64 for `float`, else by the IR dtype."""
+    if name not in ("", "float"):
+        return _torch_attr(name, torch.dtype)
+    return torch.float64 if ir_dtype == "float" else torch.int64

@@ -27,6 +27,16 @@ class OpSpec:
         return 1 << 16 if self.variadic else len(self.args)
 
 
+def freqs_text(freqs) -> str:
+    """rope's `freqs` attribute: exact decimal reprs, comma separated."""
+    return ",".join(repr(float(f)) for f in freqs)
+
+
+def parse_freqs(text: str) -> tuple[float, ...]:
+    """rope's frequencies from its `freqs` attribute (empty: none given); ValueError when not numbers."""
+    return tuple(float(f) for f in text.split(",")) if text else ()
+
+
 _UNARY = ("x",)
 _BINARY = ("a", "b")
 

@@ -219,13 +219,11 @@ def _replicated(plan: ExecutionPlan) -> Table | None:
         return None
     table = _table("Replicated ops: no sharding rule, computed whole on every rank", "op", "at", "×", "reason")
     for op, count in found:
-        at = "-" if op.loc is None else f"{op.loc.line}:{op.loc.col}" if op.loc.file == plan.graph.source \
-            else f"{op.loc.file.rsplit('/', 1)[-1]}:{op.loc.line}"
-        _row(table, f"{op.out} = {op.attr('target')}", at, count, op.attr("reason"))
+        _row(table, f"{op.out} = {op.attr('target')}", _where(op, plan.graph), count, op.attr("reason"))
     return table
 
 
-def _where(c: Collective, graph: Graph) -> str:
+def _where(c: Collective | Op, graph: Graph) -> str:
     """`line:col` in the model's own file (named in the header), else `file:line:col`."""
     if c.loc is None:
         return "-"

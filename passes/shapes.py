@@ -7,12 +7,13 @@ raises `ShapeError` at the op's source line naming the dims that disagree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, ClassVar
 
 from fivedc.errors import ShapeError
 from fivedc.ir import Block, DType, Graph, Op, Repeat, TensorType
-from fivedc.ops import OP_SPECS
+from fivedc.ops import OP_SPECS, parse_freqs
 from fivedc.passes.base import CompileOptions
 
 ArgTypes = list[TensorType | None]
@@ -117,7 +118,7 @@ def _rope(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     freqs = str(op.attr("freqs", "") or "")
     if freqs:
         try:
-            count = len([float(f) for f in freqs.split(",")])
+            count = len(parse_freqs(freqs))
         except ValueError:
             raise _fail(op, f"freqs must be numbers separated by commas, got {freqs[:40]!r}") from None
         if count != graph.dim(x.dims[-1]) // 2:
@@ -169,7 +170,7 @@ def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
         shape, dtype = meta_type(op, types, graph.dim)
     except AtenCallError as error:
         raise _fail(op, error.message) from None
-    want = tuple(_product(graph.dim(d) for d in group) for group in out)
+    want = tuple(math.prod(graph.dim(d) for d in group) for group in out)
     if shape != want:
         raise _fail(op, f"{op.attr('target')} gives shape {list(shape)} on these arguments, but the op says "
                         f"{list(want)} ({op.attr('out')})")
@@ -177,13 +178,6 @@ def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     if len(set(dims)) != len(dims):
         raise _fail(op, f"the result {_fmt(TensorType(dims))} would name a dim twice")
     return TensorType(dims, DType.FLOAT if dtype.is_floating_point else DType.INT)
-
-
-def _product(values) -> int:
-    n = 1
-    for v in values:
-        n *= v
-    return n
 
 
 def _moe(op: Op, types: ArgTypes, graph: Graph) -> TensorType:

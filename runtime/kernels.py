@@ -22,6 +22,7 @@ from torch import Tensor
 from fivedc.errors import NotSupportedError
 from fivedc.ir import Graph, Op
 from fivedc.mesh import Mesh, MeshAxis
+from fivedc.ops import parse_freqs
 from fivedc.runtime import weight_grads
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
 from fivedc.seq_layout import layout_order
@@ -215,7 +216,7 @@ def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
         positions = ctx.positions(seq, sharding).to(device=x.device, dtype=x.dtype)
         half = x.shape[-1] // 2
         if given:
-            freqs = torch.tensor([float(f) for f in given.split(",")], dtype=x.dtype, device=x.device)
+            freqs = torch.tensor(parse_freqs(given), dtype=x.dtype, device=x.device)
         else:
             freqs = theta ** (-torch.arange(0, half, dtype=x.dtype, device=x.device) / half)
         angles = positions[:, None] * freqs[None, :]

@@ -14,6 +14,7 @@ cannot, and the model is captured again with torch.export (`frontend_fx.py`).
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,8 +46,7 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     fx.node.map_arg((call_args, call_kwargs), used.append)
     if any(n not in frame.syms for n in used):
         return None
-    value_args = [frame.traced.values.get(a, a) if isinstance(a, fx.Node) else a for a in call_args]
-    value_kwargs = {k: frame.traced.values.get(a, a) if isinstance(a, fx.Node) else a for k, a in call_kwargs.items()}
+    value_args, value_kwargs = fx.node.map_arg((call_args, call_kwargs), frame.traced.values.get)
     try:
         target = target_name(overload)
         resolve(target, value_args, value_kwargs)
@@ -97,8 +97,6 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
 
 def _items_used(node: fx.Node, n: int) -> set[int]:
     """Which results of a call the graph reads (`values, _ = x.sort()` reads one)."""
-    import operator
-
     if all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
         return {u.args[1] % n for u in node.users}
     return set(range(n))

@@ -30,7 +30,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.fx.recognise import CASTS, freqs_text, op_name, reference_rope, rms_norm, rope, swiglu
+from fivedc.fx.recognise import CASTS, op_name, reference_rope, rms_norm, rope, swiglu
+from fivedc.ops import freqs_text
 
 
 # ---- graph patterns -------------------------------------------------------------------
@@ -254,7 +255,7 @@ class _Matcher:
         exact = theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
         given = None if torch.allclose(freqs, exact, rtol=1e-13, atol=0) else freqs
         if torch.allclose(computed, reference_rope(value, axis, theta, given), rtol=1e-5, atol=1e-6):
-            return theta, axis, freqs_text(given) if given is not None else ""
+            return theta, axis, freqs_text(given.tolist()) if given is not None else ""
         return None
 
     # -- a causal attn_mask --

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivedc.fx.moe import moe_spec
+from fivedc.ops import parse_freqs
 
 _RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
 _ROPE_NAME = re.compile(r"rotary|rope", re.IGNORECASE)
@@ -48,16 +49,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, *, theta: float, seq_axis: int, freqs: str = "") -> torch.Tensor:
     """fivedc's rope, as the marker a `x * cos + rotate_half(x) * sin` pattern with
     tables checked by value becomes (`fivedc/fx/patterns.py`)."""
-    return reference_rope(x, seq_axis, theta, parse_freqs(freqs))
-
-
-def freqs_text(freqs: torch.Tensor) -> str:
-    """A rope's frequencies as the op's `freqs` attribute: exact decimal reprs, comma separated."""
-    return ",".join(repr(float(f)) for f in freqs.tolist())
-
-
-def parse_freqs(text: str) -> torch.Tensor | None:
-    return torch.tensor([float(f) for f in text.split(",")], dtype=torch.float64) if text else None
+    given = parse_freqs(freqs)
+    return reference_rope(x, seq_axis, theta, torch.tensor(given, dtype=torch.float64) if given else None)
 
 
 # ---- op names -----------------------------------------------------------------------------
