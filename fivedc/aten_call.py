@@ -29,10 +29,20 @@ An `aten` op's attributes say everything the kernel needs:
   shape inference on meta tensors.
 - `reason`: why it runs replicated.
 - `item` (for an operator that returns several tensors, `topk`): which result this op is.
+- `rule`: how it is sharded. `replicated` (the default): as above. `pointwise`: an
+  operator torch tags pointwise (`torch.Tag.pointwise`), computed on each rank's
+  shards, since every element of its result reads only the same element of its
+  (broadcast) arguments: its arguments keep the splits their producers give, made
+  to agree, with pending sums added. `reduction`: a reduction or scan along some
+  dims of its one argument (`mean(-1)`, `softmax`, `cumsum`, `topk`), computed on
+  shards split along any other dim; the dims in `along` are gathered whole.
+- `along` (`reduction` only): the torch dims of its argument it reduces or scans
+  along, comma separated.
 
 On a full tensor the sequence dim is stored in the cp layout's order
-(`runtime/program.shard`); the kernel puts it back in global order for the call,
-and the result's sequence dim into layout order again.
+(`runtime/program.shard`); where the operator reads the sequence whole (replicated,
+or a reduction along it) the kernel puts it back in global order for the call, and
+the result's sequence dim into layout order again.
 """
 
 from __future__ import annotations
@@ -205,6 +215,86 @@ def to_torch(t: Tensor, dims: tuple[str, ...], layout: Layout) -> Tensor:
 def from_torch(t: Tensor, layout: Layout, sizes: dict[str, int]) -> Tensor:
     """A torch result laid out as `layout` in IR dim order (its dims in order, merged ones split)."""
     return t.reshape([sizes[d] for group in layout for d in group])
+
+
+# ---- how it is sharded -------------------------------------------------------------------
+RULES = ("replicated", "pointwise", "reduction")
+# what torch does not tag: scans along a dim, and pointwise ops without the tag
+SCANS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
+                   "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk"})
+UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__"})
+
+
+def local_rule(overload) -> str:
+    """The rule an operator may run under on shards: `pointwise`, `reduction`, or `replicated` (none)."""
+    name = overload.overloadpacket.__name__
+    tags = getattr(overload, "tags", ())
+    if torch.Tag.pointwise in tags or name in UNTAGGED_POINTWISE:
+        return "pointwise"
+    if torch.Tag.reduction in tags or name in SCANS:
+        return "reduction"
+    return "replicated"
+
+
+def rule_of(op) -> str:
+    rule = str(op.attr("rule") or "replicated")
+    if rule not in RULES:
+        raise AtenCallError(f"aten op {op.out}: rule {rule!r} is not one of {', '.join(RULES)}")
+    return rule
+
+
+def whole_dims(op) -> frozenset[str] | None:
+    """The IR dims the op must see whole: None when it runs replicated (all of them), none
+    for a pointwise op, the dims its reduction runs along."""
+    rule = rule_of(op)
+    if rule == "replicated":
+        return None
+    if rule == "pointwise":
+        return frozenset()
+    arg = arg_layouts(op)[0]
+    return frozenset(d for i in _along(op) for d in arg[i])
+
+
+def _along(op) -> tuple[int, ...]:
+    """A reduction's `along`: torch dims of its one argument."""
+    layouts = arg_layouts(op)
+    try:
+        along = tuple(int(i) for i in str(op.attr("along", "")).split(","))
+    except ValueError:
+        along = ()
+    if len(layouts) != 1 or not along or any(not 0 <= i < len(layouts[0]) for i in along):
+        raise AtenCallError(f"aten op {op.out}: a reduction takes one tensor and `along` names its torch dims "
+                            f"(got {op.attr('along')!r} for {len(layouts)} tensor arguments)")
+    return along
+
+
+def check_rule(op) -> None:
+    """A plan may run on shards only what allows it: the rule is the operator's own, and the
+    result's torch dims line up with the arguments' (broadcast right-aligned for a pointwise
+    op; for a reduction its argument's dims with those it runs along kept, reduced to size 1,
+    dropped or, for topk, new)."""
+    rule = rule_of(op)
+    if rule == "replicated":
+        return
+    if local_rule(resolve(str(op.attr("target", "")))) != rule:
+        raise AtenCallError(f"aten op {op.out}: {op.attr('target')} is not a {rule} operator")
+    layouts, out = arg_layouts(op), out_layout(op)
+    if rule == "pointwise":
+        if all(len(layout) <= len(out) and all(g in ((), o) for g, o in zip(reversed(layout), reversed(out)))
+               for layout in layouts):
+            return
+    else:
+        along, (arg,) = _along(op), layouts
+        kept = [g for i, g in enumerate(arg) if i not in along]
+        if len(out) == len(arg):
+            ok = all(o == g or (i in along and not set(o) & set(d for h in arg for d in h))
+                     for i, (g, o) in enumerate(zip(arg, out)))
+        else:
+            ok = list(out) == kept
+        if ok:
+            return
+    raise AtenCallError(f"aten op {op.out}: its result {layout_text(out)} does not line up with its arguments "
+                        f"{op.attr('layouts')} as a {rule} operator's")
 
 
 def meta_type(op, arg_types: list, dim_size) -> tuple[tuple[int, ...], torch.dtype]:

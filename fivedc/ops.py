@@ -89,9 +89,10 @@ OP_SPECS: dict[str, OpSpec] = {
             "aten",
             ("tensors",),
             0,
-            (("target", ""), ("call", ""), ("layouts", ""), ("out", ""), ("dtypes", ""), ("reason", ""), ("item", 0)),
-            doc="an ATen operator without a sharding rule, computed whole on every rank (replicated): "
-                "see fivedc/aten_call.py",
+            (("target", ""), ("call", ""), ("layouts", ""), ("out", ""), ("dtypes", ""), ("reason", ""), ("item", 0),
+             ("rule", "replicated"), ("along", "")),
+            doc="an ATen operator: computed whole on every rank (rule=replicated), or on shards where torch says "
+                "it is pointwise or a reduction along some dims: see fivedc/aten_call.py",
             variadic=True,
         ),
     )

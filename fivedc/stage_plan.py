@@ -11,6 +11,7 @@ transfers for the plan. Marks on a pp=1 mesh are not used (the summary says so).
 
 from __future__ import annotations
 
+from fivedc.aten_call import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir import Collective, CollectiveKind, Graph, Op, Phase, Repeat, walk_ops
 from fivedc.mesh import Mesh, MeshAxis
@@ -183,18 +184,21 @@ def _check_microbatches(graph: Graph, mesh: Mesh, m: int) -> None:
 
 
 def _check_per_microbatch(graph: Graph, m: int) -> None:
-    """Ops that see the whole batch at once cannot run one microbatch at a time: a replicated
-    `aten` op (it may reduce over the batch), and a loss with ignore_index whose targets are
-    computed (its count spans the step: the runtime counts it up front from an input only)."""
+    """Ops that see the whole batch at once cannot run one microbatch at a time: an `aten` op
+    that runs replicated or along the batch (it may reduce over it), and a loss with
+    ignore_index whose targets are computed (its count spans the step: the runtime counts it
+    up front from an input only)."""
     if m == 1:
         return
     inputs = {i.name for i in graph.inputs}
     for op, _ in walk_ops(graph.body):
         if not isinstance(op, Op):
             continue
-        if op.kind == "aten":
+        whole = whole_dims(op) if op.kind == "aten" else frozenset()
+        if whole is None or graph.batch_dim in whole:
+            how = "runs replicated (no sharding rule)" if whole is None else "runs along the batch"
             raise NotSupportedError(
-                f"{op.attr('target')} runs replicated (no sharding rule) and sees the whole batch, so it cannot run "
+                f"{op.attr('target')} {how} and sees the whole batch, so it cannot run "
                 f"in {m} microbatches", loc=op.loc, hint="use --microbatches 1, or pp=1")
         if op.kind == "cross_entropy" and op.attr("ignore_index") is not None and op.args[1] not in inputs:
             raise NotSupportedError(

@@ -25,6 +25,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from fivedc.aten_call import whole_dims
 from fivedc.ir import Collective, Graph, Op, Param, Phase, Repeat, walk_ops, walk_params
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.plan import ExecutionPlan, qualified
@@ -208,9 +209,9 @@ def _op_kinds(plan: ExecutionPlan) -> Table:
 
 
 def replicated_ops(graph: Graph) -> list[tuple[Op, int]]:
-    """The ops that run whole on every rank (`aten`: no sharding rule), with how many run per step."""
+    """The ops that run whole on every rank (`aten` with no sharding rule), with how many run per step."""
     return [(op, repeat.count if repeat else 1) for op, repeat in walk_ops(graph.body)
-            if isinstance(op, Op) and op.kind == "aten"]
+            if isinstance(op, Op) and op.kind == "aten" and whole_dims(op) is None]
 
 
 def _replicated(plan: ExecutionPlan) -> Table | None:

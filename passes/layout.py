@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fivedc.aten_call import whole_dims
 from fivedc.errors import ShapeError, SourceLoc
 from fivedc.ir import Graph, Op, Repeat, TensorType, walk_ops
 from fivedc.mesh import Mesh, MeshAxis
@@ -134,6 +135,10 @@ class RuleContext:
             return self.can_stay_split(op.out, op.type.dims[2], depth + 1)
         if kind == "cross_entropy":
             return index == 0 and self._arg_last_dim(op, 0) == dim
+        if kind == "aten":  # computed on shards unless it runs along that dim (fivedc/aten_call.py)
+            whole = whole_dims(op)
+            return whole is not None and dim not in whole and op.type is not None and dim in op.type.dims \
+                and self.can_stay_split(op.out, dim, depth + 1)
         return False
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from fivedc.aten_call import whole_dims
 from fivedc.errors import ShardingError
 from fivedc.ir import Collective, CollectiveKind, Op, Phase, TensorType
 from fivedc.mesh import MeshAxis
@@ -100,7 +101,9 @@ def _is_param(ctx: RuleContext, arg: str | float) -> bool:
 
 def _elementwise(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
     if _is_param(ctx, op.args[0]):
-        if not isinstance(op.args[1], str) or _is_param(ctx, op.args[1]):
+        if not isinstance(op.args[1], str):  # a parameter and a number (Gemma's 1 + w): computed whole
+            return RuleResult((Sharding(), None), Sharding())
+        if _is_param(ctx, op.args[1]):
             raise ShardingError(f"{op.kind}: one operand must be an activation", loc=op.loc)
         if op.kind in ("sub", "div"):
             raise ShardingError(f"{op.kind}: write the activation first, the parameter second", loc=op.loc)
@@ -230,9 +233,28 @@ def _cross_entropy(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> Ru
 
 
 def _aten(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
-    """No rule: every argument whole on every rank (gathered, pending sums added), the
-    result computed whole (replicated); consumers cut their shards from it."""
-    return RuleResult(tuple(Sharding() for _ in shs), Sharding())
+    """An ATen operator (fivedc/aten_call.py). Replicated: every argument whole on every
+    rank (gathered, pending sums added), the result computed whole; consumers cut their
+    shards from it. Pointwise or a reduction: computed on shards. The arguments keep the
+    splits their producers give (the one with the most dims first, then splits of the
+    others over axes not yet used), pending sums added, the dims a reduction runs along
+    whole, and a parameter's dims whole over the data axes; every argument is cut to that
+    sharding and the result keeps it."""
+    whole = whole_dims(op)
+    if whole is None:
+        return RuleResult(tuple(Sharding() for _ in shs), Sharding())
+    values = sorted((i for i, sh in enumerate(shs) if sh is not None), key=lambda i: -len(types[i].dims))
+    merged = Sharding()
+    for i in values:
+        for dim, axes in ctx.resolve_partial(shs[i], types[i]).split:
+            if dim not in whole and not merged.axes_of(dim) and not any(merged.uses(a) for a in axes):
+                merged = merged.with_split(dim, axes)
+    params = [t for t, sh in zip(types, shs) if sh is None and t is not None]
+    for dim in {d for t in params for d in t.dims}:
+        if any(a in ctx.data_axes for a in merged.axes_of(dim)):
+            merged = merged.with_split(dim, ())
+    args = tuple(merged.restrict(t.dims) if t is not None else None for t in types)
+    return RuleResult(args, merged.restrict(op.type.dims))
 
 
 def _moe(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:

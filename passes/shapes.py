@@ -155,7 +155,7 @@ def _cross_entropy(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
 def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     """The result's dims from the `out` layout, checked by calling the operator on meta
     tensors of the arguments' shapes (fivedc/aten_call.py)."""
-    from fivedc.aten_call import AtenCallError, arg_layouts, meta_type, out_layout
+    from fivedc.aten_call import AtenCallError, arg_layouts, check_rule, meta_type, out_layout
 
     try:
         layouts, out = arg_layouts(op), out_layout(op)
@@ -168,6 +168,7 @@ def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
         if unknown:
             raise _fail(op, f"its result names unknown dims {', '.join(unknown)}")
         shape, dtype = meta_type(op, types, graph.dim)
+        check_rule(op)
     except AtenCallError as error:
         raise _fail(op, error.message) from None
     want = tuple(math.prod(graph.dim(d) for d in group) for group in out)

@@ -311,21 +311,25 @@ def counted_targets(ctx, op, targets: Tensor) -> Tensor:
 
 
 def _aten(ctx, op, args, dims):
-    """An ATen operator on whole tensors (fivedc/aten_call.py): each argument laid out as the
-    operator saw it at capture, the sequence in global order; the result back in IR order."""
-    from fivedc.aten_call import arg_layouts, decode_call, from_torch, out_layout, pick, resolve, to_torch
+    """An ATen operator (fivedc/aten_call.py): each argument laid out as the operator saw it
+    at capture, the result back in IR order. Replicated, it gets whole tensors with the
+    sequence in global order; pointwise or a reduction, this rank's shards, reordered only
+    where it runs along the sequence (then whole)."""
+    from fivedc.aten_call import arg_layouts, decode_call, from_torch, out_layout, pick, resolve, to_torch, whole_dims
 
-    seq = ctx.graph.seq_dim
-    order = ctx.seq_order()
+    seq, whole = ctx.graph.seq_dim, whole_dims(op)
+    order = ctx.seq_order() if whole is None or seq in whole else None
+    sizes = dict(ctx.graph.dims)
     tensors = []
     for t, t_dims, layout in zip(args, dims, arg_layouts(op)):
+        sizes.update(zip(t_dims, t.shape))  # shards: the local sizes
         if order is not None and seq in t_dims:
             t = t.index_select(t_dims.index(seq), torch.argsort(order).to(t.device))
         tensors.append(to_torch(t, t_dims, layout))
     device = args[0].device if args else torch.device("cpu")
     call_args, call_kwargs = decode_call(str(op.attr("call")), tensors, device)
     out = pick(op, resolve(str(op.attr("target")))(*call_args, **call_kwargs))
-    out = from_torch(out, out_layout(op), dict(ctx.graph.dims))
+    out = from_torch(out, out_layout(op), sizes)
     if order is not None and seq in op.type.dims:
         out = out.index_select(op.type.dims.index(seq), order.to(out.device))
     return out

@@ -15,7 +15,8 @@ import llama  # noqa: E402  examples/llama.py
 
 
 class RunningSum(nn.Module):
-    """A small LM whose block mixes the sequence with a running sum: no sharding rule."""
+    """A small LM whose block mixes the sequence with a running sum: a scan along the sequence,
+    computed on shards of the batch and of the hidden dim, with the sequence whole."""
 
     def __init__(self, vocab: int = 32, hidden: int = 16, ffn: int = 32) -> None:
         super().__init__()
@@ -41,6 +42,52 @@ def running_sum(seed: int = 0):
     targets[0, :5] = -100
     targets[3, 7] = -100
     return module, (idx, targets)
+
+
+class Flipped(RunningSum):
+    """A small LM whose block adds the sequence reversed: no sharding rule (replicated)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = h + self.down(F.gelu(self.up(h)))
+        h = h + torch.flip(h, dims=[1]) * 0.25
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def flipped(seed: int = 0):
+    torch.manual_seed(seed)
+    module = Flipped().double()
+    idx = torch.randint(0, 32, (4, 8))
+    targets = torch.randint(0, 32, (4, 8))
+    targets[1, 2:6] = -100
+    return module, (idx, targets)
+
+
+class LocalOps(RunningSum):
+    """Ops fivedc's IR has no kind for, which torch says are pointwise or reductions: Gemma's
+    RMSNorm (its weight as 1 + w), GPT-2's tanh GELU written out, a softmax over the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(16) * 0.1)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.scale)
+        u = self.up(n)
+        g = 0.5 * u * (1.0 + torch.tanh(0.7978845608 * (u + 0.044715 * torch.pow(u, 3.0))))
+        h = h + self.down(g)
+        h = h + torch.softmax(h, dim=-1) + torch.cumsum(h, dim=1) * 0.25
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def local_ops(seed: int = 0):
+    torch.manual_seed(seed)
+    module = LocalOps().double()
+    idx = torch.randint(0, 32, (4, 8))
+    return module, (idx, torch.randint(0, 32, (4, 8)))
 
 
 def llama_ignoring():

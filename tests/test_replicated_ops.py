@@ -1,8 +1,11 @@
-"""Ops without a sharding rule run replicated (`aten` ops), and a loss's ignore_index counts right.
+"""Ops the IR has no kind for run as ATen calls (`aten` ops), and a loss's ignore_index counts right.
 
-A model written by a user with an op fivedc has no rule for (a running sum over the
-sequence) is not refused: the op runs whole on every rank, listed with its line and
-reason in the plan, the summary and `fivedc diff`, and the model trains exactly as
+A model written by a user with an op fivedc has no rule for (the sequence reversed)
+is not refused: the op runs whole on every rank, listed with its line and reason in
+the plan, the summary and `fivedc diff`. An op torch says is pointwise, or a
+reduction or scan along some dims (Gemma's RMSNorm with 1 + w, GPT-2's tanh GELU
+written out, a softmax, a running sum over the sequence), runs on shards and keeps
+the splits of the dims it does not run along. Either way the model trains exactly as
 on one device, composed with dp, tp (+SP), cp and ZeRO. Cross-entropy leaves targets
 of -100 out of its mean as torch does, with the count taken over every shard and, under
 a pipeline, over every microbatch of the step. A plan file can name only pure ATen
@@ -29,7 +32,7 @@ from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan_check import load_plan
 from fivedc.summary import render_summary
-from replicated_models import RunningSum, running_sum
+from replicated_models import Flipped, LocalOps, flipped, running_sum
 from test_frontend_fx import assert_same_as_module, line_of, llama
 
 MODELS = str(Path(__file__).resolve().parent / "replicated_models.py")  # the factories workers load
@@ -40,11 +43,11 @@ def _islands(graph):
 
 
 def test_an_op_without_a_rule_is_one_replicated_island_at_its_line() -> None:
-    module, inputs = running_sum()
+    module, inputs = flipped()
     tm = trace_module(module, inputs)
     (island,) = _islands(tm.graph)
-    assert island.attr("target") == "aten.cumsum.default"
-    assert island.loc.file == MODELS and island.loc.line == line_of(RunningSum.forward, "torch.cumsum")
+    assert island.attr("target") == "aten.flip.default" and island.attr("rule") == "replicated"
+    assert island.loc.file == MODELS and island.loc.line == line_of(Flipped.forward, "torch.flip")
     assert_same_as_module(tm, module, inputs)
     ce = next(op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op) and op.kind == "cross_entropy")
     assert ce.attr("ignore_index") == -100
@@ -56,8 +59,65 @@ def test_an_op_without_a_rule_is_one_replicated_island_at_its_line() -> None:
 def test_a_replicated_island_trains_like_one_device(worker_pool, mesh: str, sp: bool, zero: int, seed: int) -> None:
     """Its inputs gathered (the sequence put back in global order under cp's balanced layout),
     its result cut again; loss, gradients and AdamW's parameters as on one device, in float64."""
-    report = check_module(f"{MODELS}:running_sum", kwargs={"seed": seed}, mesh=mesh, steps=2, dtype="fp64",
+    report = check_module(f"{MODELS}:flipped", kwargs={"seed": seed}, mesh=mesh, steps=2, dtype="fp64",
                           pool=worker_pool, sequence_parallel=sp, zero=zero if mesh.startswith("2") else 0)
+    assert report.max_error <= 1e-10, report
+
+
+def _local_plan(mesh: str):
+    from replicated_models import local_ops
+
+    module, inputs = local_ops()
+    tm = trace_module(module, inputs)
+    return tm, compile_graph(tm.graph, CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=True, dtype="fp64"))
+
+
+def test_pointwise_ops_and_reductions_keep_their_splits() -> None:
+    """No op of LocalOps runs replicated: the norm's pow, mean and rsqrt stay split over the batch and
+    the sequence, the written-out GELU between the column- and row-parallel linears stays split over
+    ffn (tp), and only the dims a reduction or scan runs along are whole (the softmax's features, the
+    running sum's sequence)."""
+    tm, plan = _local_plan("2x1x2x2x1")
+    ops = {op.out: op for op in _islands(plan.graph)}
+    rules = {op.attr("target"): op.attr("rule") for op in ops.values()}
+    assert rules == {"aten.pow.Tensor_Scalar": "pointwise", "aten.mean.dim": "reduction",
+                     "aten.rsqrt.default": "pointwise", "aten.softmax.int": "reduction",
+                     "aten.cumsum.default": "reduction"}
+    line = line_of(LocalOps.forward, "torch.pow(u, 3.0)")
+    (gelu_pow,) = [op for op in ops.values() if op.loc.line == line]
+    assert gelu_pow.sharding.split_axes() and "tp" in str(gelu_pow.sharding), gelu_pow.sharding
+    for op in ops.values():
+        assert op.sharding.axes_of("batch"), (op.out, op.sharding)  # every one keeps the batch split
+        if op.attr("target") in ("aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.rsqrt.default"):
+            assert op.sharding.axes_of("seq"), (op.out, op.sharding)  # the norm: over the sequence shards
+    (cumsum,) = [op for op in ops.values() if op.attr("target") == "aten.cumsum.default"]
+    assert not cumsum.sharding.axes_of("seq")  # it runs along the sequence: whole
+    console = Console(record=True, width=200)
+    render_summary(plan, console=console)
+    assert "Replicated ops" not in console.export_text()
+    assert_same_as_module(tm, *_local_inputs())
+
+
+def _local_inputs():
+    from replicated_models import local_ops
+
+    return local_ops()
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(mesh=st.sampled_from(["2x1x2x1x1", "1x1x2x2x1", "2x1x1x2x1", "1x2x2x1x1"]), sp=st.booleans(),
+       zero=st.sampled_from([0, 3]), seed=st.integers(0, 1000))
+def test_pointwise_ops_and_reductions_train_like_one_device(worker_pool, mesh, sp, zero, seed) -> None:
+    """On shards (a reduction along the sequence with it gathered in global order under cp's balanced
+    layout; a pipeline of two microbatches for pp): loss, gradients and parameters as on one device."""
+    options = {"microbatches": 2, "stage_boundaries": ("head",)} if mesh.startswith("1x2") else {}
+    report = check_module(f"{MODELS}:local_ops", kwargs={"seed": seed}, mesh=mesh, steps=2, dtype="fp64",
+                          pool=worker_pool, sequence_parallel=sp, zero=zero if mesh.startswith("2") else 0, **options)
+    assert report.max_error <= 1e-10, report
+
+
+def test_running_sum_over_the_sequence_trains_under_cp(worker_pool) -> None:
+    report = check_module(f"{MODELS}:running_sum", mesh="2x1x1x2x1", steps=2, dtype="fp64", pool=worker_pool)
     assert report.max_error <= 1e-10, report
 
 
@@ -71,7 +131,7 @@ def test_ignored_targets_count_over_shards_and_microbatches(worker_pool, mesh: s
 
 
 def _plan(mesh: str = "2x1x2x1x1"):
-    module, inputs = running_sum()
+    module, inputs = flipped()
     graph = trace_module(module, inputs).graph
     return compile_graph(graph, CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=True, dtype="fp64"))
 
@@ -81,13 +141,13 @@ def test_the_summary_and_the_diff_name_the_island() -> None:
     console = Console(record=True, width=200)
     render_summary(plan, console=console)
     text = console.export_text()
-    assert "Replicated ops" in text and "aten.cumsum.default" in text and "no sharding rule" in text
+    assert "Replicated ops" in text and "aten.flip.default" in text and "no sharding rule" in text
     ce = next(op for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) and op.kind == "cross_entropy")
     assert any("ignore_index=-100" in c.reason for c in ce.collectives)  # the count's all-reduce, with its reason
     plain = compile_graph(trace_module(*llama.factory()).graph, CompileOptions(mesh=Mesh.parse("2x1x2x1x1")))
     d = diff_plans(plain, plan)
-    assert [(r.change, r.target) for r in d.replicated] == [("added", "aten.cumsum.default")]
-    assert d.to_json()["replicated"][0]["target"] == "aten.cumsum.default"
+    assert [(r.change, r.target) for r in d.replicated] == [("added", "aten.flip.default")]
+    assert d.to_json()["replicated"][0]["target"] == "aten.flip.default"
 
 
 def test_a_plan_with_an_island_round_trips_and_is_checked(tmp_path) -> None:
@@ -96,9 +156,10 @@ def test_a_plan_with_an_island_round_trips_and_is_checked(tmp_path) -> None:
     plan.save(path)
     assert load_plan(path).graph == plan.graph
     text = path.read_text()
-    for bad, why in (("aten.cumsum.default", "aten.add_.Tensor"),  # writes to its argument
-                     ("aten.cumsum.default", "aten.rand.default"),  # draws random numbers
-                     ("aten.cumsum.default", "os.system.call")):  # not an ATen operator
+    for bad, why in (("aten.flip.default", "aten.add_.Tensor"),  # writes to its argument
+                     ("aten.flip.default", "aten.rand.default"),  # draws random numbers
+                     ("aten.flip.default", "os.system.call"),  # not an ATen operator
+                     ('"replicated"', '"pointwise"')):  # flip is no pointwise op: it would run on shards
         path.write_text(text.replace(bad, why))
         with pytest.raises(FivedcError) as info:
             load_plan(path)
@@ -106,21 +167,24 @@ def test_a_plan_with_an_island_round_trips_and_is_checked(tmp_path) -> None:
     data = json.loads(text)
     op = next(item for item in data["graph"]["body"]["items"] if item.get("kind") == "aten")
     attrs = dict(op["attrs"]) if isinstance(op["attrs"], list) else op["attrs"]
-    assert "cumsum" in json.dumps(attrs)
+    assert "flip" in json.dumps(attrs)
 
 
 def test_a_replicated_island_cannot_run_per_microbatch() -> None:
     """It may reduce over the batch: a pipeline with several microbatches refuses it at its line."""
-    module, inputs = running_sum()
+    module, inputs = flipped()
     graph = trace_module(module, inputs, stage_boundaries=("head",)).graph  # two chunks: the head apart
     with pytest.raises(NotSupportedError, match="microbatches") as info:
         compile_graph(graph, CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), microbatches=2))
-    assert info.value.loc.line == line_of(RunningSum.forward, "torch.cumsum")
+    assert info.value.loc.line == line_of(Flipped.forward, "torch.flip")
     compile_graph(graph, CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), microbatches=1))  # one microbatch: fine
+    module, inputs = running_sum()  # a scan along the sequence, not the batch: per microbatch is fine
+    graph = trace_module(module, inputs, stage_boundaries=("head",)).graph
+    compile_graph(graph, CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), microbatches=2))
 
 
 def test_a_replicated_island_runs_in_a_pipeline_of_one_microbatch(worker_pool) -> None:
-    report = check_module(f"{MODELS}:running_sum", mesh="1x2x1x1x1", steps=2, dtype="fp64", pool=worker_pool,
+    report = check_module(f"{MODELS}:flipped", mesh="1x2x1x1x1", steps=2, dtype="fp64", pool=worker_pool,
                           microbatches=1, stage_boundaries=("head",))
     assert report.max_error <= 1e-10, report
 

@@ -40,7 +40,7 @@ _SAME = {
     aten.cat: torch.cat,
 }
 _METHODS = {aten.clone: "clone", aten.contiguous: "contiguous", aten.alias: "clone", aten.lift_fresh_copy: "clone",
-            aten.expand: "expand", aten.t: "t"}
+            aten.expand: "expand", aten.t: "t", aten.type_as: "type_as"}
 
 
 _CHECKS = {aten._assert_tensor_metadata}

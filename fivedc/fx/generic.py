@@ -4,10 +4,13 @@ Where `fivedc/fx/ops.py` has no handler for an op, or its handler does not
 understand this use of it (a slice that is not the whole dim, an integer
 comparison), the op is kept as the ATen call it is (`fivedc/aten_call.py`): its
 tensor arguments as IR values with the torch layout the operator saw, every other
-argument written into the call. The result is a new tensor whose dims are new atoms
-(one per torch dim); later ops unify them with the model's dims as usual, so a
-shifted label tensor `[batch, seq]` meets the logits' batch and sequence at the
-loss. Only ATen calls can be kept: the export path's nodes carry theirs
+argument written into the call. Where torch says the operator is pointwise or a reduction (or scan) along
+some dims (`fivedc.aten_call.local_rule`), it runs on shards: its result's dims are
+its arguments' (broadcast, or the reduced ones dropped), so the sequence and batch
+dims flow through it and the op keeps their splits. Otherwise the result is a new
+tensor whose dims are new atoms (one per torch dim of size above 1); later ops
+unify them with the model's dims as usual, so a shifted label tensor `[batch, seq]`
+meets the logits' batch and sequence at the loss. Only ATen calls can be kept: the export path's nodes carry theirs
 (`meta["aten"]`, `fivedc/fx/export.py`); a torch-level op of the symbolic path
 cannot, and the model is captured again with torch.export (`frontend_fx.py`).
 """
@@ -20,10 +23,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from fivedc.aten_call import AtenCallError, dtype_name, encode_call, resolve, target_name
+from fivedc.aten_call import AtenCallError, dtype_name, encode_call, local_rule, resolve, target_name
 from fivedc.fx.build import DOp, DValue
 from fivedc.fx.locs import node_loc, scope
-from fivedc.fx.values import Const, Frame, Pending, ParamRef, RepeatedKV, RouterLogits, T
+from fivedc.fx.values import SIZE_ONE_HINT, Const, Frame, Pending, ParamRef, RepeatedKV, RouterLogits, T, Unrecognised
 from fivedc.ir import DType
 
 if TYPE_CHECKING:
@@ -78,21 +81,118 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     except AtenCallError as error:
         raise lw.unsupported(node, f"{target}: {error.message}") from None
     dtypes = _arg_dtypes(frame, call_args, call_kwargs, tensors)
+    consts = [c.value for c in _leaves((syms_args, syms_kwargs)) if isinstance(c, Const)]
+    local = _local(lw, node, overload, value_args, value_kwargs, tensors, consts, items)
+    rule = (("rule", local[0]),) + ((("along", ",".join(map(str, local[1]))),) if local[1] else ()) if local \
+        else (("rule", "replicated"),)
     outs = []
     wanted = _items_used(node, len(items))
     for index, item in enumerate(items):  # an op returning several tensors: one IR op per result used
         if index not in wanted:
             outs.append(None)
             continue
-        atoms = tuple(lw.dims.new(s) for s in item.shape)
+        # replicated: new dims (a size-1 dim is a broadcast dim, not one of the model's)
+        layout = local[2][index] if local else tuple((lw.dims.new(s),) if s != 1 else () for s in item.shape)
+        atoms = tuple(a for group in layout for a in group)
         dtype = DType.FLOAT if item.is_floating_point() else DType.INT
         out = DValue(node.name, atoms, dtype)
-        attrs = (("target", target), ("call", text), ("dtypes", ";".join(dtypes)), ("reason", reason))
+        attrs = (("target", target), ("call", text), ("dtypes", ";".join(dtypes)), ("reason", reason)) + rule
         attrs += (("item", index),) if isinstance(value, (tuple, list)) else ()
         frame.block.items.append(DOp(out, "aten", tuple(t.ref for t in tensors), attrs, node_loc(node), scope(node),
-                                     layouts=(tuple(t.layout for t in tensors), tuple((a,) for a in atoms))))
-        outs.append(T(out, atoms, tuple((a,) for a in atoms), dtype))
+                                     layouts=(tuple(t.layout for t in tensors), layout)))
+        outs.append(T(out, atoms, layout, dtype))
     return tuple(outs) if isinstance(value, (tuple, list)) else outs[0]
+
+
+def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T], consts: list, items: list):
+    """(rule, along, result layouts) where the op can run on shards, else None (replicated).
+
+    Pointwise: the result's layout is its tensor arguments' broadcast (their dims unified
+    where torch lines them up); a constant tensor may take part only as one number. A
+    reduction or scan: one tensor argument; its `dim` (all dims when it has none) is
+    `along`; each result keeps the other dims, and along those it keeps the dim (softmax,
+    cumsum), or has size 1 (keepdim), none (reduced away) or a new dim (topk's k)."""
+    rule = local_rule(overload)
+    if rule == "replicated" or not tensors or any(c.numel() != 1 for c in consts):
+        return None
+    groups = [lw.groups(t) for t in tensors]
+    try:
+        if rule == "pointwise":
+            layout = groups[0]
+            for other in groups[1:]:
+                layout = broadcast(lw, node, layout, other)
+            layouts = [layout] * len(items)
+            along = ()
+        else:
+            if len(tensors) != 1 or consts:
+                return None
+            along = _reduced_dims(overload, args, kwargs, len(groups[0]))
+            layouts = [_reduced_layout(lw, groups[0], along, tuple(item.shape)) for item in items]
+    except Unrecognised:
+        return None
+    for layout, item in zip(layouts, items):
+        if layout is None or tuple(lw.dims.numel(g) for g in layout) != tuple(item.shape):
+            return None
+    return rule, along, layouts
+
+
+def _reduced_dims(overload, args, kwargs, ndim: int) -> tuple[int, ...]:
+    """The torch dims a reduction or scan runs along: its `dim` argument, all when it has none."""
+    schema = overload._schema
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    bound |= dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
+    dim = bound.get("dim")
+    if dim is None or dim == []:
+        return tuple(range(ndim))
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    if ndim == 0:
+        return ()
+    return tuple(sorted({int(d) % ndim for d in dims}))
+
+
+def _reduced_layout(lw: Lowering, groups, along: tuple[int, ...], shape: tuple[int, ...]):
+    if not along:
+        return None
+    if len(shape) == len(groups):
+        layout = []
+        for i, (group, size) in enumerate(zip(groups, shape)):
+            if i not in along or lw.dims.numel(group) == size:
+                layout.append(group)  # kept (softmax, cumsum and sort keep the dim they run along)
+            else:
+                layout.append(() if size == 1 else (lw.dims.new(size),))  # keepdim, or topk's k
+        return tuple(layout)
+    if len(shape) == len(groups) - len(along):
+        return tuple(g for i, g in enumerate(groups) if i not in along)
+    return None
+
+
+def broadcast(lw: Lowering, node: fx.Node, ga, gb) -> tuple:
+    """The layout of a result torch broadcasts from operands laid out as `ga` and `gb`,
+    right-aligned: dims both have are unified (`Unrecognised` where they cannot be)."""
+    n = max(len(ga), len(gb))
+    ga, gb = ((),) * (n - len(ga)) + tuple(ga), ((),) * (n - len(gb)) + tuple(gb)
+    out = []
+    for x, y in zip(ga, gb):
+        if x and y:
+            lw.unify(x, y, node, "operands that torch broadcasts together")
+            lx, ly = set(lw.dims.leaves(x)), set(lw.dims.leaves(y))
+            if not (lx <= ly or ly <= lx):  # each holds a size-1 dim the other lacks: [1 head, d] + [batch 1, d]
+                raise lw.unsupported(node, f"operands whose dims of size 1 ({lw.describe(lx ^ ly)}) do not line up",
+                                     SIZE_ONE_HINT)
+            x = x if lx >= ly else y  # the one that keeps a size-1 dim (a head) the other merged away
+        out.append(x or y)
+    return tuple(out)
+
+
+def _leaves(obj):
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _leaves(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _leaves(item)
+    else:
+        yield obj
 
 
 def _items_used(node: fx.Node, n: int) -> set[int]:

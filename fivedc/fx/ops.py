@@ -21,7 +21,7 @@ from torch import nn
 from fivedc.fx import layers
 from fivedc.fx.build import DParam
 from fivedc.fx.layers import arg
-from fivedc.fx.generic import aten_call_of, generic
+from fivedc.fx.generic import aten_call_of, broadcast, generic
 from fivedc.fx.values import (DYNAMIC, SHAPE_QUERIES, SIZE_ONE_HINT, Const, Frame, ParamRef, Pending,
                               RouterLogits, T, Unrecognised)
 
@@ -144,7 +144,7 @@ def binary(kind: str):
             raise lw.unsupported(node, f"{kind} of integer tensors")
         if kind in ("add", "mul") and isinstance(ta.ref, DParam) and not isinstance(tb.ref, DParam):
             ta, tb = tb, ta  # the activation first, as the sharding rules want it
-        layout = _broadcast(lw, node, lw.groups(ta), lw.groups(tb))
+        layout = broadcast(lw, node, lw.groups(ta), lw.groups(tb))
         ia, ib = lw.ir(ta), lw.ir(tb)
         big, small = (ia, ib) if len(ia) >= len(ib) else (ib, ia)
         if not set(small) <= set(big):
@@ -152,22 +152,6 @@ def binary(kind: str):
         return T(lw.emit(frame, node, kind, (ta.ref, tb.ref), big), big, layout)
 
     return handler
-
-
-def _broadcast(lw: Lowering, node: fx.Node, ga, gb) -> tuple:
-    n = max(len(ga), len(gb))
-    ga, gb = ((),) * (n - len(ga)) + tuple(ga), ((),) * (n - len(gb)) + tuple(gb)
-    out = []
-    for x, y in zip(ga, gb):
-        if x and y:
-            lw.unify(x, y, node, "operands that torch broadcasts together")
-            lx, ly = set(lw.dims.leaves(x)), set(lw.dims.leaves(y))
-            if not (lx <= ly or ly <= lx):  # each holds a size-1 dim the other lacks: [1 head, d] + [batch 1, d]
-                raise lw.unsupported(node, f"operands whose dims of size 1 ({lw.describe(lx ^ ly)}) do not line up",
-                                     SIZE_ONE_HINT)
-            x = x if lx >= ly else y  # the one that keeps a size-1 dim (a head) the other merged away
-        out.append(x or y)
-    return tuple(out)
 
 
 def unary(kind: str):
@@ -190,7 +174,7 @@ def neg(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
 
 def swiglu(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     gate, up = lw.tensor(frame, args[0], node), lw.tensor(frame, args[1], node)
-    layout = _broadcast(lw, node, lw.groups(gate), lw.groups(up))
+    layout = broadcast(lw, node, lw.groups(gate), lw.groups(up))
     if lw.ir(gate) != lw.ir(up):
         raise lw.unsupported(node, "silu(a) * b where a and b differ in shape or dim order")
     return T(lw.emit(frame, node, "swiglu", (gate.ref, up.ref), gate.ir), gate.ir, layout)
