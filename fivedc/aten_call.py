@@ -33,15 +33,16 @@ An `aten` op's attributes say everything the kernel needs:
   operator torch tags pointwise (`torch.Tag.pointwise`), computed on each rank's
   shards, since every element of its result reads only the same element of its
   (broadcast) arguments: its arguments keep the splits their producers give, made
-  to agree, with pending sums added. `reduction`: a reduction or scan along some
-  dims of its one argument (`mean(-1)`, `softmax`, `cumsum`, `topk`), computed on
-  shards split along any other dim; the dims in `along` are gathered whole.
-- `along` (`reduction` only): the torch dims of its argument it reduces or scans
-  along, comma separated.
+  to agree, with pending sums added. `along`: a reduction, scan or slice along some
+  dims of its one argument (`mean(-1)`, `softmax`, `cumsum`, `topk`, `split`,
+  `x[..., 1:]`), computed on shards split along any other dim; the dims it runs
+  along are gathered whole.
+- `along` (rule `along` only): the torch dims of its argument it runs along,
+  comma separated.
 
 On a full tensor the sequence dim is stored in the cp layout's order
 (`runtime/program.shard`); where the operator reads the sequence whole (replicated,
-or a reduction along it) the kernel puts it back in global order for the call, and
+or an op along it) the kernel puts it back in global order for the call, and
 the result's sequence dim into layout order again.
 """
 
@@ -218,21 +219,23 @@ def from_torch(t: Tensor, layout: Layout, sizes: dict[str, int]) -> Tensor:
 
 
 # ---- how it is sharded -------------------------------------------------------------------
-RULES = ("replicated", "pointwise", "reduction")
-# what torch does not tag: scans along a dim, and pointwise ops without the tag
-SCANS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
-                   "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk"})
+RULES = ("replicated", "pointwise", "along")
+# what torch does not tag: scans and slices along a dim, and pointwise ops without the tag
+ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
+                   "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk", "split", "split_with_sizes",
+                   "unsafe_split", "chunk", "slice", "narrow", "select"})
 UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__"})
 
 
 def local_rule(overload) -> str:
-    """The rule an operator may run under on shards: `pointwise`, `reduction`, or `replicated` (none)."""
+    """The rule an operator may run under on shards: `pointwise`, `along` (its reductions too),
+    or `replicated` (none)."""
     name = overload.overloadpacket.__name__
     tags = getattr(overload, "tags", ())
     if torch.Tag.pointwise in tags or name in UNTAGGED_POINTWISE:
         return "pointwise"
-    if torch.Tag.reduction in tags or name in SCANS:
-        return "reduction"
+    if torch.Tag.reduction in tags or name in ALONG:
+        return "along"
     return "replicated"
 
 
@@ -245,7 +248,7 @@ def rule_of(op) -> str:
 
 def whole_dims(op) -> frozenset[str] | None:
     """The IR dims the op must see whole: None when it runs replicated (all of them), none
-    for a pointwise op, the dims its reduction runs along."""
+    for a pointwise op, the dims it runs along."""
     rule = rule_of(op)
     if rule == "replicated":
         return None
@@ -256,14 +259,14 @@ def whole_dims(op) -> frozenset[str] | None:
 
 
 def _along(op) -> tuple[int, ...]:
-    """A reduction's `along`: torch dims of its one argument."""
+    """An `along` op's torch dims of its one argument."""
     layouts = arg_layouts(op)
     try:
         along = tuple(int(i) for i in str(op.attr("along", "")).split(","))
     except ValueError:
         along = ()
     if len(layouts) != 1 or not along or any(not 0 <= i < len(layouts[0]) for i in along):
-        raise AtenCallError(f"aten op {op.out}: a reduction takes one tensor and `along` names its torch dims "
+        raise AtenCallError(f"aten op {op.out}: an op along dims takes one tensor and `along` names its torch dims "
                             f"(got {op.attr('along')!r} for {len(layouts)} tensor arguments)")
     return along
 
@@ -271,8 +274,8 @@ def _along(op) -> tuple[int, ...]:
 def check_rule(op) -> None:
     """A plan may run on shards only what allows it: the rule is the operator's own, and the
     result's torch dims line up with the arguments' (broadcast right-aligned for a pointwise
-    op; for a reduction its argument's dims with those it runs along kept, reduced to size 1,
-    dropped or, for topk, new)."""
+    op; for an op along dims its argument's dims with those it runs along kept, reduced to
+    size 1, dropped or new: topk's k, a slice)."""
     rule = rule_of(op)
     if rule == "replicated":
         return

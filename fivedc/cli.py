@@ -41,8 +41,9 @@ def _mesh_args(p: argparse.ArgumentParser, *, required: bool) -> None:
 
 
 def _plan_option_args(p: argparse.ArgumentParser) -> None:
-    """What besides the mesh and --sp shapes a plan: CP, ZeRO and buckets, the pipeline."""
+    """What besides the mesh and --sp shapes a plan: CP, ZeRO and buckets, the pipeline, recomputation."""
     from fivedc.passes.base import CP_LAYOUTS, CP_VARIANTS, DEFAULT_BUCKET_MB
+    from fivedc.recompute import RECOMPUTE_MODES
 
     p.add_argument("--cp-attention", choices=CP_VARIANTS, default=None,
                    help="attention across cp: ring (default) or allgather; an op's @cp(...) wins")
@@ -63,6 +64,9 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
                    "(e.g. layers.4; * matches one path element); repeat for more")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="sum gradients after backward, no ZeRO-3 prefetch (to measure what overlap gains)")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
+                   help="activation recomputation: none, selective (attention recomputed in backward) or "
+                   "full (each layer keeps only its input); default: the model's @recompute, else none")
 
 
 def _local_run_args(p: argparse.ArgumentParser) -> None:

@@ -39,6 +39,7 @@ def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = Tr
         cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
         overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or "1f1b",
         microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
+        recompute=args.recompute,
     )  # checks each value first
     given = [f"--{name.replace('_', '-')}" for name in ("schedule", "microbatches", "virtual", "pp_layout")
              if getattr(args, name) is not None]

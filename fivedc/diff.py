@@ -95,7 +95,7 @@ class TotalChange:
 @dataclass(frozen=True)
 class PlanDiff:
     mesh: tuple[ValueChange, ...] = ()  # axis sizes, then world, then rank_order
-    options: tuple[ValueChange, ...] = ()  # model, sequence_parallel, dtype
+    options: tuple[ValueChange, ...] = ()  # model, sequence_parallel, dtype, zero, recompute, ...
     groups: tuple[GroupChange, ...] = ()
     params: tuple[ParamChange, ...] = ()
     collectives: tuple[CollectiveChange, ...] = ()
@@ -268,6 +268,7 @@ def diff_plans(a: ExecutionPlan, b: ExecutionPlan) -> PlanDiff:
         ("dtype", a.dtype, b.dtype),
         ("zero", a.zero, b.zero),
         ("overlap", a.overlap, b.overlap),
+        ("recompute", a.recompute, b.recompute),
         *_pipeline_values(a, b),
     ])
     ta, tb = phase_totals(a.collectives), phase_totals(b.collectives)

@@ -196,6 +196,7 @@ class Repeat:
     loc: SourceLoc | None = None
     carried_shardings: tuple[Sharding, ...] = ()  # of the carried values on every iteration
     stage_layers: tuple[int, ...] = ()  # layers at which a pipeline chunk begins (marked by the user)
+    recompute: str | None = None  # this stack's activation recomputation (`@recompute(full)`); None: the plan's
 
 
 Node = Union[Op, Redistribute, Repeat]

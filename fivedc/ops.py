@@ -92,7 +92,7 @@ OP_SPECS: dict[str, OpSpec] = {
             (("target", ""), ("call", ""), ("layouts", ""), ("out", ""), ("dtypes", ""), ("reason", ""), ("item", 0),
              ("rule", "replicated"), ("along", "")),
             doc="an ATen operator: computed whole on every rank (rule=replicated), or on shards where torch says "
-                "it is pointwise or a reduction along some dims: see fivedc/aten_call.py",
+                "it is pointwise or runs along some dims (a reduction, scan, slice): see fivedc/aten_call.py",
             variadic=True,
         ),
     )

@@ -76,6 +76,7 @@ class ParallelizeOptions:
     microbatches: int | None = None
     virtual: int | None = None
     pp_layout: tuple[int, ...] | None = None
+    recompute: str | None = None  # none | selective | full (fivedc/recompute.py)
     stage_boundaries: tuple[str, ...] = ()  # module-path patterns where a pipeline chunk begins
     device: torch.device | str | None = None
     sync_module_states: bool = True
@@ -85,7 +86,7 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
                 sequence_parallel: bool | None = None, shardings: Mapping[str, str] | None = None, zero: int = 0,
                 cp_attention: str | None = None, cp_layout: str | None = None, overlap: bool = True,
                 bucket_mb: float = DEFAULT_BUCKET_MB, schedule: str = "1f1b", microbatches: int | None = None,
-                virtual: int | None = None, pp_layout: tuple[int, ...] | None = None,
+                virtual: int | None = None, pp_layout: tuple[int, ...] | None = None, recompute: str | None = None,
                 stage_boundaries: tuple[str, ...] = (), device: torch.device | str | None = None, sync_module_states: bool = True):
     """Parallelize an `nn.Module` instance, or, as a decorator, an `nn.Module` class.
 
@@ -98,7 +99,9 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     overlap, bucket_mb: gradient buckets reduced during backward. schedule
     ("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "dualpipev"), microbatches,
     virtual, pp_layout (layers per chunk): the pipeline, when pp > 1; the forward
-    then runs the whole schedule. stage_boundaries: module-path patterns
+    then runs the whole schedule. recompute: activation recomputation, "none",
+    "selective" (each attention recomputed in backward) or "full" (each layer keeps
+    only its input). stage_boundaries: module-path patterns
     (`"layers.4"`) where a pipeline chunk begins, as do modules with
     `fivedc_stage_boundary = True`; the marks then decide the chunks. device: where the shards live (default: the current CUDA device with
     NCCL, else the module's). sync_module_states: start from rank 0's weights.
@@ -106,7 +109,8 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     options = ParallelizeOptions(
         mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh), example_inputs, sequence_parallel,
         dict(shardings or {}), zero, cp_attention, cp_layout, overlap, bucket_mb, schedule, microbatches, virtual,
-        tuple(pp_layout) if pp_layout is not None else None, tuple(stage_boundaries), device, sync_module_states,
+        tuple(pp_layout) if pp_layout is not None else None, recompute, tuple(stage_boundaries), device,
+        sync_module_states,
     )
     if module is None:
         return lambda target: _apply(target, options)
@@ -162,7 +166,7 @@ def _build(module: nn.Module, options: ParallelizeOptions):
         sequence_parallel=options.sequence_parallel, zero=options.zero, cp_attention=options.cp_attention,
         cp_layout=options.cp_layout, overlap=options.overlap, bucket_mb=options.bucket_mb,
         schedule=options.schedule, microbatches=options.microbatches, virtual=options.virtual,
-        pp_layout=options.pp_layout,
+        pp_layout=options.pp_layout, recompute=options.recompute,
     )
     return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
                           sync_module_states=options.sync_module_states)

@@ -6,8 +6,9 @@ expert placement, sharding propagation for DP/TP/SP/CP, gradient reductions,
 communication insertion). `compile_graph` then makes the decisions that are not
 yet passes: the pipeline's chunks and schedule (`stage_plan.plan_pipeline`), and in
 `plan.build_plan` the gradient buckets and overlap (`overlap.py`), ZeRO's
-collectives (`param_sync.py`) and the memory estimate; they are still to become
-passes of `PIPELINE`.
+collectives (`param_sync.py`) and the memory estimate (with the activation
+recomputation the options or the model choose: `recompute.py`, `activations.py`);
+they are still to become passes of `PIPELINE`.
 """
 
 from __future__ import annotations
@@ -83,4 +84,5 @@ def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTi
         overlap=options.overlap,
         bucket_bytes=options.bucket_bytes,
         pipeline=pipeline,
+        recompute=options.recompute_mode(graph),
     )

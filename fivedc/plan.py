@@ -13,10 +13,12 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from fivedc.activations import step_activations
 from fivedc.errors import FivedcError, PlanError
 from fivedc.ir import Collective, CollectiveKind, Graph, Op, Repeat, Redistribute, walk_ops, walk_params
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.overlap import Bucket, plan_buckets
+from fivedc.recompute import recomputed_regions
 from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_chunk, zero_notes
 from fivedc.serialize import decode, encode
 from fivedc.stage_plan import activations_in_flight, pipeline_collectives
@@ -40,8 +42,9 @@ class GroupInfo:
 
 @dataclass(frozen=True, slots=True)
 class MemoryEstimate:
-    """Bytes per rank. Activations: every op output kept for backward, no recomputation,
-    and what a MoE op's experts keep inside (`moe_inner_activations`)."""
+    """Bytes per rank. Activations (`fivedc/activations.py`): every op output kept for
+    backward, what MoE and attention kernels keep inside, less what the plan's
+    recomputation rebuilds in backward plus one recomputed region at a time."""
 
     params: int
     grads: int
@@ -69,6 +72,7 @@ class ExecutionPlan:
     buckets: tuple[Bucket, ...] = ()  # gradient buckets in launch order (fivedc/overlap.py)
     pipeline: PipelineSpec | None = None  # pp > 1: chunks, schedule, microbatches (fivedc/stages.py)
     notes: tuple[str, ...] = ()  # warnings for the reader, e.g. a setting that changes nothing
+    recompute: str = "none"  # activation recomputation: none, selective (attention), full (each layer)
 
     def save(self, path: str | Path, *, inputs: tuple[str | Path, ...] = ()) -> None:
         """Write atomically with `fivedc.files.write_output`: never half a plan, never over
@@ -118,7 +122,7 @@ class ExecutionPlan:
 
 def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int,
                zero: int = 0, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-               pipeline: PipelineSpec | None = None) -> ExecutionPlan:
+               pipeline: PipelineSpec | None = None, recompute: str = "none") -> ExecutionPlan:
     buckets = () if zero == 3 and pipeline is None else plan_buckets(  # ZeRO-3 alone reduces per use
         graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes
     )
@@ -131,10 +135,11 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
         GroupInfo(axes, mesh.size(*axes), mesh.group_count(axes), tuple(mesh.stride(a) for a in axes))
         for axes in sorted(axis_sets)
     )
-    memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline)
-    notes = zero_notes(graph, mesh, zero)
+    memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
+                             recompute=recompute)
+    notes = zero_notes(graph, mesh, zero) + recompute_notes(graph, recompute)
     return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory,
-                         zero, overlap, bucket_bytes, buckets, pipeline, notes)
+                         zero, overlap, bucket_bytes, buckets, pipeline, notes, recompute)
 
 
 def qualified(name: str, repeat: Repeat | None) -> str:
@@ -156,55 +161,33 @@ def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int 
 
 
 def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0,
-                    pipeline: PipelineSpec | None = None) -> MemoryEstimate:
+                    pipeline: PipelineSpec | None = None, recompute: str = "none") -> MemoryEstimate:
     """Bytes per rank; under ZeRO a sharded part counts one padded chunk per parameter.
     With a pipeline: the pp rank holding the most parameter bytes, and its activations
-    at the peak of the microbatches its schedule keeps in flight (`activations_in_flight`)."""
-    step_activations = sum(
-        (graph.local_numel(node.type.dims, node.sharding, mesh) + moe_inner_activations(graph, node, repeat, mesh))
-        * dtype_bytes * (repeat.count if repeat else 1)
-        for node, repeat in walk_ops(graph.body) if isinstance(node, Op)
-    )
+    at the peak of the microbatches its schedule keeps in flight (`activations_in_flight`),
+    plus one recomputed region of one microbatch."""
+    step = step_activations(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, recompute=recompute)
     best = None
     ranks = range(mesh.size(MeshAxis.PP)) if pipeline else (None,)
     for pp_rank in ranks:
         local = chunk_param_names(graph, pipeline, pp_rank=pp_rank) if pipeline else None
-        estimate = _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, step_activations)
+        estimate = _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, step)
         if best is None or estimate.params + estimate.optimizer > best.params + best.optimizer:
             best = estimate
     return best
 
 
-def moe_inner_activations(graph: Graph, op: Op, repeat: Repeat | None, mesh: Mesh) -> int:
-    """Elements a `moe` op keeps for backward besides its output, on one rank: the
-    router's scores [T, E], and for the R = T x top_k routed rows (about as many
-    arrive at a rank as leave it), the rows its experts receive [R, hidden], their
-    inner activations (SwiGLU: gate, up, silu and product, 4 x [R, ffn]; GELU: 2),
-    and the rows sent back [R, hidden]. T: this rank's tokens; ffn: per tp rank. A
-    lower bound: on one device the runtime keeps 1.05-1.2x this (tests/test_moe.py);
-    with rows from several ep ranks its batched experts pad to the busiest expert and
-    keep more (measured 1.5-1.9x, on one device, before experts ran on slices there)."""
-    if op.kind != "moe":
-        return 0
-    hidden = op.type.dims[-1]
-    tokens = graph.local_numel(op.type.dims, op.arg_specs[0].sharding, mesh) // graph.dim(hidden)
-    experts = graph.dim(next(d for d in _param_dims(graph, repeat, op.args[1]) if d != hidden))
-    weight = _param_dims(graph, repeat, op.args[2])
-    ffn = next(d for d in weight[1:] if d != hidden)
-    ffn_local = graph.local_size(ffn, op.arg_specs[2].sharding, mesh)
-    rows = tokens * int(op.attr("top_k", 2))
-    inner = (4 if len(op.args) == 5 else 2) * ffn_local
-    return tokens * experts + rows * (2 * graph.dim(hidden) + inner)
+def recompute_notes(graph: Graph, recompute: str) -> tuple[str, ...]:
+    """A recompute mode that recomputes nothing in this model, said once."""
+    if recompute != "none" and recomputed_regions(graph, recompute) == (0, 0):
+        return (f"recompute {recompute} changes nothing: the model has no attention op and no layer stack "
+                "(repeat) it recomputes",)
+    return ()
 
 
-def _param_dims(graph: Graph, repeat: Repeat | None, name: str) -> tuple[str, ...]:
-    params = {p.name: p for p in graph.body.params} | ({p.name: p for p in repeat.body.params} if repeat else {})
-    return params[name].dims
-
-
-def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, activations: int) -> MemoryEstimate:
-    """One pp rank's (or, without a pipeline, every rank's) estimate; `activations`:
-    every op output of the whole step on one rank."""
+def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, step) -> MemoryEstimate:
+    """One pp rank's (or, without a pipeline, every rank's) estimate; `step`: the whole
+    step's activations on one rank (`StepActivations`)."""
     def instances(name: str, repeat: Repeat | None) -> int:
         if repeat is None:
             return 1 if local is None or name in local else 0
@@ -220,8 +203,10 @@ def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, 
         params += (chunk if zero >= 3 else local_numel) * n
         grads += (chunk if zero >= 2 else local_numel) * n
         optimizer += (chunk if zero >= 1 else local_numel) * n
+    activations = step.kept + step.transient
     if pipeline is not None:  # this rank's chunks' activations for the microbatches its schedule keeps in flight
-        activations = activations_in_flight(pipeline, mesh.size(MeshAxis.PP), activations)[pp_rank]
+        activations = activations_in_flight(pipeline, mesh.size(MeshAxis.PP), step.kept)[pp_rank]
+        activations += step.transient // pipeline.microbatches
     return MemoryEstimate(
         params=params * dtype_bytes,
         grads=grads * dtype_bytes,

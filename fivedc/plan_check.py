@@ -6,7 +6,7 @@ could slip past, `check_plan` re-derives the whole plan: it takes the model back
 out of the plan's graph (`source_graph`: the ops, parameters and annotations the
 frontend wrote, without what the passes added), reads the compile options back
 (`options_of`: mesh, dtype, sequence parallelism, CP layout, ZeRO, buckets, the
-pipeline), compiles that again, and requires the result to equal the plan field
+pipeline, recomputation), compiles that again, and requires the result to equal the plan field
 for field. An edit either yields the plan a fresh compile gives (and so runs as
 one) or is a `PlanError` naming the first field that differs, before any process
 starts. `load_plan` reads, decodes and checks a plan file: the one way the CLI
@@ -72,6 +72,7 @@ def options_of(plan: ExecutionPlan) -> CompileOptions:
         microbatches=pipeline.microbatches if pipeline else None,
         virtual=pipeline.virtual if pipeline and pipeline.schedule == "interleaved" else None,
         pp_layout=_layers_per_chunk(plan) if pipeline and pipeline.cut == "layout" else None,
+        recompute=plan.recompute,
     )
 
 

@@ -56,7 +56,7 @@ def run_run(args, *, defaults) -> int:
 
 
 PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",
-              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype")
+              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute")
 
 
 def _plan_flags_given(args, defaults) -> list[str]:

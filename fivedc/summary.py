@@ -3,12 +3,13 @@
 `render_summary` writes, with rich tables and no colour (it must read well when
 piped), in order: a header (model, mesh, rank order, sequence parallelism, the
 context-parallel layout and attention variants, the pipeline's schedule and how its
-chunks were cut (or that a pp=1 plan leaves the model's @stage marks unused), dtype,
-plan version), the mesh groups, the pipeline chunks, one row per parameter (global
-and local shape, sharding, the axes its gradient is summed over), the output shardings seen per op
-kind, the ops that run replicated (no sharding rule) with their lines and reasons, every
-collective with its bytes, count and reason followed by bytes per step
-per phase, and the memory estimate per rank. By default it fits an 80-column
+chunks were cut (or that a pp=1 plan leaves the model's @stage marks unused), ZeRO,
+overlap, activation recomputation, dtype, plan version), the mesh groups, the
+pipeline chunks, one row per parameter (global and local shape, sharding, the axes
+its gradient is summed over), the output shardings seen per op kind, the ops that
+run replicated (no sharding rule) with their lines and reasons, every collective
+with its bytes, count and reason followed by bytes per step per phase, and the
+memory estimate per rank. By default it fits an 80-column
 terminal (each collective is one line of facts with its reason wrapped below it);
 `wide=True` gives one table row per collective, reason last, for 140 columns or
 more. Every cell is a `Text`, never markup, because reasons quote shardings in
@@ -29,6 +30,7 @@ from fivedc.aten_call import whole_dims
 from fivedc.ir import Collective, Graph, Op, Param, Phase, Repeat, walk_ops, walk_params
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.plan import ExecutionPlan, qualified
+from fivedc.recompute import recomputed_regions
 from fivedc.seq_layout import describe
 from fivedc.sharding import Sharding
 from fivedc.stages import CUTS, has_marks
@@ -123,6 +125,7 @@ def _header(plan: ExecutionPlan) -> Table:
         *((("pipeline", _pipeline_text(plan)),) if plan.pipeline or has_marks(graph) else ()),
         ("ZeRO", f"stage {plan.zero}" if plan.zero else "off"),
         ("overlap", _overlap_text(plan)),
+        ("recompute", recompute_text(plan)),
         ("dtype", plan.dtype),
         ("plan version", str(plan.version)),
     )
@@ -160,6 +163,26 @@ def _overlap_text(plan: ExecutionPlan) -> str:
         return "on: each parameter's next use is gathered while the current op computes"
     size = format_bytes(plan.bucket_bytes)
     return f"on: {len(plan.buckets)} gradient buckets of up to {size}, summed during backward"
+
+
+def recompute_text(plan: ExecutionPlan) -> str:
+    """The recompute mode and what it recomputes in this plan, counted per step."""
+    layers, alone = recomputed_regions(plan.graph, plan.recompute)
+    parts = ([f"{layers} layers keep only their input"] if layers else []) + \
+            ([f"{alone} attention ops keep only q, k, v"] if alone else [])
+    if not parts:
+        return f"{plan.recompute}: every op keeps what its backward needs"
+    return f"{plan.recompute}: {', '.join(parts)}; backward runs their forward again"
+
+
+ACTIVATION_NOTES = {
+    "none": "activations assume every op output is kept for backward, with what attention and MoE kernels "
+            "keep inside (no recomputation)",
+    "selective": "activations assume every op output is kept for backward; attention kernels keep only "
+                 "their inputs (one attention's internals while its backward runs)",
+    "full": "activations assume each recomputed layer keeps only its input (plus one layer's activations "
+            "while its backward runs)",
+}
 
 
 def cp_text(plan: ExecutionPlan) -> str:
@@ -304,7 +327,8 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     console.print(Text(f"bytes per step (bytes × count): {line}; total {total}"))
     console.print()
     console.print(_memory(plan))
-    console.print(Text("note: activations assume every op output is kept for backward (no recomputation)"))
+    layers, alone = recomputed_regions(plan.graph, plan.recompute)
+    console.print(Text(f"note: {ACTIVATION_NOTES['full' if layers else 'selective' if alone else 'none']}"))
 
 
 __all__ = ["MAX_PARAM_ROWS", "format_bytes", "op_shardings", "phase_totals", "render_summary", "replicated_ops"]

@@ -69,7 +69,8 @@ def _verify_module(args, mesh, tol: float) -> int:
     options = dict(sequence_parallel=given.sequence_parallel, cp_attention=given.cp_attention,
                    cp_layout=given.cp_layout, overlap=given.overlap, bucket_mb=given.bucket_mb, zero=given.zero,
                    schedule=given.schedule, microbatches=given.microbatches, virtual=given.virtual,
-                   pp_layout=given.pp_layout, stage_boundaries=tuple(args.stage_boundary))
+                   pp_layout=given.pp_layout, recompute=given.recompute,
+                   stage_boundaries=tuple(args.stage_boundary))
     if "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
 

@@ -13,6 +13,7 @@ from typing import ClassVar, Protocol
 from fivedc.errors import FivedcError
 from fivedc.ir import Graph
 from fivedc.mesh import Mesh, MeshAxis
+from fivedc.recompute import check_mode, model_mode
 from fivedc.schedule.generators import SCHEDULES
 from fivedc.seq_layout import SeqLayout
 
@@ -39,6 +40,7 @@ class CompileOptions:
     microbatches: int | None = None  # per step; None: max(pp, the schedule's least)
     virtual: int | None = None  # chunks per pp rank; None: the schedule's (interleaved: 2)
     pp_layout: tuple[int, ...] | None = None  # layers per chunk; None: balanced by cost
+    recompute: str | None = None  # activation recomputation (fivedc/recompute.py); None: the model's @recompute, else none
 
     def __post_init__(self) -> None:
         for what, value, choices in (
@@ -60,6 +62,8 @@ class CompileOptions:
         if self.pp_layout is not None and (not self.pp_layout or not all(_is_int(n) and n >= 0 for n in self.pp_layout)):
             raise FivedcError(f"pipeline layout {self.pp_layout} must be layer counts >= 0, one per chunk",
                               hint="e.g. --pp-layout 3,5,5,3")
+        if self.recompute is not None:
+            check_mode(self.recompute)
         if self.zero not in ZERO_STAGES:
             raise FivedcError(
                 f"unknown ZeRO stage {self.zero}",
@@ -78,6 +82,10 @@ class CompileOptions:
         if self.sequence_parallel is not None:
             return self.sequence_parallel
         return graph.annotation("sp") is not None
+
+    def recompute_mode(self, graph: Graph) -> str:
+        """none, selective or full: the option, else the model's `@recompute(...)`, else none."""
+        return self.recompute if self.recompute is not None else model_mode(graph)
 
     @property
     def data_axes(self) -> tuple[MeshAxis, ...]:

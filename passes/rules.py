@@ -235,11 +235,11 @@ def _cross_entropy(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> Ru
 def _aten(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
     """An ATen operator (fivedc/aten_call.py). Replicated: every argument whole on every
     rank (gathered, pending sums added), the result computed whole; consumers cut their
-    shards from it. Pointwise or a reduction: computed on shards. The arguments keep the
-    splits their producers give (the one with the most dims first, then splits of the
-    others over axes not yet used), pending sums added, the dims a reduction runs along
-    whole, and a parameter's dims whole over the data axes; every argument is cut to that
-    sharding and the result keeps it."""
+    shards from it. Pointwise or along some dims (a reduction, scan or slice): computed
+    on shards. The arguments keep the splits their producers give (the one with the
+    most dims first, then splits of the others over axes not yet used), pending sums
+    added, the dims it runs along whole, and a parameter's dims whole over the data
+    axes; every argument is cut to that sharding and the result keeps it."""
     whole = whole_dims(op)
     if whole is None:
         return RuleResult(tuple(Sharding() for _ in shs), Sharding())

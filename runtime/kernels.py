@@ -313,12 +313,13 @@ def counted_targets(ctx, op, targets: Tensor) -> Tensor:
 def _aten(ctx, op, args, dims):
     """An ATen operator (fivedc/aten_call.py): each argument laid out as the operator saw it
     at capture, the result back in IR order. Replicated, it gets whole tensors with the
-    sequence in global order; pointwise or a reduction, this rank's shards, reordered only
-    where it runs along the sequence (then whole)."""
+    sequence in global order; pointwise or along some dims, this rank's shards, the
+    sequence put in global order only where it runs along it (then whole). A result's
+    sequence computed in global order (whole, or new: a slice) goes back to layout order."""
     from fivedc.aten_call import arg_layouts, decode_call, from_torch, out_layout, pick, resolve, to_torch, whole_dims
 
     seq, whole = ctx.graph.seq_dim, whole_dims(op)
-    order = ctx.seq_order() if whole is None or seq in whole else None
+    order = ctx.seq_order() if whole is None or seq in whole or all(seq not in d for d in dims) else None
     sizes = dict(ctx.graph.dims)
     tensors = []
     for t, t_dims, layout in zip(args, dims, arg_layouts(op)):

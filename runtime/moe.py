@@ -40,7 +40,8 @@ after each step, from the whole batch's counts (summed over microbatches).
 Per-layer state (the bias, this step's tokens per expert) lives on the
 `KernelContext`, keyed by the router's qualified name (`moe.3.router`), which
 `register_params` tells it; `end_step` (called by `runtime/train.py` after each
-step) applies the bias update and hands back the load.
+step) applies the bias update and hands back the load. A forward redone by activation
+recomputation routes the same tokens again and records nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from fivedc.ir import Op
 from fivedc.mesh import MeshAxis
 from fivedc.passes.experts import MoeSettings, token_axes
 from fivedc.runtime.moe_a2a import Exchange
+from fivedc.runtime.recompute import recomputing
 from fivedc.seq_layout import chunks_per_rank
 from fivedc.sharding import Sharding
 
@@ -141,12 +143,18 @@ def moe_kernel(ctx, op: Op, args: list, dims: list, *, experts_fn=None) -> Tenso
     y = expert_forward(xt, chosen, gates, keep, local, exchange, s, experts_fn or local_experts)
     if s.aux_loss:
         y = _AddAuxLoss.apply(y, _aux_part(ctx, scores, total, dims[0], experts, s))
+    if not recomputing(ctx):  # a recomputed forward (runtime/recompute.py) counts its tokens once
+        _record(state, name, s, total, routed, dropped)
+    return y.reshape(x.shape)
+
+
+def _record(state: MoeState, name: str, s: MoeSettings, total: Tensor, routed: Tensor, dropped: Tensor) -> None:
+    """This forward's counts: for the bias update, and the load `end_step` reports."""
     if s.bias_update:
         rate, before = state.pending.get(name, (s.bias_update, torch.zeros_like(total)))
         state.pending[name] = (rate, before + total)
     load = ExpertLoad(tuple(routed.tolist()), tuple(dropped.tolist()))
     state.loads[name] = state.loads[name] + load if name in state.loads else load
-    return y.reshape(x.shape)
 
 
 def route(xt: Tensor, router: Tensor, s: MoeSettings, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:

@@ -7,6 +7,12 @@ collectives. A repeat body runs `count` times with `prefix.i.name` parameters.
 Parameters live in a flat dict keyed by qualified name (`layers.3.wq`); this
 module also makes the initial full parameters and inputs (seeded, so every rank
 and the single-device reference start from the same values) and cuts shards.
+
+With activation recomputation (`recompute`, `fivedc/recompute.py`) a layer of a
+repeat (full) or an attention kernel (selective) runs as one region of
+`runtime/recompute.run_recomputed`: it keeps its inputs, and backward runs its
+forward again. A recomputed layer computes into an environment of its own, so
+its intermediate values are not kept alive by the program's either.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import torch
 from torch import Tensor
 
 from fivedc.ir import Block, DType, Graph, Op, Param, Redistribute, Repeat, walk_ops
+from fivedc.recompute import recomputes_layer, recomputes_op
 from fivedc.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.kernels import KERNELS, KernelContext
+from fivedc.runtime.recompute import run_recomputed
 
 
 def qualified_params(graph: Graph) -> Iterator[tuple[str, Param]]:
@@ -115,8 +123,8 @@ def shard(full: Tensor, dims: tuple[str, ...], sharding: Sharding, ctx: KernelCo
 
 
 class Program:
-    def __init__(self, graph: Graph, ctx: KernelContext) -> None:
-        self.graph, self.ctx = graph, ctx
+    def __init__(self, graph: Graph, ctx: KernelContext, *, recompute: str = "none") -> None:
+        self.graph, self.ctx, self.recompute = graph, ctx, recompute
         self.param_dims = {name: p.dims for name, p in qualified_params(graph)}
         self.steps = {
             node.out: (_steps(node, node.forward), _steps(node, node.backward))
@@ -147,7 +155,8 @@ class Program:
             else:
                 self._layer(items[unit.start], unit.layer, env, dims, params, scope)
 
-    def _block(self, block: Block, env: dict, dims: dict, params: dict, scope: dict) -> None:
+    def _block(self, block: Block, env: dict, dims: dict, params: dict, scope: dict,
+               repeat: Repeat | None = None) -> None:
         for item in block.items:
             if isinstance(item, Repeat):
                 for layer in range(item.count):
@@ -168,7 +177,10 @@ class Program:
                     else:
                         args.append(env[arg])
                         arg_dims.append(dims[arg])
-                env[item.out] = KERNELS[item.kind](self.ctx, item, args, arg_dims)
+                if recomputes_op(item, repeat, self.recompute):
+                    env[item.out] = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
+                else:
+                    env[item.out] = KERNELS[item.kind](self.ctx, item, args, arg_dims)
                 dims[item.out] = item.type.dims
 
     def _layer(self, item: Repeat, layer: int, env: dict, dims: dict, params: dict, scope: dict) -> None:
@@ -179,10 +191,41 @@ class Program:
             env[arg] = env[source]
             dims[arg] = dims[source]
         inner = {**scope, **{p.name: f"{item.name}.{layer}.{p.name}" for p in item.body.params}}
-        self._block(item.body, env, dims, params, inner)
+        if recomputes_layer(item, self.recompute):
+            self._recomputed_layer(item, env, dims, params, inner)
+        else:
+            self._block(item.body, env, dims, params, inner, item)
         for result, value, source in zip(item.results, item.body.yields, sources):
             env[result] = env[value]
             dims[result] = dims[source]
+
+    def _recomputed_layer(self, item: Repeat, env: dict, dims: dict, params: dict, scope: dict) -> None:
+        """One layer as a recomputed region: it reads only the values it takes from outside
+        (bound now: `env` moves on to the next layer), computes in an environment of its
+        own and hands back its yields; `dims` gets the body's dims (they are the same for
+        every run)."""
+        taken = {name: env[name] for name in _outer_reads(item.body) if name in env}
+
+        def layer() -> tuple:
+            local, local_dims = dict(taken), dict(dims)
+            self._block(item.body, local, local_dims, params, scope, item)
+            dims.update(local_dims)
+            return tuple(local[name] for name in item.body.yields)
+
+        for name, value in zip(item.body.yields, run_recomputed(self.ctx, layer)):
+            env[name] = value
+
+
+def _outer_reads(block: Block) -> set[str]:
+    """The names a repeat body reads and does not define: its args and outer values (a
+    name that is neither, such as a parameter, is simply not found in the environment)."""
+    read: set[str] = set()
+    for node, _ in walk_ops(block):
+        if isinstance(node, Op):
+            read.update(a for a in node.args if isinstance(a, str))
+        elif isinstance(node, Redistribute):
+            read.add(node.src)
+    return read - {node.out for node, _ in walk_ops(block) if isinstance(node, (Op, Redistribute))}
 
 
 def _steps(node: Redistribute, collectives) -> tuple[Step, ...]:

@@ -49,7 +49,7 @@ def reference_run(plan: ExecutionPlan, settings: TrainSettings) -> TrainRecord:
     ctx = KernelContext(graph, plan.mesh, plan.mesh.coords(0))
     params = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype)
     inputs = make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype)
-    record = train(Program(graph, ctx), params, inputs, settings)
+    record = train(Program(graph, ctx, recompute=plan.recompute), params, inputs, settings)
     check_reference(record.losses, [*record.grads, record.params], what=graph.name)
     return record
 
@@ -75,7 +75,7 @@ def setup_rank(plan: ExecutionPlan, info, settings: TrainSettings) -> tuple[Prog
         i.name: shard(t, i.type.dims, i.sharding, ctx).to(device)
         for i, t in zip(graph.inputs, make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype).values())
     }
-    return Program(graph, ctx), params, inputs, named
+    return Program(graph, ctx, recompute=plan.recompute), params, inputs, named
 
 
 def train_plan(plan: ExecutionPlan, program: Program, params: dict, inputs: dict, settings: TrainSettings,

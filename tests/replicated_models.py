@@ -90,6 +90,33 @@ def local_ops(seed: int = 0):
     return module, (idx, torch.randint(0, 32, (4, 8)))
 
 
+class ShiftedLabels(RunningSum):
+    """Next-token labels made inside the model as Hugging Face's loss makes them: padded with
+    -100 (no rule: replicated) and sliced (along the sequence), then met with the logits. With
+    causal attention, so that cp keeps the sequence in its balanced order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16, bias=False) for _ in range(4))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        b, s, _ = h.shape
+        q = self.q(h).view(b, s, 2, 8).transpose(1, 2)
+        k = self.k(h).view(b, s, 2, 8).transpose(1, 2)
+        v = self.v(h).view(b, s, 2, 8).transpose(1, 2)
+        h = h + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 16))
+        h = h + self.down(F.gelu(self.up(h)))
+        logits = self.head(h)
+        labels = F.pad(idx, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def shifted_labels(seed: int = 0):
+    torch.manual_seed(seed)
+    return ShiftedLabels().double(), (torch.randint(0, 32, (4, 8)),)
+
+
 def llama_ignoring():
     """examples/llama.py with some targets of -100, all in the first microbatch's rows."""
     module, (idx, targets) = llama.factory(batch=4)

@@ -200,7 +200,7 @@ def test_unknown_annotation(where: str) -> None:
     text = {"call": _model("  y = relu(t) @tp\n  return y"), "model": "model m @tp { }",
             "repeat": _model("  repeat 2 as r @tp { }\n  return t")}[where]
     error = _error(text)
-    expected = "unknown annotation @tp; allowed: @col, @row, @replicate, @sp, @cp, @ep, @stage"
+    expected = "unknown annotation @tp; allowed: @col, @row, @replicate, @sp, @cp, @ep, @stage, @recompute"
     assert error.message == expected
     assert _where(error) == _at(text, "@tp")
 

@@ -333,7 +333,7 @@ def test_the_activation_estimate_counts_what_the_experts_keep() -> None:
     of it is counted, and the runtime keeps at most a fifth more (on one device each
     expert runs on its own slice, no padding). Without the experts' inner activations
     the estimate would be a tenth of what is kept."""
-    from fivedc.plan import moe_inner_activations
+    from fivedc.activations import moe_inner_activations
     from fivedc.runtime.program import Program, init_params, make_inputs
 
     text = moe_model_text(batch=4, seq=64, hidden=64, experts=8, expert_ffn=64, vocab=32, layers=1, top_k=2,

@@ -80,9 +80,9 @@ def test_pointwise_ops_and_reductions_keep_their_splits() -> None:
     tm, plan = _local_plan("2x1x2x2x1")
     ops = {op.out: op for op in _islands(plan.graph)}
     rules = {op.attr("target"): op.attr("rule") for op in ops.values()}
-    assert rules == {"aten.pow.Tensor_Scalar": "pointwise", "aten.mean.dim": "reduction",
-                     "aten.rsqrt.default": "pointwise", "aten.softmax.int": "reduction",
-                     "aten.cumsum.default": "reduction"}
+    assert rules == {"aten.pow.Tensor_Scalar": "pointwise", "aten.mean.dim": "along",
+                     "aten.rsqrt.default": "pointwise", "aten.softmax.int": "along",
+                     "aten.cumsum.default": "along"}
     line = line_of(LocalOps.forward, "torch.pow(u, 3.0)")
     (gelu_pow,) = [op for op in ops.values() if op.loc.line == line]
     assert gelu_pow.sharding.split_axes() and "tp" in str(gelu_pow.sharding), gelu_pow.sharding
@@ -116,8 +116,12 @@ def test_pointwise_ops_and_reductions_train_like_one_device(worker_pool, mesh, s
     assert report.max_error <= 1e-10, report
 
 
-def test_running_sum_over_the_sequence_trains_under_cp(worker_pool) -> None:
-    report = check_module(f"{MODELS}:running_sum", mesh="2x1x1x2x1", steps=2, dtype="fp64", pool=worker_pool)
+@pytest.mark.parametrize("factory", ["running_sum", "shifted_labels"])
+def test_ops_along_the_sequence_train_under_cp(worker_pool, factory: str) -> None:
+    """A running sum along the sequence (gathered, in global order); labels padded and sliced inside
+    the model, whose new dim becomes the sequence at the loss (computed in global order, then put
+    in cp's balanced order like every whole sequence)."""
+    report = check_module(f"{MODELS}:{factory}", mesh="2x1x1x2x1", steps=2, dtype="fp64", pool=worker_pool)
     assert report.max_error <= 1e-10, report
 
 

@@ -214,7 +214,7 @@ FRAME = "model m {\n  dims {\n    b = 2\n    h = 8\n  }\n  input t: float[b, h]\
     ("  y = relu(add(t, w) @stage)\n  return y", "@stage",
      "@stage marks a whole statement, not a call nested in it", "after the statement's outermost call"),
     ("  x = relu(t)\n  repeat 3 as layers @col {\n    x = add(x, w)\n  }\n  return x", "@col",
-     "@col does not go on a repeat; only @stage(layer, ...) does", "put @col on the op call"),
+     "@col does not go on a repeat; only @stage(layer, ...) and @recompute(mode) do", "put @col on the op call"),
     ("  x = relu(t)\n  repeat 3 as layers @stage(1) @stage(2) {\n    x = add(x, w)\n  }\n  return x", "@stage(2)",
      "@stage is given twice on repeat layers", "one @stage(...)"),
     ("  x = relu(t)\n  repeat 3 as layers @stage {\n    x = add(x, w)\n  }\n  return x", "@stage",

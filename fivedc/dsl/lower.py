@@ -7,7 +7,9 @@ op result an SSA name unique in the graph (`x`, `x.1`, ... for assignments,
 loop-carried values are the outer names its body reassigns. Pipeline marks:
 `x = f(g(y)) @stage` on a top-level statement puts the `@stage` annotation on the
 statement's first op (g: a chunk begins there); `repeat layers @stage(4, 8)` sets
-`Repeat.stage_layers`. Every user mistake raises `DslError` at the token that
+`Repeat.stage_layers`. Recomputation: `model m @recompute(selective)` is the model's
+default mode, `repeat layers @recompute(full)` sets `Repeat.recompute` for that stack;
+on a call it is an error. Every user mistake raises `DslError` at the token that
 caused it. `parse_model` in `fivedc/frontend_dsl.py` is the entry point; nothing
 here touches lark's parser.
 """
@@ -23,8 +25,9 @@ from fivedc.dsl.values import MAX_DEPTH, close as _close, show as _show
 from fivedc.errors import DslError, SourceLoc
 from fivedc.ir import Annotation, Block, DType, Graph, Input, Op, Repeat, Scalar
 from fivedc.ops import OP_SPECS, OpSpec
+from fivedc.recompute import RECOMPUTE_MODES
 
-ANNOTATION_KINDS = ("col", "row", "replicate", "sp", "cp", "ep", "stage")
+ANNOTATION_KINDS = ("col", "row", "replicate", "sp", "cp", "ep", "stage", "recompute")
 _WANT = {bool: "true or false", str: 'a "string"', int: "an integer", float: "a number"}
 
 
@@ -116,6 +119,8 @@ class _Lowering(Declarations):
             if annotation.kind == "stage":
                 raise self.src.error(tree, "@stage marks where a pipeline chunk begins, not the model",
                                      "put @stage after a top-level op statement, or @stage(layer, ...) on a repeat")
+            if annotation.kind == "recompute":
+                self.recompute_mode(tree, annotation)
         top = Scope({}, {})
         result = self.block([s for s in rest if s.data != "annotation"], top)
         if result is None:
@@ -191,6 +196,10 @@ class _Lowering(Declarations):
                     raise self.src.error(child, f"@{annotations[-1].kind} is given twice on one call")
                 if annotations[-1].kind == "stage":
                     self.check_stage_on_op(child, annotations[-1], scope, depth)
+                if annotations[-1].kind == "recompute":
+                    raise self.src.error(child, "@recompute goes on the model or on a repeat, not on a call",
+                                         "e.g. `model m @recompute(selective) {` recomputes every attention, "
+                                         "`repeat layers @recompute(full) {` each layer of that stack")
             elif child.data == "kwarg":
                 attrs.append(self.kwarg(child, spec, attrs))
             elif attrs:
@@ -306,14 +315,27 @@ class _Lowering(Declarations):
         if count < 1:
             shown = f"{self.src.span(count_node, count_node)} = {_show(count)}"
             raise self.src.error(count_node, f"repeat count {shown} must be at least 1")
-        stage_layers = self.stage_layers(marks, prefix, count)
+        recompute = [m for m in marks if self.annotation(m).kind == "recompute"]
+        stage_layers = self.stage_layers([m for m in marks if m not in recompute], prefix, count)
+        if len(recompute) > 1:
+            raise self.src.error(recompute[1], f"@recompute is given twice on repeat {prefix}")
+        mode = self.recompute_mode(recompute[0], self.annotation(recompute[0])) if recompute else None
         assigned = (str(s.children[0]) for s in stmts if s.data == "assign")
         carried = [n for n in dict.fromkeys(assigned) if n in scope.values]
         body = self.repeat_body(stmts, scope.child(prefix), carried)
         results = tuple(self.names.value(n) for n in carried)
         outer = tuple(scope.values[n] for n in carried)
-        scope.items.append(Repeat(prefix, count, outer, body, results, self.src.at(tree), stage_layers=stage_layers))
+        scope.items.append(Repeat(prefix, count, outer, body, results, self.src.at(tree), stage_layers=stage_layers,
+                                  recompute=mode))
         scope.values.update(zip(carried, results))
+
+    def recompute_mode(self, tree: Tree, mark: Annotation) -> str:
+        """`@recompute(full)`: one of the modes (fivedc/recompute.py)."""
+        if len(mark.args) != 1 or mark.args[0] not in RECOMPUTE_MODES:
+            raise self.src.error(tree, f"{mark} needs one mode: {', '.join(RECOMPUTE_MODES)}",
+                                 "e.g. @recompute(selective): attention recomputed in backward; @recompute(full): "
+                                 "each layer keeps only its input")
+        return str(mark.args[0])
 
     def stage_layers(self, trees: list[Tree], prefix: str, count: int) -> tuple[int, ...]:
         """`repeat layers @stage(4, 8)`: the layers at which a pipeline chunk begins."""
@@ -321,7 +343,8 @@ class _Lowering(Declarations):
         for i, tree in enumerate(trees):
             mark = self.annotation(tree)
             if mark.kind != "stage":
-                raise self.src.error(tree, f"@{mark.kind} does not go on a repeat; only @stage(layer, ...) does",
+                raise self.src.error(tree, f"@{mark.kind} does not go on a repeat; only @stage(layer, ...) and "
+                                     "@recompute(mode) do",
                                      f"put @{mark.kind} on the op call it is about, inside the body or after it")
             if i > 0:
                 raise self.src.error(tree, f"@stage is given twice on repeat {prefix}",

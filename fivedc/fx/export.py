@@ -35,7 +35,7 @@ _SAME = {
     aten.squeeze: torch.squeeze, aten.split: torch.split, aten.split_with_sizes: torch.split, aten.chunk: torch.chunk,
     aten.gelu: F.gelu, aten.silu: F.silu, aten.relu: F.relu, aten.tanh: torch.tanh, aten.sigmoid: torch.sigmoid,
     aten.scaled_dot_product_attention: F.scaled_dot_product_attention, aten.matmul: torch.matmul,
-    aten.bmm: torch.matmul, aten.masked_fill: torch.masked_fill, aten.eq: operator.eq,
+    aten.bmm: torch.matmul, aten.addmm: torch.addmm, aten.masked_fill: torch.masked_fill, aten.eq: operator.eq,
     aten.repeat_interleave: torch.repeat_interleave, aten.dropout: F.dropout, aten.arange: torch.arange,
     aten.cat: torch.cat,
 }

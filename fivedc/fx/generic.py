@@ -1,18 +1,23 @@
-"""The fx frontend's fallback: an op it has no handler for becomes a replicated `aten` op.
+"""The fx frontend's fallback: an op it has no handler for becomes an `aten` op.
 
 Where `fivedc/fx/ops.py` has no handler for an op, or its handler does not
 understand this use of it (a slice that is not the whole dim, an integer
 comparison), the op is kept as the ATen call it is (`fivedc/aten_call.py`): its
 tensor arguments as IR values with the torch layout the operator saw, every other
-argument written into the call. Where torch says the operator is pointwise or a reduction (or scan) along
-some dims (`fivedc.aten_call.local_rule`), it runs on shards: its result's dims are
-its arguments' (broadcast, or the reduced ones dropped), so the sequence and batch
-dims flow through it and the op keeps their splits. Otherwise the result is a new
-tensor whose dims are new atoms (one per torch dim of size above 1); later ops
-unify them with the model's dims as usual, so a shifted label tensor `[batch, seq]`
-meets the logits' batch and sequence at the loss. Only ATen calls can be kept: the export path's nodes carry theirs
-(`meta["aten"]`, `fivedc/fx/export.py`); a torch-level op of the symbolic path
-cannot, and the model is captured again with torch.export (`frontend_fx.py`).
+argument written into the call.
+
+Where torch says the operator is pointwise, or it is a reduction, scan or slice
+along some dims (`fivedc.aten_call.local_rule`), it runs on shards: its result's
+dims are its arguments' (broadcast, or those it runs along dropped or new), so the
+sequence and batch dims flow through it and the op keeps their splits. Otherwise it
+runs replicated, and its result is a new tensor whose dims are new atoms (one per
+torch dim of size above 1); later ops unify them with the model's dims as usual, so
+a shifted label tensor `[batch, seq]` meets the logits' batch and sequence at the
+loss.
+
+Only ATen calls can be kept: the export path's nodes carry theirs (`meta["aten"]`,
+`fivedc/fx/export.py`); a torch-level op of the symbolic path cannot, and the model
+is captured again with torch.export (`frontend_fx.py`).
 """
 
 from __future__ import annotations
@@ -108,10 +113,11 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
     """(rule, along, result layouts) where the op can run on shards, else None (replicated).
 
     Pointwise: the result's layout is its tensor arguments' broadcast (their dims unified
-    where torch lines them up); a constant tensor may take part only as one number. A
-    reduction or scan: one tensor argument; its `dim` (all dims when it has none) is
-    `along`; each result keeps the other dims, and along those it keeps the dim (softmax,
-    cumsum), or has size 1 (keepdim), none (reduced away) or a new dim (topk's k)."""
+    where torch lines them up); a constant tensor may take part only as one number. Along
+    dims (a reduction, scan or slice): one tensor argument; its `dim` (all dims when it has
+    none) is `along`; each result keeps the other dims, and along those it keeps the dim
+    (softmax, cumsum), or has size 1 (keepdim), none (reduced away, select) or a new dim
+    (topk's k, a slice)."""
     rule = local_rule(overload)
     if rule == "replicated" or not tensors or any(c.numel() != 1 for c in consts):
         return None
@@ -137,7 +143,7 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
 
 
 def _reduced_dims(overload, args, kwargs, ndim: int) -> tuple[int, ...]:
-    """The torch dims a reduction or scan runs along: its `dim` argument, all when it has none."""
+    """The torch dims an op runs along: its `dim` argument, all when it has none."""
     schema = overload._schema
     bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
     bound |= dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)

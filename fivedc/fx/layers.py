@@ -128,6 +128,19 @@ def matmul(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     return T(lw.emit(frame, node, "matmul", (x.ref, w), atoms), atoms, x.layout[:-1] + ((out_dim,),))
 
 
+def addmm(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
+    """`torch.addmm(bias, x, w)` with parameters `bias` and `w`: x @ w + bias (GPT-2's Conv1D)."""
+    bias = args[0]
+    if arg(args, kwargs, 3, "beta", 1) != 1 or arg(args, kwargs, 4, "alpha", 1) != 1 \
+            or not isinstance(bias, ParamRef) or bias.value.dim() != 1:
+        raise lw.unsupported(node, "addmm other than bias + x @ w with parameters bias and w")
+    out = matmul(lw, frame, node, args[1:3], {})
+    module, _, attr = bias.key.rpartition(".")
+    b = lw.param(frame, node, key=bias.key, module=module, attr=attr, atoms=out.ir[-1:], init="zeros",
+                 shape=_shape(bias.value), role="a bias")
+    return T(lw.emit(frame, node, "add", (out.ref, b), out.ir), out.ir, out.layout)
+
+
 # ---- embedding ----------------------------------------------------------------------------
 def embedding(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     if node.op == "call_module":

@@ -285,7 +285,7 @@ HANDLERS = {
     **dict.fromkeys(("transpose", "swapaxes", "permute", "t"), transpose),
     "unsqueeze": unsqueeze, "squeeze": squeeze, "getitem": getitem, "getattr": getattr_, "expand": expand,
     "expand_as": expand,
-    "linear": layers.linear, "matmul": layers.matmul, "split": layers.split, "chunk": layers.split,
+    "linear": layers.linear, "matmul": layers.matmul, "addmm": layers.addmm, "split": layers.split, "chunk": layers.split,
     "embedding": layers.embedding, "layer_norm": layers.layer_norm, "rms_norm": layers.rms_norm, "rope": layers.rope,
     "moe": layers.moe,
     "sdpa": layers.attention, "repeat_interleave": layers.repeat_interleave, "cross_entropy": layers.cross_entropy,

@@ -60,7 +60,7 @@ _FUNCTIONS = {
     operator.mul: "mul", torch.mul: "mul", operator.imul: "mul",
     operator.truediv: "div", torch.div: "div", torch.true_divide: "div",
     operator.neg: "neg", torch.neg: "neg", operator.pow: "pow", torch.pow: "pow",
-    operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "matmul",
+    operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "matmul", torch.addmm: "addmm",
     operator.getitem: "getitem", getattr: "getattr",
     torch.rsqrt: "rsqrt", torch.sqrt: "sqrt", torch.mean: "mean", torch.exp: "exp",
     torch.tanh: "tanh", F.tanh: "tanh", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
