@@ -71,6 +71,7 @@ from torch import Tensor, nn
 
 from fivedc.errors import PassError, ShapeError
 from fivedc.fx.build import finish
+from fivedc.fx.locs import node_loc
 from fivedc.fx.lower import FxWarning, Lowering
 from fivedc.fx.marks import mark_stages
 from fivedc.fx.precision import float64_everywhere, is_float64
@@ -136,11 +137,21 @@ def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str |
 
 def _lower(trace, module: nn.Module, name: str | None, stage_boundaries):
     for traced in (trace.top, *(r.body for r in trace.repeats)):
+        _no_writes(traced.gm)
         rewrite(traced.gm, traced.values)
     lowering = Lowering(trace)
     draft = lowering.draft(name or type(module).__name__.lower())
     mark_stages(module, trace, draft, stage_boundaries)
     return lowering, draft
+
+
+def _no_writes(gm) -> None:
+    """A symbolic trace does not see that `x.mul_(2)` changes `x` (later reads use the node
+    of `x`, and the write looks unused): an in-place method call is left to torch.export,
+    which records the write (`fivedc/fx/export.py` rewrites it as a pure op where it can)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+            raise Unrecognised(f"Tensor.{node.target} writes to its tensor in place", loc=node_loc(node))
 
 
 def _consistent(graph: Graph, expected: dict[str, TensorType], *, strict: bool = False) -> bool:

@@ -117,6 +117,36 @@ def shifted_labels(seed: int = 0):
     return ShiftedLabels().double(), (torch.randint(0, 32, (4, 8)),)
 
 
+class InPlace(RunningSum):
+    """Writes in place, as routers do (`w /= w.sum(-1, keepdim=True)`), on tensors of its own."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        g = F.gelu(self.up(h))
+        g += 2.0
+        g /= g.sum(-1, keepdim=True)
+        g.mul_(4.0)
+        h = h + self.down(g)
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def in_place(seed: int = 0):
+    torch.manual_seed(seed)
+    return InPlace().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
+class WritesThroughAView(RunningSum):
+    """Writes into a view of a tensor whose other views it reads: no pure form says the same."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        first = h[:, 0]
+        first.mul_(2.0)
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 def llama_ignoring():
     """examples/llama.py with some targets of -100, all in the first microbatch's rows."""
     module, (idx, targets) = llama.factory(batch=4)

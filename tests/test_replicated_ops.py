@@ -193,6 +193,24 @@ def test_a_replicated_island_runs_in_a_pipeline_of_one_microbatch(worker_pool) -
     assert report.max_error <= 1e-10, report
 
 
+def test_writes_in_place_on_a_tensor_of_its_own_become_pure_ops(worker_pool) -> None:
+    """`g /= g.sum(...)` and `g.mul_(4)` read as `g = g / g.sum(...)`, `g = g * 4` (the export path
+    rewrites them); the model trains as on one device. A write through a view stays refused, at its line."""
+    from replicated_models import WritesThroughAView, in_place
+
+    module, inputs = in_place()
+    tm = trace_module(module, inputs)
+    assert_same_as_module(tm, module, inputs)
+    assert all("_." not in str(op.attr("target")) for op in _islands(tm.graph))
+    report = check_module(f"{MODELS}:in_place", mesh="2x1x2x1x1", steps=2, dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    with pytest.raises(NotSupportedError, match="writes to its arguments") as info:
+        trace_module(WritesThroughAView().double(), inputs)
+    assert info.value.loc.line == line_of(WritesThroughAView.forward, "first.mul_")
+
+
 def test_an_operator_with_several_results_keeps_the_one_used() -> None:
     from replicated_models import SortsFeatures
 

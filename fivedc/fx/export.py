@@ -55,6 +55,7 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     sig = ep.graph_signature
     _inline_wrappers(ep.graph_module, trainable={s.arg.name for s in sig.input_specs
                                                  if s.kind in (InputKind.PARAMETER, InputKind.USER_INPUT)})
+    _functional(ep.graph)
     state = {s.arg.name: s.target for s in sig.input_specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
     constants = {s.arg.name: s.target for s in sig.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
     user = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
@@ -122,6 +123,58 @@ def _inline_wrappers(gm: fx.GraphModule, *, trainable: set[str]) -> None:
         graph.erase_node(node)
     graph.eliminate_dead_code()
     gm.recompile()
+
+
+def _functional(graph: fx.Graph) -> None:
+    """Rewrite an in-place op on a tensor of its own (`w /= w.sum(-1, keepdim=True)`,
+    `x.index_put_(...)`) as its pure form, later reads of the tensor reading the result.
+    Only where nothing else can see the write: the tensor is computed here (not an input,
+    parameter or buffer), is no view of another, and has no view taken before the write.
+    Other writes stay, and are reported where they touch the model's data."""
+    for node in list(graph.nodes):
+        pure = _pure_form(node)
+        if pure is None or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        target = node.args[0]
+        before = set()
+        for earlier in graph.nodes:
+            if earlier is node:
+                break
+            before.add(earlier)
+        if target.op == "placeholder" or _aliases(target) or any(
+                _aliases(u) for u in target.users if u in before):
+            continue
+        with graph.inserting_after(node):
+            new = graph.call_function(pure, node.args, node.kwargs)
+        new.meta = dict(node.meta)
+        for user in list(target.users):
+            if user is not node and user is not new and user not in before:
+                user.replace_input_with(target, new)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def _pure_form(node: fx.Node):
+    """`aten.div.Tensor` for a node of `aten.div_.Tensor` (writing only its first argument)."""
+    overload = node.target
+    if node.op != "call_function" or not isinstance(overload, torch._ops.OpOverload):
+        return None
+    schema = overload._schema
+    name = overload.overloadpacket.__name__
+    writes = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
+    if not schema.is_mutable or not name.endswith("_") or name.startswith("_") or writes[:1] != [True] \
+            or any(writes[1:]):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    return getattr(packet, overload._overloadname, None) if packet is not None else None
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether a node's result may share memory with an argument (a view, an alias)."""
+    overload = node.target
+    if node.op != "call_function" or not isinstance(overload, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None for r in overload._schema.returns)
 
 
 def _region_loc(node: fx.Node, region: fx.GraphModule):

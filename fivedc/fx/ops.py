@@ -105,7 +105,7 @@ def _describe(frame: Frame, node: fx.Node) -> str:
         return f"Tensor.{node.target}"
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target.overloadpacket.__name__}.{target._overloadname}"
+        return f"{target.namespace}.{target.overloadpacket.__name__}.{target._overloadname}"
     return f"{getattr(target, '__module__', '') or ''}.{getattr(target, '__name__', str(target))}".lstrip(".")
 
 
