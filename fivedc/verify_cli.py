@@ -42,7 +42,9 @@ def run_verify(args) -> int:
     graph = load_graph(args.model, args.stage_boundary)  # a DSL model (or a clear error)
     check_trainable(graph)
     plan = compile_graph(graph, compile_options(args, mesh, dtype=args.dtype))
-    reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype))
+    # the reference recomputes nothing the option or the model's @recompute would (a repeat's own
+    # @recompute stays: on one device it computes the same numbers)
+    reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype, recompute="none"))
     settings = TrainSettings(steps=args.steps, seed=args.seed, dtype=args.dtype)
     if "WORLD_SIZE" in os.environ:
         report = _under_launcher(plan, reference, settings)
@@ -91,7 +93,7 @@ def _verify_module(args, mesh, tol: float) -> int:
         from fivedc.runtime.verify import single_device_mesh
 
         graph = load_graph(args.model, args.stage_boundary)  # traced once; errors before any process starts
-        reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype))
+        reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype, recompute="none"))
         _check_machine(args, compile_graph(graph, given), reference)
         print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})")
         report = check_module(args.model, mesh=mesh, steps=args.steps, dtype=args.dtype, seed=args.seed,
