@@ -46,7 +46,8 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("embedding", ("tokens", "table"), 2, (("padding_idx", 0),),
                doc="table[vocab, hidden] rows picked by int tokens; padding_idx (when given): that row gets "
                    "no gradient (torch's F.embedding(padding_idx=))"),
-        OpSpec("linear", ("x", "w"), 2, doc="contract x's trailing dims with w's leading dims"),
+        OpSpec("linear", ("x", "w"), 2, doc="contract x's trailing dims with w's leading dims (or with its "
+                                            "trailing dims: a weight stored [out, in], a tied embedding table)"),
         OpSpec("matmul", ("x", "w"), 2, doc="same contraction as linear"),
         OpSpec("add", _BINARY, 2, doc="elementwise a + b (b broadcast by dim name, or a number)"),
         OpSpec("sub", _BINARY, 2, doc="elementwise a - b"),

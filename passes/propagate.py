@@ -16,6 +16,7 @@ from collections import ChainMap
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from fivedc.errors import ShardingError
 from fivedc.ir import ArgSpec, Block, DType, Graph, Input, Op, Repeat, TensorType
 from fivedc.mesh import MeshAxis
 from fivedc.sharding import Sharding
@@ -97,6 +98,10 @@ class PropagateShardings:
                 continue
             if isinstance(arg, str) and arg in params and params[arg] is None:
                 next(m for m in params.maps if arg in m)[arg] = need
+            elif isinstance(arg, str) and arg in params and params[arg] != need:  # a tied weight's second use
+                raise ShardingError(
+                    f"parameter {arg} is used by two ops that need it sharded differently ({params[arg]} and "
+                    f"{need}, here)", loc=op.loc, hint="untie the weights, or keep tp=1")
             is_float = arg_type is not None and arg_type.dtype == DType.FLOAT
             specs.append(ArgSpec(need, grad_partial_axes(need, result.out) if is_float else ()))
         env[op.out] = result.out

@@ -66,7 +66,7 @@ def _linear(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResul
     x_type, w_type = types[0], types[1]
     x = ctx.resolve_partial(shs[0], x_type)
     contracted = tuple(d for d in x_type.dims if d not in op.type.dims)
-    outputs = w_type.dims[len(contracted):]
+    outputs = tuple(d for d in w_type.dims if d not in contracted)  # w [in, out], or [out, in] (tied)
     row_dims = [d for d in contracted if MeshAxis.TP in x.axes_of(d)]
     if ctx.tp is None:
         default = "replicate"

@@ -45,16 +45,30 @@ def contracted_count(x: TensorType, w: TensorType) -> int:
     return 0
 
 
+def transposed_count(x: TensorType, w: TensorType) -> int:
+    """How many trailing dims of x match the trailing dims of w, with a dim of w left over
+    (a weight stored [out, in] as nn.Linear keeps it: a tied embedding table)."""
+    for k in range(min(len(x.dims), len(w.dims) - 1), 0, -1):
+        if x.dims[-k:] == w.dims[-k:]:
+            return k
+    return 0
+
+
 def _linear(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     x, w = _tensor(op, types, 0), _tensor(op, types, 1)
     k = contracted_count(x, w)
-    if k == 0:
+    if k:
+        dims = x.dims[:-k] + w.dims[k:]
+    elif transposed_count(x, w):
+        k = transposed_count(x, w)
+        dims = x.dims[:-k] + w.dims[:-k]
+    else:
         raise _fail(
             op,
-            f"the trailing dims of x {_fmt(x)} do not match the leading dims of w {_fmt(w)}",
-            hint="linear contracts x's last dims with w's first dims, matched by name",
+            f"the trailing dims of x {_fmt(x)} match neither the leading nor the trailing dims of w {_fmt(w)}",
+            hint="linear contracts x's last dims with w's first dims (or its last: a weight stored [out, in]), "
+                 "matched by name",
         )
-    dims = x.dims[:-k] + w.dims[k:]
     if len(set(dims)) != len(dims):
         raise _fail(op, f"the result {_fmt(TensorType(dims))} would name a dim twice")
     return TensorType(dims)

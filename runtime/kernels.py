@@ -140,6 +140,8 @@ def _arg_sharding(op: Op, index: int) -> Sharding:
 def _linear(ctx, op, args, dims):
     x, w = args
     k = len([d for d in dims[0] if d not in op.type.dims])
+    if tuple(dims[1][:k]) != tuple(dims[0][-k:]):  # stored [out, in] (a tied embedding table): in first
+        w = w.permute(*range(w.dim() - k, w.dim()), *range(w.dim() - k))
     store = weight_grads.store_of(ctx)  # a zero-bubble pipeline: the weight gradient may wait for W
     if store is not None and torch.is_grad_enabled() and w.requires_grad:
         return weight_grads.DeferrableLinear.apply(x, w, k, store)

@@ -147,6 +147,19 @@ class WritesThroughAView(RunningSum):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class TiedLM(ShiftedLabels):
+    """The output projection's weight is the embedding table (tied weights, as GPT-2 and Gemma)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.weight = self.emb.weight
+
+
+def tied_lm(seed: int = 0):
+    torch.manual_seed(seed)
+    return TiedLM().double(), (torch.randint(0, 32, (4, 8)),)
+
+
 def llama_ignoring():
     """examples/llama.py with some targets of -100, all in the first microbatch's rows."""
     module, (idx, targets) = llama.factory(batch=4)

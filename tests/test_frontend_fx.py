@@ -305,8 +305,9 @@ def test_data_dependent_control_flow_names_the_users_line() -> None:
 
 
 def test_an_op_without_a_rule_runs_replicated_and_is_named_at_its_line() -> None:
-    """torch.cumsum has no sharding rule: it is kept as its ATen call, computed whole on every rank,
-    with the reason at the user's line, and the model computes what the module computes."""
+    """torch.cumsum has no IR op: it is kept as its ATen call (a scan along the sequence, computed on
+    shards of the other dims), with the reason at the user's line, and the model computes what the
+    module computes."""
     module = Unsupported().double()
     tm = trace_module(module, TOKENS)
     (island,) = [op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op) and op.kind == "aten"]
@@ -322,12 +323,14 @@ def test_what_is_dropped_is_a_warning_at_the_users_line() -> None:
     assert tm.warnings and str(line_of(Dropping.forward, "self.drop")) in tm.warnings[0]
 
 
-def test_tied_weights_are_refused_with_a_hint() -> None:
+def test_tied_weights_are_one_parameter() -> None:
+    """nanoGPT as Karpathy ties it (lm_head.weight = wte.weight): one IR parameter for both uses
+    (tests/test_tied_weights.py trains it in parallel)."""
     module, inputs = nanogpt.factory()
     module.lm_head.weight = module.transformer.wte.weight
-    with pytest.raises(NotSupportedError, match="tied") as info:
-        trace_module(module, inputs)
-    assert "untie" in info.value.hint and info.value.loc.file.endswith("nanogpt.py")
+    tm = trace_module(module, inputs)
+    assert len([p for p in tm.graph.body.params if p.dims == ("vocab", "hidden")]) == 1
+    assert_same_as_module(tm, module, inputs)
 
 
 def test_dims_of_equal_size_keep_their_meaning() -> None:

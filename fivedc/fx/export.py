@@ -56,7 +56,9 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     _inline_wrappers(ep.graph_module, trainable={s.arg.name for s in sig.input_specs
                                                  if s.kind in (InputKind.PARAMETER, InputKind.USER_INPUT)})
     _functional(ep.graph)
-    state = {s.arg.name: s.target for s in sig.input_specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
+    canonical = {id(p): name for name, p in module.named_parameters()}  # a tied weight by its first name
+    state = {s.arg.name: canonical.get(id(_fetch(module, s.target)), s.target) for s in sig.input_specs
+             if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
     constants = {s.arg.name: s.target for s in sig.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
     user = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     names = dict(zip(user, [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]))

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fivedc.fx.build import DParam
 from fivedc.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, RouterLogits, T
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
@@ -67,6 +68,9 @@ def materialize(lw: Lowering, frame: Frame, p: Pending) -> T:
     if not gx or ir[-len(gx):] != gx:
         raise lw.unsupported(node, "a linear over a tensor whose last dim is not its last in memory order",
                              "transpose back (and .contiguous()) before the projection")
+    tied = lw.tied_table(frame, p.weight) if p.rows == (0, p.shapes[0][0]) else None
+    if tied is not None:
+        return _tied_linear(lw, frame, p, tied)
     n = p.rows[1] - p.rows[0]
     leaf = p.module.rpartition(".")[2] or "linear"
     out_dim = lw.dims.new(n, f"{leaf}_{p.part}" if p.part else leaf, 1)
@@ -110,6 +114,24 @@ def split(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs):
         parts.append(Pending(x.x, x.module, x.weight, x.bias, x.shapes, (start, start + size), part, x.node))
         start += size
     return tuple(parts)
+
+
+def _tied_linear(lw: Lowering, frame: Frame, p: Pending, table: DParam) -> T:
+    """The output projection whose weight is the embedding table (tied weights): one IR
+    parameter [vocab, hidden] that both use, the linear taking it as stored ([out, in]);
+    its gradient sums both uses."""
+    x, node = p.x, p.node
+    gx, ir = lw.groups(x)[-1], lw.ir(x)
+    vocab, hidden = table.atoms
+    lw.unify(gx, (hidden,), node, "a projection tied to the embedding table contracts its hidden dim")
+    atoms = ir[: -len(gx)] + (vocab,)
+    out = lw.emit(frame, node, "linear", (x.ref, table), atoms)
+    if p.bias is not None:
+        b = lw.param(frame, node, key=p.bias, module=p.module, attr="bias", atoms=(vocab,), init="zeros",
+                     shape=p.shapes[1], role="a bias")
+        out = lw.emit(frame, node, "add", (out, b), atoms)
+    p.done = T(out, atoms, x.layout[:-1] + ((vocab,),))
+    return p.done
 
 
 def matmul(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:

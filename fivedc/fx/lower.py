@@ -207,6 +207,14 @@ class Lowering:
                 loc=node_loc(node), hint="untie the weights: the IR gives every parameter one use and one layout",
             )
 
+    def tied_table(self, frame: Frame, key: str) -> DParam | None:
+        """The embedding table a linear weight is the same tensor as (tied weights: the table
+        [vocab, hidden] is the weight [out, in] of the output projection), if in this frame."""
+        first = self.owners.get(id(frame.traced.gm.get_parameter(key)))
+        if first is None or first[1] != "an embedding table":
+            return None
+        return frame.params.get((first[0], None, first[1]))
+
     def tensor(self, frame: Frame, sym, node: fx.Node) -> T:
         """A value an ordinary op can take: emits a pending linear, lays out a parameter."""
         if isinstance(sym, T):
