@@ -73,7 +73,7 @@ from fivedc.errors import PassError, ShapeError
 from fivedc.fx.build import finish
 from fivedc.fx.locs import node_loc
 from fivedc.fx.lower import FxWarning, Lowering
-from fivedc.fx.marks import mark_stages
+from fivedc.fx.marks import mark_layers, mark_stages
 from fivedc.fx.precision import float64_everywhere, is_float64
 from fivedc.fx.params import ParamMapping, from_ir_params, to_ir_params
 from fivedc.fx.patterns import rewrite
@@ -142,6 +142,7 @@ def _lower(trace, module: nn.Module, name: str | None, stage_boundaries):
     lowering = Lowering(trace)
     draft = lowering.draft(name or type(module).__name__.lower())
     mark_stages(module, trace, draft, stage_boundaries)
+    mark_layers(module, draft)  # layers inlined into top-level ops still make pipeline units
     return lowering, draft
 
 

@@ -3,7 +3,8 @@
 The unit of partitioning is a *unit*: one layer of a repeat block, or a run of
 top-level ops between repeats (the embedding before the first repeat, the final
 norm, head and loss after the last); a top-level op marked `@stage` starts a new
-run. Units run in order and are cut into `pp * v` chunks (v chunks per rank for
+run, and so does one marked `@layer(path)`, the first op of a layer the frontend
+inlined (`fivedc/fx/marks.py`: each a unit of its own, cut only where balance wants). Units run in order and are cut into `pp * v` chunks (v chunks per rank for
 interleaved or V schedules) in one of three ways (`CUTS`): where the model marks
 them (`marked_ranges`: `@stage` ops and `Repeat.stage_layers`), as a layout given
 in layers says (`layout_ranges`), or by `partition`, so the most expensive chunk is
@@ -40,8 +41,11 @@ class Unit:
 
     def describe(self, graph: Graph) -> str:
         if self.layer is None:
-            kinds = [i.kind for i in graph.body.items[self.start:self.stop] if isinstance(i, Op)]
-            return "+".join(dict.fromkeys(kinds)) or "ops"
+            ops = [i for i in graph.body.items[self.start:self.stop] if isinstance(i, Op)]
+            layer = next((op.annotation("layer") for op in ops[:1] if op.annotation("layer")), None)
+            if layer is not None and layer.args:
+                return str(layer.args[0])
+            return "+".join(dict.fromkeys(op.kind for op in ops)) or "ops"
         return f"{graph.body.items[self.start].name}.{self.layer}"
 
 
@@ -98,14 +102,14 @@ def units(graph: Graph) -> list[Unit]:
             continue
         if start is None:
             start, marked = index, False
-        if isinstance(item, Op) and item.annotation("stage") is not None:
+        if isinstance(item, Op) and (item.annotation("stage") or item.annotation("layer")) is not None:
             cut = index
             while cut > start and isinstance(items[cut - 1], Redistribute):
                 cut -= 1
             if cut > start:
                 out.append(Unit(start, cut, marked=marked))
-                start = cut
-            marked = True
+                start, marked = cut, False
+            marked = marked or item.annotation("stage") is not None
     if start is not None:
         out.append(Unit(start, len(items), marked=marked))
     return out

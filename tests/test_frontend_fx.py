@@ -323,6 +323,20 @@ def test_what_is_dropped_is_a_warning_at_the_users_line() -> None:
     assert tm.warnings and str(line_of(Dropping.forward, "self.drop")) in tm.warnings[0]
 
 
+def test_the_reference_runs_without_dropout_as_the_plan_does() -> None:
+    """The IR has no dropout: a check's reference runs the module with every dropout at p=0."""
+    from fivedc.fx.precision import without_dropout
+
+    x = torch.randn(2, 2, 4, 8, dtype=torch.float64)
+    plain = F.scaled_dot_product_attention(x, x, x)
+    with without_dropout():
+        assert torch.equal(F.dropout(x, 0.5, True), x) and torch.equal(nn.Dropout(0.9)(x), x)
+        assert torch.equal(torch.dropout(x, 0.5, True), x)
+        assert torch.allclose(F.scaled_dot_product_attention(x, x, x, dropout_p=0.5), plain)
+        assert torch.allclose(F.scaled_dot_product_attention(x, x, x, None, 0.5), plain)
+    assert not torch.equal(F.dropout(x, 0.5, True), x)
+
+
 def test_tied_weights_are_one_parameter() -> None:
     """nanoGPT as Karpathy ties it (lm_head.weight = wte.weight): one IR parameter for both uses
     (tests/test_tied_weights.py trains it in parallel)."""

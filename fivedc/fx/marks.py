@@ -10,6 +10,11 @@ chunk then begins at the module:
 - any other module whose ops are top-level (an embedding, the final norm, the layers
   of a list that was inlined): `@stage` (`Annotation("stage")`) on the first
   top-level op traced from it, or layer 0 when that first item is a repeat.
+Layers inlined into top-level ops (the export path inlines every module; a list whose
+layers differ) are still the pipeline's units: `mark_layers` puts `@layer(path)`
+(`Annotation("layer")`) on the first top-level op of each layer of an `nn.ModuleList`,
+where a unit begins (`fivedc/stages.py`) without forcing a cut; what follows the last layer (the final
+norm, the head) begins a unit too.
 What cannot be honoured is an error, never a silent no-op: a module inside a layer
 of a repeat (its layers share one body), a module inside a block lowered as one op
 (an MoE block's experts), a module that computes no op of the plan (dropout), and a
@@ -43,6 +48,26 @@ def mark_stages(module: nn.Module, trace: Trace, draft: Draft, patterns: tuple[s
     """Put the stage marks of `module` and `patterns` on the draft's repeats and top-level ops."""
     for mark in marks(module, patterns):
         _apply(trace, draft, mark)
+
+
+def mark_layers(module: nn.Module, draft: Draft) -> None:
+    """`@layer(path)` on the first top-level op of each layer of the model's outermost
+    `nn.ModuleList`s whose ops are top-level (not a repeat's)."""
+    lists = [path for path, m in module.named_modules() if path and isinstance(m, nn.ModuleList) and len(m) > 1]
+    lists = [p for p in lists if not any(p.startswith(q + ".") for q in lists)]
+    ops = [item for item in draft.body.items if isinstance(item, DOp)]
+    for path in lists:
+        for index in range(len(module.get_submodule(path))):
+            layer = f"{path}.{index}"
+            _begin(next((op for op in ops if _within(layer, op.scope)), None), (layer,))
+        inside = [i for i, op in enumerate(ops) if _within(path, op.scope)]
+        if inside:  # what follows the last layer (a final norm, the head) is a unit of its own
+            _begin(next((op for op in ops[inside[-1] + 1:] if not _within(path, op.scope)), None), ())
+
+
+def _begin(op: DOp | None, args: tuple) -> None:
+    if op is not None and not any(a.kind == "layer" for a in op.annotations):
+        op.annotations += (Annotation("layer", args, op.loc),)
 
 
 def marks(module: nn.Module, patterns) -> list[Mark]:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from fivedc.errors import FivedcError
-from fivedc.fx.precision import float64_everywhere
+from fivedc.fx.precision import float64_everywhere, without_dropout
 from fivedc.runtime.compare import check_reference, compare_runs
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
@@ -116,7 +116,7 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
                           hint="return the model that holds the weights from the factory")
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay}
-    with float64_everywhere(dtype == "fp64"):
+    with float64_everywhere(dtype == "fp64"), without_dropout():  # as the plan computes: fivedc/fx/precision.py
         reference = train_module(module, inputs, **settings)
     check_reference(reference.losses, [*reference.grads, reference.params], what=spec)
     payload = (spec, kwargs, dtype, state, inputs, {"mesh": mesh, **options}, settings)
