@@ -220,6 +220,28 @@ class ShapeInFloat(nanogpt.CausalSelfAttention):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
+class OwnScale(nanogpt.CausalSelfAttention):
+    """SDPA with a scale of its own (Gemma 3 scales by query_pre_attn_scalar**-0.5, not head_dim's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+def test_attention_with_its_own_scale_scales_q_first() -> None:
+    module, inputs = _with_attention(OwnScale)
+    tm = trace_module(module, inputs)
+    ops = [op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op)]
+    at = next(i for i, op in enumerate(ops) if op.kind == "attention")
+    q = next(op for op in ops[:at] if op.out == ops[at].args[0])
+    head_dim = dict(tm.graph.dims)["head_dim"]
+    assert q.kind == "mul" and math.isclose(q.args[1], 0.3 * math.sqrt(head_dim))
+    assert_same_as_module(tm, module, inputs)
+
+
 def _with_attention(cls):
     module, inputs = nanogpt.factory()
     for block in module.transformer.h:

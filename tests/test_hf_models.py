@@ -21,7 +21,7 @@ from fivedc.pipeline import compile_graph  # noqa: E402
 
 # verified on one rank here (a slice: the Llama family differs little; llama itself is verified on
 # dp2·tp2 and cp2 below); the others compile or are refused here, and are verified in the matrix
-VERIFIED_HERE = ("qwen3", "mixtral", "deepseek_v3")  # gemma, gpt2: in parallel below
+VERIFIED_HERE = ("qwen3", "gemma3", "mixtral", "deepseek_v3")  # gemma, gpt2: in parallel below
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
                  "deepseek_v3")
 

@@ -355,7 +355,10 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
         raise lw.unsupported(node, "attention over a dim that is not the inputs' sequence dim")
     scale = a["scale"]
     if scale is not None and not math.isclose(float(scale), 1 / math.sqrt(lw.dims.size(d)), rel_tol=1e-9):
-        raise lw.unsupported(node, f"attention with scale={scale}, not 1/sqrt(head_dim)")
+        # the IR's attention scales by 1/sqrt(head_dim): another scale (Gemma 3's query_pre_attn_scalar)
+        # is the same softmax of q scaled by scale * sqrt(head_dim) first
+        factor = float(scale) * math.sqrt(lw.dims.size(d))
+        q = T(lw.emit(frame, node, "mul", (q.ref, factor), q.ir), q.ir, q.layout, q.dtype)
     for atom, hint in ((h, "heads"), (kh, "kv_heads"), (d, "head_dim"), (vd, "head_dim")):
         lw.dims.hint(atom, hint, 70)
     atoms = (b, s, h, vd)
