@@ -141,7 +141,16 @@ def _pipeline_text(plan: ExecutionPlan) -> str:
     if spec is None:
         return "off (pp=1): the model's @stage marks are not used"
     return (f"{spec.schedule}, {spec.microbatches} microbatches, {spec.virtual} chunk(s) per pp rank, "
-            f"{CUTS[spec.cut]}; draw it with: fivedc show PLAN --schedule out.png")
+            f"{CUTS[spec.cut]}; bubble {pipeline_bubble(plan):.1%} of the step (simulated, a backward costing "
+            "two forwards); draw it with: fivedc show PLAN --schedule out.png")
+
+
+def pipeline_bubble(plan: ExecutionPlan) -> float:
+    """The schedule's idle share of the step over all pp ranks, played on the clock with equal
+    chunks and a backward twice a forward (1F1B: (p - 1) / (m + p - 1), as Megatron's paper)."""
+    from fivedc.schedule import simulate
+
+    return simulate(plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP)), check=False).bubble_fraction
 
 
 def _pipeline(plan: ExecutionPlan) -> Table:

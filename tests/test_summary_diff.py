@@ -284,3 +284,19 @@ def test_repeated_collective_keys_pair_up_in_order() -> None:
     d = diff_plans(a, c)
     assert [(x.change, x.count) for x in d.collectives] == [("resized", (1, 3))]
     assert "~ forward all_reduce over tp of loss: 64 B x 1 -> 3" in diff_text(d)
+
+
+@pytest.mark.parametrize("schedule, m, v", [("1f1b", 8, None), ("gpipe", 8, None), ("1f1b", 16, None),
+                                           ("interleaved", 8, 2)])
+def test_the_summary_prints_the_bubble_of_the_published_formula(schedule: str, m: int, v) -> None:
+    """Equal chunks, a backward twice a forward: 1F1B and GPipe idle (p - 1) / (m + p - 1) of the
+    step, interleaved with v chunks per rank (p - 1) / (v m + p - 1) (Narayanan et al. 2021, eq. 1-2)."""
+    from fivedc.summary import pipeline_bubble
+
+    p = 4
+    options = CompileOptions(mesh=Mesh.parse("1x4x1x1x1"), schedule=schedule, microbatches=m,
+                             virtual=v or 1, pp_layout=None)
+    compiled = compile_graph(load_model(str(EXAMPLES / "llama3_405b.5d")), options)
+    want = (p - 1) / ((v or 1) * m + p - 1)
+    assert pipeline_bubble(compiled) == pytest.approx(want, rel=1e-12)
+    assert f"bubble {want:.1%} of the step" in summary_text(compiled, width=400)
