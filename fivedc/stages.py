@@ -4,7 +4,8 @@ The unit of partitioning is a *unit*: one layer of a repeat block, or a run of
 top-level ops between repeats (the embedding before the first repeat, the final
 norm, head and loss after the last); a top-level op marked `@stage` starts a new
 run, and so does one marked `@layer(path)`, the first op of a layer the frontend
-inlined (`fivedc/fx/marks.py`: each a unit of its own, cut only where balance wants). Units run in order and are cut into `pp * v` chunks (v chunks per rank for
+inlined (`fivedc/fx/marks.py`: each a unit of its own, cut only where balance
+wants). Units run in order and are cut into `pp * v` chunks (v chunks per rank for
 interleaved or V schedules) in one of three ways (`CUTS`): where the model marks
 them (`marked_ranges`: `@stage` ops and `Repeat.stage_layers`), as a layout given
 in layers says (`layout_ranges`), or by `partition`, so the most expensive chunk is

@@ -13,8 +13,8 @@ chunk then begins at the module:
 Layers inlined into top-level ops (the export path inlines every module; a list whose
 layers differ) are still the pipeline's units: `mark_layers` puts `@layer(path)`
 (`Annotation("layer")`) on the first top-level op of each layer of an `nn.ModuleList`,
-where a unit begins (`fivedc/stages.py`) without forcing a cut; what follows the last layer (the final
-norm, the head) begins a unit too.
+where a unit begins (`fivedc/stages.py`) without forcing a cut; what follows the
+last layer (the final norm, the head) begins a unit too.
 What cannot be honoured is an error, never a silent no-op: a module inside a layer
 of a repeat (its layers share one body), a module inside a block lowered as one op
 (an MoE block's experts), a module that computes no op of the plan (dropout), and a
