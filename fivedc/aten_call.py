@@ -27,7 +27,7 @@ An `aten` op's attributes say everything the kernel needs:
 - `dtypes`: each value argument's torch dtype at capture (`float` for any floating
   one: it runs at the plan's dtype; `int64`, `bool`, ...), separated by `;`, for
   shape inference on meta tensors.
-- `reason`: why it runs replicated.
+- `reason`: why the IR has no op of its own for it (the handler that did not follow it).
 - `item` (for an operator that returns several tensors, `topk`): which result this op is.
 - `rule`: how it is sharded. `replicated` (the default): as above. `pointwise`: an
   operator torch tags pointwise (`torch.Tag.pointwise`), computed on each rank's
