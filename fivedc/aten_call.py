@@ -120,6 +120,8 @@ def encode_call(args: tuple, kwargs: dict, tensor_slot) -> str:
             return {"tensor": slot}
         if obj is None or isinstance(obj, (bool, int, float, str)):
             return obj
+        if isinstance(obj, complex):
+            raise AtenCallError(f"a complex number as an argument ({obj!r}): fivedc's IR is real")
         if isinstance(obj, (list, tuple)):
             return [enc(o) for o in obj]
         if isinstance(obj, torch.dtype):
@@ -131,6 +133,9 @@ def encode_call(args: tuple, kwargs: dict, tensor_slot) -> str:
         if isinstance(obj, torch.memory_format):
             return {"memory_format": str(obj).removeprefix("torch.")}
         if isinstance(obj, Tensor):
+            if obj.is_complex():
+                raise AtenCallError(f"a constant complex tensor as an argument (fivedc's IR is real: "
+                                    f"{str(obj.dtype).removeprefix('torch.')})")
             if obj.numel() > MAX_CONSTANT:
                 raise AtenCallError(f"a constant tensor of {obj.numel()} elements as an argument "
                                     f"(at most {MAX_CONSTANT} are written into a plan)")

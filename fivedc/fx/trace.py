@@ -141,8 +141,9 @@ def _exported(module: nn.Module, tensors: dict, concrete: dict, error: Exception
     except Exception as export_error:
         reason = _first_line(export_error)
         raise NotSupportedError(
-            f"cannot trace {type(module).__name__}: {type(error).__name__}: {_first_line(error)}",
-            loc=error_loc(error),
+            f"cannot trace {type(module).__name__}: "
+            f"{error.message if isinstance(error, FivedcError) else f'{type(error).__name__}: {_first_line(error)}'}",
+            loc=getattr(error, "loc", None) or error_loc(error),  # an op the lowering refused: its line
             hint=f"torch.export failed too ({reason[:160]}); write forward with tensor ops whose shapes and "
             "control flow do not depend on tensor values (x.size(-1) ** -0.5 rather than float(x.shape[-1]))",
         ) from None

@@ -1,0 +1,50 @@
+"""Models written by others, second source: torchtitan and torchtune decoders of
+`examples/titan_tune_models.py` (built from the libraries themselves, tiny configs,
+random weights, no downloads; its docstring says how to install them without moving torch).
+
+The rule of tests/test_hf_models.py: each compiles, or is refused with a located
+bad-input error (exit 2, a file and line), never an internal error or a traceback;
+one that compiles also verifies on one rank in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("torchtune")
+
+from fivedc.cli import load_graph  # noqa: E402
+from fivedc.errors import FivedcError  # noqa: E402
+from fivedc.mesh import Mesh  # noqa: E402
+from fivedc.passes.base import CompileOptions  # noqa: E402
+from fivedc.pipeline import compile_graph  # noqa: E402
+
+ARCHITECTURES = (
+    "titan_llama3", "titan_llama3_sdpa", "titan_qwen3_sdpa", "titan_qwen3_moe_sdpa", "titan_deepseek_v3_sdpa",
+    "tune_llama2", "tune_llama3", "tune_llama3_2", "tune_qwen2", "tune_mistral", "tune_phi3", "tune_gemma",
+    "tune_gemma2",
+)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_library_model_compiles_or_is_refused_at_its_line(arch: str) -> None:
+    spec = f"examples/titan_tune_models.py:{arch}"
+    try:
+        compile_graph(load_graph(spec), CompileOptions(mesh=Mesh.parse("1x1x1x1x1"), dtype="fp64"))
+    except FivedcError as error:
+        assert error.exit_code == 2, error.render()
+        assert error.loc is not None and error.loc.line > 0, error.render()
+        return
+    from fivedc.parallel.check import check_module
+
+    report = check_module(spec, mesh="1x1x1x1x1", steps=2, dtype="fp64")
+    assert report.max_error <= 1e-10, report
+
+
+def test_the_examples_list_every_architecture() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("titan_tune_models", "examples/titan_tune_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.ARCHITECTURES == ARCHITECTURES
+    assert all(callable(getattr(module, arch)) for arch in ARCHITECTURES)
