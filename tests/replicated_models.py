@@ -160,6 +160,24 @@ def tied_lm(seed: int = 0):
     return TiedLM().double(), (torch.randint(0, 32, (4, 8)),)
 
 
+class Transposed(RunningSum):
+    """A linear over a transposed view whose dims the IR holds in another order (the result of an
+    op without a rule, viewed back as torch's [batch, seq, hidden] without .contiguous())."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        b, s, _ = h.shape
+        heads = torch.flip(self.up(h).view(b, s, 4, 8).transpose(1, 2), dims=[3])  # [b, 4, s, 8], replicated
+        h = h + self.down(F.gelu(heads.transpose(1, 2).reshape(b, s, 32)))
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def transposed(seed: int = 0):
+    torch.manual_seed(seed)
+    return Transposed().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
 def llama_ignoring():
     """examples/llama.py with some targets of -100, all in the first microbatch's rows."""
     module, (idx, targets) = llama.factory(batch=4)

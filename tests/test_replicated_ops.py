@@ -211,6 +211,20 @@ def test_writes_in_place_on_a_tensor_of_its_own_become_pure_ops(worker_pool) -> 
     assert info.value.loc.line == line_of(WritesThroughAView.forward, "first.mul_")
 
 
+def test_a_linear_over_a_transposed_view_moves_it_into_memory_order_first(worker_pool) -> None:
+    """Where the IR holds a tensor's dims in another order than the torch view a linear reads, a
+    pointwise `aten.clone` on shards puts them in memory order (`.contiguous()`), not a refusal."""
+    from replicated_models import transposed
+
+    module, inputs = transposed()
+    tm = trace_module(module, inputs)
+    assert "aten.clone.default" in [op.attr("target") for op in _islands(tm.graph)]
+    assert_same_as_module(tm, module, inputs)
+    for mesh in ("2x1x2x1x1", "1x1x1x2x1"):
+        report = check_module(f"{MODELS}:transposed", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool)
+        assert report.max_error <= 1e-10, report
+
+
 def test_an_operator_with_several_results_keeps_the_one_used() -> None:
     from replicated_models import SortsFeatures
 

@@ -109,6 +109,24 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     return tuple(outs) if isinstance(value, (tuple, list)) else outs[0]
 
 
+def in_memory_order(lw: Lowering, frame: Frame, node: fx.Node, t: T) -> T:
+    """`t` with its IR dims in its torch layout's order: itself where they are, else a
+    pointwise `aten.clone` on shards (the data moved locally, no communication), as
+    `.contiguous()` does after a transpose, for an op that reads the IR order (a linear
+    contracting the last torch dim)."""
+    groups = lw.groups(t)
+    flat = tuple(a for g in groups for a in g)
+    if lw.ir(t) == flat:
+        return t
+    out = DValue(node.name, flat, t.dtype)
+    dtype = "float" if t.dtype == DType.FLOAT else "int64"
+    attrs = (("target", "aten.clone.default"), ("call", '{"args":[{"tensor":0}],"kwargs":{}}'), ("dtypes", dtype),
+             ("reason", "the torch layout's dims in memory order"), ("rule", "pointwise"))
+    frame.block.items.append(DOp(out, "aten", (t.ref,), attrs, node_loc(node), scope(node),
+                                 layouts=((t.layout,), groups)))
+    return T(out, flat, groups, t.dtype)
+
+
 def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T], consts: list, items: list):
     """(rule, along, result layouts) where the op can run on shards, else None (replicated).
 

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fivedc.fx.build import DParam
+from fivedc.fx.generic import in_memory_order
 from fivedc.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, RouterLogits, T
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
@@ -64,10 +65,12 @@ def materialize(lw: Lowering, frame: Frame, p: Pending) -> T:
     if p.done is not None:
         return p.done
     x, node = p.x, p.node
+    gx = lw.groups(x)[-1]
+    if gx and lw.ir(x)[-len(gx):] != gx:  # a transposed view: moved into memory order first
+        x = in_memory_order(lw, frame, node, x)
     gx, ir = lw.groups(x)[-1], lw.ir(x)
-    if not gx or ir[-len(gx):] != gx:
-        raise lw.unsupported(node, "a linear over a tensor whose last dim is not its last in memory order",
-                             "transpose back (and .contiguous()) before the projection")
+    if not gx:
+        raise lw.unsupported(node, "a linear over a dim of size 1")
     tied = lw.tied_table(frame, p.weight) if p.rows == (0, p.shapes[0][0]) else None
     if tied is not None:
         return _tied_linear(lw, frame, p, tied)
@@ -141,8 +144,11 @@ def matmul(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
                              "it is understood only inside attention: softmax(q @ k.transpose(-2, -1) / sqrt(d)) @ v")
     x = lw.tensor(frame, a, node)
     gx, ir = lw.groups(x)[-1], lw.ir(x)
-    if not gx or ir[-len(gx):] != gx:
-        raise lw.unsupported(node, "a matmul over a tensor whose last dim is not its last in memory order")
+    if gx and ir[-len(gx):] != gx:  # a transposed view: moved into memory order first
+        x = in_memory_order(lw, frame, node, x)
+        gx, ir = lw.groups(x)[-1], lw.ir(x)
+    if not gx:
+        raise lw.unsupported(node, "a matmul over a dim of size 1")
     out_dim = lw.dims.new(b.value.shape[1], b.key.rpartition(".")[2], 1)
     w = lw.param(frame, node, key=b.key, module=b.key.rpartition(".")[0], attr=b.key.rpartition(".")[2],
                  atoms=gx + (out_dim,), init="normal", shape=_shape(b.value), role="a matmul weight")
@@ -263,6 +269,11 @@ def rope(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     if node.op == "call_function":
         x = lw.tensor(frame, args[0], node)
         _last(lw, node, x, "rope")
+        axis = kwargs.get("seq_axis")
+        if lw.seq_atom is None or axis is None:
+            raise lw.unsupported(node, "a rotary embedding in a model without a sequence dim")
+        # the tables vary along this axis at positions 0..seq-1: it is the sequence
+        lw.unify(lw.groups(x)[axis], (lw.seq_atom,), node, "a rotary embedding's positions run along the sequence")
         attrs = (("theta", float(kwargs["theta"])),) + ((("freqs", kwargs["freqs"]),) if kwargs.get("freqs") else ())
         return T(lw.emit(frame, node, "rope", (x.ref,), lw.ir(x), attrs), x.ir, x.layout)
     m = _module(frame, node)
