@@ -86,7 +86,7 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     except AtenCallError as error:
         raise lw.unsupported(node, f"{target}: {error.message}") from None
     dtypes = _arg_dtypes(frame, call_args, call_kwargs, tensors)
-    consts = [c.value for c in _leaves((syms_args, syms_kwargs)) if isinstance(c, Const)]
+    consts = [c.value for c in leaves((syms_args, syms_kwargs)) if isinstance(c, Const)]
     local = _local(lw, node, overload, value_args, value_kwargs, tensors, consts, items)
     rule = (("rule", local[0]),) + ((("along", ",".join(map(str, local[1]))),) if local[1] else ()) if local \
         else (("rule", "replicated"),)
@@ -211,13 +211,14 @@ def broadcast(lw: Lowering, node: fx.Node, ga, gb) -> tuple:
     return tuple(out)
 
 
-def _leaves(obj):
+def leaves(obj):
+    """The non-container items of nested tuples, lists and dicts."""
     if isinstance(obj, (tuple, list)):
         for item in obj:
-            yield from _leaves(item)
+            yield from leaves(item)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from _leaves(item)
+            yield from leaves(item)
     else:
         yield obj
 

@@ -21,7 +21,7 @@ from torch import nn
 from fivedc.fx import layers
 from fivedc.fx.build import DParam
 from fivedc.fx.layers import arg
-from fivedc.fx.generic import aten_call_of, broadcast, generic
+from fivedc.fx.generic import aten_call_of, broadcast, generic, leaves
 from fivedc.fx.values import (DYNAMIC, SHAPE_QUERIES, SIZE_ONE_HINT, Const, Frame, ParamRef, Pending,
                               RouterLogits, T, Unrecognised)
 
@@ -59,11 +59,11 @@ def dispatch(lw: Lowering, frame: Frame, node: fx.Node):
         item = args[0][args[1]]
         return Const(item) if isinstance(item, torch.Tensor) else item
     if name not in SHAPE_QUERIES and not (name == "getattr" and args[1] in SHAPE_QUERIES):
-        used = next((a for a in _leaves((args, kwargs)) if isinstance(a, RouterLogits)), None)
+        used = next((a for a in leaves((args, kwargs)) if isinstance(a, RouterLogits)), None)
         if used is not None:
             raise lw.logits_used(used, node)
     stateful = node.op == "call_module" and any(True for _ in frame.traced.gm.get_submodule(node.target).parameters())
-    if not stateful and not any(isinstance(a, DYNAMIC) for a in _leaves((args, kwargs))):
+    if not stateful and not any(isinstance(a, DYNAMIC) for a in leaves((args, kwargs))):
         value = values.get(node)
         return Const(value) if isinstance(value, torch.Tensor) else value
     if name in SHAPE_QUERIES or (name == "getattr" and args[1] in SHAPE_QUERIES):
@@ -84,17 +84,6 @@ def dispatch(lw: Lowering, frame: Frame, node: fx.Node):
 def _reason(frame: Frame, node: fx.Node, error: Unrecognised) -> str:
     what = error.message.removeprefix("not supported by the fx frontend: ")
     return f"no sharding rule for {what.rsplit(' (fx node', 1)[0]}"
-
-
-def _leaves(obj):
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _leaves(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _leaves(item)
-    else:
-        yield obj
 
 
 def _describe(frame: Frame, node: fx.Node) -> str:
