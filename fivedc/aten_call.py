@@ -88,8 +88,7 @@ def _draws(schema, args, kwargs) -> bool:
     """Whether a call of a possibly random operator draws: not with dropout_p/p 0 or train False."""
     if args is None:
         return False  # checked again where the arguments are known
-    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    bound |= dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs or {})
+    bound = bind(schema, args, kwargs)
     if "dropout_p" in bound:
         return bound["dropout_p"] not in (0, 0.0)
     if "train" in bound and bound["train"] is False:
@@ -97,6 +96,12 @@ def _draws(schema, args, kwargs) -> bool:
     if "p" in bound and bound["p"] in (0, 0.0):
         return False
     return True
+
+
+def bind(schema, args, kwargs) -> dict:
+    """An ATen call's arguments by name, defaults filled in."""
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    return bound | dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs or {})
 
 
 def dtype_name(dtype: torch.dtype) -> str:

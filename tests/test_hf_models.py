@@ -13,11 +13,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from fivedc.cli import load_graph  # noqa: E402
-from fivedc.errors import FivedcError  # noqa: E402
-from fivedc.mesh import Mesh  # noqa: E402
-from fivedc.passes.base import CompileOptions  # noqa: E402
-from fivedc.pipeline import compile_graph  # noqa: E402
+from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E402
 
 # verified on one rank here (a slice: the Llama family differs little; llama itself is verified on
 # dp2·tp2 and cp2 below); the others compile or are refused here, and are verified in the matrix
@@ -28,19 +24,8 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_library_model_compiles_or_is_refused_at_its_line(arch: str) -> None:
-    spec = f"examples/hf_models.py:{arch}"
-    try:
-        compile_graph(load_graph(spec), CompileOptions(mesh=Mesh.parse("1x1x1x1x1"), dtype="fp64"))
-    except FivedcError as error:
-        assert error.exit_code == 2, error.render()
-        assert error.loc is not None and error.loc.line > 0, error.render()
-        return
-    if arch not in VERIFIED_HERE:  # the full matrix: benchmarks/compatibility.py -> docs/compatibility.md
-        return
-    from fivedc.parallel.check import check_module
-
-    report = check_module(spec, mesh="1x1x1x1x1", steps=2, dtype="fp64")
-    assert report.max_error <= 1e-10, report
+    # the full matrix: benchmarks/compatibility.py -> docs/compatibility.md
+    assert_compiles_or_is_refused_at_its_line(f"examples/hf_models.py:{arch}", verify=arch in VERIFIED_HERE)
 
 
 def test_the_examples_list_every_architecture() -> None:

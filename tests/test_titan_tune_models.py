@@ -14,11 +14,7 @@ import pytest
 pytest.importorskip("torchtitan")
 pytest.importorskip("torchtune")
 
-from fivedc.cli import load_graph  # noqa: E402
-from fivedc.errors import FivedcError  # noqa: E402
-from fivedc.mesh import Mesh  # noqa: E402
-from fivedc.passes.base import CompileOptions  # noqa: E402
-from fivedc.pipeline import compile_graph  # noqa: E402
+from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E402
 
 ARCHITECTURES = (
     "titan_llama3", "titan_llama3_sdpa", "titan_qwen3_sdpa", "titan_qwen3_moe_sdpa", "titan_deepseek_v3_sdpa",
@@ -38,17 +34,7 @@ def _params():
 
 @pytest.mark.parametrize("arch", list(_params()))
 def test_a_library_model_compiles_or_is_refused_at_its_line(arch: str) -> None:
-    spec = f"examples/titan_tune_models.py:{arch}"
-    try:
-        compile_graph(load_graph(spec), CompileOptions(mesh=Mesh.parse("1x1x1x1x1"), dtype="fp64"))
-    except FivedcError as error:
-        assert error.exit_code == 2, error.render()
-        assert error.loc is not None and error.loc.line > 0, error.render()
-        return
-    from fivedc.parallel.check import check_module
-
-    report = check_module(spec, mesh="1x1x1x1x1", steps=2, dtype="fp64")
-    assert report.max_error <= 1e-10, report
+    assert_compiles_or_is_refused_at_its_line(f"examples/titan_tune_models.py:{arch}")
 
 
 def test_the_examples_list_every_architecture() -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from fivedc.aten_call import PADS, AtenCallError, dtype_name, encode_call, local_rule, resolve, target_name
+from fivedc.aten_call import PADS, AtenCallError, bind, dtype_name, encode_call, local_rule, resolve, target_name
 from fivedc.fx.build import DOp, DValue
 from fivedc.fx.locs import node_loc, scope
 from fivedc.fx.values import SIZE_ONE_HINT, Const, Frame, Pending, ParamRef, RepeatedKV, RouterLogits, T, Unrecognised
@@ -163,9 +163,7 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
 def _reduced_dims(overload, args, kwargs, ndim: int) -> tuple[int, ...]:
     """The torch dims an op runs along: its `dim` argument, all when it has none; a pad's last
     len(pad) // 2 dims."""
-    schema = overload._schema
-    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
-    bound |= dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs)
+    bound = bind(overload._schema, args, kwargs)
     if overload.overloadpacket.__name__ in PADS:
         return tuple(range(max(0, ndim - len(bound["pad"]) // 2), ndim))
     dim = bound.get("dim")
