@@ -1,158 +1,186 @@
-"""Activation bytes of one step on one rank, as the plan estimates them, with recomputation.
+"""Activation bytes on one rank: what each unit keeps for backward, per microbatch, with recomputation.
 
-What an op keeps for backward is counted as its output (every op output is kept),
-plus what two kernels keep inside: a `moe` op's routing and experts
-(`moe_inner_activations`) and an `attention` op's own saved tensors beyond its inputs
-and output (`attention_inner_bytes`). The runtime's attention is flash-style (SDPA's
-flash kernel at cp = 1, blockwise or ring attention under cp): it never holds the
-s x s scores, and keeps the log-sum-exp of each query row (float32 in 16-bit
-training) and, at cp = 1 with grouped-query attention, K and V repeated for every
-query head. So Megatron's 5·a·s²·b attention term (softmax output, dropout mask and
-output, without flash attention) has no counterpart here: selective recomputation
-removes these smaller tensors instead.
+The save rules of `fivedc/saved.py` say what each op keeps; here they are summed per
+pipeline unit (one layer of a repeat, or a run of top-level ops: `fivedc/stages.py`)
+with the same tensor counted once, as autograd keeps one storage:
 
-`step_activations` applies the plan's recompute mode (`fivedc/recompute.py`):
+- a layer's own values and buffers are its own (`UnitSaves.own`); the body arguments
+  it keeps are the previous layer's outputs (`args`); top-level values it keeps
+  (`outer`) are counted once per chunk, whichever units keep them;
+- constants (RoPE's tables) are kept once per rank, whatever the microbatches.
 
-- none: everything above, for every op;
-- selective: less the attention internals; one attention's internals come back,
-  transiently, while its backward runs;
-- full: a recomputed layer keeps only what it hands to the next (its yields: the
-  carried values, Megatron's 2·s·b·h bytes per layer in 16-bit training, divided
-  by tp under SP); while one layer's backward runs its recomputed activations are
-  alive, so one layer's full count is transient.
+Recomputation (`fivedc/recompute.py`) changes what a unit keeps:
 
-`kept` scales with the microbatches a pipeline keeps in flight; `transient` is one
-region's worth at a time, for one microbatch.
+- selective: an attention op keeps only its inputs q, k, v (the recomputed region's
+  inputs, which checkpoint holds); its own buffers (the log-sum-exp) are rebuilt in
+  backward, transiently;
+- full: a layer keeps only what it reads from outside (its input, which checkpoint
+  holds); while its backward runs its activations are rebuilt (transient, one layer
+  at a time).
+
+A chunk (`chunk_activations`) keeps its units' saves, the values it received from the
+previous chunk and the values it sends to the next (the runtime holds both until the
+backward), so under a pipeline each microbatch in flight through chunk c costs
+`chunk_activations(c)` and the schedule says how many are in flight
+(`stage_plan.activations_in_flight`). Without a pipeline there is one chunk and one
+microbatch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivedc.ir import Graph, Op, Redistribute, Repeat, walk_ops
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.ir import Block, Graph, Op, Redistribute, Repeat
 from fivedc.recompute import recomputes_layer, recomputes_op
-from fivedc.sharding import Sharding
-
-LOW_PRECISION = ("bf16", "fp16")  # their attention keeps its log-sum-exp in float32
+from fivedc.saved import CONSTANT, OWN, SaveContext, op_saves
+from fivedc.stages import Unit
 
 
 @dataclass(frozen=True, slots=True)
-class StepActivations:
-    """Bytes on one rank for a whole step's batch: `kept` until their backward, and the
-    `transient` peak of one recomputed region (at the batch of one microbatch: divide
-    by the microbatches under a pipeline)."""
+class UnitSaves:
+    """What one unit keeps for one microbatch on one rank, in bytes."""
 
-    kept: int
-    transient: int = 0
+    own: int = 0  # values defined in the unit and buffers of its ops
+    args: tuple[tuple[int, int], ...] = ()  # a layer: (body arg index, bytes) of the inputs it keeps
+    outer: tuple[tuple[str, int], ...] = ()  # top-level values it keeps (counted once per chunk)
+    constants: tuple[tuple[str, int], ...] = ()  # kept once per rank (RoPE tables)
+    transient: int = 0  # the largest recomputed region of the unit, rebuilt while its backward runs
 
 
-def step_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, recompute: str) -> StepActivations:
-    kept = transient = 0
-    for item in graph.body.items:
-        if isinstance(item, Repeat):
-            layer, inner = _block_bytes(graph, mesh, item, dtype, dtype_bytes, recompute)
-            if recomputes_layer(item, recompute):
-                kept += _yield_bytes(graph, mesh, item, dtype_bytes) * item.count
-                transient = max(transient, layer + inner)
+def block_saves(c: SaveContext, items, *, repeat: Repeat | None, recompute: str) -> UnitSaves:
+    """The saves of `items` (a repeat body when `repeat` is given, else top-level items)."""
+    kept: dict[str, tuple[int, str]] = {}
+    constants: dict[str, int] = {}
+    transient = 0
+    for item in items:
+        if not isinstance(item, Op):
+            continue
+        saves = op_saves(c, item)
+        if recomputes_op(item, repeat, recompute):  # the region keeps its inputs; the rest comes back in backward
+            transient = max(transient, sum(s.bytes for s in saves if s.kind == OWN))
+            saves = [s for arg in item.args for s in c.value(arg)]
+        for s in saves:
+            if s.kind == CONSTANT:
+                constants[s.key] = s.bytes
             else:
-                kept += layer * item.count
-                transient = max(transient, inner)
-        elif isinstance(item, Op):
-            own, inner = _op_bytes(graph, mesh, item, None, dtype, dtype_bytes, recompute)
-            kept += own
-            transient = max(transient, inner)
-    return StepActivations(kept, transient)
+                kept[s.key] = (s.bytes, s.kind)
+    return _classify(kept, constants, transient, repeat)
 
 
-def _block_bytes(graph, mesh, repeat: Repeat, dtype, dtype_bytes, recompute) -> tuple[int, int]:
-    """One layer's kept bytes (its recomputed attention internals left out), and the
-    largest internals of one of its recomputed attention ops."""
-    kept = inner = 0
-    for node, _ in walk_ops(repeat.body):
+def _classify(kept: dict[str, tuple[int, str]], constants: dict[str, int], transient: int,
+              repeat: Repeat | None) -> UnitSaves:
+    own, args, outer = 0, {}, {}
+    body_args = repeat.body.args if repeat else ()
+    defined = _defined(repeat.body) if repeat else set()
+    for key, (nbytes, kind) in kept.items():
+        if kind == OWN or key in defined:
+            own += nbytes
+        elif key in body_args:
+            args[body_args.index(key)] = nbytes
+        else:
+            outer[key] = nbytes
+    return UnitSaves(own, tuple(sorted(args.items())), tuple(sorted(outer.items())), tuple(sorted(constants.items())),
+                     transient)
+
+
+def _defined(block: Block) -> set[str]:
+    return {node.out for node in block.items if isinstance(node, (Op, Redistribute))}
+
+
+def layer_saves(c: SaveContext, repeat: Repeat, *, recompute: str) -> UnitSaves:
+    """One layer of `repeat` (all its layers keep the same)."""
+    normal = block_saves(c, repeat.body.items, repeat=repeat, recompute=recompute)
+    if not recomputes_layer(repeat, recompute):
+        return normal
+    held_args = tuple((i, c.value_bytes(a)) for i, a in enumerate(repeat.body.args)
+                      if c.value(a))  # checkpoint holds the layer's inputs
+    reads = _outer_reads(repeat.body) - set(repeat.body.args)
+    held_outer = tuple(sorted((s.key, s.bytes) for name in reads for s in c.value(name)))
+    return UnitSaves(0, held_args, held_outer, (), normal.own + normal.transient)
+
+
+def _outer_reads(block: Block) -> set[str]:
+    read: set[str] = set()
+    for node in block.items:
         if isinstance(node, Op):
-            own, recomputed = _op_bytes(graph, mesh, node, repeat, dtype, dtype_bytes, recompute)
-            kept += own
-            inner = max(inner, recomputed)
-    return kept, inner
+            read |= {a for a in node.args if isinstance(a, str)}
+        elif isinstance(node, Redistribute):
+            read.add(node.src)
+    return read - _defined(block)
 
 
-def _op_bytes(graph, mesh, op: Op, repeat: Repeat | None, dtype, dtype_bytes, recompute) -> tuple[int, int]:
-    """(bytes the op keeps, bytes of its internals that recomputation rebuilds instead)."""
-    out = graph.local_numel(op.type.dims, op.sharding, mesh) * dtype_bytes
-    out += moe_inner_activations(graph, op, repeat, mesh) * dtype_bytes
-    inner = attention_inner_bytes(graph, op, mesh, dtype=dtype, dtype_bytes=dtype_bytes, repeat=repeat)
-    if recomputes_op(op, repeat, recompute):
-        return out, inner
-    return out + inner, 0
+def unit_saves(c: SaveContext, graph: Graph, unit: Unit, *, recompute: str, cache: dict | None = None) -> UnitSaves:
+    """The saves of one unit; a repeat's layers share one computation through `cache`."""
+    item = graph.body.items[unit.start]
+    if unit.layer is None:
+        return block_saves(c, graph.body.items[unit.start:unit.stop], repeat=None, recompute=recompute)
+    cache = {} if cache is None else cache
+    if item.name not in cache:
+        cache[item.name] = layer_saves(c, item, recompute=recompute)
+    return cache[item.name]
 
 
-def _yield_bytes(graph: Graph, mesh: Mesh, repeat: Repeat, dtype_bytes: int) -> int:
-    """What one layer hands to the next: its yields, as the nodes defining them lay them
-    out (a value carried through unchanged: as the value carried in)."""
-    layout = {node.out: (node.type.dims, node.sharding) for node, _ in walk_ops(graph.body)
-              if isinstance(node, (Op, Redistribute))}
-    layout |= {i.name: (i.type.dims, i.sharding) for i in graph.inputs}
+def chunk_activations(c: SaveContext, graph: Graph, chunk_units: list[Unit], *, received: tuple[str, ...] = (),
+                      sends: tuple[str, ...] = (), recompute: str, cache: dict | None = None) -> tuple[int, int, dict]:
+    """(bytes one microbatch keeps through these units, the largest transient, the constants).
+
+    The first unit's kept body arguments, when it is a layer after the first, are the
+    values received from the previous chunk (named as the repeat's results); received
+    and sent values are held until the backward, counted once with the values kept."""
+    own, shared, constants, transient = 0, {}, {}, 0
+    if chunk_units:
+        received = tuple(_boundary_key(graph, chunk_units[0], name, 0) for name in received)
+        sends = tuple(_boundary_key(graph, chunk_units[-1], name, 1) for name in sends)
+    for k, unit in enumerate(chunk_units):
+        saves = unit_saves(c, graph, unit, recompute=recompute, cache=cache)
+        own += saves.own
+        transient = max(transient, saves.transient)
+        constants.update(saves.constants)
+        shared.update(saves.outer)
+        repeat = graph.body.items[unit.start] if unit.layer is not None else None
+        for index, nbytes in saves.args:
+            if repeat is not None and unit.layer == 0:
+                shared[repeat.carried[index]] = nbytes
+            elif repeat is not None and k == 0:  # received: the previous layer ran on another chunk
+                shared[_layer_input(repeat, unit.layer, index)] = nbytes
+            else:
+                own += nbytes
+    for key, name in received + sends:
+        if key not in shared and name in c.layouts and name not in c.inputs:
+            shared[key] = c.value_bytes(name)
+    return own + sum(shared.values()), transient, constants
+
+
+def _layer_input(repeat: Repeat, layer: int, index: int) -> str:
+    return f"{repeat.name}.{layer}:in{index}"
+
+
+def _boundary_key(graph: Graph, unit: Unit, name: str, after: int) -> tuple[str, str]:
+    """(key, value name) of a value crossing a cut before (after=0) or after (1) `unit`: a
+    repeat's result names the output of the layer before a cut between layers, the
+    input of the layer after it."""
+    if unit.layer is not None:
+        repeat = graph.body.items[unit.start]
+        layer = unit.layer + after
+        if name in repeat.results and 0 < layer < repeat.count:
+            return _layer_input(repeat, layer, repeat.results.index(name)), name
+    return name, name
+
+
+def chunk_deferred(c: SaveContext, graph: Graph, chunk_units: list[Unit]) -> int:
+    """What one microbatch keeps between its input-gradient pass (I) and its weight pass
+    (W) under a split backward (`runtime/weight_grads.py`): each linear with a parameter
+    weight keeps its input (as backward unpacked it: gathered) and its output's gradient."""
     total = 0
-    for name in repeat.body.yields:
-        if name not in layout:  # a body arg: the carried value
-            name = repeat.carried[repeat.body.args.index(name)]
-        dims, sharding = layout[name]
-        total += graph.local_numel(dims, sharding or Sharding(), mesh) * dtype_bytes
+    for unit in chunk_units:
+        items = graph.body.items[unit.start].body.items if unit.layer is not None else \
+            graph.body.items[unit.start:unit.stop]
+        kept: dict[str, int] = {}
+        for op in items:
+            if isinstance(op, Op) and op.kind in ("linear", "matmul") and op.args[1] in c.params:
+                x = op.args[0]
+                if x in c.layouts and x not in c.inputs:
+                    kept[x] = c.value_bytes(x)
+                kept[op.out] = c.value_bytes(op.out)
+        total += sum(kept.values())
     return total
-
-
-def attention_inner_bytes(graph: Graph, op: Op, mesh: Mesh, *, dtype: str, dtype_bytes: int,
-                          repeat: Repeat | None = None) -> int:
-    """Bytes an `attention` op's kernel keeps besides its inputs and output, on one rank:
-    the log-sum-exp per (batch, head, query row), float32 in 16-bit training, and at
-    cp = 1 with grouped-query attention the K and V repeated to every query head
-    (SDPA's inputs there, `runtime/kernels._attention`)."""
-    if op.kind != "attention":
-        return 0
-    dims = op.type.dims  # [batch, seq, heads, head_dim]
-    out = graph.local_numel(dims, op.sharding, mesh)
-    lse = out // graph.local_size(dims[-1], op.sharding, mesh)
-    total = lse * (4 if dtype in LOW_PRECISION else dtype_bytes)
-    if mesh.size(MeshAxis.CP) == 1:
-        kv = _value_dims(graph, repeat, op.args[1])
-        k_sharding = op.arg_specs[1].sharding if op.arg_specs and op.arg_specs[1] else Sharding()
-        if graph.local_size(kv[2], k_sharding, mesh) != graph.local_size(dims[2], op.sharding, mesh):
-            total += 2 * out * dtype_bytes
-    return total
-
-
-def _value_dims(graph: Graph, repeat: Repeat | None, name: str) -> tuple[str, ...]:
-    blocks = [graph.body] + ([repeat.body] if repeat else [])
-    for block in blocks:
-        for node, _ in walk_ops(block):
-            if isinstance(node, (Op, Redistribute)) and node.out == name:
-                return node.type.dims
-    return next(i.type.dims for i in graph.inputs if i.name == name)
-
-
-def moe_inner_activations(graph: Graph, op: Op, repeat: Repeat | None, mesh: Mesh) -> int:
-    """Elements a `moe` op keeps for backward besides its output, on one rank: the
-    router's scores [T, E], and for the R = T x top_k routed rows (about as many
-    arrive at a rank as leave it), the rows its experts receive [R, hidden], their
-    inner activations (SwiGLU: gate, up, silu and product, 4 x [R, ffn]; GELU: 2),
-    and the rows sent back [R, hidden]. T: this rank's tokens; ffn: per tp rank. A
-    lower bound: on one device the runtime keeps 1.05-1.2x this (tests/test_moe.py);
-    with rows from several ep ranks its batched experts pad to the busiest expert and
-    keep more (measured 1.5-1.9x, on one device, before experts ran on slices there)."""
-    if op.kind != "moe":
-        return 0
-    hidden = op.type.dims[-1]
-    tokens = graph.local_numel(op.type.dims, op.arg_specs[0].sharding, mesh) // graph.dim(hidden)
-    experts = graph.dim(next(d for d in _param_dims(graph, repeat, op.args[1]) if d != hidden))
-    weight = _param_dims(graph, repeat, op.args[2])
-    ffn = next(d for d in weight[1:] if d != hidden)
-    ffn_local = graph.local_size(ffn, op.arg_specs[2].sharding, mesh)
-    rows = tokens * int(op.attr("top_k", 2))
-    inner = (4 if len(op.args) == 5 else 2) * ffn_local
-    return tokens * experts + rows * (2 * graph.dim(hidden) + inner)
-
-
-def _param_dims(graph: Graph, repeat: Repeat | None, name: str) -> tuple[str, ...]:
-    params = {p.name: p for p in graph.body.params} | ({p.name: p for p in repeat.body.params} if repeat else {})
-    return params[name].dims

@@ -13,23 +13,20 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fivedc.activations import step_activations
 from fivedc.errors import FivedcError, PlanError
-from fivedc.ir import Collective, CollectiveKind, Graph, Op, Repeat, Redistribute, walk_ops, walk_params
+from fivedc.ir import Collective, CollectiveKind, Graph, Op, Repeat, Redistribute, walk_ops
+from fivedc.memory import OPTIMIZER_BYTES, MemoryEstimate, estimate_memory  # noqa: F401 (OPTIMIZER_BYTES: re-exported)
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.overlap import Bucket, plan_buckets
 from fivedc.recompute import recomputed_regions
-from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_chunk, zero_notes
+from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_notes
+from fivedc.saved import regather_collectives
 from fivedc.serialize import decode, encode
-from fivedc.stage_plan import activations_in_flight, pipeline_collectives
-from fivedc.stages import PipelineSpec, chunk_param_names
+from fivedc.stage_plan import pipeline_collectives
+from fivedc.stages import PipelineSpec
 
 PLAN_VERSION = 1
 
-# Bytes per parameter element for (parameters, gradients, optimizer state) with AdamW:
-# in 16-bit training the optimizer keeps an fp32 master copy and fp32 moments (ZeRO's
-# 2 + 2 + 12 bytes); in fp32 or fp64 the parameters are the master copy.
-OPTIMIZER_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8, "fp64": 16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,22 +35,6 @@ class GroupInfo:
     size: int
     count: int  # how many disjoint groups
     strides: tuple[int, ...]  # rank distance between neighbours along each axis
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryEstimate:
-    """Bytes per rank. Activations (`fivedc/activations.py`): every op output kept for
-    backward, what MoE and attention kernels keep inside, less what the plan's
-    recomputation rebuilds in backward plus one recomputed region at a time."""
-
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +108,7 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
         graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes
     )
     collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero, overlap=overlap,
-                                     buckets=buckets)
+                                     buckets=buckets) + tuple(regather_collectives(graph, recompute))
     if pipeline is not None:
         collectives += tuple(pipeline_collectives(graph, mesh, pipeline, dtype_bytes))
     axis_sets = {(a,) for a in mesh.rank_order if mesh.size(a) > 1} | {c.axes for c in collectives}
@@ -160,56 +141,9 @@ def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int 
     return tuple(found)
 
 
-def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0,
-                    pipeline: PipelineSpec | None = None, recompute: str = "none") -> MemoryEstimate:
-    """Bytes per rank; under ZeRO a sharded part counts one padded chunk per parameter.
-    With a pipeline: the pp rank holding the most parameter bytes, and its activations
-    at the peak of the microbatches its schedule keeps in flight (`activations_in_flight`),
-    plus one recomputed region of one microbatch."""
-    step = step_activations(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, recompute=recompute)
-    best = None
-    ranks = range(mesh.size(MeshAxis.PP)) if pipeline else (None,)
-    for pp_rank in ranks:
-        local = chunk_param_names(graph, pipeline, pp_rank=pp_rank) if pipeline else None
-        estimate = _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, step)
-        if best is None or estimate.params + estimate.optimizer > best.params + best.optimizer:
-            best = estimate
-    return best
-
-
 def recompute_notes(graph: Graph, recompute: str) -> tuple[str, ...]:
     """A recompute mode that recomputes nothing in this model, said once."""
     if recompute != "none" and recomputed_regions(graph, recompute) == (0, 0):
         return (f"recompute {recompute} changes nothing: the model has no attention op and no layer stack "
                 "(repeat) it recomputes",)
     return ()
-
-
-def _memory_of(graph, mesh, dtype, dtype_bytes, zero, local, pipeline, pp_rank, step) -> MemoryEstimate:
-    """One pp rank's (or, without a pipeline, every rank's) estimate; `step`: the whole
-    step's activations on one rank (`StepActivations`)."""
-    def instances(name: str, repeat: Repeat | None) -> int:
-        if repeat is None:
-            return 1 if local is None or name in local else 0
-        if local is None:
-            return repeat.count
-        return sum(f"{repeat.name}.{i}.{name}" in local for i in range(repeat.count))
-
-    params = grads = optimizer = 0
-    for param, repeat in walk_params(graph.body):
-        n = instances(param.name, repeat)
-        local_numel = graph.local_numel(param.dims, param.sharding, mesh)
-        chunk = zero_chunk(graph, mesh, param)
-        params += (chunk if zero >= 3 else local_numel) * n
-        grads += (chunk if zero >= 2 else local_numel) * n
-        optimizer += (chunk if zero >= 1 else local_numel) * n
-    activations = step.kept + step.transient
-    if pipeline is not None:  # this rank's chunks' activations for the microbatches its schedule keeps in flight
-        activations = activations_in_flight(pipeline, mesh.size(MeshAxis.PP), step.kept)[pp_rank]
-        activations += step.transient // pipeline.microbatches
-    return MemoryEstimate(
-        params=params * dtype_bytes,
-        grads=grads * dtype_bytes,
-        optimizer=optimizer * OPTIMIZER_BYTES[dtype],
-        activations=activations,
-    )

@@ -224,17 +224,13 @@ def _describe(graph: Graph, chunk_units: list[Unit]) -> str:
     )
 
 
-def activations_in_flight(pipeline: PipelineSpec, pp: int, step_activations: float) -> tuple[int, ...]:
-    """Per pp rank, the activation bytes kept at its peak under the pipeline's schedule.
-    One microbatch's forward through chunk c keeps step_activations x cost_c / cost / m
-    (the chunk's share of the step, by its cost); the schedule, played action by action
-    (`peak_live_weighted`), says how many are alive at once on each rank: all m under
+def activations_in_flight(pipeline: PipelineSpec, pp: int, per_chunk, deferred=None) -> tuple[int, ...]:
+    """Per pp rank, the activation bytes kept at its peak under the pipeline's schedule,
+    when one microbatch's forward through chunk c keeps `per_chunk[c]` bytes until its
+    backward (B, or W after I): the schedule played action by action
+    (`peak_live_weighted`) says how many are alive at once on each rank: all m under
     GPipe, p - rank under 1F1B, (p - rank - 1) x 2 + (v - 1) x p + 1 chunk-microbatches
-    under interleaved, and so on for ZB-H1 and DualPipeV."""
-    total = max(sum(c.cost for c in pipeline.chunks), 1)
-    m = pipeline.microbatches
-    weights = [0.0] * len(pipeline.chunks)
-    for chunk in pipeline.chunks:
-        weights[chunk.index] = step_activations * chunk.cost / total / m
-    return tuple(int(round(peak)) for peak in peak_live_weighted(pipeline.build_schedule(pp), weights))
-
+    under interleaved, and so on for ZB-H1, DualPipeV and DualPipe. Under a split backward
+    (I, then W) a microbatch keeps only `deferred[c]` between its I and its W."""
+    return tuple(int(round(peak)) for peak in peak_live_weighted(
+        pipeline.build_schedule(pp), list(per_chunk), None if deferred is None else list(deferred)))

@@ -186,8 +186,12 @@ def _backward_into(
 
 
 def _empty_partial(q: Tensor) -> tuple[Tensor, Tensor]:
+    """A zero output and -inf log-sum-exp. The output is laid out [batch, sq, heads, d] in
+    memory (a transposed view here), so the kernel's [batch, seq, heads, head_dim] result
+    is contiguous and the next linear saves it as it is rather than a copy."""
     dtype = _compute_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    b, h, s, d = q.shape
+    out = torch.zeros((b, s, h, d), dtype=dtype, device=q.device).transpose(1, 2)
     return out, torch.full(q.shape[:-1], -math.inf, dtype=dtype, device=q.device)
 
 

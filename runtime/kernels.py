@@ -187,10 +187,60 @@ def _gelu(ctx, op, args, dims):
     return F.gelu(args[0], approximate=str(op.attr("approximate", "none")))
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _RMSNorm(torch.autograd.Function):
+    """x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) over the last dim, saving only x
+    and rstd for backward (as the fused norms Megatron uses), not the normalised x:
+    dx = rstd * (dn - n * mean(dn * n)), dn = dy * w, n = x * rstd; dw = sum(dy * n)."""
+
+    @staticmethod
+    def forward(fctx, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        dtype = _compute_dtype(x.dtype)
+        xc = x.to(dtype)
+        rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+        fctx.save_for_backward(x, rstd, w)
+        return (xc * rstd * w.to(dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(fctx, grad: Tensor):
+        x, rstd, w = fctx.saved_tensors
+        dtype = rstd.dtype
+        n = x.to(dtype) * rstd
+        g = grad.to(dtype)
+        grad_x = grad_w = None
+        if fctx.needs_input_grad[0]:
+            dn = g * w.to(dtype)
+            grad_x = (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
+        if fctx.needs_input_grad[1]:
+            grad_w = (g * n).reshape(-1, n.shape[-1]).sum(0).reshape(w.shape).to(w.dtype)
+        return grad_x, grad_w, None
+
+
 def _rmsnorm(ctx, op, args, dims):
     x, w = args
-    eps = float(op.attr("eps", 1e-5))
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    return _RMSNorm.apply(x, w, float(op.attr("eps", 1e-5)))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, saving only gate and up (silu(gate) is recomputed in backward, as
+    Megatron's fused SwiGLU does): d_up = dy * silu(gate), d_gate = dy * up * s * (1 + gate
+    * (1 - s)) with s = sigmoid(gate)."""
+
+    @staticmethod
+    def forward(fctx, gate: Tensor, up: Tensor) -> Tensor:
+        fctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(fctx, grad: Tensor):
+        gate, up = fctx.saved_tensors
+        s = torch.sigmoid(gate)
+        grad_up = grad * gate * s if fctx.needs_input_grad[1] else None
+        grad_gate = grad * up * s * (1 + gate * (1 - s)) if fctx.needs_input_grad[0] else None
+        return grad_gate, grad_up
 
 
 def _layernorm(ctx, op, args, dims):
@@ -232,11 +282,9 @@ def _attention(ctx, op, args, dims):
     q, k, v = (t.transpose(1, 2) for t in args)  # [batch, heads, seq, head_dim]
     causal = bool(op.attr("causal", True))
     cp = ctx.mesh.size(MeshAxis.CP)
-    if cp == 1:
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+    if cp == 1:  # grouped-query heads share K/V inside the kernel: no repeated copies are kept
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                              enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
     seq = ctx.graph.seq_dim
     q_pos = ctx.positions(seq, _arg_sharding(op, 0)).to(q.device)
     if op.annotation("cp").args[0] == "ring":
@@ -360,7 +408,7 @@ KERNELS: dict[str, Kernel] = {
     "relu": _unary(F.relu),
     "tanh": _unary(torch.tanh),
     "sigmoid": _unary(torch.sigmoid),
-    "swiglu": lambda ctx, op, args, dims: F.silu(args[0]) * args[1],
+    "swiglu": lambda ctx, op, args, dims: _SwiGLU.apply(args[0], args[1]),
     "rmsnorm": _rmsnorm,
     "layernorm": _layernorm,
     "rope": _rope,

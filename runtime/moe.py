@@ -22,9 +22,10 @@ over dp and ep, sequence over cp, replicated over tp; `passes/experts.py` says w
 4. experts (`local_experts`): rows that come from one rank (ep = 1, or one ep rank
    sending) arrive grouped by expert already, and each expert runs on its own slice,
    exact sizes, no copies (`sliced_experts`). Rows from several ranks are grouped by
-   local expert and padded to the busiest one, [E_local, rows, hidden], so the local
-   experts run as batched matmuls (`batched_experts`). `loop_experts` is the
-   per-expert loop by masks (the benchmarks' baseline).
+   local expert first (`grouped_experts`), then sliced the same way; no padding, so
+   what the experts keep is what the plan estimates. `batched_experts` (padded to the
+   busiest expert, batched matmuls) and `loop_experts` (a loop by masks) are the
+   benchmarks' alternatives.
 5. combine: the reverse all-to-all; each token's outputs summed with its gates.
 
 Balancing. `aux_loss=a`: Switch's a * E * sum_e f_e * P_e, f_e the share of the
@@ -267,11 +268,20 @@ def _ffn(x: Tensor, weights: list[Tensor], swiglu: bool, mm) -> Tensor:
 
 
 def local_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool) -> Tensor:
-    """The local experts on their received rows: on slices when the rows come grouped by
-    expert (one source rank), else batched."""
+    """The local experts on their received rows, each on its own slice (exact sizes, no
+    padding, so what they keep for backward is what the plan estimates): as they come
+    when grouped by expert already (one source rank), else grouped first."""
     if recv.shape[0] == 1:
         return sliced_experts(rows, recv, weights, swiglu)
-    return batched_experts(rows, recv, weights, swiglu)
+    return grouped_experts(rows, recv, weights, swiglu)
+
+
+def grouped_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool) -> Tensor:
+    """Rows from several source ranks sorted by local expert (stable), each expert on its
+    slice, the results put back in arrival order."""
+    order = torch.argsort(_local_expert(recv), stable=True)
+    out = sliced_experts(rows.index_select(0, order), recv.sum(0, keepdim=True), weights, swiglu)
+    return out.index_select(0, torch.argsort(order))  # gathers keep only their index for backward
 
 
 def sliced_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool) -> Tensor:
@@ -303,5 +313,5 @@ def loop_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool
     return out
 
 
-__all__ = ["ExpertLoad", "batched_experts", "end_step", "local_experts", "loop_experts", "moe_kernel",
-           "register_params", "route", "sliced_experts"]
+__all__ = ["ExpertLoad", "batched_experts", "end_step", "grouped_experts", "local_experts", "loop_experts",
+           "moe_kernel", "register_params", "route", "sliced_experts"]

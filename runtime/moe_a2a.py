@@ -75,7 +75,8 @@ def _permute(rows: Tensor, order: Tensor) -> Tensor:
 
 
 def _unpermute(rows: Tensor, order: Tensor) -> Tensor:
-    return torch.zeros_like(rows).index_copy(0, order, rows)
+    """The inverse of `_permute`, as a gather (index_copy would keep `rows` for backward)."""
+    return rows.index_select(0, torch.argsort(order))
 
 
 @dataclass

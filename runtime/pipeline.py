@@ -19,6 +19,7 @@ matmuls it keeps (`runtime/weight_grads.py`); W then does only those matmuls.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from torch import Tensor
 from fivedc.mesh import MeshAxis
 from fivedc.schedule import ActionKind
 from fivedc.runtime.kernels import counted_targets
+from fivedc.runtime.saved import held
 from fivedc.runtime.weight_grads import DeferredGrad
 from fivedc.runtime.weight_grads import enable as enable_deferred_weight_grads
 from fivedc.stages import PipelineSpec, Unit, units, value_types
@@ -63,6 +65,7 @@ class PipelineRunner:
         self.last_chunk = len(spec.chunks) - 1
         split = any(a.kind == K.BACKWARD_WEIGHT for a in self.actions)
         self.weight_grads = enable_deferred_weight_grads(ctx) if split else None
+        self.meter = None  # a `runtime.saved.LiveMeter` measuring what the step keeps for backward
 
     # ---- one step --------------------------------------------------------------------------
     def step(self, params, inputs: dict[str, Tensor]) -> Tensor:
@@ -81,17 +84,23 @@ class PipelineRunner:
                 if self._local_prev(action.chunk):  # the previous chunk ran here: hand over, no transfer
                     previous = state[(action.microbatch, action.chunk - 1)].outputs
                     micro.received = [t.detach().requires_grad_(True) for t in previous]
-                loss = self._forward(params, micro_inputs[action.microbatch], micro, action.chunk)
+                with self.meter.forward(key) if self.meter is not None else contextlib.nullcontext():
+                    loss = self._forward(params, micro_inputs[action.microbatch], micro, action.chunk)
+                    held([*micro.received, *micro.outputs])  # kept until its backward
                 if loss is not None:
                     total = total + loss.detach().double()
             elif kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
                 micro = state[key]
-                self._backward(kind, micro)
+                self._backward(kind, micro, key)
                 if kind != K.BACKWARD_WEIGHT and self._local_prev(action.chunk):
                     state[(action.microbatch, action.chunk - 1)].grads_in = micro.grads_out
                     micro.grads_out, micro.sent = [], True
-                if kind != K.BACKWARD_INPUT:  # the graph is done with: free the activations
-                    micro.outputs, micro.received, micro.grads_in, micro.done = [], [], None, True
+                if kind != K.BACKWARD_WEIGHT:  # the graph is done with: free the activations
+                    micro.outputs, micro.received, micro.grads_in = [], [], None
+                if kind != K.BACKWARD_INPUT:  # after B or W nothing of it is needed
+                    micro.done = True
+                    if self.meter is not None:
+                        self.meter.release(key)
                     self._forget(state, key)
             elif kind == K.SEND_FORWARD:
                 sends.append(self._send(state[key].outputs, action.peer, TAGS[kind]))
@@ -188,7 +197,7 @@ class PipelineRunner:
         if micro.done and (micro.sent or self.schedule.prev_chunk(key[1]) is None):
             del state[key]
 
-    def _backward(self, kind: ActionKind, micro: _Micro) -> None:
+    def _backward(self, kind: ActionKind, micro: _Micro, key: tuple[int, int]) -> None:
         if kind == K.BACKWARD_WEIGHT:  # the weight-gradient matmuls I kept
             for deferred in micro.deferred:
                 deferred.run()
@@ -205,6 +214,8 @@ class PipelineRunner:
             with self.weight_grads.defer():
                 torch.autograd.backward(outs, gs)
             micro.deferred = self.weight_grads.take()
+            if self.meter is not None:  # the graph is freed; W keeps the linears' inputs and output gradients
+                self.meter.hold(key, [t for d in micro.deferred for t in (d.x, d.grad_out)])
         else:
             torch.autograd.backward(outs, gs)
         micro.grads_out = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]

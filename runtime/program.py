@@ -25,10 +25,12 @@ from torch import Tensor
 
 from fivedc.ir import Block, DType, Graph, Op, Param, Redistribute, Repeat, walk_ops
 from fivedc.recompute import recomputes_layer, recomputes_op
+from fivedc.saved import regathered
 from fivedc.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.kernels import KERNELS, KernelContext
 from fivedc.runtime.recompute import run_recomputed
+from fivedc.runtime.saved import mark_regathered
 
 
 def qualified_params(graph: Graph) -> Iterator[tuple[str, Param]]:
@@ -126,6 +128,7 @@ class Program:
     def __init__(self, graph: Graph, ctx: KernelContext, *, recompute: str = "none") -> None:
         self.graph, self.ctx, self.recompute = graph, ctx, recompute
         self.param_dims = {name: p.dims for name, p in qualified_params(graph)}
+        self.regathered = regathered(graph, recompute)
         self.steps = {
             node.out: (_steps(node, node.forward), _steps(node, node.backward))
             for node, _ in walk_ops(graph.body)
@@ -164,6 +167,8 @@ class Program:
             elif isinstance(item, Redistribute):
                 forward, backward = self.steps[item.out]
                 env[item.out] = redistribute(env[item.src], forward, backward, self.ctx.groups)
+                if item.out in self.regathered:  # sequence parallelism: backward gathers it again
+                    mark_regathered(env[item.out], env[item.src], forward, self.ctx.groups)
                 dims[item.out] = item.type.dims
             else:
                 args, arg_dims = [], []
@@ -212,7 +217,7 @@ class Program:
             dims.update(local_dims)
             return tuple(local[name] for name in item.body.yields)
 
-        for name, value in zip(item.body.yields, run_recomputed(self.ctx, layer)):
+        for name, value in zip(item.body.yields, run_recomputed(self.ctx, layer, holding=tuple(taken.values()))):
             env[name] = value
 
 

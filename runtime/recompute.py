@@ -35,6 +35,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from fivedc.runtime.saved import held
+
 KEY = "recomputing"  # in the KernelContext's cache: True while a region's forward is redone
 
 
@@ -53,10 +55,13 @@ def _redoing(ctx):
         ctx._cache[KEY] = before
 
 
-def run_recomputed(ctx, fn: Callable, *args):
+def run_recomputed(ctx, fn: Callable, *args, holding: tuple = ()):
     """`fn(*args)`, its saved tensors dropped and rebuilt in backward; plainly `fn(*args)`
-    when no graph is being recorded (under `torch.no_grad()`)."""
+    when no graph is being recorded (under `torch.no_grad()`). `holding`: the tensors `fn`
+    reads from outside (its closure), which checkpoint keeps like its arguments."""
     if not torch.is_grad_enabled():
         return fn(*args)
+    held(t for a in (*args, *holding) for t in (a if isinstance(a, (list, tuple)) else (a,))
+         if isinstance(t, torch.Tensor))  # kept for backward: count them (the recorder's)
     return checkpoint(fn, *args, use_reentrant=False, early_stop=False, preserve_rng_state=True,
                       context_fn=lambda: (contextlib.nullcontext(), _redoing(ctx)))

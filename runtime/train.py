@@ -10,6 +10,7 @@ reported is the full loss: the local value summed over its pending axes.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from fivedc.overlap import Bucket
 from fivedc.runtime.buckets import expand_buckets
 from fivedc.runtime.moe import ExpertLoad, end_step, register_params
 from fivedc.runtime.pipeline import PipelineRunner
+from fivedc.runtime.saved import LiveMeter
 from fivedc.runtime.zero import ZeroOptimizer, gathered_params_scope
 from fivedc.stages import PipelineSpec
 
@@ -47,6 +49,7 @@ class TrainSettings:
     seed: int = 0
     dtype: str = "fp64"
     keep_grads: bool = True  # record every step's gradients (the equivalence checks read them)
+    measure: bool = False  # record the peak of what each step keeps for backward (`runtime/saved.LiveMeter`)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -61,6 +64,7 @@ class TrainRecord:
     held: dict[str, int] = field(default_factory=dict)  # bytes held at rest after the last backward
     expert_load: list[dict[str, ExpertLoad]] = field(default_factory=list)  # per step, MoE layer: this rank's tokens
     seconds: list[float] = field(default_factory=list)  # per step: forward, backward, sync and update
+    kept: list[int] = field(default_factory=list)  # per step with `measure`: peak bytes kept for backward
 
 
 def loss_partial_axes(graph: Graph) -> tuple:
@@ -99,15 +103,23 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
     record = TrainRecord()
     for _ in range(settings.steps):
         start = time.perf_counter()
+        meter = LiveMeter() if settings.measure else None
         with gathered_params_scope(0 if optimizer.keep_gathered else zero):
             view = optimizer.view()
+            if meter is not None:  # parameters and inputs are not activations
+                meter.exclude([*optimizer.params.values(), *inputs.values(),
+                               *(view.values() if isinstance(view, dict) else ())])
             if runner is not None:
+                runner.meter = meter
                 loss = runner.step(view, inputs)  # forward and backward of every microbatch
                 optimizer.forward_done(view)
             else:
-                loss = program.loss(view, inputs)
+                with meter.forward("step") if meter is not None else contextlib.nullcontext():
+                    loss = program.loss(view, inputs)
                 optimizer.forward_done(view)
                 loss.backward()
+        if meter is not None:
+            record.kept.append(meter.peak)
         optimizer.reduce_gradients()
         full_loss = loss.detach().clone()
         if loss_axes and ctx.group(loss_axes) is not None:

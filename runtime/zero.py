@@ -26,7 +26,6 @@ fp32 master copy.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from torch import Tensor
 
 from fivedc.runtime.buckets import GradBuckets
 from fivedc.runtime.flat_shard import FlatShard, PendingGather, flat_shard, gather_flat
+from fivedc.runtime.saved import saving_scope
 
 
 @dataclass
@@ -287,19 +287,9 @@ class _Regather:
         return root.as_strided(*self.layout)
 
 
-def _pack(t: Tensor):
-    root = t if t._base is None else t._base
-    regather = getattr(root, "_fivedc_regather", None)
-    return regather.at(t) if regather is not None else t
-
-
-def _unpack(saved):
-    return saved.get() if isinstance(saved, _Regather) else saved
-
-
-def gathered_params_scope(stage: int):
-    """Around forward and backward under ZeRO-3: autograd saves a gathered parameter
-    (or a view of one) as a note to gather it again, so it is freed after its use."""
-    if stage != 3:
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+def gathered_params_scope(stage: int = 0):
+    """Around forward and backward: autograd saves a gathered parameter (ZeRO-3), or a
+    gathered activation under sequence parallelism, as a note to gather it again
+    (`runtime/saved.py`), so it is freed after its use. Every stage: the activations'
+    notes do not depend on ZeRO."""
+    return saving_scope()

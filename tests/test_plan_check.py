@@ -94,7 +94,9 @@ EDITS = {
     "a parameter's shape": (lambda d: d["graph"]["body"]["params"][0]["dims"].reverse(), None),
     "the version as text": (lambda d: d.update(version="1"), "the version field is '1', not a number"),
     "an unknown field": (lambda d: d.update(worlds=6), "no field 'worlds'"),
-    "the memory estimate": (lambda d: d["memory"].update(params=1), "plan.memory.params"),
+    "the memory estimate": (lambda d: d["memory"]["ranks"][0].update(params=1, total=d["memory"]["ranks"][0]["total"]
+                                                                         - d["memory"]["ranks"][0]["params"] + 1),
+                            "plan.memory.ranks[0].params"),
 }
 
 

@@ -52,10 +52,13 @@ def peak_live(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peaks)
 
 
-def peak_live_weighted(schedule: Schedule, weights: Sequence[float]) -> tuple[float, ...]:
+def peak_live_weighted(schedule: Schedule, weights: Sequence[float],
+                       deferred: Sequence[float] | None = None) -> tuple[float, ...]:
     """Per rank, the most of `weights[chunk]` alive at once over the forwards alive (as
     `peak_live` counts them): the activations a rank keeps at its peak when one
-    microbatch's forward through chunk c keeps `weights[c]`."""
+    microbatch's forward through chunk c keeps `weights[c]` until its backward. With
+    `deferred`, an input-gradient pass I frees them but keeps `deferred[c]` (what the
+    weight gradients need) until its W; without, everything stays until W."""
     peaks = []
     for acts in schedule.ranks:
         live = peak = 0.0
@@ -63,8 +66,15 @@ def peak_live_weighted(schedule: Schedule, weights: Sequence[float]) -> tuple[fl
             if a.kind == K.FORWARD:
                 live += weights[a.chunk]
                 peak = max(peak, live)
-            elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+            elif a.kind == K.BACKWARD:
                 live -= weights[a.chunk]
+            elif deferred is None:
+                live -= weights[a.chunk] if a.kind == K.BACKWARD_WEIGHT else 0.0
+            elif a.kind == K.BACKWARD_INPUT:
+                live += deferred[a.chunk] - weights[a.chunk]
+                peak = max(peak, live)
+            elif a.kind == K.BACKWARD_WEIGHT:
+                live -= deferred[a.chunk]
         peaks.append(peak)
     return tuple(peaks)
 
