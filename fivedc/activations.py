@@ -58,7 +58,7 @@ def block_saves(c: SaveContext, items, *, repeat: Repeat | None, recompute: str)
         saves = op_saves(c, item)
         if recomputes_op(item, repeat, recompute):  # the region keeps its inputs; the rest comes back in backward
             transient = max(transient, sum(s.bytes for s in saves if s.kind == OWN))
-            saves = [s for arg in item.args for s in c.value(arg)]
+            saves = c.value_args(item)
         for s in saves:
             if s.kind == CONSTANT:
                 constants[s.key] = s.bytes

@@ -5,7 +5,8 @@
 microbatches, how its chunks were cut and what each holds), the mesh groups (matched by their axes), the
 parameter shardings (matched by qualified name, `layers.*.wq`), the collectives,
 the ops that run replicated (no sharding rule; matched by target and line) and the
-memory estimate per rank. Collectives are matched by the key (phase, kind, axes,
+memory estimate per rank (the busiest class's categories, and with pipeline stages
+each pp rank's, `pp=R category`). Collectives are matched by the key (phase, kind, axes,
 tensor, dim); a key that occurs several times is paired up in plan order, and a pair
 whose bytes or count differ is "resized". A `PlanDiff` holds only what changed, as
 frozen dataclasses with tuple fields; `to_json()` gives a stable dict for scripts
@@ -21,12 +22,13 @@ from rich.console import Console
 from rich.text import Text
 
 from fivedc.ir import Collective, Graph, Repeat, walk_params
-from fivedc.mesh import MESH_ORDER
+from fivedc.memory import CATEGORIES
+from fivedc.mesh import MESH_ORDER, MeshAxis
 from fivedc.plan import ExecutionPlan, qualified
 from fivedc.sharding import Sharding
 from fivedc.summary import axes_text, format_bytes, phase_totals, replicated_ops
 
-MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "total")
+MEMORY_CATEGORIES = CATEGORIES  # params, grads, optimizer, activations, transient, total
 MARK = {"added": "+", "removed": "-", "resized": "~", "changed": "~"}
 
 
@@ -272,7 +274,8 @@ def diff_plans(a: ExecutionPlan, b: ExecutionPlan) -> PlanDiff:
         *_pipeline_values(a, b),
     ])
     ta, tb = phase_totals(a.collectives), phase_totals(b.collectives)
-    memory = _totals([(name, getattr(a.memory, name), getattr(b.memory, name)) for name in MEMORY_CATEGORIES])
+    memory = _totals([(name, getattr(a.memory, name), getattr(b.memory, name)) for name in MEMORY_CATEGORIES]
+                     + _class_totals(a, b))
     return PlanDiff(
         mesh=mesh,
         options=options,
@@ -283,6 +286,19 @@ def diff_plans(a: ExecutionPlan, b: ExecutionPlan) -> PlanDiff:
         memory=memory,
         replicated=_replicated(a, b),
     )
+
+
+def _class_totals(a: ExecutionPlan, b: ExecutionPlan) -> list[tuple[str, int, int]]:
+    """Per pp rank present in both, when either plan has several classes of ranks: each
+    category of its class, named `pp=R category` (only those that differ are kept)."""
+    if len(a.memory.ranks) == 1 and len(b.memory.ranks) == 1:
+        return []
+    pa, pb = a.mesh.size(MeshAxis.PP), b.mesh.size(MeshAxis.PP)
+    out = []
+    for r in range(min(pa, pb)):
+        x, y = a.memory.of_pp_rank(r, pa), b.memory.of_pp_rank(r, pb)
+        out += [(f"pp={r} {name}", getattr(x, name), getattr(y, name)) for name in MEMORY_CATEGORIES]
+    return out
 
 
 def _replicated(a: ExecutionPlan, b: ExecutionPlan) -> tuple[ReplicatedChange, ...]:

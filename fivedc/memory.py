@@ -14,7 +14,9 @@ the plan stays flat in the world size. Per rank:
   2Ψ + 2Ψ + 12Ψ, each divided as its stage divides it).
 - activations: what its chunks keep for backward (`fivedc/activations.py`), for the
   microbatches its schedule keeps in flight at its peak, plus the constants.
-- transient: the largest buffer alive only for a moment (`fivedc/transient.py`).
+- transient: the largest buffer alive only for a moment (`fivedc/transient.py`: a
+  recomputed region, the forward's working set, the loss's gradient, ZeRO-3's
+  gathers, gradient buckets, all-to-all and ring buffers, pipeline sends).
 
 `total` is their sum: the peak a rank reaches when the transient arrives at the
 activations' peak, an upper bound of what it holds at any moment.
@@ -31,6 +33,7 @@ from fivedc.mesh import Mesh, MeshAxis
 from fivedc.param_sync import zero_chunk
 from fivedc.saved import SaveContext
 from fivedc.stages import PipelineSpec, chunk_param_names, units
+from fivedc.transient import transients
 
 # Bytes per parameter element of AdamW's state: in 16-bit training an fp32 master copy and
 # fp32 moments (ZeRO's 12); in fp32 or fp64 the parameters are the master copy.
@@ -106,18 +109,17 @@ class MemoryEstimate:
 
 
 def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0,
-                    pipeline: PipelineSpec | None = None, recompute: str = "none",
-                    transients=None) -> MemoryEstimate:
-    """Bytes per class of ranks. `transients(pp_rank, recompute_peak)` gives a rank's
-    transient peak (`fivedc/transient.py`); without it, the recomputed region's."""
+                    pipeline: PipelineSpec | None = None, recompute: str = "none", buckets=(),
+                    overlap: bool = True) -> MemoryEstimate:
+    """Bytes per class of ranks; the transient is the largest part `fivedc/transient.py` finds."""
     pp = mesh.size(MeshAxis.PP)
     held = [_held(graph, mesh, dtype, dtype_bytes, zero, pipeline, r) for r in (range(pp) if pipeline else (None,))]
     activations, regions = rank_activations(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline,
                                             recompute=recompute)
-    rows = []
-    for r, (params, grads, optimizer) in enumerate(held):
-        transient = transients(r, regions[r]) if transients is not None else regions[r]
-        rows.append((params, grads, optimizer, activations[r], transient))
+    parts = transients(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
+                       recompute=recompute, regions=regions, buckets=buckets, overlap=overlap)
+    rows = [(params, grads, optimizer, activations[r], max(parts[r].values()))
+            for r, (params, grads, optimizer) in enumerate(held)]
     return MemoryEstimate(_classes(rows, pipeline is not None))
 
 

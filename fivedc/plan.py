@@ -117,7 +117,7 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
         for axes in sorted(axis_sets)
     )
     memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
-                             recompute=recompute)
+                             recompute=recompute, buckets=buckets, overlap=overlap)
     notes = zero_notes(graph, mesh, zero) + recompute_notes(graph, recompute)
     return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory,
                          zero, overlap, bucket_bytes, buckets, pipeline, notes, recompute)

@@ -103,6 +103,10 @@ class SaveContext:
         arg = self.regathered.get(arg, arg)
         return [Saved(arg, self.value_bytes(arg))]
 
+    def value_args(self, op: Op) -> list[Saved]:
+        """The op's tensor arguments as kept values (what a recomputed region's checkpoint holds)."""
+        return [s for arg in op.args for s in self.value(arg)]
+
     def own(self, op: Op, what: str, nbytes: int) -> Saved:
         return Saved(f"{op.out}:{what}", nbytes, OWN)
 

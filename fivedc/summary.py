@@ -9,7 +9,7 @@ pipeline chunks, one row per parameter (global and local shape, sharding, the ax
 its gradient is summed over), the output shardings seen per op kind, the ops that
 run replicated (no sharding rule) with their lines and reasons, every collective
 with its bytes, count and reason followed by bytes per step per phase, and the
-memory estimate per rank. By default it fits an 80-column
+memory estimate per rank (the busiest class of ranks in bytes, then every class). By default it fits an 80-column
 terminal (each collective is one line of facts with its reason wrapped below it);
 `wide=True` gives one table row per collective, reason last, for 140 columns or
 more. Every cell is a `Text`, never markup, because reasons quote shardings in
@@ -29,6 +29,8 @@ from rich.text import Text
 from fivedc.aten_call import whole_dims
 from fivedc.ir import Collective, Graph, Op, Param, Phase, Repeat, walk_ops, walk_params
 from fivedc.mesh import Mesh, MeshAxis
+from fivedc.memory import CATEGORIES
+from fivedc.passes.base import DTYPE_BYTES
 from fivedc.plan import ExecutionPlan, qualified
 from fivedc.recompute import recomputed_regions
 from fivedc.seq_layout import describe
@@ -185,11 +187,11 @@ def recompute_text(plan: ExecutionPlan) -> str:
 
 
 ACTIVATION_NOTES = {
-    "none": "activations assume every op output is kept for backward, with what attention and MoE kernels "
-            "keep inside (no recomputation)",
-    "selective": "activations assume every op output is kept for backward; attention kernels keep only "
-                 "their inputs (one attention's internals while its backward runs)",
-    "full": "activations assume each recomputed layer keeps only its input (plus one layer's activations "
+    "none": "activations are what each op keeps for backward (its own save rule: fivedc/saved.py), "
+            "for the microbatches the schedule keeps in flight (no recomputation)",
+    "selective": "activations are what each op keeps for backward; attention kernels keep only "
+                 "their inputs (their own buffers come back while their backward runs)",
+    "full": "activations assume each recomputed layer keeps only its input (its activations come back "
             "while its backward runs)",
 }
 
@@ -302,12 +304,41 @@ def _collective_table(plan: ExecutionPlan) -> Table:
 
 
 def _memory(plan: ExecutionPlan) -> Table:
-    table = _table("Memory per rank", "category", "bytes", "exact")
     m = plan.memory
-    for name, value in (("params", m.params), ("grads", m.grads), ("optimizer", m.optimizer),
-                        ("activations", m.activations), ("total", m.total)):
+    busiest = m.busiest
+    which = "" if len(m.ranks) == 1 else f" ({busiest.ranks})"
+    table = _table(f"Memory per rank{which}", "category", "bytes", "exact")
+    for name in CATEGORIES:
+        value = getattr(busiest, name)
         _row(table, name, format_bytes(value), f"{value:,}")
     return table
+
+
+def _memory_classes(plan: ExecutionPlan) -> Table | None:
+    """One row per class of ranks holding different bytes (pipeline stages)."""
+    if len(plan.memory.ranks) == 1:
+        return None
+    table = _table("Memory per class of ranks", "ranks", *CATEGORIES)
+    for entry in plan.memory.ranks:
+        _row(table, entry.ranks, *(format_bytes(getattr(entry, name)) for name in CATEGORIES))
+    return table
+
+
+def transient_text(plan: ExecutionPlan) -> str:
+    """Which momentary buffer the busiest class's transient is (`fivedc/transient.py`)."""
+    from fivedc.memory import rank_activations
+    from fivedc.transient import transients
+
+    kw = dict(dtype=plan.dtype, dtype_bytes=DTYPE_BYTES[plan.dtype], pipeline=plan.pipeline, recompute=plan.recompute)
+    _, regions = rank_activations(plan.graph, plan.mesh, **kw)
+    parts = transients(plan.graph, plan.mesh, zero=plan.zero, regions=regions, buckets=plan.buckets,
+                       overlap=plan.overlap, **kw)
+    pp = plan.mesh.size(MeshAxis.PP)
+    rank = plan.memory.busiest.pp_ranks(pp)[0] if plan.pipeline else 0
+    name, value = max(parts[rank].items(), key=lambda item: item[1])
+    if not value:
+        return "transient: no buffer beyond what is kept"
+    return f"transient: the largest buffer held only for a moment, here the {name} ({format_bytes(value)})"
 
 
 def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = False, wide: bool = False) -> None:
@@ -336,8 +367,12 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     console.print(Text(f"bytes per step (bytes × count): {line}; total {total}"))
     console.print()
     console.print(_memory(plan))
+    classes = _memory_classes(plan)
+    if classes is not None:
+        console.print(classes)
     layers, alone = recomputed_regions(plan.graph, plan.recompute)
     console.print(Text(f"note: {ACTIVATION_NOTES['full' if layers else 'selective' if alone else 'none']}"))
+    console.print(Text(f"note: {transient_text(plan)}"))
 
 
 __all__ = ["MAX_PARAM_ROWS", "format_bytes", "op_shardings", "phase_totals", "render_summary", "replicated_ops"]

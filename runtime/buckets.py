@@ -10,7 +10,9 @@ is left (everything, with overlap off), waits, and hands back the sums.
 A bucket is one flat buffer. ZeRO-0/1 all-reduce the concatenated gradients. ZeRO-2
 lays the buffer out as [n, sum of chunks] (row i holds every parameter's chunk i),
 which is what a reduce-scatter splits; on gloo it is an all-reduce, and the rank
-keeps its row. A parameter's full gradient is released when its bucket starts.
+keeps its row; at most two whole buckets are in flight (`IN_FLIGHT`: starting a
+third waits for the oldest). A parameter's full gradient is released when its bucket
+starts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fivedc.overlap import Bucket
+
+IN_FLIGHT = 2  # ZeRO-2: whole buckets laid out for their reduce-scatter at once
 
 
 def expand_buckets(buckets: Sequence[Bucket]) -> list[tuple[str, ...]]:
@@ -74,6 +78,8 @@ class GradBuckets:
             p.grad = None
         if self.stage == 2:
             flat = torch.cat(grads, dim=1).reshape(-1)
+            if k >= IN_FLIGHT:  # a whole bucket laid out for its reduce-scatter: keep at most two
+                self._settle(k - IN_FLIGHT)
             if flat.is_cuda and "nccl" in str(dist.get_backend(group)):
                 out = torch.empty(flat.numel() // self.specs[names[0]].n, dtype=flat.dtype, device=flat.device)
                 self.started.append((out, dist.reduce_scatter_tensor(out, flat, group=group, async_op=True)))
@@ -81,6 +87,17 @@ class GradBuckets:
         else:
             flat = torch.cat(grads)
         self.started.append((flat, dist.all_reduce(flat, group=group, async_op=True)))
+
+    def _settle(self, k: int) -> None:
+        """Wait for bucket k and keep only what it hands back (ZeRO-2: this rank's row)."""
+        flat, work = self.started[k]
+        if work is not None:
+            work.wait()
+            names = self.buckets[k]
+            if self.stage == 2 and flat.numel() > sum(self.specs[n].chunk for n in names):
+                spec = self.specs[names[0]]
+                flat = flat.view(spec.n, -1)[spec.index].clone()  # gloo: keep this rank's row only
+            self.started[k] = (flat, None)
 
     def _layout(self, name: str, grad: Tensor) -> Tensor:
         if self.stage != 2:
@@ -97,11 +114,9 @@ class GradBuckets:
         for k in range(len(self.started), len(self.buckets)):
             self._start(k)
         out: dict[str, Tensor] = {}
-        for names, (flat, work) in zip(self.buckets, self.started):
-            work.wait()
-            if self.stage == 2 and flat.numel() > sum(self.specs[n].chunk for n in names):
-                spec = self.specs[names[0]]
-                flat = flat.view(spec.n, -1)[spec.index].clone()  # gloo: keep this rank's row only
+        for k, names in enumerate(self.buckets):
+            self._settle(k)
+            flat = self.started[k][0]
             offset = 0
             for name in names:
                 size = self.specs[name].chunk if self.stage == 2 else self.params[name].numel()

@@ -103,10 +103,10 @@ class PipelineRunner:
                         self.meter.release(key)
                     self._forget(state, key)
             elif kind == K.SEND_FORWARD:
-                sends.append(self._send(state[key].outputs, action.peer, TAGS[kind]))
+                sends = _pending(sends) + [self._send(state[key].outputs, action.peer, TAGS[kind])]
             elif kind == K.SEND_BACKWARD:
                 micro = state[key]
-                sends.append(self._send(micro.grads_out, action.peer, TAGS[kind]))
+                sends = _pending(sends) + [self._send(micro.grads_out, action.peer, TAGS[kind])]
                 micro.grads_out, micro.sent = [], True
                 self._forget(state, key)
             elif kind == K.RECV_FORWARD:
@@ -249,3 +249,8 @@ class PipelineRunner:
             size = graph.local_size(dim, sharding, mesh)
             shape.append(size // self.spec.microbatches if dim == graph.batch_dim else size)
         return tuple(shape)
+
+
+def _pending(sends: list) -> list:
+    """The sends still in flight (their buffers stay referenced until done); the others dropped."""
+    return [(buffer, work) for buffer, work in sends if not work.is_completed()]
