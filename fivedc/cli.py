@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     r.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
     r.add_argument("--seed", type=int, default=0, help="seed of the parameters and the synthetic batch")
+    r.add_argument("--report", default=None, metavar="OUT.json",
+                   help="write per rank the plan's memory estimate and what the run measured (bytes kept for "
+                   "backward, parameters, gradients and optimizer state held; on CUDA the allocator's peak)")
     _local_run_args(r)
     v.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("show", help=COMMANDS["show"], description=COMMANDS["show"])

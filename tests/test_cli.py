@@ -133,7 +133,8 @@ def test_run_executes_a_saved_plan_and_a_model(tmp_path, capsys) -> None:
     assert main(["compile", "examples/gpt.5d", "--mesh", "2x2x1x1x1", "--zero", "1", "--dtype", "fp32", "-q",
                  "-o", str(saved)]) == 0
     capsys.readouterr()
-    assert main(["run", str(saved), "--steps", "3", "--lr", "1e-2"]) == 0
+    report = tmp_path / "report.json"
+    assert main(["run", str(saved), "--steps", "3", "--lr", "1e-2", "--report", str(report)]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     losses = [float(row[1]) for row in rows]
@@ -141,9 +142,16 @@ def test_run_executes_a_saved_plan_and_a_model(tmp_path, capsys) -> None:
     plan = ExecutionPlan.load(saved)
     from fivedc.summary import format_bytes
 
-    for kind in ("params", "grads", "optimizer"):
+    for kind in ("params", "grads", "optimizer", "activations"):
         held = next(line for line in out.splitlines() if line.strip().startswith(kind))
         assert held.split(None, 1)[1].count(format_bytes(getattr(plan.memory, kind))) == 2, held
+    data = json.loads(report.read_text())  # per rank: the estimate of its class and what it measured
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3] and data["device"] == "cpu"
+    for entry in data["ranks"]:
+        estimated, measured = entry["estimated"], entry["measured"]
+        assert set(estimated) == set(measured) == {"params", "grads", "optimizer", "activations", "transient", "total"}
+        assert all(measured[k] == estimated[k] for k in ("params", "grads", "optimizer", "activations"))
+        assert measured["total"] is None  # no allocator peak on CPU
     assert main(["run", "examples/tiny_llama.5d", "--mesh", "1x1x2x1x1", "--sp", "--steps", "2"]) == 0
     assert "on mesh 1x1x2x1x1 (2 processes, 2 steps, fp32" in capsys.readouterr().out
     assert main(["run", str(saved), "--zero", "2", "--mesh", "4x1x1x1x1"]) == 2
