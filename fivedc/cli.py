@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="write the plan, print one line")
     c.add_argument("-v", "--verbose", action="store_true", help="list every parameter")
     c.add_argument("--wide", action="store_true", help="summary as wide tables (140+ columns; default fits 80)")
+    c.add_argument("--gpu", default=None, metavar="NAME",
+                   help="estimate the step time on this GPU (h100, h800, a100, h200, or one from --hardware) and "
+                   "check that every rank fits its memory (exit 2 with what would make it fit)")
+    c.add_argument("--hardware", action="append", default=[], metavar="FILE",
+                   help="a TOML file of GPU profiles like fivedc/hardware.toml, added to the built-in ones")
     v = sub.add_parser("verify", help=COMMANDS["verify"], description=COMMANDS["verify"])
     v.add_argument("model", help="a .5d model file, or path/to/file.py:factory (checked against the plain module)")
     _mesh_args(v, required=True)
@@ -154,9 +159,15 @@ def cmd_compile(args) -> int:
     start = time.perf_counter()
     plan = compile_model(args.model, args.mesh, args, dtype=args.dtype)
     seconds = time.perf_counter() - start
+    if plan.time is not None:  # a plan that does not fit its GPU is bad input: say what would fit
+        from fivedc.fit import check_fits
+        from fivedc.plan_check import options_of
+
+        check_fits(plan, options_of(plan))
     plan.save(output, inputs=(model_file,))
     if args.quiet:
-        print(f"wrote {output} ({len(plan.collectives)} collectives, {format_bytes(plan.memory.total)} per rank)")
+        step = f", {plan.time.step_seconds:.3g} s per step on {plan.time.hardware.key}" if plan.time else ""
+        print(f"wrote {output} ({len(plan.collectives)} collectives, {format_bytes(plan.memory.total)} per rank{step})")
     else:
         render_summary(plan, console=_console(wide=args.wide), verbose=args.verbose, wide=args.wide)
         print(f"\nwrote {output} in {seconds:.2f} s")

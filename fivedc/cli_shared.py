@@ -39,7 +39,7 @@ def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = Tr
         cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
         overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or "1f1b",
         microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
-        recompute=args.recompute,
+        recompute=args.recompute, hardware=_hardware(args),
     )  # checks each value first
     given = [f"--{name.replace('_', '-')}" for name in ("schedule", "microbatches", "virtual", "pp_layout")
              if getattr(args, name) is not None]
@@ -48,6 +48,17 @@ def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = Tr
                           "pp=1: there is none, and the flag would change nothing",
                           hint="drop the flag, or give the mesh a pipeline axis, e.g. --mesh 1x2x1x1x1")
     return options
+
+
+def _hardware(args):
+    """The GPU profile `--gpu` names (from fivedc/hardware.toml and any `--hardware` files)."""
+    if getattr(args, "gpu", None) is None:
+        if getattr(args, "hardware", None):
+            raise FivedcError("--hardware adds GPU profiles, but no --gpu says which to use", hint="add --gpu NAME")
+        return None
+    from fivedc.hardware import hardware
+
+    return hardware(args.gpu, tuple(args.hardware or ()))
 
 
 def _layout(text: str | None) -> tuple[int, ...] | None:

@@ -85,4 +85,5 @@ def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTi
         bucket_bytes=options.bucket_bytes,
         pipeline=pipeline,
         recompute=options.recompute_mode(graph),
+        hardware=options.hardware,
     )

@@ -21,6 +21,8 @@ from fivedc.overlap import Bucket, plan_buckets
 from fivedc.recompute import recomputed_regions
 from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_notes
 from fivedc.saved import regather_collectives
+from fivedc.hardware import Hardware
+from fivedc.step_time import TimeEstimate, estimate_time
 from fivedc.serialize import decode, encode
 from fivedc.stage_plan import pipeline_collectives
 from fivedc.stages import PipelineSpec
@@ -54,6 +56,7 @@ class ExecutionPlan:
     pipeline: PipelineSpec | None = None  # pp > 1: chunks, schedule, microbatches (fivedc/stages.py)
     notes: tuple[str, ...] = ()  # warnings for the reader, e.g. a setting that changes nothing
     recompute: str = "none"  # activation recomputation: none, selective (attention), full (each layer)
+    time: TimeEstimate | None = None  # seconds per step on a GPU (compile --gpu; fivedc/step_time.py)
 
     def save(self, path: str | Path, *, inputs: tuple[str | Path, ...] = ()) -> None:
         """Write atomically with `fivedc.files.write_output`: never half a plan, never over
@@ -103,7 +106,8 @@ class ExecutionPlan:
 
 def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int,
                zero: int = 0, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-               pipeline: PipelineSpec | None = None, recompute: str = "none") -> ExecutionPlan:
+               pipeline: PipelineSpec | None = None, recompute: str = "none",
+               hardware: Hardware | None = None) -> ExecutionPlan:
     buckets = () if zero == 3 and pipeline is None else plan_buckets(  # ZeRO-3 alone reduces per use
         graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes
     )
@@ -119,8 +123,11 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
     memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
                              recompute=recompute, buckets=buckets, overlap=overlap)
     notes = zero_notes(graph, mesh, zero) + recompute_notes(graph, recompute)
+    time = None if hardware is None else estimate_time(
+        graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, overlap=overlap, buckets=buckets,
+        pipeline=pipeline, recompute=recompute, hardware=hardware)
     return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory,
-                         zero, overlap, bucket_bytes, buckets, pipeline, notes, recompute)
+                         zero, overlap, bucket_bytes, buckets, pipeline, notes, recompute, time)
 
 
 def qualified(name: str, repeat: Repeat | None) -> str:

@@ -73,6 +73,7 @@ def options_of(plan: ExecutionPlan) -> CompileOptions:
         virtual=pipeline.virtual if pipeline and pipeline.schedule == "interleaved" else None,
         pp_layout=_layers_per_chunk(plan) if pipeline and pipeline.cut == "layout" else None,
         recompute=plan.recompute,
+        hardware=plan.time.hardware if plan.time else None,
     )
 
 

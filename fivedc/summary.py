@@ -315,13 +315,42 @@ def _memory(plan: ExecutionPlan) -> Table:
 
 
 def _memory_classes(plan: ExecutionPlan) -> Table | None:
-    """One row per class of ranks holding different bytes (pipeline stages)."""
-    if len(plan.memory.ranks) == 1:
+    """One row per class of ranks holding different bytes (pipeline stages); with a GPU,
+    whether each fits its usable memory."""
+    if len(plan.memory.ranks) == 1 and plan.time is None:
         return None
-    table = _table("Memory per class of ranks", "ranks", *CATEGORIES)
+    gpu = plan.time.hardware if plan.time else None
+    extra = (f"on {gpu.key}",) if gpu else ()
+    table = _table("Memory per class of ranks", "ranks", *CATEGORIES, *extra)
     for entry in plan.memory.ranks:
-        _row(table, entry.ranks, *(format_bytes(getattr(entry, name)) for name in CATEGORIES))
+        fits = (("fits" if entry.total <= gpu.usable_bytes else "does not fit"),) if gpu else ()
+        _row(table, entry.ranks, *(format_bytes(getattr(entry, name)) for name in CATEGORIES), *fits)
     return table
+
+
+def _time(plan: ExecutionPlan) -> Table:
+    """The step-time model's figures (`fivedc/step_time.py`)."""
+    t, gpu = plan.time, plan.time.hardware
+    grid = _table(f"Step time on {gpu.name} ({gpu.key})", "figure", "value")
+    parts = [f"forward and backward {t.compute_seconds:.3g} s"]
+    if plan.pipeline is not None:
+        parts.append(f"bubble {t.bubble:.1%}")
+    parts += [f"collectives in the layers {t.layer_comm_seconds:.3g} s", f"gradient sync {t.grad_sync_seconds:.3g} s"]
+    if t.zero_gather_seconds:
+        parts.append(f"ZeRO gathers {t.zero_gather_seconds:.3g} s")
+    parts.append(f"optimizer {t.optimizer_seconds:.3g} s")
+    fit = "every class of ranks fits" if all(e.total <= gpu.usable_bytes for e in plan.memory.ranks) else \
+        "does not fit"
+    for key, value in (
+        ("step", f"{t.step_seconds:.3g} s ({'; '.join(parts)})"),
+        ("throughput", f"{t.tokens_per_second:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU, "
+                       f"MFU {t.mfu:.1%}"),
+        ("memory", f"{fit} in {format_bytes(gpu.usable_bytes)} ({gpu.memory_gib:g} GiB less {gpu.reserved_gib:g} "
+                   f"reserved); the busiest, {plan.memory.busiest.ranks}, holds {format_bytes(plan.memory.total)}"),
+    ):
+        grid.add_row(Text(key), Text(value, overflow="fold"))
+    grid.columns[1].ratio = 1
+    return grid
 
 
 def transient_text(plan: ExecutionPlan) -> str:
@@ -373,6 +402,9 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     layers, alone = recomputed_regions(plan.graph, plan.recompute)
     console.print(Text(f"note: {ACTIVATION_NOTES['full' if layers else 'selective' if alone else 'none']}"))
     console.print(Text(f"note: {transient_text(plan)}"))
+    if plan.time is not None:
+        console.print()
+        console.print(_time(plan))
 
 
 __all__ = ["MAX_PARAM_ROWS", "format_bytes", "op_shardings", "phase_totals", "render_summary", "replicated_ops"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from fivedc.errors import FivedcError
+from fivedc.hardware import Hardware
 from fivedc.ir import Graph
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.recompute import check_mode, model_mode
@@ -41,6 +42,7 @@ class CompileOptions:
     virtual: int | None = None  # chunks per pp rank; None: the schedule's (interleaved: 2)
     pp_layout: tuple[int, ...] | None = None  # layers per chunk; None: balanced by cost
     recompute: str | None = None  # activation recomputation (fivedc/recompute.py); None: the model's @recompute, else none
+    hardware: Hardware | None = None  # the GPU the step-time model and the fit check assume (fivedc/hardware.py)
 
     def __post_init__(self) -> None:
         for what, value, choices in (

@@ -79,17 +79,26 @@ def peak_live_weighted(schedule: Schedule, weights: Sequence[float],
     return tuple(peaks)
 
 
-def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *, check: bool = True) -> SimResult:
-    """Run `schedule` on the clock with `costs` per action kind (defaults: F=1, B=2, I=1, W=1, transfers 0).
+def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *, check: bool = True,
+             chunk_costs: Mapping[str, Sequence[float]] | None = None,
+             delays: Mapping[str, Sequence[float]] | None = None) -> SimResult:
+    """Run `schedule` on the clock with `costs` per action kind (defaults: F=1, B=2, I=1, W=1, transfers 0),
+    or per kind and chunk (`chunk_costs`), RECVs waiting `delays[kind][chunk]` after their SEND.
 
     With `check`, first verifies what `check_schedule` verifies without running
-    (dependencies, exactly-once, pairing); the run itself finds deadlocks.
+    (dependencies, exactly-once, pairing); the run itself finds deadlocks. Busy time
+    counts computations and transfers as the ranks spend them (not the delays).
     """
     pairs = check_static(schedule) if check else None
     c = resolve_costs(costs)
-    start, end = execute(schedule, c, pairs)
+    per = {k: list(v) for k, v in (chunk_costs or {}).items()}
+    start, end = execute(schedule, c, pairs, chunk_costs=per, delays={k: list(v) for k, v in (delays or {}).items()})
     by_kind = {k: c[k.value] for k in K}
-    busy = tuple(sum(by_kind[a.kind] for a in acts) for acts in schedule.ranks)
+    if per:
+        busy = tuple(sum(per[a.kind.value][a.chunk] if a.kind.value in per else by_kind[a.kind] for a in acts)
+                     for acts in schedule.ranks)
+    else:
+        busy = tuple(sum(by_kind[a.kind] for a in acts) for acts in schedule.ranks)
     makespan = max((e[-1] for e in end if e), default=0.0)
     return SimResult(schedule=schedule, start=tuple(map(tuple, start)), end=tuple(map(tuple, end)),
                      makespan=makespan, busy=busy, peak_live=peak_live(schedule))
