@@ -4,12 +4,16 @@ A parameter whose gradient is partial over some axes (`Param.grad_partial`) need
 its gradient summed over them. Per ZeRO stage (`runtime/zero.py` runs exactly this):
 
     stage  gradient sum                       parameter gathers
-    0, 1   all-reduce per bucket (grad_sync)  1: all-gather per bucket after the step (optimizer)
+    0      all-reduce per bucket (grad_sync)  -
+    1      reduce-scatter per bucket, after   all-gather per bucket after the step (optimizer)
+           backward (full gradients kept)
     2      reduce-scatter per bucket          all-gather per bucket after the step (optimizer)
     3      reduce-scatter per use (backward)  all-gather before each use, forward and backward
     3, pp  reduce-scatter per bucket, after    all-gather per bucket once per step (forward), kept
            the last microbatch (grad_sync)    across the microbatches
 
+ZeRO-1 and ZeRO-2 move 2Ψ per step (Ψ: the parameters' bytes): a reduce-scatter and an
+all-gather, as the ZeRO paper has it, not an all-reduce (2Ψ) and then the gather.
 Each collective says what compute it overlaps with (`Collective.overlaps`).
 """
 
@@ -69,13 +73,14 @@ def _bucket_collective(bucket: Bucket, mesh: Mesh, zero: int, overlap: bool) -> 
     group = "*".join(bucket.axes)
     n = mesh.size(*bucket.axes)
     why = f"the parameters are replicated over {group} while their ops split the work over {group}: sum the gradients"
-    if zero >= 2:
+    if zero >= 1:
         kind, why = K.REDUCE_SCATTER, why + f"; ZeRO-{zero} keeps only this rank's 1/{n} chunk of each"
     else:
         kind = K.ALL_REDUCE
     where = "the layer" if bucket.count > 1 else "the step"
     overlaps = (
         f"backward of what ran before it in {where} (starts when its last gradient is ready)"
+        if overlap and zero != 1 else "nothing (after backward: ZeRO-1 keeps the full gradients until then)"
         if overlap else "nothing (after backward: overlap is off)"
     )
     return Collective(kind, bucket.axes, Phase.GRAD_SYNC, f"bucket {bucket.index}: {', '.join(bucket.params)}",

@@ -9,8 +9,8 @@ A step (`estimate_time`) is
    makespan and idle share (the bubble). Without a pipeline: one forward and backward.
 2. the gradient sync the compute does not hide: summed over each parameter's ZeRO
    group (all-reduce; ZeRO-1/2 reduce-scatter), during backward when the plan overlaps
-   it (no pipeline, overlap on: only what exceeds the backward before the last
-   bucket), else all after it;
+   it (no pipeline, overlap on, not ZeRO-1: only what exceeds the backward before the
+   last bucket), else all after it;
 3. ZeRO's gathers: ZeRO-1/2 all-gather the updated parameters after the step; ZeRO-3
    gathers each parameter at its use (forward gathers prefetched behind compute,
    backward ones and the reduce-scatters not) or, under a pipeline, once per step;
@@ -116,14 +116,14 @@ def _after_backward(graph, mesh, dtype, dtype_bytes, zero, overlap, buckets, pip
         if n and mesh.size(*param.grad_partial) > 1:
             groups[param.grad_partial] = groups.get(param.grad_partial, 0) + sync_bytes(graph, mesh, param,
                                                                                         dtype_bytes, zero) * n
-    reduce = K.REDUCE_SCATTER if zero >= 2 else K.ALL_REDUCE
+    reduce = K.REDUCE_SCATTER if zero >= 1 else K.ALL_REDUCE
     sync = sum(collective_seconds(reduce, axes, b, mesh, hw) for axes, b in groups.items())
     gather = sum(collective_seconds(K.ALL_GATHER, axes, b, mesh, hw) for axes, b in groups.items())
     if zero == 3 and pipeline is None:  # per use: gathered forward (prefetched) and backward, reduce-scattered
         scatter = sum(collective_seconds(K.REDUCE_SCATTER, axes, b, mesh, hw) for axes, b in groups.items())
         exposed_sync, gathers = scatter, max(0.0, gather - (makespan - backward)) + gather
     else:
-        hidden = max(0.0, backward - last) if (pipeline is None and overlap and zero < 3) else 0.0
+        hidden = max(0.0, backward - last) if (pipeline is None and overlap and zero in (0, 2)) else 0.0
         exposed_sync = max(sync - hidden, sync / max(len(buckets), 1)) if hidden else sync
         gathers = gather if zero >= 1 else 0.0
     state = 2 * dtype_bytes + dtype_bytes + 2 * OPTIMIZER_BYTES[dtype]  # p read+write, g read, state read+write

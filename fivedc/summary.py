@@ -172,6 +172,9 @@ def _overlap_text(plan: ExecutionPlan) -> str:
         return "off under a pipeline: gradients accumulate over microbatches and are summed after the last"
     if plan.zero == 3:
         return "on: each parameter's next use is gathered while the current op computes"
+    if plan.zero == 1:
+        return (f"after backward under ZeRO-1 (it keeps the full gradients): {len(plan.buckets)} gradient "
+                "buckets reduce-scattered then")
     size = format_bytes(plan.bucket_bytes)
     return f"on: {len(plan.buckets)} gradient buckets of up to {size}, summed during backward"
 

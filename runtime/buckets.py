@@ -7,10 +7,14 @@ asynchronous collective once all its gradients are ready and every bucket before
 it has started, so all ranks start them in the plan's order. `finish` starts what
 is left (everything, with overlap off), waits, and hands back the sums.
 
-A bucket is one flat buffer. ZeRO-0/1 all-reduce the concatenated gradients. ZeRO-2
-lays the buffer out as [n, sum of chunks] (row i holds every parameter's chunk i),
-which is what a reduce-scatter splits; on gloo it is an all-reduce, and the rank
-keeps its row; at most two whole buckets are in flight (`IN_FLIGHT`: starting a
+A bucket is one flat buffer. ZeRO-0 all-reduces the concatenated gradients. ZeRO-1
+and ZeRO-2 reduce-scatter them (2Ψ with the gather of the updated parameters, not
+the 3Ψ of an all-reduce and a gather): the buffer is laid out as [n, sum of chunks]
+(row i holds every parameter's chunk i), which is what a reduce-scatter splits; on
+gloo it is an all-reduce, and the rank keeps its row. ZeRO-2 starts them during
+backward and drops each full gradient as its bucket starts; ZeRO-1 keeps the full
+gradients until backward ends (its memory holds them whole) and reduce-scatters
+every bucket then; at most two whole buckets are in flight (`IN_FLIGHT`: starting a
 third waits for the oldest). A parameter's full gradient is released when its bucket
 starts.
 """
@@ -51,6 +55,8 @@ class GradBuckets:
     def __init__(self, params: dict[str, Tensor], buckets: list[tuple[str, ...]], specs: dict, groups: dict,
                  *, stage: int, overlap: bool) -> None:
         self.params, self.buckets, self.specs, self.groups, self.stage = params, buckets, specs, groups, stage
+        self.scatter = stage in (1, 2)  # reduce-scatter into this rank's chunk (else all-reduce)
+        overlap = overlap and stage != 1  # ZeRO-1 keeps the full gradients through backward
         self.index_of = {name: k for k, names in enumerate(buckets) for name in names}
         self.ready: list[set[str]] = [set() for _ in buckets]
         self.started: list[tuple[Tensor, object]] = []
@@ -76,7 +82,7 @@ class GradBuckets:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)  # an unused parameter
             grads.append(self._layout(name, grad.reshape(-1)))
             p.grad = None
-        if self.stage == 2:
+        if self.scatter:
             flat = torch.cat(grads, dim=1).reshape(-1)
             if k >= IN_FLIGHT:  # a whole bucket laid out for its reduce-scatter: keep at most two
                 self._settle(k - IN_FLIGHT)
@@ -94,13 +100,13 @@ class GradBuckets:
         if work is not None:
             work.wait()
             names = self.buckets[k]
-            if self.stage == 2 and flat.numel() > sum(self.specs[n].chunk for n in names):
+            if self.scatter and flat.numel() > sum(self.specs[n].chunk for n in names):
                 spec = self.specs[names[0]]
                 flat = flat.view(spec.n, -1)[spec.index].clone()  # gloo: keep this rank's row only
             self.started[k] = (flat, None)
 
     def _layout(self, name: str, grad: Tensor) -> Tensor:
-        if self.stage != 2:
+        if not self.scatter:
             return grad
         spec = self.specs[name]
         padded = torch.zeros(spec.n * spec.chunk, dtype=grad.dtype, device=grad.device)
@@ -109,7 +115,7 @@ class GradBuckets:
 
     def finish(self) -> dict[str, Tensor]:
         """Start what has not started, wait for every bucket, and return the summed
-        gradients: full (stages 0, 1) or this rank's chunk (stage 2)."""
+        gradients: full (stage 0) or this rank's chunk (stages 1, 2)."""
         self.started_early = len(self.started)
         for k in range(len(self.started), len(self.buckets)):
             self._start(k)
@@ -119,7 +125,7 @@ class GradBuckets:
             flat = self.started[k][0]
             offset = 0
             for name in names:
-                size = self.specs[name].chunk if self.stage == 2 else self.params[name].numel()
+                size = self.specs[name].chunk if self.scatter else self.params[name].numel()
                 out[name] = flat[offset:offset + size]
                 offset += size
         self.ready = [set() for _ in self.buckets]

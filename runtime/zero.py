@@ -6,10 +6,13 @@ and cp and, under SP, tp where those apply). Its local tensor is flattened and c
 into `n` equal chunks (the last one padded), chunk `i` owned by the rank with
 group rank `i` (`runtime/flat_shard.py`). Per stage, on each rank:
 
-- ZeRO-1: full gradient all-reduced; AdamW moments only for the owned chunk; the
-  owned chunk of every parameter updated in place, then all parameters all-gathered,
-  one collective per gradient bucket of the plan (`gather_flat`), not per parameter.
-- ZeRO-2: the gradient reduce-scattered, only the owned chunk kept; then as ZeRO-1.
+- ZeRO-1: full gradients kept through backward, then reduce-scattered (each rank gets
+  the sum of its chunk: 2Ψ with the gather below, not an all-reduce's 3Ψ); AdamW
+  moments only for the owned chunk; the owned chunk of every parameter updated in
+  place, then all parameters all-gathered, one collective per gradient bucket of the
+  plan (`gather_flat`), not per parameter.
+- ZeRO-2: the same reduce-scatter, bucket by bucket during backward, each full
+  gradient dropped as its bucket starts; then as ZeRO-1.
 - ZeRO-3: only the owned chunk of the parameter is kept at rest (`shards`). Every
   use gathers it (`_Gather`: all-gather forward, reduce-scatter of the gradient
   backward); the gathered tensor is not kept for backward: a saved-tensor hook
@@ -76,6 +79,12 @@ class _Gather(torch.autograd.Function):
         return fctx.spec.reduce_scatter(grad.reshape(-1)), None, None, None
 
 
+def _all_reduced(grad: Tensor, group) -> Tensor:
+    out = grad.clone()
+    torch.distributed.all_reduce(out, group=group)
+    return out
+
+
 class ZeroOptimizer:
     """AdamW with ZeRO stage 0-3 over each parameter's `grad_partial` group.
 
@@ -128,8 +137,10 @@ class ZeroOptimizer:
 
     def reduce_gradients(self) -> None:
         """Sum each gradient over its group, bucket by bucket (stages 0-2; with overlap
-        on, most buckets started during backward): full sums for stages 0 and 1, the
-        owned chunk for stage 2. Stage 3's gradients arrive summed and chunked."""
+        on, ZeRO-0/2's buckets mostly started during backward): the full sum for stage 0,
+        the owned chunk by reduce-scatter for stages 1 and 2. Stage 3's gradients arrive
+        summed and chunked."""
+        whole = sum(p.grad.numel() * p.grad.element_size() for p in self.params.values() if p.grad is not None)
         summed = self.buckets.finish() if self.buckets is not None else {}
         if self.gathered:  # kept-gathered ZeRO-3: reduce-scatter once per step, by the plan's buckets
             summed.update(GradBuckets(self.gathered, self.bucket_names, self.specs, self.groups, stage=2,
@@ -138,6 +149,12 @@ class ZeroOptimizer:
             if name not in summed and self.specs[name].n > 1:
                 grad = full.grad if full.grad is not None else torch.zeros_like(full)
                 summed[name] = self.specs[name].reduce_scatter(grad.reshape(-1))
+        if self.stage < 3:  # a parameter in no bucket of this rank (a bucket the pipeline split): alone
+            for name, p in self.params.items():
+                if name not in summed and self.groups.get(name) is not None:
+                    grad = (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                    summed[name] = self.specs[name].reduce_scatter(grad) if self.stage else _all_reduced(
+                        grad, self.groups[name])
         self.gathered = {}
         self.grads = {}
         for name, p in self.params.items():
@@ -146,6 +163,8 @@ class ZeroOptimizer:
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
             self.grads[name] = grad
             p.grad = None
+        after = sum(g.numel() * g.element_size() for g in self.grads.values())
+        self.grad_bytes = max(whole, after) if self.stage <= 1 else after  # ZeRO-0/1 hold them whole
 
     def step(self) -> None:
         """AdamW on every owned part; then (stages 1, 2) every parameter gathered from
@@ -172,7 +191,7 @@ class ZeroOptimizer:
     # ---- what a rank holds ----------------------------------------------------------------
     def full_grads(self) -> dict[str, Tensor]:
         """Every summed gradient at the parameter's local shape (gathers chunks; for checks)."""
-        grads = gather_flat(self.grads, self.specs) if self.stage >= 2 else self.grads
+        grads = gather_flat(self.grads, self.specs) if self.stage >= 1 else self.grads
         return {name: grad.reshape(self.shapes[name]).detach().clone() for name, grad in grads.items()}
 
     def full_params(self) -> dict[str, Tensor]:
@@ -189,7 +208,7 @@ class ZeroOptimizer:
         states = self.state.values()
         return {
             "params": sum(size(p) for p in self.params.values()),
-            "grads": sum(size(g) for g in self.grads.values()),
+            "grads": getattr(self, "grad_bytes", sum(size(g) for g in self.grads.values())),
             "optimizer": sum(size(s.exp_avg) + size(s.exp_avg_sq) + size(s.master) for s in states),
         }
 
@@ -201,9 +220,7 @@ class ZeroOptimizer:
 
     def _owned_grad(self, name: str) -> Tensor:
         grad = self.grads[name].reshape(-1)
-        if self.stage == 1:
-            return self.specs[name].owned(grad)
-        return grad[: self.specs[name].owned_length] if self.stage == 2 else grad
+        return grad[: self.specs[name].owned_length] if self.stage in (1, 2) else grad
 
 
 class ShardedParams:
