@@ -54,7 +54,7 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
                    help=f"gradient bucket size in MiB (default {DEFAULT_BUCKET_MB:g})")
     p.add_argument("--schedule", default=None, help="pipeline schedule for pp > 1: gpipe, 1f1b (default), "
-                   "interleaved, zb-h1, dualpipev")
+                   "interleaved, zb-h1, dualpipev, dualpipe (two model copies)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: max(pp, least))")
     p.add_argument("--virtual", type=int, default=None, help="chunks per pp rank for interleaved (default 2)")
     p.add_argument("--pp-layout", default=None, metavar="N,N,...",

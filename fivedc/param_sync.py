@@ -132,3 +132,29 @@ def _zero_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, o
              f"ZeRO-3: gather {param.name} again for the backward of each use (not kept from forward)", uses * layers),
         make(K.REDUCE_SCATTER, Phase.BACKWARD, f"{summed}; ZeRO-3 keeps only this rank's 1/{n} chunk", uses * layers),
     ]
+
+
+def copy_sync_collectives(graph: Graph, mesh: Mesh, pipeline, dtype_bytes: int, zero: int) -> list[Collective]:
+    """DualPipe keeps two copies of the model: pp ranks r and p-1-r hold the same chunks
+    (one of each copy), each copy sees half the microbatches, so after the gradient sync
+    the two exchange their summed gradients (the chunk ZeRO keeps) and add them."""
+    if pipeline is None or pipeline.schedule != "dualpipe":
+        return []
+    from fivedc.stages import chunk_param_names
+
+    p, out = mesh.size(MeshAxis.PP), []
+    for r in range(p // 2):
+        local = chunk_param_names(graph, pipeline, pp_rank=r)
+        nbytes = 0
+        for param, repeat in walk_params(graph.body):
+            n = (param.name in local) if repeat is None else sum(f"{repeat.name}.{i}.{param.name}" in local
+                                                                  for i in range(repeat.count))
+            each = zero_chunk(graph, mesh, param) if zero else graph.local_numel(param.dims, param.sharding, mesh)
+            nbytes += each * n * dtype_bytes
+        out.append(Collective(
+            K.SEND_RECV, (MeshAxis.PP,), Phase.GRAD_SYNC, f"gradients of pp ranks {r} and {p - 1 - r}", nbytes,
+            f"DualPipe: pp ranks {r} and {p - 1 - r} hold the two copies of the same chunks, each copy saw half "
+            "the microbatches: they exchange their summed gradients and add them (an all-reduce of two), so both "
+            "copies update alike", overlaps="nothing (after the gradient sync)"))
+    return out
+

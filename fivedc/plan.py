@@ -19,7 +19,8 @@ from fivedc.memory import OPTIMIZER_BYTES, MemoryEstimate, estimate_memory  # no
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.overlap import Bucket, plan_buckets
 from fivedc.recompute import recomputed_regions
-from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_notes
+from fivedc.param_sync import (DEFAULT_BUCKET_BYTES, copy_sync_collectives, param_sync_collectives, sync_bytes,
+                               zero_notes)
 from fivedc.saved import regather_collectives
 from fivedc.hardware import Hardware
 from fivedc.step_time import TimeEstimate, estimate_time
@@ -115,6 +116,7 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
                                      buckets=buckets) + tuple(regather_collectives(graph, recompute))
     if pipeline is not None:
         collectives += tuple(pipeline_collectives(graph, mesh, pipeline, dtype_bytes))
+        collectives += tuple(copy_sync_collectives(graph, mesh, pipeline, dtype_bytes, zero))
     axis_sets = {(a,) for a in mesh.rank_order if mesh.size(a) > 1} | {c.axes for c in collectives}
     groups = tuple(
         GroupInfo(axes, mesh.size(*axes), mesh.group_count(axes), tuple(mesh.stride(a) for a in axes))

@@ -80,7 +80,9 @@ def options_of(plan: ExecutionPlan) -> CompileOptions:
 def _layers_per_chunk(plan: ExecutionPlan) -> tuple[int, ...]:
     """The --pp-layout that cuts the plan's chunks: repeat layers in each chunk's units."""
     all_units = units(plan.graph)
-    return tuple(sum(u.layer is not None for u in all_units[a:b]) for a, b in (c.units for c in plan.pipeline.chunks))
+    chunks = plan.pipeline.chunks
+    model = chunks[:len(chunks) // 2] if plan.pipeline.schedule == "dualpipe" else chunks  # its second copy repeats them
+    return tuple(sum(u.layer is not None for u in all_units[a:b]) for a, b in (c.units for c in model))
 
 
 # ---- the model back out of a compiled graph ----------------------------------------------------

@@ -27,7 +27,10 @@ def pipeline_collectives(graph: Graph, mesh: Mesh, spec: PipelineSpec, dtype_byt
     gradients backward, once per microbatch."""
     types = value_types(graph)
     out = []
+    copies = 2 if spec.schedule == "dualpipe" else 1  # each copy carries half the microbatches
     for chunk in spec.chunks[:-1]:
+        if not chunk.sends:
+            continue  # the last chunk of a copy
         numel = 0
         for name in chunk.sends:
             t, sharding = types[name]
@@ -40,13 +43,13 @@ def pipeline_collectives(graph: Graph, mesh: Mesh, spec: PipelineSpec, dtype_byt
             out.append(Collective(
                 CollectiveKind.SEND_RECV, (MeshAxis.PP,), phase, values, numel * dtype_bytes,
                 f"pipeline: chunk {chunk.index} (pp rank {chunk.rank}) and chunk {nxt.index} (pp rank {nxt.rank}) "
-                f"exchange {what} at their boundary, once per microbatch",
-                count=spec.microbatches, overlaps="the other microbatches' compute (as the schedule orders it)",
+                f"exchange {what} at their boundary, once per microbatch" + (" of their copy" if copies > 1 else ""),
+                count=spec.microbatches // copies, overlaps="the other microbatches' compute (as the schedule orders it)",
             ))
     return out
 
 
-RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
+RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
 
 
 def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
@@ -55,9 +58,6 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
     p = mesh.size(MeshAxis.PP)
     if p == 1:
         return None
-    if schedule == "dualpipe":
-        raise PlanError("dualpipe keeps two copies of the model, which the runtime does not run",
-                        hint="use dualpipev: the same V-shaped chunks and bubble on one copy")
     if virtual is None and schedule == "interleaved":
         virtual = 2
     per_rank = virtual if schedule == "interleaved" else 2 if schedule == "dualpipev" else 1
@@ -72,23 +72,67 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
     _check_microbatches(graph, mesh, m)
     _check_per_microbatch(graph, m)
     sched = make_schedule(schedule, p, m, virtual)
-    n_chunks = p * sched.v
+    n_chunks = p * sched.v // sched.pipelines  # the model's chunks (DualPipe runs each on two ranks)
     costs, sizes = unit_costs(graph, mesh, dtype_bytes)
     if marked:
         ranges, cut = marked_ranges(all_units), "marks"
     elif layout is not None:
         if len(layout) != n_chunks:
             raise PlanError(f"the layout gives {len(layout)} chunks; {schedule} on pp={p} runs {n_chunks}",
-                            hint=f"give {n_chunks} layer counts, one per chunk ({sched.v} per pp rank)")
+                            hint=f"give {n_chunks} layer counts, one per chunk ({n_chunks // p} per pp rank)")
         ranges, cut = layout_ranges(layout, graph), "layout"
     else:
         ranges, cut = partition(costs, n_chunks, what="layers and op groups"), "cost"
+        if schedule == "dualpipev":
+            ranges = balance_v(costs, ranges)
     chunks = []
-    for k, (a, b) in enumerate(ranges):
-        what = _describe(graph, all_units[a:b])
-        sends = boundary_values(graph, b) if k < n_chunks - 1 else ()
+    for k in range(p * sched.v):  # DualPipe: chunk n_chunks + s is the second copy's chunk s
+        a, b = ranges[k % n_chunks]
+        what = _describe(graph, all_units[a:b]) + (" (second copy)" if k >= n_chunks else "")
+        sends = boundary_values(graph, b) if k % n_chunks < n_chunks - 1 else ()
         chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
     return PipelineSpec(schedule, m, sched.v, tuple(chunks), cut)
+
+
+def balance_v(costs: list[float], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """DualPipeV's rank r runs chunks r and 2p-1-r: move units across chunk boundaries
+    while that lowers the ranks' pair costs, largest first (compared as sorted lists, so
+    a tie at the top still lets the next one come down), starting from chunks balanced
+    one by one."""
+    n = len(ranges)
+    cuts = [b for _, b in ranges[:-1]]  # chunk k is [cuts[k-1], cuts[k])
+
+    def pairs(cuts: list[int]) -> list[float]:
+        bounds = [0, *cuts, ranges[-1][1]]
+        chunk = [sum(costs[bounds[k]:bounds[k + 1]]) for k in range(n)]
+        return sorted((chunk[r] + chunk[n - 1 - r] for r in range(n // 2)), reverse=True)
+
+    end = ranges[-1][1]
+    moves = [((k, step),) for k in range(n - 1) for step in (-1, 1)]  # one boundary, or it and its mirror
+    moves += [((k, a), (n - 2 - k, b)) for k in range((n - 1) // 2) for a in (-1, 1) for b in (-1, 1)]
+    best = pairs(cuts)
+    improved = True
+    while improved:
+        improved = False
+        for move in moves:
+            moved = list(cuts)
+            for k, step in move:
+                moved[k] += step
+            if not all(a < b for a, b in zip([0, *moved], [*moved, end])):
+                continue
+            trial = pairs(moved)
+            if _lower(trial, best):
+                cuts, best, improved = moved, trial, True
+    bounds = [0, *cuts, ranges[-1][1]]
+    return [(bounds[k], bounds[k + 1]) for k in range(n)]
+
+
+def _lower(trial: list[float], best: list[float]) -> bool:
+    """Whether `trial` (pair costs, largest first) is lower than `best`, lexicographically."""
+    for x, y in zip(trial, best):
+        if abs(x - y) > 1e-9 * max(abs(y), 1.0):
+            return x < y
+    return False
 
 
 # ---- the model's @stage marks ------------------------------------------------------------------

@@ -128,6 +128,8 @@ def _after_backward(graph, mesh, dtype, dtype_bytes, zero, overlap, buckets, pip
         gathers = gather if zero >= 1 else 0.0
     state = 2 * dtype_bytes + dtype_bytes + 2 * OPTIMIZER_BYTES[dtype]  # p read+write, g read, state read+write
     optimizer = owned * state / (hw.hbm_bytes_per_s * hw.memory_efficiency)
+    if pipeline is not None and pipeline.schedule == "dualpipe":  # the two copies add their gradients
+        exposed_sync += collective_seconds(K.SEND_RECV, (MeshAxis.PP,), owned * dtype_bytes, mesh, hw)
     return exposed_sync, gathers, optimizer
 
 

@@ -62,7 +62,9 @@ class PipelineRunner:
         self.actions = self.schedule.ranks[pp_rank]
         self.all_units: list[Unit] = units(graph)
         self.types = value_types(graph)
-        self.last_chunk = len(spec.chunks) - 1
+        copy = len(spec.chunks) // self.schedule.pipelines  # DualPipe runs two copies of the model's chunks
+        self.loss_chunks = {c for c in range(len(spec.chunks)) if self.schedule.next_chunk(c) is None}
+        self.last_chunk = copy - 1  # the first copy's loss chunk (forward_only runs that copy)
         split = any(a.kind == K.BACKWARD_WEIGHT for a in self.actions)
         self.weight_grads = enable_deferred_weight_grads(ctx) if split else None
         self.meter = None  # a `runtime.saved.LiveMeter` measuring what the step keeps for backward
@@ -124,7 +126,7 @@ class PipelineRunner:
         this rank's chunks in model order, one microbatch after another; the sum of the
         losses computed here. Every rank works in (microbatch, chunk) order, so a
         receive never waits on a send that comes later."""
-        chunks, mine = self.spec.chunks, self.ctx.coords[MeshAxis.PP]
+        chunks, mine = self.spec.chunks[:self.last_chunk + 1], self.ctx.coords[MeshAxis.PP]
         total = torch.zeros((), dtype=torch.float64)
         sends: list = []
         self._count_targets(inputs)
@@ -154,7 +156,7 @@ class PipelineRunner:
         not one microbatch's: counted here, before them, on the rank that holds the loss
         (its targets are an input: `stage_plan._check_per_microbatch`)."""
         self.ctx.step_counts.clear()
-        if self.spec.chunks[self.last_chunk].rank != self.ctx.coords[MeshAxis.PP]:
+        if all(self.spec.chunks[c].rank != self.ctx.coords[MeshAxis.PP] for c in self.loss_chunks):
             return
         for op in self.program.losses_ignoring():
             if op.args[1] in inputs:  # else one microbatch: the kernel counts them itself
@@ -174,13 +176,13 @@ class PipelineRunner:
         spec = self.spec.chunks[chunk]
         env = dict(inputs)
         dims = {i.name: i.type.dims for i in self.graph.inputs}
-        if chunk > 0:
+        if self.schedule.prev_chunk(chunk) is not None:
             names = self.spec.chunks[chunk - 1].sends
             env.update(zip(names, micro.received))
             dims.update((n, self.types[n][0].dims) for n in names)
         first, stop = spec.units
         self.program.run_units(self.all_units[first:stop], params, env, dims)
-        if chunk == self.last_chunk:
+        if chunk in self.loss_chunks:
             micro.outputs = [env[self.graph.output]]
             return micro.outputs[0]
         micro.outputs = [env[n] for n in spec.sends]
@@ -219,6 +221,31 @@ class PipelineRunner:
         else:
             torch.autograd.backward(outs, gs)
         micro.grads_out = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+
+    # ---- DualPipe: two copies of each chunk ----------------------------------------------------
+    def sum_copies(self, grads: dict[str, Tensor]) -> None:
+        """DualPipe keeps two copies of the model (pp rank r holds chunk r of one and chunk
+        p-1-r of the other): each copy saw half the microbatches, so the two ranks holding
+        the copies of a chunk (pp ranks r and p-1-r hold the same parameters) add their
+        summed gradients, in place, and then update alike."""
+        if self.schedule.pipelines == 1 or not grads:
+            return
+        names = sorted(grads)
+        flat = torch.cat([grads[n].reshape(-1) for n in names])
+        dist.all_reduce(flat, group=self._mirror_group())
+        offset = 0
+        for name in names:
+            size = grads[name].numel()
+            grads[name].copy_(flat[offset:offset + size].view_as(grads[name]))
+            offset += size
+
+    def _mirror_group(self):
+        key = "dualpipe-mirror"
+        if key not in self.ctx._cache:
+            p, coords = self.ctx.mesh.size(MeshAxis.PP), self.ctx.coords
+            pair = sorted({self._peer(coords[MeshAxis.PP]), self._peer(p - 1 - coords[MeshAxis.PP])})
+            self.ctx._cache[key] = dist.new_group(pair, use_local_synchronization=True)
+        return self.ctx._cache[key]
 
     # ---- point to point ------------------------------------------------------------------------
     def _peer(self, pp_rank: int) -> int:

@@ -121,6 +121,8 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
         if meter is not None:
             record.kept.append(meter.peak)
         optimizer.reduce_gradients()
+        if runner is not None:  # DualPipe: the two copies of each chunk add their gradients
+            runner.sum_copies(optimizer.grads)
         full_loss = loss.detach().clone()
         if loss_axes and ctx.group(loss_axes) is not None:
             dist.all_reduce(full_loss, group=ctx.group(loss_axes))

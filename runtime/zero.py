@@ -145,10 +145,10 @@ class ZeroOptimizer:
         if self.gathered:  # kept-gathered ZeRO-3: reduce-scatter once per step, by the plan's buckets
             summed.update(GradBuckets(self.gathered, self.bucket_names, self.specs, self.groups, stage=2,
                                       overlap=False).finish())
-        for name, full in self.gathered.items():  # the rest (a bucket the pipeline split): one by one
-            if name not in summed and self.specs[name].n > 1:
+        for name, full in self.gathered.items():  # the rest (a bucket the pipeline split, a one-rank group): alone
+            if name not in summed:
                 grad = full.grad if full.grad is not None else torch.zeros_like(full)
-                summed[name] = self.specs[name].reduce_scatter(grad.reshape(-1))
+                summed[name] = self.specs[name].reduce_scatter(grad.reshape(-1))  # as it is for one rank
         if self.stage < 3:  # a parameter in no bucket of this rank (a bucket the pipeline split): alone
             for name, p in self.params.items():
                 if name not in summed and self.groups.get(name) is not None:

@@ -36,6 +36,7 @@ CASES = {  # name: (model, mesh, options)
     "pp2 tp2 interleaved full": (DENSE["llama"], "1x2x2x1x1", dict(sequence_parallel=True, schedule="interleaved",
                                                                    microbatches=2, recompute="full")),
     "pp2 dualpipev": (DENSE["gpt"], "1x2x1x1x1", dict(schedule="dualpipev", microbatches=4)),
+    "pp2 dualpipe": (DENSE["llama"], "1x2x1x1x1", dict(schedule="dualpipe", microbatches=4)),  # two copies
     "ep2 moe": (BALANCED_MOE, "1x1x1x1x2", dict()),
 }
 
