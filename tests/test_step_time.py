@@ -156,3 +156,25 @@ def test_compile_gpu_prints_fit_and_time_or_refuses_with_what_would_fit(tmp_path
     assert "Traceback" not in err and not refused.exists()
     assert main(["compile", "examples/tiny_llama.5d", "--mesh", "2x1x2x1x1", "--gpu", "nosuch", "-o", str(refused)]) == 2
     assert "unknown GPU 'nosuch'" in capsys.readouterr().err
+
+
+def test_llama3_405b_at_its_published_layout_fits_80gb_with_selective_recompute() -> None:
+    """Acceptance: TP8 PP16 DP128 (1F1B, 16 microbatches of one sequence), SP, ZeRO-1 (Llama
+    3 shards its optimizer state with FSDP), selective recomputation: every pp rank fits an
+    80 GB H100 (77.6 GiB usable of 79.6)."""
+    plan = compile_graph(load_model("examples/llama3_405b.5d"), CompileOptions(
+        mesh=Mesh.parse("128x16x8x1x1"), sequence_parallel=True, zero=1, recompute="selective", hardware=H100))
+    assert plan.memory.total <= H100.usable_bytes and len(plan.memory.ranks) > 1
+
+
+def test_deepseek_v3_at_its_published_layout_fits_h800() -> None:
+    """Acceptance: PP16 DualPipe (two model copies), EP64, ZeRO-1, no TP on 2048 H800s
+    (dp 2 x pp 16 x ep 64), 120 microbatches of one 4096-token sequence per rank, with
+    full recomputation: every pp rank fits (without it fivedc's bf16 MoE activations
+    do not: benchmarks/RESULTS.md)."""
+    h800 = hardware("h800")
+    plan = compile_graph(load_model("examples/deepseek_v3.5d"), CompileOptions(
+        mesh=Mesh.parse("2x16x1x1x64"), schedule="dualpipe", zero=1, microbatches=120, recompute="full",
+        hardware=h800))
+    assert plan.mesh.world == 2048 and plan.pipeline.schedule == "dualpipe"
+    assert plan.memory.total <= h800.usable_bytes
