@@ -97,8 +97,10 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
     loss_axes = loss_axes_of(graph, ctx.mesh)
     register_params(ctx, optimizer.params)  # MoE layers name their per-layer state by their router
     record = TrainRecord()
-    for _ in range(settings.steps):
+    for step in range(1, settings.steps + 1):
         start = time.perf_counter()
+        if program.tracer is not None:  # verify's diagnosis: every op's value, by step
+            program.tracer.step, program.tracer.microbatch = step, 0
         with gathered_params_scope(0 if optimizer.keep_gathered else zero):
             view = optimizer.view()
             if runner is not None:
