@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fivedc.errors import FivedcError
+from fivedc.errors import FivedcError, PassError
 from fivedc.ir import Graph, Op, walk_ops, walk_params
 from fivedc.mesh import MeshAxis
 from fivedc.runtime.program import Program, grad_groups
@@ -91,7 +91,10 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
         device = next(iter(params.values())).device
         runner = PipelineRunner(program, pipeline, dtype=settings.torch_dtype, device=device)
         overlap = False
-    local_buckets = [b for b in expand_buckets(buckets) if all(n in params for n in b)]
+    local_buckets = [b for b in expand_buckets(buckets) if any(n in params for n in b)]
+    if any(n not in params for b in local_buckets for n in b):  # its other gradients would go unsummed
+        raise PassError("a gradient bucket of the plan spans pipeline stages: "
+                        + ", ".join(next(b for b in local_buckets if any(n not in params for n in b))))
     optimizer = ZeroOptimizer(params, groups, stage=zero, lr=settings.lr, weight_decay=settings.weight_decay,
                               buckets=local_buckets, overlap=overlap, keep_gathered=runner is not None)
     loss_axes = loss_axes_of(graph, ctx.mesh)
