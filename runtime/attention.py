@@ -147,23 +147,28 @@ def _mask(pair: Pair, q_pos: Tensor, kv_pos: Tensor, device: torch.device) -> Te
     return (kv_pos[ko:ko + kn][None, :] <= q_pos[qo:qo + qn][:, None]).to(device)
 
 
-def _forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block: _Block) -> None:
-    """Merge the attention of q to `block` into the partial (out, lse) [b, heads, sq, ...]."""
-    heads, kv_heads, scale = q.shape[1], block.k.shape[1], q.shape[-1] ** -0.5
+def _forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block: _Block, *, fused: bool) -> None:
+    """Merge the attention of q to `block` into the partial (out, lse) [b, heads, sq, ...],
+    a pair at a time (by the fused kernel, or by `_pair_forward`'s matmuls)."""
     for pair in block.pairs:
-        (ko, kn), rows = pair.kv, slice(pair.q[0], pair.q[0] + pair.q[1])
-        k_run = block.k[:, :, ko:ko + kn].to(out.dtype)
-        v_run = block.v[:, :, ko:ko + kn].to(out.dtype)
-        probs = _scores(_rows(q, pair.q, kv_heads, out.dtype), k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale)
-        row_max = _finite(probs.amax(dim=-1))  # in place below: torch.logsumexp would copy the scores
-        row_sum = probs.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
-        pair_lse = row_max + row_sum.log()  # -inf for a row that sees no key here
-        pair_out = torch.matmul(probs, v_run).div_(row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1))
-        del probs
-        merged, merged_lse = merge_partials(
-            out[:, :, rows], lse[:, :, rows], _unrows(pair_out, heads), _unrows(pair_lse, heads)
-        )
-        out[:, :, rows], lse[:, :, rows] = merged, merged_lse
+        rows = slice(pair.q[0], pair.q[0] + pair.q[1])
+        part, part_lse = (attention_fused.pair_forward(q, q_pos, block, pair) if fused
+                          else _pair_forward(q, q_pos, block, pair, out.dtype))
+        out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], part.to(out.dtype),
+                                                          part_lse.to(lse.dtype))
+
+
+def _pair_forward(q: Tensor, q_pos: Tensor, block: _Block, pair: Pair, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One pair's (output, log-sum-exp) by matmuls, GQA heads grouped over shared K/V."""
+    heads, kv_heads, scale = q.shape[1], block.k.shape[1], q.shape[-1] ** -0.5
+    (ko, kn) = pair.kv
+    k_run, v_run = block.k[:, :, ko:ko + kn].to(dtype), block.v[:, :, ko:ko + kn].to(dtype)
+    probs = _scores(_rows(q, pair.q, kv_heads, dtype), k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale)
+    row_max = _finite(probs.amax(dim=-1))  # in place below: torch.logsumexp would copy the scores
+    row_sum = probs.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+    pair_lse = row_max + row_sum.log()  # -inf for a row that sees no key here
+    pair_out = torch.matmul(probs, v_run).div_(row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1))
+    return _unrows(pair_out, heads), _unrows(pair_lse, heads)
 
 
 def _backward_into(
@@ -227,7 +232,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         fused = attention_fused.available(q)
         block = _Block(k, v, kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks, tiles=not fused))
         out, lse = _empty_partial(q)
-        (attention_fused.forward_into if fused else _forward_into)(out, lse, q, q_pos, block)
+        _forward_into(out, lse, q, q_pos, block, fused=fused)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.positions, ctx.pairs, ctx.fused = (q_pos, kv_pos), block.pairs, fused
@@ -322,12 +327,11 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, causal: bool) -> Tensor:
         out, lse = _empty_partial(q)
         fused = attention_fused.available(q)
-        attend = attention_fused.forward_into if fused else _forward_into
         kv = torch.stack((k, v))  # one packed buffer to send
         for step in range(ring.size):
             last = step == ring.size - 1
             arriving, transfer = (None, _NOTHING) if last else _exchange(ring, kv, tag=0)
-            attend(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused))
+            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused), fused=fused)
             transfer.wait()
             kv = arriving
         out = out.to(q.dtype)

@@ -48,20 +48,16 @@ def _mask(pair, q_pos: Tensor, kv_pos: Tensor, dtype: torch.dtype) -> tuple[bool
     return False, mask, ~visible.any(dim=1)
 
 
-def forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block) -> None:
-    """Merge the attention of q to `block` into the partial (out, lse) [b, heads, sq, ...]."""
-    from fivedc.runtime.attention import merge_partials
-
-    for pair in block.pairs:
-        (qo, qn), (ko, kn) = pair.q, pair.kv
-        causal, mask, blind = _mask(pair, q_pos, block.kv_pos, q.dtype)
-        part, part_lse = _FORWARD(q[:, :, qo:qo + qn], block.k[:, :, ko:ko + kn], block.v[:, :, ko:ko + kn], 0.0,
-                                  causal, attn_mask=mask)
-        if blind is not None and bool(blind.any()):
-            part_lse = part_lse.masked_fill(blind.to(part_lse.device), -math.inf)
-        rows = slice(qo, qo + qn)
-        out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], part.to(out.dtype),
-                                                          part_lse.to(lse.dtype))
+def pair_forward(q: Tensor, q_pos: Tensor, block, pair) -> tuple[Tensor, Tensor]:
+    """The attention of the pair's q rows to its k/v rows: (output, log-sum-exp), which
+    `runtime/attention.py` merges with the other pairs'."""
+    (qo, qn), (ko, kn) = pair.q, pair.kv
+    causal, mask, blind = _mask(pair, q_pos, block.kv_pos, q.dtype)
+    part, part_lse = _FORWARD(q[:, :, qo:qo + qn], block.k[:, :, ko:ko + kn], block.v[:, :, ko:ko + kn], 0.0,
+                              causal, attn_mask=mask)
+    if blind is not None and bool(blind.any()):
+        part_lse = part_lse.masked_fill(blind.to(part_lse.device), -math.inf)
+    return part, part_lse
 
 
 def backward_into(dq: Tensor, dkv: Tensor, q: Tensor, q_pos: Tensor, block, dout: Tensor, out: Tensor,
