@@ -20,12 +20,14 @@ from pathlib import Path
 
 from fivedc.cli_shared import compile_model, load_graph
 from fivedc.errors import EXIT_CODES, FivedcError
+from fivedc.train_cli import train_args
 
 COMMANDS = {
     "compile": "compile a model for a mesh: write the plan and print a readable summary",
     "show": "draw a plan's pipeline schedule as a picture (.png or .svg)",
     "verify": "train a few steps with the plan on local processes and compare with one device",
     "run": "execute a plan (or compile a model and execute it): loss, step time and memory per rank",
+    "train": "train a model (or a plan) on token files: validation, checkpoints, resume on any mesh",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
     "check": "check a saved plan: it must be exactly what this fivedc compiles from its model and options",
 }
@@ -114,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the parameters and the synthetic batch")
     _local_run_args(r)
     v.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("train", help=COMMANDS["train"], description=COMMANDS["train"])
+    t.add_argument("model", help="a .5d model, path/to/file.py:factory (starts from the module's weights) or a plan .json")
+    _mesh_args(t, required=False)
+    train_args(t)
+    _local_run_args(t)
     s = sub.add_parser("show", help=COMMANDS["show"], description=COMMANDS["show"])
     s.add_argument("plan", help="a plan .json written by fivedc compile")
     s.add_argument("--schedule", required=True, metavar="OUT", help="picture to write: .png or .svg")
@@ -172,6 +179,12 @@ def cmd_run(args) -> int:
     return run_run(args, defaults=build_parser().parse_args(["run", args.model]))
 
 
+def cmd_train(args) -> int:
+    from fivedc.train_cli import run_train
+
+    return run_train(args, defaults=build_parser().parse_args(["train", args.model, "--data", args.data]))
+
+
 def cmd_show(args) -> int:
     from fivedc.plan_check import load_plan
     from fivedc.schedule import draw_schedule
@@ -228,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "show": cmd_show,
+    handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "train": cmd_train, "show": cmd_show,
                "diff": cmd_diff, "check": cmd_check}[args.command]
     try:
         return handler(args)
