@@ -1,4 +1,4 @@
-"""The `fivedc` command: compile, show, verify, run, diff and check, with errors but no tracebacks.
+"""The `fivedc` command: compile, show, verify, run, train, export, diff and check; errors, no tracebacks.
 
 This file parses the command line and dispatches; what the commands share is in
 `cli_shared.py`, and the two that start processes are `verify_cli.py` and
@@ -28,6 +28,7 @@ COMMANDS = {
     "verify": "train a few steps with the plan on local processes and compare with one device",
     "run": "execute a plan (or compile a model and execute it): loss, step time and memory per rank",
     "train": "train a model (or a plan) on token files: validation, checkpoints, resume on any mesh",
+    "export": "consolidate a checkpoint into one .safetensors file with the model's own parameter names",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
     "check": "check a saved plan: it must be exactly what this fivedc compiles from its model and options",
 }
@@ -121,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     _mesh_args(t, required=False)
     train_args(t)
     _local_run_args(t)
+    e = sub.add_parser("export", help=COMMANDS["export"], description=COMMANDS["export"])
+    e.add_argument("checkpoint", help="a save directory (its latest checkpoint) or one step-N folder")
+    e.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    e.add_argument("--strip-prefix", default=None, metavar="PREFIX",
+                   help="drop PREFIX from the names (a wrapper's, e.g. model.) so the library's own model loads them")
+    e.add_argument("--dtype", default=None, help="cast to fp64, fp32, bf16 or fp16 (default: as trained)")
     s = sub.add_parser("show", help=COMMANDS["show"], description=COMMANDS["show"])
     s.add_argument("plan", help="a plan .json written by fivedc compile")
     s.add_argument("--schedule", required=True, metavar="OUT", help="picture to write: .png or .svg")
@@ -185,6 +192,12 @@ def cmd_train(args) -> int:
     return run_train(args, defaults=build_parser().parse_args(["train", args.model, "--data", args.data]))
 
 
+def cmd_export(args) -> int:
+    from fivedc.export import run_export
+
+    return run_export(args)
+
+
 def cmd_show(args) -> int:
     from fivedc.plan_check import load_plan
     from fivedc.schedule import draw_schedule
@@ -241,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "train": cmd_train, "show": cmd_show,
-               "diff": cmd_diff, "check": cmd_check}[args.command]
+    handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "train": cmd_train, "export": cmd_export,
+               "show": cmd_show, "diff": cmd_diff, "check": cmd_check}[args.command]
     try:
         return handler(args)
     except FivedcError as error:

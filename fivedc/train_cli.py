@@ -37,6 +37,15 @@ def train_args(p) -> None:
     p.add_argument("--val-every", type=int, default=0, metavar="N",
                    help="validation loss every N steps (always at the last step and at saves)")
     p.add_argument("--val-batches", type=int, default=8, help="batches per validation (default 8)")
+    p.add_argument("--save-dir", default=None, metavar="DIR", help="write checkpoints here (every rank's shards, "
+                   "one index); with --resume and no --save-dir, the checkpoint's own directory")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="a checkpoint every N steps "
+                   "(and at the last step)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept besides the best (default 3)")
+    p.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint (a save directory: its "
+                   "latest), on any mesh and options; unset training flags take the checkpoint's values")
+    p.add_argument("--until", type=int, default=None, metavar="STEP", help="stop after this step (and save there), "
+                   "the schedule still running to --steps")
     p.add_argument("--log", default=None, metavar="FILE", help="append one JSON object per step to FILE")
     p.add_argument("--plot", default=None, metavar="FILE", help="draw the loss curve to FILE (.png, .svg, .pdf)")
 
@@ -44,38 +53,40 @@ def train_args(p) -> None:
 def run_train(args, *, defaults) -> int:
     """`defaults`: the train command's arguments as parsed with no flags (which flags were given)."""
     from fivedc.cli_shared import check_local_run
-    from fivedc.runtime.data import TokenFile, check_token_file, input_roles, token_shape
+    from fivedc.runtime.data import TokenFile, check_token_file, input_roles
     from fivedc.runtime.train import DTYPES, check_trainable
-    from fivedc.train_config import TrainConfig
     from fivedc.train_report import check_plot, open_log
+    from fivedc.train_resume import resolve_saves
 
-    config = TrainConfig(steps=100 if args.steps is None else args.steps, lr=args.lr, min_lr=args.min_lr,
-                         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
-                         val_every=args.val_every, val_batches=args.val_batches)
     check_local_run(args)
     check_plot(args.plot, inputs=(args.data,))
-    plan, init = _plan(args, defaults)
+    plan, module = _plan(args, defaults)
     check_trainable(plan.graph)
     if plan.dtype not in DTYPES:
         raise FivedcError(f"the plan trains in {plan.dtype}; train runs {', '.join(DTYPES)}",
                           hint="compile with --dtype fp32 (or bf16)")
+    saves = resolve_saves(args, defaults, plan)
     roles = input_roles(plan.graph)
     tokens = check_token_file(args.data, args.data_dtype, graph=plan.graph, what="training")
     val_tokens = check_token_file(args.val, args.data_dtype, graph=plan.graph, what="validation") if args.val else 0
     from fivedc.runtime.train_loop import TrainJob
 
-    job = TrainJob(plan=plan, config=config, train=TokenFile(args.data, args.data_dtype), train_tokens=tokens,
-                   val=TokenFile(args.val, args.data_dtype) if args.val else None, val_tokens=val_tokens, init=init)
+    init = names = None
+    if module is not None:
+        from fivedc.export import names_of
+
+        names = names_of(module[1], module[0])
+        init = None if saves.resume else module[1].to_ir_params(module[0].state_dict())
+    job = TrainJob(plan=plan, config=saves.config, train=TokenFile(args.data, args.data_dtype), train_tokens=tokens,
+                   val=TokenFile(args.val, args.data_dtype) if args.val else None, val_tokens=val_tokens, init=init,
+                   resume=saves.resume, save_dir=saves.save_dir, names=names, until=args.until)
     launched = "WORLD_SIZE" in os.environ
     talk = not launched or os.environ.get("RANK") == "0"
     if talk:
-        batch, seq = token_shape(plan.graph)
-        print(f"training {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {plan.dtype}) to step "
-              f"{config.steps}: batches of {batch} x {seq} tokens from {args.data} ({tokens} tokens, "
-              f"{(tokens - 1) // seq // batch} steps per epoch); {_roles_text(roles)}")
+        _header(args, job, roles, saves)
     log = open_log(args.log) if talk else None
     try:
-        progress = _progress(config, log)
+        progress = _progress(job, saves.start, log)
         if launched:
             _under_launcher(job, progress, timeout_s=args.timeout)
         else:
@@ -84,20 +95,35 @@ def run_train(args, *, defaults) -> int:
         if log is not None:
             log.close()
     if talk:
-        _finish(progress, args, plan)
+        _finish(progress, args, plan, saves)
     return 0
 
 
-def _progress(config, log):
+def _header(args, job, roles, saves) -> None:
+    from fivedc.runtime.data import token_shape
+
+    plan, config, tokens = job.plan, job.config, job.train_tokens
+    batch, seq = token_shape(plan.graph)
+    for line in saves.notes:
+        print(line)
+    print(f"training {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {plan.dtype}) from step "
+          f"{saves.start} to {job.stop}{f' (of {config.steps})' if job.stop < config.steps else ''}: batches of "
+          f"{batch} x {seq} tokens from {args.data} ({tokens} tokens, {(tokens - 1) // seq // batch} steps per epoch); "
+          f"{_roles_text(roles)}")
+
+
+def _progress(job, start: int, log):
     from fivedc.train_report import Progress
 
-    return Progress(steps=config.steps, log=log)
+    return Progress(steps=job.stop, first=start, log=log)
 
 
-def _finish(progress, args, plan) -> None:
+def _finish(progress, args, plan, saves) -> None:
     from fivedc.train_report import draw_losses
 
     print(progress.summary())
+    if saves.save_dir is not None:
+        print(f"checkpoints in {saves.save_dir} (resume with --resume {saves.save_dir})")
     if args.plot:
         draw_losses(progress.rows, args.plot, title=f"{args.model} on {plan.mesh}")
         print(f"wrote {args.plot}")
@@ -109,8 +135,8 @@ def _roles_text(roles: dict[str, str]) -> str:
 
 
 def _plan(args, defaults):
-    """The plan (saved, or compiled here) and, for a `file.py:factory` model, the module's
-    weights by IR name (the starting parameters); None otherwise."""
+    """The plan (saved, or compiled here) and, for a `file.py:factory` model, (module, its
+    TracedModel): its weights and names; None otherwise."""
     from fivedc.cli_shared import compile_options
     from fivedc.frontend_py import is_spec, traced_from_spec
     from fivedc.plan_check import load_plan
@@ -134,8 +160,7 @@ def _plan(args, defaults):
 
     options = compile_options(args, Mesh.parse(args.mesh, rank_order=args.rank_order), dtype=args.dtype or "fp32")
     module, _, traced = traced_from_spec(args.model, stage_boundaries=tuple(args.stage_boundary))
-    plan = compile_graph(traced.graph, options)
-    return plan, traced.to_ir_params(module.state_dict())
+    return compile_graph(traced.graph, options), (module, traced)
 
 
 def _local(job, progress, args) -> None:

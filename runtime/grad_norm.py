@@ -18,21 +18,14 @@ import torch
 import torch.distributed as dist
 
 from fivedc.ir import Param
-from fivedc.mesh import MeshAxis
+from fivedc.runtime.reshard import first_holder
 
 
-def counted_params(named: dict[str, Param], names, *, coords: dict[MeshAxis, int], mesh, zero: int) -> set[str]:
+def counted_params(named: dict[str, Param], names, *, ctx, zero: int, specs) -> set[str]:
     """The parameters (of `names`, those this rank holds) whose local summed gradient this
-    rank adds to the global norm: it is the first holder of that piece of the gradient."""
-    counted = set()
-    for name in names:
-        param = named[name]
-        split = set(param.sharding.split_axes()) if param.sharding is not None else set()
-        chunked = set(param.grad_partial) if zero >= 2 else set()
-        replicas = [a for a in MeshAxis if a != MeshAxis.PP and a not in split | chunked and mesh.size(a) > 1]
-        if all(coords[a] == 0 for a in replicas):
-            counted.add(name)
-    return counted
+    rank adds to the global norm: it is the first holder of that piece of the gradient
+    (ZeRO-2 and -3 keep a chunk of it per rank of the parameter's group)."""
+    return {name for name in names if first_holder(named[name], ctx, chunked=zero >= 2 and specs[name].n > 1)}
 
 
 def clip_grad_norm(optimizer, counted: set[str], max_norm: float) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from fivedc.frontend_dsl import load_model
 from fivedc.mesh import Mesh
@@ -44,8 +45,14 @@ def job_for(plan, data: tuple[str, str], **config) -> TrainJob:
 
 
 def one_device(job: TrainJob) -> list[dict]:
-    """The rows of the same job trained in this process on one device."""
-    return train_rank(RankInfo(0, 1, "cpu"), job)["rows"]
+    """The rows of the job trained in this process on one device, on one thread (tiny
+    matmuls on two busy cores run ten times slower with two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_rank(RankInfo(0, 1, "cpu"), job)["rows"]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def rel(a: float, b: float) -> float:
