@@ -1,16 +1,20 @@
-"""One rank of `fivedc train`: token batches, the learning-rate schedule, clipping, validation.
+"""One rank of `fivedc train`: token batches, the schedule, clipping, validation, checkpoints.
 
 Every rank builds its part of the plan's program and its shards of the starting
 parameters (seeded for a DSL model; a traced module's own weights, read from the
-file the command wrote, for `file.py:factory`), then trains steps
-`start..config.steps`: this rank's rows of the step's batch (`runtime/data.py`),
-forward and backward with everything the plan decides (`runtime/train.Trainer`:
-ZeRO, buckets, overlap, the pipeline schedule), the gradients clipped by their
-global norm (`runtime/grad_norm.py`), AdamW at the step's learning rate
+file the command wrote, for `file.py:factory`; a checkpoint's, read in whatever
+layout saved them, when resumed: `runtime/resume.py`), then trains steps
+`start..stop`: this rank's rows of the step's batch (`runtime/data.py`), forward
+and backward with everything the plan decides (`runtime/train.Trainer`: ZeRO,
+buckets, overlap, the pipeline schedule), the gradients clipped by their global
+norm (`runtime/grad_norm.py`), AdamW at the step's learning rate
 (`TrainConfig.lr_at`). The validation loss is measured on the first batches of the
-validation file, in file order. After each step rank 0 hands a row
-(`{"step", "loss", "lr", "grad_norm", "tokens", "seconds"}` and `"val_loss"` where
-measured) to `on_row`: the parent prints and logs it.
+validation file, in file order. Every `save_every` steps and at the last step all
+ranks write a checkpoint (`runtime/checkpoint.py`); rank 0 then prunes old ones and
+writes `best_model.safetensors` on a new best validation loss. After each step rank
+0 hands a row (`{"step", "loss", "lr", "grad_norm", "tokens", "seconds"}`, and
+`"val_loss"`, `"checkpoint"` where they happened) to `on_row`: the parent prints
+and logs it.
 """
 
 from __future__ import annotations
