@@ -250,6 +250,9 @@ def cmd_check(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--"]:  # `torchrun ... -m fivedc.cli -- train ... --log F`: the `--` keeps torchrun off our flags
+        argv = argv[1:]
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -177,7 +177,21 @@ def _local(job, progress, args) -> None:
     with tempfile.TemporaryDirectory(prefix="fivedc-train-") as scratch:
         if isinstance(job.init, dict):
             job = dataclasses.replace(job, init=_write_init(job.init, Path(scratch) / "init.safetensors"))
-        run_once(train_job, world=plan.mesh.world, payload=job, timeout_s=args.timeout, on_progress=progress.line)
+        try:
+            run_once(train_job, world=plan.mesh.world, payload=job, timeout_s=args.timeout, on_progress=progress.line)
+        except FivedcError as error:
+            raise _with_resume_hint(error, job.save_dir) from None
+
+
+def _with_resume_hint(error: FivedcError, save_dir: str | None) -> FivedcError:
+    """A failed run that saved: say where to continue from."""
+    from fivedc.runtime.checkpoint import committed
+
+    found = committed(save_dir) if save_dir is not None else []
+    if found:
+        more = f"the last checkpoint is {found[-1][1]} (step {found[-1][0]}): continue with --resume {save_dir}"
+        error.hint = f"{error.hint}; {more}" if error.hint else more
+    return error
 
 
 def _write_init(tensors: dict, path: Path) -> str:
