@@ -53,7 +53,7 @@ def train_args(p) -> None:
 def run_train(args, *, defaults) -> int:
     """`defaults`: the train command's arguments as parsed with no flags (which flags were given)."""
     from fivedc.cli_shared import check_local_run
-    from fivedc.runtime.data import TokenFile, check_token_file, input_roles
+    from fivedc.runtime.data import input_roles
     from fivedc.runtime.train import DTYPES, check_trainable
     from fivedc.train_report import check_plot, open_log
     from fivedc.train_resume import resolve_saves
@@ -67,19 +67,7 @@ def run_train(args, *, defaults) -> int:
                           hint="compile with --dtype fp32 (or bf16)")
     saves = resolve_saves(args, defaults, plan)
     roles = input_roles(plan.graph)
-    tokens = check_token_file(args.data, args.data_dtype, graph=plan.graph, what="training")
-    val_tokens = check_token_file(args.val, args.data_dtype, graph=plan.graph, what="validation") if args.val else 0
-    from fivedc.runtime.train_loop import TrainJob
-
-    init = names = None
-    if module is not None:
-        from fivedc.export import names_of
-
-        names = names_of(module[1], module[0])
-        init = None if saves.resume else module[1].to_ir_params(module[0].state_dict())
-    job = TrainJob(plan=plan, config=saves.config, train=TokenFile(args.data, args.data_dtype), train_tokens=tokens,
-                   val=TokenFile(args.val, args.data_dtype) if args.val else None, val_tokens=val_tokens, init=init,
-                   resume=saves.resume, save_dir=saves.save_dir, names=names, until=args.until)
+    job = _job(args, plan, module, saves)
     launched = "WORLD_SIZE" in os.environ
     talk = not launched or os.environ.get("RANK") == "0"
     if talk:
@@ -97,6 +85,25 @@ def run_train(args, *, defaults) -> int:
     if talk:
         _finish(progress, args, plan, saves)
     return 0
+
+
+def _job(args, plan, module, saves):
+    """What every rank runs: the plan, the checked token files, where to start and save;
+    for a traced module its weights (unless resumed) and names."""
+    from fivedc.export import names_of
+    from fivedc.runtime.data import TokenFile, check_token_file
+    from fivedc.runtime.train_loop import TrainJob
+
+    tokens = check_token_file(args.data, args.data_dtype, graph=plan.graph, what="training")
+    val_tokens = check_token_file(args.val, args.data_dtype, graph=plan.graph, what="validation") if args.val else 0
+    init = names = None
+    if module is not None:
+        module, traced = module
+        names = names_of(traced, module)
+        init = None if saves.resume else traced.to_ir_params(module.state_dict())
+    return TrainJob(plan=plan, config=saves.config, train=TokenFile(args.data, args.data_dtype), train_tokens=tokens,
+                    val=TokenFile(args.val, args.data_dtype) if args.val else None, val_tokens=val_tokens, init=init,
+                    resume=saves.resume, save_dir=saves.save_dir, names=names, until=args.until)
 
 
 def _header(args, job, roles, saves) -> None:

@@ -35,6 +35,8 @@ class Saves:
 def resolve_saves(args, defaults, plan) -> Saves:
     from fivedc.runtime.checkpoint import committed, find_checkpoint, read_index, step_dir
 
+    if args.until is not None and args.until < 1:
+        raise FivedcError(f"--until {args.until} must be a step >= 1", hint="e.g. --until 100")
     if args.save_every and args.save_dir is None and args.resume is None:
         raise FivedcError(f"--save-every {args.save_every} needs a place to save", hint="add --save-dir DIR")
     if args.resume is None:

@@ -98,6 +98,9 @@ def test_inputs_that_are_not_tokens_are_refused() -> None:
     ("vocab", "holds token id 64, and the model's vocabulary has 64 ids"),
     ("steps", "--steps 0 must be a whole number >= 1"),
     ("min-lr", "--min-lr 0.1 is above --lr 0.001"),
+    ("save-every", "--save-every 5 needs a place to save"),
+    ("save-dir", "already holds checkpoints (the latest at step 7)"),
+    ("resume", "nowhere does not exist"),
 ])
 def test_bad_data_and_settings_are_refused_before_any_process(tmp_path, capsys, case: str, message: str) -> None:
     data = tmp_path / "train.bin"
@@ -109,7 +112,11 @@ def test_bad_data_and_settings_are_refused_before_any_process(tmp_path, capsys, 
         np.ones(100, dtype=np.uint16).tofile(data)
     if case == "missing":
         data = tmp_path / "nothing.bin"
-    flags = {"steps": ["--steps", "0"], "min-lr": ["--min-lr", "0.1"]}.get(case, [])
+    (tmp_path / "ck" / "step-00000007").mkdir(parents=True)
+    (tmp_path / "ck" / "step-00000007" / "index.json").write_text("{}")
+    flags = {"steps": ["--steps", "0"], "min-lr": ["--min-lr", "0.1"], "save-every": ["--save-every", "5"],
+             "save-dir": ["--save-dir", str(tmp_path / "ck")], "resume": ["--resume", str(tmp_path / "nowhere")]
+             }.get(case, [])
     code = main(["train", "examples/tiny_llama.5d", "--mesh", "1x1x1x1x1", "--data", str(data), *flags])
     err = capsys.readouterr().err
     assert code == 2 and message.format(data=data) in err and "Traceback" not in err
