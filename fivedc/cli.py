@@ -24,7 +24,7 @@ from fivedc.train_cli import train_args
 
 COMMANDS = {
     "compile": "compile a model for a mesh: write the plan and print a readable summary",
-    "show": "draw a plan's pipeline schedule as a picture (.png or .svg)",
+    "show": "list a plan's ops with their ids (--ops), or draw its pipeline schedule (--schedule out.png)",
     "verify": "train a few steps with the plan on local processes and compare with one device",
     "run": "execute a plan (or compile a model and execute it): loss, step time and memory per rank",
     "train": "train a model (or a plan) on token files: validation, checkpoints, resume on any mesh",
@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
     v.add_argument("--dtype", default="fp64", help="fp64 (default) or fp32")
     v.add_argument("--tol", type=float, default=None, help="largest relative error allowed (fp64: 1e-10)")
+    v.add_argument("--trace-divergence", action="store_true",
+                   help="compare every op's value and gradient too, and name the first that differs (a mismatch "
+                   "does this by itself in a second run)")
+    v.add_argument("--inject-fault", default=None, metavar="OP[@RANK]",
+                   help="the checker's self-test: perturb OP's output (an id from fivedc show PLAN --ops) on one "
+                   "rank; verify must fail naming OP")
     _local_run_args(v)
     r = sub.add_parser("run", help=COMMANDS["run"], description=COMMANDS["run"])
     r.add_argument("model", help="a plan .json written by fivedc compile, a .5d model, or path/to/file.py:factory")
@@ -130,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default=None, help="cast to fp64, fp32, bf16 or fp16 (default: as trained)")
     s = sub.add_parser("show", help=COMMANDS["show"], description=COMMANDS["show"])
     s.add_argument("plan", help="a plan .json written by fivedc compile")
-    s.add_argument("--schedule", required=True, metavar="OUT", help="picture to write: .png or .svg")
+    s.add_argument("--schedule", default=None, metavar="OUT", help="draw the pipeline schedule: a .png or .svg")
+    s.add_argument("--ops", action="store_true",
+                   help="list every op and redistribution with its id (what --inject-fault and a divergence name)")
     d = sub.add_parser("diff", help=COMMANDS["diff"], description=COMMANDS["diff"])
     d.add_argument("a", help="a plan .json, or MODEL.5d@MESH")
     d.add_argument("b", help="a plan .json, or MODEL.5d@MESH")
@@ -202,7 +210,16 @@ def cmd_show(args) -> int:
     from fivedc.plan_check import load_plan
     from fivedc.schedule import draw_schedule
 
+    if not args.ops and args.schedule is None:
+        raise FivedcError("fivedc show needs --ops (list the ops) or --schedule OUT (draw the schedule)",
+                          hint=f"e.g. fivedc show {args.plan} --ops")
     plan = load_plan(args.plan)
+    if args.ops:
+        from fivedc.op_list import render_ops
+
+        render_ops(plan, console=_console())
+        if args.schedule is None:
+            return 0
     if plan.pipeline is None:
         raise FivedcError(f"{args.plan} has no pipeline (pp = 1): nothing to draw",
                           hint="compile with pp > 1, e.g. --mesh 1x4x1x1x1 --schedule 1f1b")

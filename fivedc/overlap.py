@@ -3,7 +3,8 @@
 Gradients are summed in buckets rather than one collective per parameter. A
 bucket holds parameters with the same ZeRO group (their `grad_partial` axes), in
 the order backward produces their gradients (the reverse of first use), and
-closes when it reaches the bucket size. Buckets never span a layer boundary: a
+closes when it reaches the bucket size. Buckets never span a pipeline chunk (each
+pp rank sums the gradients of the parameters it holds) nor a layer boundary: a
 repeat body's buckets are planned once and run once per layer (the plan stays the
 size of one layer, whatever the depth). With overlap on, the runtime starts a
 bucket's reduction from the backward hook of its last gradient, in the plan's
@@ -38,10 +39,13 @@ class Bucket:
         return first.split(".*.")[0] if ".*." in first else None
 
 
-def plan_buckets(graph: Graph, mesh: Mesh, *, param_bytes, bucket_bytes: int) -> tuple[Bucket, ...]:
-    """Buckets in backward order. `param_bytes(param)` is what one parameter adds."""
+def plan_buckets(graph: Graph, mesh: Mesh, *, param_bytes, bucket_bytes: int,
+                 cuts: frozenset[int] = frozenset()) -> tuple[Bucket, ...]:
+    """Buckets in backward order. `param_bytes(param)` is what one parameter adds; `cuts`
+    are the top-level items where a pipeline chunk begins (a bucket never spans one:
+    each pp rank syncs the gradients of its own chunks)."""
     buckets: list[Bucket] = []
-    for segment, repeat in reversed(_segments(graph.body)):
+    for segment, repeat in reversed(_segments(graph.body, cuts)):
         open_: dict[tuple, list[Param]] = {}
         for param in reversed(segment):
             if mesh.size(*param.grad_partial) == 1:
@@ -61,12 +65,14 @@ def _bucket(index: int, params: list[Param], repeat: Repeat | None, param_bytes)
                   repeat.count if repeat else 1)
 
 
-def _segments(body: Block) -> list[tuple[list[Param], Repeat | None]]:
-    """The parameters in order of first use, cut at repeat boundaries."""
+def _segments(body: Block, cuts: frozenset[int]) -> list[tuple[list[Param], Repeat | None]]:
+    """The parameters in order of first use, cut at repeat boundaries and at `cuts`."""
     params = {p.name: p for p in body.params}
     segments: list[tuple[list[Param], Repeat | None]] = [([], None)]
     seen: set[str] = set()
-    for item in body.items:
+    for index, item in enumerate(body.items):
+        if index in cuts:
+            segments.append(([], None))
         if isinstance(item, Repeat):
             inner = {p.name: p for p in item.body.params}
             used = _first_uses(item.body, inner)

@@ -22,7 +22,7 @@ from fivedc.recompute import recomputed_regions
 from fivedc.param_sync import DEFAULT_BUCKET_BYTES, param_sync_collectives, sync_bytes, zero_chunk, zero_notes
 from fivedc.serialize import decode, encode
 from fivedc.stage_plan import activations_in_flight, pipeline_collectives
-from fivedc.stages import PipelineSpec, chunk_param_names
+from fivedc.stages import PipelineSpec, chunk_param_names, chunk_starts
 
 PLAN_VERSION = 1
 
@@ -124,7 +124,8 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
                zero: int = 0, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                pipeline: PipelineSpec | None = None, recompute: str = "none") -> ExecutionPlan:
     buckets = () if zero == 3 and pipeline is None else plan_buckets(  # ZeRO-3 alone reduces per use
-        graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes
+        graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes,
+        cuts=chunk_starts(graph, pipeline),
     )
     collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero, overlap=overlap,
                                      buckets=buckets)

@@ -81,6 +81,8 @@ class PipelineRunner:
                 if self._local_prev(action.chunk):  # the previous chunk ran here: hand over, no transfer
                     previous = state[(action.microbatch, action.chunk - 1)].outputs
                     micro.received = [t.detach().requires_grad_(True) for t in previous]
+                if self.program.tracer is not None:
+                    self.program.tracer.microbatch = action.microbatch
                 loss = self._forward(params, micro_inputs[action.microbatch], micro, action.chunk)
                 if loss is not None:
                     total = total + loss.detach().double()

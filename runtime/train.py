@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fivedc.errors import FivedcError
+from fivedc.errors import FivedcError, PassError
 from fivedc.ir import Graph, Op, walk_ops, walk_params
 from fivedc.mesh import MeshAxis
 from fivedc.runtime.program import Program, grad_groups
@@ -93,7 +93,10 @@ class Trainer:
             device = next(iter(params.values())).device
             self.runner = PipelineRunner(program, pipeline, dtype=settings.torch_dtype, device=device)
             overlap = False
-        local_buckets = [b for b in expand_buckets(buckets) if all(n in params for n in b)]
+        local_buckets = [b for b in expand_buckets(buckets) if any(n in params for n in b)]
+        if any(n not in params for b in local_buckets for n in b):  # its other gradients would go unsummed
+            raise PassError("a gradient bucket of the plan spans pipeline stages: "
+                            + ", ".join(next(b for b in local_buckets if any(n not in params for n in b))))
         self.optimizer = ZeroOptimizer(params, groups, stage=zero, lr=settings.lr, weight_decay=settings.weight_decay,
                                        buckets=local_buckets, overlap=overlap, keep_gathered=self.runner is not None)
         self.loss_axes = loss_axes_of(graph, ctx.mesh)
@@ -151,8 +154,10 @@ def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor]
     trainer = Trainer(program, params, settings, zero=zero, buckets=buckets, overlap=overlap, pipeline=pipeline)
     optimizer = trainer.optimizer
     record = TrainRecord()
-    for _ in range(settings.steps):
+    for step in range(1, settings.steps + 1):
         start = time.perf_counter()
+        if program.tracer is not None:  # verify's diagnosis: every op's value, by step
+            program.tracer.step, program.tracer.microbatch = step, 0
         record.losses.append(trainer.forward_backward(inputs))
         record.held = optimizer.held_bytes()
         if settings.keep_grads:  # for the checks: every step's summed gradients, gathered
