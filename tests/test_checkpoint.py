@@ -163,3 +163,25 @@ def test_another_models_checkpoint_is_refused(data, tmp_path) -> None:
                               resume=str(tmp_path / "step-00000002"))
     with pytest.raises(FivedcError, match="is of another model than tiny_llama: it lacks"):
         one_device(job)
+
+
+def test_moe_balancing_biases_are_saved_and_restored(worker_pool, data, tmp_path) -> None:
+    """DeepSeek-V3's balancing bias is state outside the parameters: saved once (ep2), read
+    back on one device; without it the routing, so the loss, would differ."""
+    from fivedc.frontend_dsl import parse_model
+    from fivedc.mesh import Mesh
+    from fivedc.passes.base import CompileOptions
+    from fivedc.pipeline import compile_graph
+    from train_helpers import ROOT
+
+    text = (ROOT / "examples" / "moe.5d").read_text().replace("aux_loss=0.01", "aux_loss=0.01, bias_update=0.05")
+    plans = [compile_graph(parse_model(text), CompileOptions(mesh=Mesh.parse(m), dtype="fp64"))
+             for m in ("1x1x1x1x2", "1x1x1x1x1")]
+    job = dataclasses.replace(job_for(plans[0], data, **CONFIG), save_dir=str(tmp_path / "a"), until=2)
+    run(worker_pool, job)
+    assert "moe_bias/layers.0.r" in read_index(tmp_path / "a" / "step-00000002")["tensors"]
+    whole = one_device(dataclasses.replace(job, plan=plans[1], save_dir=None, until=None))
+    rows = one_device(dataclasses.replace(job, plan=plans[1], save_dir=None, until=None,
+                                          resume=str(tmp_path / "a" / "step-00000002")))
+    for got, want in zip(rows, whole[2:], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= TOL * abs(want["loss"])
