@@ -164,7 +164,7 @@ def setup(info, job: TrainJob) -> RankRun:
         if reader is not None:
             params = local_params(reader, named, held, ctx, settings.torch_dtype)
         else:
-            full = _starting_params(job, settings, held)
+            full = _starting_params(job, settings, held, device)
             params = {n: shard(t, named[n].dims, named[n].sharding, ctx) for n, t in full.items()}
         program = Program(graph, ctx, recompute=plan.recompute)
         trainer = Trainer(program, {n: t.to(device) for n, t in params.items()}, settings, zero=plan.zero,
@@ -191,7 +191,8 @@ def _reader(job: TrainJob):
     return CheckpointReader(job.resume, index)
 
 
-def _starting_params(job: TrainJob, settings: TrainSettings, held: set[str]) -> dict[str, torch.Tensor]:
+def _starting_params(job: TrainJob, settings: TrainSettings, held: set[str], device: torch.device
+                     ) -> dict[str, torch.Tensor]:
     """The full starting parameters this rank holds (some of), at the training dtype."""
     if isinstance(job.init, str):
         from safetensors import safe_open
@@ -200,13 +201,13 @@ def _starting_params(job: TrainJob, settings: TrainSettings, held: set[str]) -> 
             return {n: file.get_tensor(n).to(settings.torch_dtype) for n in sorted(held)}
     if isinstance(job.init, dict):
         full = {n: t.detach().to(settings.torch_dtype) for n, t in job.init.items()}
-        _broadcast_from_first(full)
+        _broadcast_from_first(full, device)
         return {n: full[n] for n in sorted(held)}
     full = init_params(job.plan.graph, seed=settings.seed, dtype=settings.torch_dtype)
     return {n: t for n, t in full.items() if n in held}
 
 
-def _broadcast_from_first(full: dict[str, torch.Tensor]) -> None:
+def _broadcast_from_first(full: dict[str, torch.Tensor], device: torch.device) -> None:
     """Rank 0's tensors on every rank (as DDP starts), one flat buffer per dtype."""
     import torch.distributed as dist
 
@@ -215,7 +216,6 @@ def _broadcast_from_first(full: dict[str, torch.Tensor]) -> None:
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name in sorted(full):
         by_dtype.setdefault(full[name].dtype, []).append(name)
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     for names in by_dtype.values():
         flat = torch.cat([full[n].reshape(-1) for n in names]).to(device)
         dist.broadcast(flat, src=0)

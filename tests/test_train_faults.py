@@ -69,6 +69,25 @@ def test_a_dead_rank_ends_the_job_and_resuming_loses_at_most_the_interval(worker
         assert (got[name] - want[name]).abs().max() <= 1e-12 * want[name].abs().max(), name
 
 
+def other_weights_on_rank_one(info, job):
+    """`train_job` where rank 1's module came out with other weights (an unseeded factory)."""
+    if info.rank == 1:
+        job = dataclasses.replace(job, init={name: t + 1.0 for name, t in job.init.items()})
+    return train_job(info, job)
+
+
+def test_launched_ranks_start_from_rank_zeros_weights(worker_pool, tmp_path) -> None:
+    """Under a launcher every rank traces the module itself: rank 0's weights are broadcast."""
+    from fivedc.runtime.program import init_params
+
+    plan = plan_of("tiny_llama", "2x1x1x1x1")
+    job = dataclasses.replace(job_for(plan, make_tokens(tmp_path), steps=2, lr=1e-2),
+                              init=init_params(plan.graph, seed=9, dtype=torch.float64))
+    rows = worker_pool.run(other_weights_on_rank_one, world=2, payload=job)[0]["rows"]
+    want = one_device(dataclasses.replace(job, plan=plan_of("tiny_llama", "1x1x1x1x1")))
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in want], rel=1e-12)
+
+
 def test_train_runs_as_one_rank_of_a_launcher(tmp_path, monkeypatch, capsys) -> None:
     data = make_tokens(tmp_path)
     with socket.socket() as probe:  # a free port for the env:// rendezvous
