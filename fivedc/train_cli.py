@@ -157,7 +157,8 @@ def _plan(args, defaults):
                               hint="drop them, or train the model file (.5d or file.py:factory) with the new options")
         return load_plan(args.model), None
     if args.mesh is None:
-        raise FivedcError(f"training {args.model} needs a mesh", hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
+        raise FivedcError(f"training {args.model} needs a mesh",
+                          hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
     if not is_spec(args.model):
         from fivedc.cli_shared import compile_model
 

@@ -55,7 +55,8 @@ def committed(root: str | Path) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and (p / INDEX).is_file()]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := STEP_DIR.fullmatch(p.name)) and (p / INDEX).is_file()]
     return sorted(found)
 
 
@@ -168,7 +169,8 @@ def build_index(run, folder: Path, *, world: int, meta: dict) -> dict:
             header = json.loads(file.metadata()["fivedc"])
         for key, piece in header["pieces"].items():
             entry = tensors.setdefault(key, {"dtype": piece["dtype"], "pieces": []})
-            entry["pieces"].append({"file": rank_file(rank), "key": key, "block": piece["block"], "flat": piece["flat"]})
+            entry["pieces"].append({"file": rank_file(rank), "key": key, "block": piece["block"],
+                                    "flat": piece["flat"]})
     for key, entry in tensors.items():
         kind, name = key.split("/", 1)
         if kind == "moe_bias":

@@ -84,7 +84,8 @@ def test_learning_rate_is_warmup_then_cosine_as_torch_schedules_it() -> None:
 
 def test_inputs_that_are_not_tokens_are_refused() -> None:
     graph = parse_model("model m { dims { batch = 2 seq = 4 hidden = 8 vocab = 16 }\n"
-                        "input x: float[batch, seq, hidden]\n input targets: int[batch, seq]\n param w: [hidden, vocab]\n"
+                        "input x: float[batch, seq, hidden]\n input targets: int[batch, seq]\n"
+                        "param w: [hidden, vocab]\n"
                         "loss = cross_entropy(linear(x, w), targets)\n return loss }")
     with pytest.raises(FivedcError, match="feeds token ids, and the model's input x"):
         input_roles(graph)
@@ -143,7 +144,8 @@ def _plain_norm(plan, job) -> float:
     """torch.nn.utils.clip_grad_norm_ over the first step's gradients of the plan's program on one device."""
     graph = plan.graph
     ctx = KernelContext(graph, plan.mesh, plan.mesh.coords(0))
-    params = {n: t.requires_grad_(True) for n, t in init_params(graph, seed=job.config.seed, dtype=torch.float64).items()}
+    full = init_params(graph, seed=job.config.seed, dtype=torch.float64)
+    params = {n: t.requires_grad_(True) for n, t in full.items()}
     batches = RankBatches(job.train, Sampler(job.train_tokens, 8, graph.dim("batch"), job.config.seed), graph, ctx,
                           torch.device("cpu"))
     Program(graph, ctx).loss(params, batches.at(0)).backward()
