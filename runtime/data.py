@@ -18,8 +18,8 @@ batch dim: dp and ep ranks read different rows) before cutting the other dims
 
 `input_roles` says which of the model's inputs gets what: the one an embedding
 reads takes the inputs; the one a cross-entropy reads as targets takes the next
-tokens, or the same tokens when the model shifts its labels itself (a replicated
-op between the input and the loss, as Hugging Face's causal-LM loss does).
+tokens, or the same tokens when the model shifts its labels itself (a slice, narrow
+or roll between the input and the loss, as Hugging Face's pad-and-slice).
 """
 
 from __future__ import annotations
@@ -125,9 +125,12 @@ def input_roles(graph: Graph) -> dict[str, str]:
     return roles
 
 
+SHIFTS = ("aten.slice", "aten.narrow", "aten.roll")  # ATen calls that move the tokens along a dim
+
+
 def _role(name: str, users: dict[str, list]) -> str | None:
-    """Follow `name` through redistributions (and replicated ops, noting them) to an
-    embedding's indices or a cross-entropy's targets."""
+    """Follow `name` through redistributions and ATen ops (noting one that shifts the
+    tokens: a slice, narrow or roll) to an embedding's indices or a cross-entropy's targets."""
     todo, seen = [(name, False)], set()
     found = None
     while todo:
@@ -140,7 +143,8 @@ def _role(name: str, users: dict[str, list]) -> str | None:
             elif isinstance(node, Redistribute) or node.kind == "aten":
                 if node.out not in seen:
                     seen.add(node.out)
-                    todo.append((node.out, shifted or isinstance(node, Op)))
+                    moves = isinstance(node, Op) and str(node.attr("target")).startswith(SHIFTS)
+                    todo.append((node.out, shifted or moves))
     return found
 
 

@@ -92,6 +92,31 @@ def test_inputs_that_are_not_tokens_are_refused() -> None:
     assert input_roles(plan_of("tiny_llama", "1x1x1x1x1").graph) == {"tokens": "inputs", "targets": "targets"}
 
 
+class _Labels(torch.nn.Module):
+    """A tiny LM that shifts its labels itself (`shift`), or only masks them."""
+
+    def __init__(self, shift: bool) -> None:
+        super().__init__()
+        self.shift, self.emb, self.head = shift, torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(idx))
+        if self.shift:  # as Hugging Face's causal-LM loss
+            labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        else:
+            labels = torch.where(labels == 0, -100, labels)  # an ATen op that moves nothing
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("shift,role", [(True, "labels"), (False, "targets")])
+def test_labels_the_model_shifts_get_the_tokens_themselves(shift: bool, role: str) -> None:
+    from fivedc.frontend_fx import trace_module
+
+    ids = torch.randint(0, 32, (2, 8))
+    graph = trace_module(_Labels(shift), (ids, ids.clone())).graph  # one tensor passed twice confuses export
+    assert input_roles(graph) == {"idx": "inputs", "labels": role}
+
+
 @pytest.mark.parametrize("case,message", [
     ("missing", "training file {data} does not exist"),
     ("odd", "has 7 bytes, not a whole number of uint16 token ids"),
