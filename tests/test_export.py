@@ -27,7 +27,6 @@ from fivedc.runtime.data import RankBatches, Sampler
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.train_loop import TrainJob, train_job
 from fivedc.train_cli import _write_init
-from fivedc.train_config import TrainConfig
 from train_helpers import ROOT, job_for, make_tokens, one_device
 
 CONFIG = dict(steps=3, lr=1e-2, save_every=0, seed=2)
@@ -42,23 +41,33 @@ def batch_at(job: TrainJob, step: int) -> dict[str, torch.Tensor]:
     return RankBatches(job.train, sampler, graph, ctx, torch.device("cpu")).at(step)
 
 
-def test_a_traced_module_starts_from_its_weights_and_exports_its_names(tmp_path, capsys) -> None:
-    """`fivedc train file.py:factory` (tied weights), `fivedc export`, the module's load_state_dict."""
+def test_train_and_export_commands_on_a_traced_module(tmp_path, capsys) -> None:
+    """`fivedc train file.py:factory` (tied weights) with validation, checkpoints, --log,
+    --plot and progress; `fivedc export`; the module's own load_state_dict."""
     from replicated_models import TiedLM, tied_lm
 
     data = make_tokens(tmp_path, vocab=32)
-    save, log = tmp_path / "run", tmp_path / "run.jsonl"
-    assert main(["train", f"{ROOT}/tests/replicated_models.py:tied_lm", "--mesh", "2x1x1x1x1", "--dtype", "fp64",
-                 "--data", data[0], "--steps", "3", "--lr", "1e-2", "--seed", "2", "--until", "2",
-                 "--save-dir", str(save), "--log", str(log)]) == 0
-    assert "idx <- the tokens" in capsys.readouterr().out
+    save, log, picture = tmp_path / "run", tmp_path / "run.jsonl", tmp_path / "loss.png"
+    log.write_text('{"step": 0, "earlier": true}\n')  # --log appends
+    assert main(["train", f"{ROOT}/tests/replicated_models.py:tied_lm", "--mesh", "1x1x1x1x1", "--dtype", "fp64",
+                 "--data", data[0], "--val", data[1], "--steps", "6", "--lr", "1e-2", "--seed", "2", "--val-every", "3",
+                 "--until", "4", "--save-dir", str(save), "--save-every", "2", "--log", str(log),
+                 "--plot", str(picture)]) == 0
+    out = capsys.readouterr().out
+    assert "from step 0 to 4 (of 6)" in out and "idx <- the tokens" in out
+    assert "step 4/4 [####################]" in out and "tok/s" in out and "ETA" in out
+    assert f"wrote {picture}" in out and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert rows[0] == {"step": 0, "earlier": True} and [r["step"] for r in rows[1:]] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 3, 4]  # saves, --val-every, the last step
+    assert [r["step"] for r in rows if "checkpoint" in r] == [2, 4] and rows[4]["tokens"] == 4 * 4 * 8
+    assert {"loss", "lr", "grad_norm", "seconds"} <= rows[1].keys()
     module, inputs = tied_lm()
     plan = compile_graph(trace_module(module, inputs).graph, CompileOptions(mesh=Mesh.parse("1x1x1x1x1"), dtype="fp64"))
-    job = dataclasses.replace(job_for(plan, data, **CONFIG), resume=str(save / "step-00000002"))
-    first = json.loads(log.read_text().splitlines()[0])
+    job = dataclasses.replace(job_for(plan, data, **dict(CONFIG, steps=6)), resume=str(save / "step-00000004"))
     with torch.no_grad():  # the run started from the factory's own weights
-        assert first["loss"] == pytest.approx(module(batch_at(job, 0)["idx"]).item(), rel=1e-12)
-    step3 = one_device(job)[0]
+        assert rows[1]["loss"] == pytest.approx(module(batch_at(job, 0)["idx"]).item(), rel=1e-12)
+    step5 = one_device(job)[0]
     assert main(["export", str(save), "-o", str(tmp_path / "model.safetensors")]) == 0
     assert "in the module's state_dict names" in capsys.readouterr().out
     exported = load_file(tmp_path / "model.safetensors")
@@ -68,7 +77,7 @@ def test_a_traced_module_starts_from_its_weights_and_exports_its_names(tmp_path,
     trained.load_state_dict(exported, strict=True)
     assert not torch.equal(trained.up.weight, module.up.weight)
     with torch.no_grad():  # the exported weights are the trained ones, each in its place
-        assert trained(batch_at(job, 2)["idx"]).item() == pytest.approx(step3["loss"], rel=1e-12)
+        assert trained(batch_at(job, 4)["idx"]).item() == pytest.approx(step5["loss"], rel=1e-12)
 
 
 def test_hugging_face_llama_loads_the_export(worker_pool, tmp_path, capsys) -> None:

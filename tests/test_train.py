@@ -11,7 +11,6 @@ equals the single-device run's at every step, which equals torch's
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
@@ -175,19 +174,3 @@ def _plain_norm(plan, job) -> float:
                           torch.device("cpu"))
     Program(graph, ctx).loss(params, batches.at(0)).backward()
     return torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm=1e9).item()
-
-
-def test_train_command_logs_plots_and_reports_progress(tmp_path, data, capsys) -> None:
-    log, picture = tmp_path / "run.jsonl", tmp_path / "loss.png"
-    log.write_text('{"step": 0, "earlier": true}\n')  # --log appends
-    code = main(["train", "examples/tiny_llama.5d", "--mesh", "2x1x1x1x1", "--data", data[0], "--val", data[1],
-                 "--steps", "6", "--val-every", "4", "--lr", "1e-2", "--log", str(log), "--plot", str(picture)])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert rows[0] == {"step": 0, "earlier": True} and [r["step"] for r in rows[1:]] == list(range(1, 7))
-    assert [r["step"] for r in rows if "val_loss" in r] == [4, 6]
-    assert {"loss", "lr", "grad_norm", "tokens", "seconds"} <= rows[1].keys() and rows[6]["tokens"] == 6 * 4 * 8
-    assert "tokens <- the tokens, targets <- the next tokens" in out
-    assert "step 6/6 [####################]" in out and "tok/s" in out and "ETA" in out
-    assert f"wrote {picture}" in out and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
