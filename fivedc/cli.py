@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -30,7 +31,7 @@ COMMANDS = {
     "train": "train a model (or a plan) on token files: validation, checkpoints, resume on any mesh",
     "export": "consolidate a checkpoint into one .safetensors file with the model's own parameter names",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
-    "check": "check a saved plan: it must be exactly what this fivedc compiles from its model and options",
+    "check": "check a saved plan: exactly what this fivedc compiles, and every group's ranks agree on its collectives",
 }
 
 
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     k = sub.add_parser("check", help=COMMANDS["check"], description=COMMANDS["check"])
     k.add_argument("plan", help="a plan .json written by fivedc compile")
+    k.add_argument("--collectives", action="store_true",
+                   help="list what each class of ranks (one per pp rank) issues in one step, in order")
     return parser
 
 
@@ -171,14 +174,17 @@ def cmd_compile(args) -> int:
     output = args.output if args.output is not None else model_file.stem + ".plan.json"  # str: keeps a trailing /
     check_output(output, inputs=(model_file,))  # fail before the compile; save checks again
     start = time.perf_counter()
-    plan = compile_model(args.model, args.mesh, args, dtype=args.dtype)
+    proofs: list = []
+    plan = compile_model(args.model, args.mesh, args, dtype=args.dtype, proofs=proofs)
     seconds = time.perf_counter() - start
     plan.save(output, inputs=(model_file,))
     if args.quiet:
         print(f"wrote {output} ({len(plan.collectives)} collectives, {format_bytes(plan.memory.total)} per rank)")
     else:
-        render_summary(plan, console=_console(wide=args.wide), verbose=args.verbose, wide=args.wide)
-        print(f"\nwrote {output} in {seconds:.2f} s")
+        console = _console(wide=args.wide)
+        render_summary(plan, console=console, verbose=args.verbose, wide=args.wide)
+        print("\n" + textwrap.fill(str(proofs[0]), width=console.width))
+        print(f"wrote {output} in {seconds:.2f} s")
     return 0
 
 
@@ -259,9 +265,19 @@ def cmd_diff(args) -> int:
 def cmd_check(args) -> int:
     from fivedc.plan_check import load_plan
 
+    from fivedc.agreement import prove_agreement
+
     plan = load_plan(args.plan)
     print(f"{args.plan}: a valid plan for mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype}, "
           f"{len(plan.collectives)} collectives): exactly what this fivedc compiles from its model and options")
+    print(textwrap.fill(str(prove_agreement(plan)), width=_console(wide=False).width))
+    if args.collectives:
+        from fivedc.comm_program import class_programs
+
+        for pp_rank, events in class_programs(plan).items():
+            print(f"\npp rank {pp_rank}: {len(events)} collectives and transfers per step, in issue order")
+            for index, event in enumerate(events, start=1):
+                print(f"  #{index} {event}")
     return 0
 
 

@@ -18,6 +18,7 @@ before the first microbatch) go by the same buckets.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fivedc.ir import Block, Graph, Op, Param, Repeat
@@ -94,3 +95,22 @@ def _first_uses(body: Block, params: dict[str, Param]) -> list[Param]:
                 if isinstance(arg, str) and arg in params and params[arg] not in order:
                     order.append(params[arg])
     return order
+
+
+def expand_buckets(buckets: Sequence[Bucket]) -> list[tuple[str, ...]]:
+    """Parameter instances per bucket execution, in launch order."""
+    out: list[tuple[str, ...]] = []
+    i = 0
+    while i < len(buckets):
+        repeat = buckets[i].repeat
+        if repeat is None:
+            out.append(buckets[i].params)
+            i += 1
+            continue
+        j = i
+        while j < len(buckets) and buckets[j].repeat == repeat:
+            j += 1
+        for layer in reversed(range(buckets[i].count)):
+            out += [tuple(p.replace(".*.", f".{layer}.", 1) for p in b.params) for b in buckets[i:j]]
+        i = j
+    return out

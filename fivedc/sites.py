@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivedc.errors import FivedcError
-from fivedc.ir import DType, Graph, Op, Redistribute, Repeat
+from fivedc.ir import DType, Graph, Op, Redistribute, Repeat, walk_params
 from fivedc.mesh import MeshAxis
 from fivedc.stages import PipelineSpec, units
 
@@ -108,7 +108,17 @@ def data_dependent(graph: Graph) -> set[str]:
     """The values computed from the inputs (through any chain of ops): those a pipeline's
     microbatches compute in parts; the rest (from parameters and constants alone) every
     microbatch computes whole."""
-    found = {i.name for i in graph.inputs}
+    return computed_from(graph, {i.name for i in graph.inputs})
+
+
+def trainable(graph: Graph) -> set[str]:
+    """The values computed from a parameter: those backward computes a gradient for."""
+    return computed_from(graph, {p.name for p, _ in walk_params(graph.body)})
+
+
+def computed_from(graph: Graph, roots: set[str]) -> set[str]:
+    """`roots` and every value computed from one of them, through any chain of nodes."""
+    found = set(roots)
     for _ in range(2):  # a repeat's yields feed its args from the second layer on
         for item in graph.body.items:
             if isinstance(item, Repeat):

@@ -18,28 +18,17 @@ its intermediate values are not kept alive by the program's either.
 from __future__ import annotations
 
 import zlib
-from typing import Iterator
 
 import torch
 from torch import Tensor
 
-from fivedc.ir import Block, DType, Graph, Op, Param, Redistribute, Repeat, walk_ops
+from fivedc.ir import Block, DType, Graph, Op, Redistribute, Repeat, walk_ops
+from fivedc.ir import param_instances as qualified_params
 from fivedc.recompute import recomputes_layer, recomputes_op
 from fivedc.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.kernels import KERNELS, KernelContext
 from fivedc.runtime.recompute import run_recomputed
-
-
-def qualified_params(graph: Graph) -> Iterator[tuple[str, Param]]:
-    """Every parameter instance with its qualified name (`wte`, `layers.0.wq`, ...)."""
-    for param in graph.body.params:
-        yield param.name, param
-    for item in graph.body.items:
-        if isinstance(item, Repeat):
-            for i in range(item.count):
-                for param in item.body.params:
-                    yield f"{item.name}.{i}.{param.name}", param
 
 
 def grad_groups(graph: Graph, ctx: KernelContext) -> dict[str, object | None]:
