@@ -1,4 +1,4 @@
-"""The `fivedc` command: compile, show, verify, run, diff and check, with errors but no tracebacks.
+"""The `fivedc` command: compile, show, verify, run, train, export, diff and check; errors, no tracebacks.
 
 This file parses the command line and dispatches; what the commands share is in
 `cli_shared.py`, and the two that start processes are `verify_cli.py` and
@@ -21,12 +21,15 @@ from pathlib import Path
 
 from fivedc.cli_shared import compile_model, load_graph
 from fivedc.errors import EXIT_CODES, FivedcError
+from fivedc.train_cli import train_args
 
 COMMANDS = {
     "compile": "compile a model for a mesh: write the plan and print a readable summary",
     "show": "list a plan's ops with their ids (--ops), or draw its pipeline schedule (--schedule out.png)",
     "verify": "train a few steps with the plan on local processes and compare with one device",
     "run": "execute a plan (or compile a model and execute it): loss, step time and memory per rank",
+    "train": "train a model (or a plan) on token files: validation, checkpoints, resume on any mesh",
+    "export": "consolidate a checkpoint into one .safetensors file with the model's own parameter names",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
     "check": "check a saved plan: exactly what this fivedc compiles, and every group's ranks agree on its collectives",
 }
@@ -121,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the parameters and the synthetic batch")
     _local_run_args(r)
     v.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("train", help=COMMANDS["train"], description=COMMANDS["train"])
+    t.add_argument("model", help="a .5d model, path/to/file.py:factory (starts from the module's weights) or a plan .json")
+    _mesh_args(t, required=False)
+    train_args(t)
+    _local_run_args(t)
+    e = sub.add_parser("export", help=COMMANDS["export"], description=COMMANDS["export"])
+    e.add_argument("checkpoint", help="a save directory (its latest checkpoint) or one step-N folder")
+    e.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    e.add_argument("--strip-prefix", default=None, metavar="PREFIX",
+                   help="drop PREFIX from the names (a wrapper's, e.g. model.) so the library's own model loads them")
+    e.add_argument("--dtype", default=None, help="cast to fp64, fp32, bf16 or fp16 (default: as trained)")
     s = sub.add_parser("show", help=COMMANDS["show"], description=COMMANDS["show"])
     s.add_argument("plan", help="a plan .json written by fivedc compile")
     s.add_argument("--schedule", default=None, metavar="OUT", help="draw the pipeline schedule: a .png or .svg")
@@ -184,6 +198,18 @@ def cmd_run(args) -> int:
     from fivedc.run_cli import run_run
 
     return run_run(args, defaults=build_parser().parse_args(["run", args.model]))
+
+
+def cmd_train(args) -> int:
+    from fivedc.train_cli import run_train
+
+    return run_train(args, defaults=build_parser().parse_args(["train", args.model, "--data", args.data]))
+
+
+def cmd_export(args) -> int:
+    from fivedc.export import run_export
+
+    return run_export(args)
 
 
 def cmd_show(args) -> int:
@@ -257,12 +283,15 @@ def cmd_check(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--"]:  # `torchrun ... -m fivedc.cli -- train ... --log F`: the `--` keeps torchrun off our flags
+        argv = argv[1:]
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "show": cmd_show,
-               "diff": cmd_diff, "check": cmd_check}[args.command]
+    handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "train": cmd_train, "export": cmd_export,
+               "show": cmd_show, "diff": cmd_diff, "check": cmd_check}[args.command]
     try:
         return handler(args)
     except FivedcError as error:
