@@ -1,4 +1,4 @@
-"""The `fivedc` command: compile, show, verify, run, diff and check, with errors but no tracebacks.
+"""The `fivedc` command: compile, show, verify, run, train, export, diff and check; errors, no tracebacks.
 
 This file parses the command line and dispatches; what the commands share is in
 `cli_shared.py`, and the two that start processes are `verify_cli.py` and
@@ -14,20 +14,24 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
 
 from fivedc.cli_shared import compile_model, load_graph
 from fivedc.errors import EXIT_CODES, FivedcError
+from fivedc.train_cli import train_args
 
 COMMANDS = {
     "compile": "compile a model for a mesh: write the plan and print a readable summary",
-    "show": "draw a plan's pipeline schedule as a picture (.png or .svg)",
+    "show": "list a plan's ops with their ids (--ops), or draw its pipeline schedule (--schedule out.png)",
     "verify": "train a few steps with the plan on local processes and compare with one device",
     "run": "execute a plan (or compile a model and execute it): loss, step time and memory per rank",
+    "train": "train a model (or a plan) on token files: validation, checkpoints, resume on any mesh",
+    "export": "consolidate a checkpoint into one .safetensors file with the model's own parameter names",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
-    "check": "check a saved plan: it must be exactly what this fivedc compiles from its model and options",
+    "check": "check a saved plan: exactly what this fivedc compiles, and every group's ranks agree on its collectives",
 }
 
 
@@ -108,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
     v.add_argument("--dtype", default="fp64", help="fp64 (default) or fp32")
     v.add_argument("--tol", type=float, default=None, help="largest relative error allowed (fp64: 1e-10)")
+    v.add_argument("--trace-divergence", action="store_true",
+                   help="compare every op's value and gradient too, and name the first that differs (a mismatch "
+                   "does this by itself in a second run)")
+    v.add_argument("--inject-fault", default=None, metavar="OP[@RANK]",
+                   help="the checker's self-test: perturb OP's output (an id from fivedc show PLAN --ops) on one "
+                   "rank; verify must fail naming OP")
     _local_run_args(v)
     r = sub.add_parser("run", help=COMMANDS["run"], description=COMMANDS["run"])
     r.add_argument("model", help="a plan .json written by fivedc compile, a .5d model, or path/to/file.py:factory")
@@ -122,9 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "backward, parameters, gradients and optimizer state held; on CUDA the allocator's peak)")
     _local_run_args(r)
     v.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("train", help=COMMANDS["train"], description=COMMANDS["train"])
+    t.add_argument("model", help="a .5d model, path/to/file.py:factory (starts from the module's weights) or a plan .json")
+    _mesh_args(t, required=False)
+    train_args(t)
+    _local_run_args(t)
+    e = sub.add_parser("export", help=COMMANDS["export"], description=COMMANDS["export"])
+    e.add_argument("checkpoint", help="a save directory (its latest checkpoint) or one step-N folder")
+    e.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    e.add_argument("--strip-prefix", default=None, metavar="PREFIX",
+                   help="drop PREFIX from the names (a wrapper's, e.g. model.) so the library's own model loads them")
+    e.add_argument("--dtype", default=None, help="cast to fp64, fp32, bf16 or fp16 (default: as trained)")
     s = sub.add_parser("show", help=COMMANDS["show"], description=COMMANDS["show"])
     s.add_argument("plan", help="a plan .json written by fivedc compile")
-    s.add_argument("--schedule", required=True, metavar="OUT", help="picture to write: .png or .svg")
+    s.add_argument("--schedule", default=None, metavar="OUT", help="draw the pipeline schedule: a .png or .svg")
+    s.add_argument("--ops", action="store_true",
+                   help="list every op and redistribution with its id (what --inject-fault and a divergence name)")
     d = sub.add_parser("diff", help=COMMANDS["diff"], description=COMMANDS["diff"])
     d.add_argument("a", help="a plan .json, or MODEL.5d@MESH")
     d.add_argument("b", help="a plan .json, or MODEL.5d@MESH")
@@ -134,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     k = sub.add_parser("check", help=COMMANDS["check"], description=COMMANDS["check"])
     k.add_argument("plan", help="a plan .json written by fivedc compile")
+    k.add_argument("--collectives", action="store_true",
+                   help="list what each class of ranks (one per pp rank) issues in one step, in order")
     return parser
 
 
@@ -157,7 +182,8 @@ def cmd_compile(args) -> int:
     output = args.output if args.output is not None else model_file.stem + ".plan.json"  # str: keeps a trailing /
     check_output(output, inputs=(model_file,))  # fail before the compile; save checks again
     start = time.perf_counter()
-    plan = compile_model(args.model, args.mesh, args, dtype=args.dtype)
+    proofs: list = []
+    plan = compile_model(args.model, args.mesh, args, dtype=args.dtype, proofs=proofs)
     seconds = time.perf_counter() - start
     if plan.time is not None:  # a plan that does not fit its GPU is bad input: say what would fit
         from fivedc.fit import check_fits
@@ -169,8 +195,10 @@ def cmd_compile(args) -> int:
         step = f", {plan.time.step_seconds:.3g} s per step on {plan.time.hardware.key}" if plan.time else ""
         print(f"wrote {output} ({len(plan.collectives)} collectives, {format_bytes(plan.memory.total)} per rank{step})")
     else:
-        render_summary(plan, console=_console(wide=args.wide), verbose=args.verbose, wide=args.wide)
-        print(f"\nwrote {output} in {seconds:.2f} s")
+        console = _console(wide=args.wide)
+        render_summary(plan, console=console, verbose=args.verbose, wide=args.wide)
+        print("\n" + textwrap.fill(str(proofs[0]), width=console.width))
+        print(f"wrote {output} in {seconds:.2f} s")
     return 0
 
 
@@ -186,11 +214,32 @@ def cmd_run(args) -> int:
     return run_run(args, defaults=build_parser().parse_args(["run", args.model]))
 
 
+def cmd_train(args) -> int:
+    from fivedc.train_cli import run_train
+
+    return run_train(args, defaults=build_parser().parse_args(["train", args.model, "--data", args.data]))
+
+
+def cmd_export(args) -> int:
+    from fivedc.export import run_export
+
+    return run_export(args)
+
+
 def cmd_show(args) -> int:
     from fivedc.plan_check import load_plan
     from fivedc.schedule import draw_schedule
 
+    if not args.ops and args.schedule is None:
+        raise FivedcError("fivedc show needs --ops (list the ops) or --schedule OUT (draw the schedule)",
+                          hint=f"e.g. fivedc show {args.plan} --ops")
     plan = load_plan(args.plan)
+    if args.ops:
+        from fivedc.op_list import render_ops
+
+        render_ops(plan, console=_console())
+        if args.schedule is None:
+            return 0
     if plan.pipeline is None:
         raise FivedcError(f"{args.plan} has no pipeline (pp = 1): nothing to draw",
                           hint="compile with pp > 1, e.g. --mesh 1x4x1x1x1 --schedule 1f1b")
@@ -230,20 +279,33 @@ def cmd_diff(args) -> int:
 def cmd_check(args) -> int:
     from fivedc.plan_check import load_plan
 
+    from fivedc.agreement import prove_agreement
+
     plan = load_plan(args.plan)
     print(f"{args.plan}: a valid plan for mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype}, "
           f"{len(plan.collectives)} collectives): exactly what this fivedc compiles from its model and options")
+    print(textwrap.fill(str(prove_agreement(plan)), width=_console(wide=False).width))
+    if args.collectives:
+        from fivedc.comm_program import class_programs
+
+        for pp_rank, events in class_programs(plan).items():
+            print(f"\npp rank {pp_rank}: {len(events)} collectives and transfers per step, in issue order")
+            for index, event in enumerate(events, start=1):
+                print(f"  #{index} {event}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--"]:  # `torchrun ... -m fivedc.cli -- train ... --log F`: the `--` keeps torchrun off our flags
+        argv = argv[1:]
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "show": cmd_show,
-               "diff": cmd_diff, "check": cmd_check}[args.command]
+    handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "train": cmd_train, "export": cmd_export,
+               "show": cmd_show, "diff": cmd_diff, "check": cmd_check}[args.command]
     try:
         return handler(args)
     except FivedcError as error:

@@ -96,13 +96,14 @@ def check_no_stage_boundaries(model: str, stage_boundaries) -> None:
         )
 
 
-def compile_model(model: str, mesh_text: str, args, *, dtype: str, pipeline_flags_need_pp: bool = True):
+def compile_model(model: str, mesh_text: str, args, *, dtype: str, pipeline_flags_need_pp: bool = True,
+                  proofs: list | None = None):
     from fivedc.mesh import Mesh
     from fivedc.pipeline import compile_graph
 
     mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
     options = compile_options(args, mesh, dtype=dtype, pipeline_flags_need_pp=pipeline_flags_need_pp)
-    return compile_graph(load_graph(model, args.stage_boundary), options)
+    return compile_graph(load_graph(model, args.stage_boundary), options, proofs=proofs)
 
 
 def load_plan_or_compile(model: str, args, *, dtype: str):

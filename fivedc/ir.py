@@ -257,3 +257,14 @@ def walk_params(block: Block):
         if isinstance(item, Repeat):
             for param, _ in walk_params(item.body):
                 yield param, item
+
+
+def param_instances(graph: Graph):
+    """Every parameter instance with its qualified name (`wte`, `layers.0.wq`, ...)."""
+    for param in graph.body.params:
+        yield param.name, param
+    for item in graph.body.items:
+        if isinstance(item, Repeat):
+            for i in range(item.count):
+                for param in item.body.params:
+                    yield f"{item.name}.{i}.{param.name}", param

@@ -3,7 +3,8 @@
 Gradients are summed in buckets rather than one collective per parameter. A
 bucket holds parameters with the same ZeRO group (their `grad_partial` axes), in
 the order backward produces their gradients (the reverse of first use), and
-closes when it reaches the bucket size. Buckets never span a layer boundary: a
+closes when it reaches the bucket size. Buckets never span a pipeline chunk (each
+pp rank sums the gradients of the parameters it holds) nor a layer boundary: a
 repeat body's buckets are planned once and run once per layer (the plan stays the
 size of one layer, whatever the depth). With overlap on, the runtime starts a
 bucket's reduction from the backward hook of its last gradient, in the plan's
@@ -17,6 +18,7 @@ before the first microbatch) go by the same buckets.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fivedc.ir import Block, Graph, Op, Param, Repeat
@@ -38,10 +40,13 @@ class Bucket:
         return first.split(".*.")[0] if ".*." in first else None
 
 
-def plan_buckets(graph: Graph, mesh: Mesh, *, param_bytes, bucket_bytes: int) -> tuple[Bucket, ...]:
-    """Buckets in backward order. `param_bytes(param)` is what one parameter adds."""
+def plan_buckets(graph: Graph, mesh: Mesh, *, param_bytes, bucket_bytes: int,
+                 cuts: frozenset[int] = frozenset()) -> tuple[Bucket, ...]:
+    """Buckets in backward order. `param_bytes(param)` is what one parameter adds; `cuts`
+    are the top-level items where a pipeline chunk begins (a bucket never spans one:
+    each pp rank syncs the gradients of its own chunks)."""
     buckets: list[Bucket] = []
-    for segment, repeat in reversed(_segments(graph.body)):
+    for segment, repeat in reversed(_segments(graph.body, cuts)):
         open_: dict[tuple, list[Param]] = {}
         for param in reversed(segment):
             if mesh.size(*param.grad_partial) == 1:
@@ -61,12 +66,14 @@ def _bucket(index: int, params: list[Param], repeat: Repeat | None, param_bytes)
                   repeat.count if repeat else 1)
 
 
-def _segments(body: Block) -> list[tuple[list[Param], Repeat | None]]:
-    """The parameters in order of first use, cut at repeat boundaries."""
+def _segments(body: Block, cuts: frozenset[int]) -> list[tuple[list[Param], Repeat | None]]:
+    """The parameters in order of first use, cut at repeat boundaries and at `cuts`."""
     params = {p.name: p for p in body.params}
     segments: list[tuple[list[Param], Repeat | None]] = [([], None)]
     seen: set[str] = set()
-    for item in body.items:
+    for index, item in enumerate(body.items):
+        if index in cuts:
+            segments.append(([], None))
         if isinstance(item, Repeat):
             inner = {p.name: p for p in item.body.params}
             used = _first_uses(item.body, inner)
@@ -88,3 +95,22 @@ def _first_uses(body: Block, params: dict[str, Param]) -> list[Param]:
                 if isinstance(arg, str) and arg in params and params[arg] not in order:
                     order.append(params[arg])
     return order
+
+
+def expand_buckets(buckets: Sequence[Bucket]) -> list[tuple[str, ...]]:
+    """Parameter instances per bucket execution, in launch order."""
+    out: list[tuple[str, ...]] = []
+    i = 0
+    while i < len(buckets):
+        repeat = buckets[i].repeat
+        if repeat is None:
+            out.append(buckets[i].params)
+            i += 1
+            continue
+        j = i
+        while j < len(buckets) and buckets[j].repeat == repeat:
+            j += 1
+        for layer in reversed(range(buckets[i].count)):
+            out += [tuple(p.replace(".*.", f".{layer}.", 1) for p in b.params) for b in buckets[i:j]]
+        i = j
+    return out

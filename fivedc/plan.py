@@ -26,7 +26,7 @@ from fivedc.hardware import Hardware
 from fivedc.step_time import TimeEstimate, estimate_time
 from fivedc.serialize import decode, encode
 from fivedc.stage_plan import pipeline_collectives
-from fivedc.stages import PipelineSpec
+from fivedc.stages import PipelineSpec, chunk_starts
 
 PLAN_VERSION = 1
 
@@ -110,7 +110,8 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
                pipeline: PipelineSpec | None = None, recompute: str = "none",
                hardware: Hardware | None = None) -> ExecutionPlan:
     buckets = () if zero == 3 and pipeline is None else plan_buckets(  # ZeRO-3 alone reduces per use
-        graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes
+        graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes,
+        cuts=chunk_starts(graph, pipeline),
     )
     collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero, overlap=overlap,
                                      buckets=buckets) + tuple(regather_collectives(graph, recompute))

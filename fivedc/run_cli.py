@@ -26,7 +26,7 @@ def run_run(args, *, defaults) -> int:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
     check_local_run(args)
     if args.model.endswith(".json"):
-        given = _plan_flags_given(args, defaults)
+        given = plan_flags_given(args, defaults)
         if given:
             raise FivedcError(f"{args.model} is a compiled plan: its mesh and options are fixed, and "
                               f"{', '.join(given)} would change them",
@@ -79,7 +79,7 @@ PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "cp_layout", "zero", "
               "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute")
 
 
-def _plan_flags_given(args, defaults) -> list[str]:
+def plan_flags_given(args, defaults) -> list[str]:
     """The options that shape a plan given on the command line (not left at their defaults)."""
     names = {"sp": "--sp/--no-sp", "overlap": "--no-overlap"}
     return [names.get(k, "--" + k.replace("_", "-")) for k in PLAN_FLAGS if getattr(args, k) != getattr(defaults, k)]

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivedc.ir import CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, walk_ops
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.mesh import Mesh
 from fivedc.recompute import recomputes_layer
 from fivedc.sharding import Sharding
 

@@ -300,6 +300,14 @@ def boundary_values(graph: Graph, cut: int) -> tuple[str, ...]:
     return tuple(sorted((defined & used) - inputs))
 
 
+def chunk_starts(graph: Graph, spec: PipelineSpec | None) -> frozenset[int]:
+    """The top-level items at which a pipeline chunk begins (none without a pipeline)."""
+    if spec is None:
+        return frozenset()
+    all_units = units(graph)
+    return frozenset(all_units[c.units[0]].start for c in spec.chunks if all_units[c.units[0]].layer is None)
+
+
 # ---- which parameters a chunk uses ------------------------------------------------------------
 def chunk_param_names(graph: Graph, spec: PipelineSpec, *, pp_rank: int | None = None,
                       chunk: int | None = None) -> set[str]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fivedc.errors import ShapeError
+from fivedc.runtime import attention_fused
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -69,8 +70,11 @@ class Pair:
     masked: bool
 
 
-def plan_pairs(q_pos: Tensor, kv_pos: Tensor, *, causal: bool, kv_blocks: int = 1) -> tuple[Pair, ...]:
-    """The (q run, k/v run) pairs that see at least one key, k/v cut into `kv_blocks` blocks."""
+def plan_pairs(q_pos: Tensor, kv_pos: Tensor, *, causal: bool, kv_blocks: int = 1,
+               tiles: bool = True) -> tuple[Pair, ...]:
+    """The (q run, k/v run) pairs that see at least one key, k/v cut into `kv_blocks` blocks;
+    with `tiles` every run is cut at TILE rows (a fused kernel takes whole runs)."""
+    cut = _tiles if tiles else (lambda runs: list(runs))
     sk = kv_pos.numel()
     if kv_blocks < 1 or sk % kv_blocks:
         divisors = [b for b in range(1, sk + 1) if sk % b == 0][:8]
@@ -78,11 +82,11 @@ def plan_pairs(q_pos: Tensor, kv_pos: Tensor, *, causal: bool, kv_blocks: int = 
             f"kv_blocks={kv_blocks} does not divide the {sk} k/v rows",
             hint=f"choose kv_blocks in {{{', '.join(map(str, divisors))}, ...}}",
         )
-    q_runs = [(o, n, int(q_pos[o]), int(q_pos[o + n - 1])) for o, n in _tiles(position_runs(q_pos))]
+    q_runs = [(o, n, int(q_pos[o]), int(q_pos[o + n - 1])) for o, n in cut(position_runs(q_pos))]
     size = sk // kv_blocks
     kv_runs = []
     for start in range(0, sk, size):
-        block = _tiles(position_runs(kv_pos[start:start + size]))
+        block = cut(position_runs(kv_pos[start:start + size]))
         kv_runs += [(start + o, n, int(kv_pos[start + o]), int(kv_pos[start + o + n - 1])) for o, n in block]
     pairs = []
     for qo, qn, q_first, q_last in q_runs:
@@ -143,23 +147,28 @@ def _mask(pair: Pair, q_pos: Tensor, kv_pos: Tensor, device: torch.device) -> Te
     return (kv_pos[ko:ko + kn][None, :] <= q_pos[qo:qo + qn][:, None]).to(device)
 
 
-def _forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block: _Block) -> None:
-    """Merge the attention of q to `block` into the partial (out, lse) [b, heads, sq, ...]."""
-    heads, kv_heads, scale = q.shape[1], block.k.shape[1], q.shape[-1] ** -0.5
+def _forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block: _Block, *, fused: bool) -> None:
+    """Merge the attention of q to `block` into the partial (out, lse) [b, heads, sq, ...],
+    a pair at a time (by the fused kernel, or by `_pair_forward`'s matmuls)."""
     for pair in block.pairs:
-        (ko, kn), rows = pair.kv, slice(pair.q[0], pair.q[0] + pair.q[1])
-        k_run = block.k[:, :, ko:ko + kn].to(out.dtype)
-        v_run = block.v[:, :, ko:ko + kn].to(out.dtype)
-        probs = _scores(_rows(q, pair.q, kv_heads, out.dtype), k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale)
-        row_max = _finite(probs.amax(dim=-1))  # in place below: torch.logsumexp would copy the scores
-        row_sum = probs.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
-        pair_lse = row_max + row_sum.log()  # -inf for a row that sees no key here
-        pair_out = torch.matmul(probs, v_run).div_(row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1))
-        del probs
-        merged, merged_lse = merge_partials(
-            out[:, :, rows], lse[:, :, rows], _unrows(pair_out, heads), _unrows(pair_lse, heads)
-        )
-        out[:, :, rows], lse[:, :, rows] = merged, merged_lse
+        rows = slice(pair.q[0], pair.q[0] + pair.q[1])
+        part, part_lse = (attention_fused.pair_forward(q, q_pos, block, pair) if fused
+                          else _pair_forward(q, q_pos, block, pair, out.dtype))
+        out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], part.to(out.dtype),
+                                                          part_lse.to(lse.dtype))
+
+
+def _pair_forward(q: Tensor, q_pos: Tensor, block: _Block, pair: Pair, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """One pair's (output, log-sum-exp) by matmuls, GQA heads grouped over shared K/V."""
+    heads, kv_heads, scale = q.shape[1], block.k.shape[1], q.shape[-1] ** -0.5
+    (ko, kn) = pair.kv
+    k_run, v_run = block.k[:, :, ko:ko + kn].to(dtype), block.v[:, :, ko:ko + kn].to(dtype)
+    probs = _scores(_rows(q, pair.q, kv_heads, dtype), k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale)
+    row_max = _finite(probs.amax(dim=-1))  # in place below: torch.logsumexp would copy the scores
+    row_sum = probs.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+    pair_lse = row_max + row_sum.log()  # -inf for a row that sees no key here
+    pair_out = torch.matmul(probs, v_run).div_(row_sum.masked_fill(row_sum == 0, 1.0).unsqueeze(-1))
+    return _unrows(pair_out, heads), _unrows(pair_lse, heads)
 
 
 def _backward_into(
@@ -224,12 +233,13 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor,
                 causal: bool, kv_blocks: int) -> Tensor:
-        block = _Block(k, v, kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks))
+        fused = attention_fused.available(q)
+        block = _Block(k, v, kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks, tiles=not fused))
         out, lse = _empty_partial(q)
-        _forward_into(out, lse, q, q_pos, block)
+        _forward_into(out, lse, q, q_pos, block, fused=fused)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.positions, ctx.pairs = (q_pos, kv_pos), block.pairs
+        ctx.positions, ctx.pairs, ctx.fused = (q_pos, kv_pos), block.pairs, fused
         return out
 
     @staticmethod
@@ -238,8 +248,11 @@ class _BlockwiseAttention(torch.autograd.Function):
         (q_pos, kv_pos), dtype = ctx.positions, _compute_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
-        grads = (dout, lse, _delta(dout, out))
-        _backward_into(dq, dkv, q, q_pos, _Block(k, v, kv_pos, ctx.pairs), grads)
+        block = _Block(k, v, kv_pos, ctx.pairs)
+        if ctx.fused:
+            attention_fused.backward_into(dq, dkv, q, q_pos, block, dout, out, lse)
+        else:
+            _backward_into(dq, dkv, q, q_pos, block, (dout, lse, _delta(dout, out)))
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
@@ -308,25 +321,26 @@ def _exchange(ring: Ring, send: Tensor, tag: int) -> tuple[Tensor, _Transfer]:
     return received, _Transfer(send, tuple(dist.batch_isend_irecv(ops)))
 
 
-def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool) -> _Block:
+def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool, fused: bool) -> _Block:
     kv_pos = ring.block_positions[(ring.index - step) % ring.size]
-    return _Block(kv[0], kv[1], kv_pos, plan_pairs(q_pos, kv_pos, causal=causal))
+    return _Block(kv[0], kv[1], kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, tiles=not fused))
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, causal: bool) -> Tensor:
         out, lse = _empty_partial(q)
+        fused = attention_fused.available(q)
         kv = torch.stack((k, v))  # one packed buffer to send
         for step in range(ring.size):
             last = step == ring.size - 1
             arriving, transfer = (None, _NOTHING) if last else _exchange(ring, kv, tag=0)
-            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal))
+            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused), fused=fused)
             transfer.wait()
             kv = arriving
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.q_pos, ctx.ring, ctx.causal = q_pos, ring, causal
+        ctx.q_pos, ctx.ring, ctx.causal, ctx.fused = q_pos, ring, causal, fused
         return out
 
     @staticmethod
@@ -340,7 +354,11 @@ class _RingAttention(torch.autograd.Function):
             last = step == ring.size - 1
             arriving, kv_transfer = (None, _NOTHING) if last else _exchange(ring, kv, tag=0)
             dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-            _backward_into(dq, dkv, q, ctx.q_pos, _ring_block(kv, ring, step, ctx.q_pos, ctx.causal), grads)
+            block = _ring_block(kv, ring, step, ctx.q_pos, ctx.causal, ctx.fused)
+            if ctx.fused:
+                attention_fused.backward_into(dq, dkv, q, ctx.q_pos, block, dout, out, lse)
+            else:
+                _backward_into(dq, dkv, q, ctx.q_pos, block, grads)
             acc_transfer.wait()  # the accumulator of the block in hand, from its earlier holders
             if acc is not None:
                 dkv += acc

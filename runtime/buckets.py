@@ -21,34 +21,15 @@ starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fivedc.overlap import Bucket
+from fivedc.overlap import expand_buckets
 
 IN_FLIGHT = 2  # ZeRO-2: whole buckets laid out for their reduce-scatter at once
 
-
-def expand_buckets(buckets: Sequence[Bucket]) -> list[tuple[str, ...]]:
-    """Parameter instances per bucket execution, in launch order."""
-    out: list[tuple[str, ...]] = []
-    i = 0
-    while i < len(buckets):
-        repeat = buckets[i].repeat
-        if repeat is None:
-            out.append(buckets[i].params)
-            i += 1
-            continue
-        j = i
-        while j < len(buckets) and buckets[j].repeat == repeat:
-            j += 1
-        for layer in reversed(range(buckets[i].count)):
-            out += [tuple(p.replace(".*.", f".{layer}.", 1) for p in b.params) for b in buckets[i:j]]
-        i = j
-    return out
+__all__ = ["GradBuckets", "expand_buckets"]
 
 
 class GradBuckets:

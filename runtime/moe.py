@@ -121,6 +121,13 @@ def end_step(ctx) -> dict[str, ExpertLoad]:
     return loads
 
 
+def discard_counts(ctx) -> None:
+    """Forget the counts of forwards that were not training steps (evaluation): no bias
+    update and no load come from them."""
+    state = moe_state(ctx)
+    state.loads, state.pending = {}, {}
+
+
 # ---- the kernel -----------------------------------------------------------------------
 def moe_kernel(ctx, op: Op, args: list, dims: list, *, experts_fn=None) -> Tensor:
     x, router, *weights = args

@@ -37,6 +37,7 @@ from fivedc.stages import PipelineSpec, Unit, units, value_types
 
 K = ActionKind
 TAGS = {K.SEND_FORWARD: 0, K.RECV_FORWARD: 0, K.SEND_BACKWARD: 1, K.RECV_BACKWARD: 1}
+COPY_TAG = 2  # DualPipe: the two copies' gradients
 
 
 @dataclass
@@ -86,6 +87,8 @@ class PipelineRunner:
                 if self._local_prev(action.chunk):  # the previous chunk ran here: hand over, no transfer
                     previous = state[(action.microbatch, action.chunk - 1)].outputs
                     micro.received = [t.detach().requires_grad_(True) for t in previous]
+                if self.program.tracer is not None:
+                    self.program.tracer.microbatch = action.microbatch
                 with self.meter.forward(key) if self.meter is not None else contextlib.nullcontext():
                     loss = self._forward(params, micro_inputs[action.microbatch], micro, action.chunk)
                     held([*micro.received, *micro.outputs])  # kept until its backward
@@ -226,26 +229,22 @@ class PipelineRunner:
     def sum_copies(self, grads: dict[str, Tensor]) -> None:
         """DualPipe keeps two copies of the model (pp rank r holds chunk r of one and chunk
         p-1-r of the other): each copy saw half the microbatches, so the two ranks holding
-        the copies of a chunk (pp ranks r and p-1-r hold the same parameters) add their
-        summed gradients, in place, and then update alike."""
+        the copies of a chunk (pp ranks r and p-1-r hold the same parameters) exchange
+        their summed gradients, in name order, and add them (a + b = b + a: both updates
+        stay equal)."""
         if self.schedule.pipelines == 1 or not grads:
             return
         names = sorted(grads)
-        flat = torch.cat([grads[n].reshape(-1) for n in names])
-        dist.all_reduce(flat, group=self._mirror_group())
+        mine = torch.cat([grads[n].reshape(-1) for n in names])
+        theirs = torch.empty_like(mine)
+        peer = self._peer(self.ctx.mesh.size(MeshAxis.PP) - 1 - self.ctx.coords[MeshAxis.PP])
+        for work in (dist.isend(mine, dst=peer, tag=COPY_TAG), dist.irecv(theirs, src=peer, tag=COPY_TAG)):
+            work.wait()
         offset = 0
         for name in names:
             size = grads[name].numel()
-            grads[name].copy_(flat[offset:offset + size].view_as(grads[name]))
+            grads[name].add_(theirs[offset:offset + size].view_as(grads[name]))
             offset += size
-
-    def _mirror_group(self):
-        key = "dualpipe-mirror"
-        if key not in self.ctx._cache:
-            p, coords = self.ctx.mesh.size(MeshAxis.PP), self.ctx.coords
-            pair = sorted({self._peer(coords[MeshAxis.PP]), self._peer(p - 1 - coords[MeshAxis.PP])})
-            self.ctx._cache[key] = dist.new_group(pair, use_local_synchronization=True)
-        return self.ctx._cache[key]
 
     # ---- point to point ------------------------------------------------------------------------
     def _peer(self, pp_rank: int) -> int:

@@ -18,12 +18,12 @@ its intermediate values are not kept alive by the program's either.
 from __future__ import annotations
 
 import zlib
-from typing import Iterator
 
 import torch
 from torch import Tensor
 
-from fivedc.ir import Block, DType, Graph, Op, Param, Redistribute, Repeat, walk_ops
+from fivedc.ir import Block, DType, Graph, Op, Redistribute, Repeat, walk_ops
+from fivedc.ir import param_instances as qualified_params
 from fivedc.recompute import recomputes_layer, recomputes_op
 from fivedc.saved import regathered
 from fivedc.sharding import Sharding
@@ -31,17 +31,6 @@ from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.kernels import KERNELS, KernelContext
 from fivedc.runtime.recompute import run_recomputed
 from fivedc.runtime.saved import mark_regathered
-
-
-def qualified_params(graph: Graph) -> Iterator[tuple[str, Param]]:
-    """Every parameter instance with its qualified name (`wte`, `layers.0.wq`, ...)."""
-    for param in graph.body.params:
-        yield param.name, param
-    for item in graph.body.items:
-        if isinstance(item, Repeat):
-            for i in range(item.count):
-                for param in item.body.params:
-                    yield f"{item.name}.{i}.{param.name}", param
 
 
 def grad_groups(graph: Graph, ctx: KernelContext) -> dict[str, object | None]:
@@ -125,8 +114,9 @@ def shard(full: Tensor, dims: tuple[str, ...], sharding: Sharding, ctx: KernelCo
 
 
 class Program:
-    def __init__(self, graph: Graph, ctx: KernelContext, *, recompute: str = "none") -> None:
+    def __init__(self, graph: Graph, ctx: KernelContext, *, recompute: str = "none", tracer=None) -> None:
         self.graph, self.ctx, self.recompute = graph, ctx, recompute
+        self.tracer = tracer  # runtime/trace.ValueTrace: every node's value and gradient (verify's diagnosis)
         self.param_dims = {name: p.dims for name, p in qualified_params(graph)}
         self.regathered = regathered(graph, recompute)
         self.steps = {
@@ -159,16 +149,17 @@ class Program:
                 self._layer(items[unit.start], unit.layer, env, dims, params, scope)
 
     def _block(self, block: Block, env: dict, dims: dict, params: dict, scope: dict,
-               repeat: Repeat | None = None) -> None:
+               repeat: Repeat | None = None, layer: int | None = None) -> None:
         for item in block.items:
             if isinstance(item, Repeat):
-                for layer in range(item.count):
-                    self._layer(item, layer, env, dims, params, scope)
+                for index in range(item.count):
+                    self._layer(item, index, env, dims, params, scope)
             elif isinstance(item, Redistribute):
                 forward, backward = self.steps[item.out]
-                env[item.out] = redistribute(env[item.src], forward, backward, self.ctx.groups)
+                out = redistribute(env[item.src], forward, backward, self.ctx.groups)
                 if item.out in self.regathered:  # sequence parallelism: backward gathers it again
-                    mark_regathered(env[item.out], env[item.src], forward, self.ctx.groups)
+                    mark_regathered(out, env[item.src], forward, self.ctx.groups)
+                env[item.out] = self._traced(item.out, layer, out)
                 dims[item.out] = item.type.dims
             else:
                 args, arg_dims = [], []
@@ -183,10 +174,14 @@ class Program:
                         args.append(env[arg])
                         arg_dims.append(dims[arg])
                 if recomputes_op(item, repeat, self.recompute):
-                    env[item.out] = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
+                    out = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
                 else:
-                    env[item.out] = KERNELS[item.kind](self.ctx, item, args, arg_dims)
+                    out = KERNELS[item.kind](self.ctx, item, args, arg_dims)
+                env[item.out] = self._traced(item.out, layer, out)
                 dims[item.out] = item.type.dims
+
+    def _traced(self, name: str, layer: int | None, out: Tensor) -> Tensor:
+        return out if self.tracer is None else self.tracer.record(name, layer, out)
 
     def _layer(self, item: Repeat, layer: int, env: dict, dims: dict, params: dict, scope: dict) -> None:
         """One iteration: the carried values enter (layer 0) or the previous layer's,
@@ -197,14 +192,14 @@ class Program:
             dims[arg] = dims[source]
         inner = {**scope, **{p.name: f"{item.name}.{layer}.{p.name}" for p in item.body.params}}
         if recomputes_layer(item, self.recompute):
-            self._recomputed_layer(item, env, dims, params, inner)
+            self._recomputed_layer(item, layer, env, dims, params, inner)
         else:
-            self._block(item.body, env, dims, params, inner, item)
+            self._block(item.body, env, dims, params, inner, item, layer)
         for result, value, source in zip(item.results, item.body.yields, sources):
             env[result] = env[value]
             dims[result] = dims[source]
 
-    def _recomputed_layer(self, item: Repeat, env: dict, dims: dict, params: dict, scope: dict) -> None:
+    def _recomputed_layer(self, item: Repeat, index: int, env: dict, dims: dict, params: dict, scope: dict) -> None:
         """One layer as a recomputed region: it reads only the values it takes from outside
         (bound now: `env` moves on to the next layer), computes in an environment of its
         own and hands back its yields; `dims` gets the body's dims (they are the same for
@@ -213,7 +208,7 @@ class Program:
 
         def layer() -> tuple:
             local, local_dims = dict(taken), dict(dims)
-            self._block(item.body, local, local_dims, params, scope, item)
+            self._block(item.body, local, local_dims, params, scope, item, index)
             dims.update(local_dims)
             return tuple(local[name] for name in item.body.yields)
 

@@ -5,21 +5,28 @@ reference), then on `world` local processes with the plan from the same
 parameters, and compares, on every rank and for its own shards: the loss of every
 step, every parameter's gradient at every step, and the parameters after the last
 step. Errors are relative to the largest magnitude of the full reference tensor.
+
+With a `Diagnosis` both runs also trace every op's value and gradient
+(`runtime/trace.py`), and the report names the first op that diverges
+(`runtime/divergence.py`); its `fault` perturbs one op on one rank, the checker's
+self-test.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from fivedc.mesh import Mesh, MeshAxis
 from fivedc.plan import ExecutionPlan
-from fivedc.runtime.compare import check_reference, compare_runs
+from fivedc.runtime.compare import check_reference, compare_runs, relative_error
+from fivedc.runtime.divergence import Divergence, RankTrace, first_divergence
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.moe import ExpertLoad
 from fivedc.runtime.program import Program, init_params, make_inputs, qualified_params, shard
+from fivedc.runtime.trace import Fault, ValueTrace
 from fivedc.stages import chunk_param_names
 from fivedc.runtime.train import TrainRecord, TrainSettings, loss_axes_of, train
 
@@ -36,20 +43,34 @@ class VerifyReport:
     held: tuple[dict[str, int], ...] = ()  # per rank: bytes in params, grads, optimizer state
     expert_load: tuple[dict[str, ExpertLoad], ...] = ()  # per step, MoE layer: tokens per expert, all ranks
     routing_matches: bool = True  # the parallel run routed every token as the single-device run did
+    traced: bool = False  # every op's value and gradient was compared too (a `Diagnosis`)
+    divergence: Divergence | None = None  # traced: the first op beyond the tolerance
+    injected: int = 0  # traced with a fault: how many times it was applied
 
     @property
     def max_error(self) -> float:
-        return max(self.loss_error, self.grad_error, self.param_error)
+        traced = self.divergence.error if self.divergence is not None else 0.0
+        return max(self.loss_error, self.grad_error, self.param_error, traced)
 
 
-def reference_run(plan: ExecutionPlan, settings: TrainSettings) -> TrainRecord:
+@dataclass(frozen=True)
+class Diagnosis:
+    """Trace every op's value and gradient and name the first beyond `tol`; `fault`
+    perturbs one op on one rank (the checker's self-test)."""
+
+    tol: float
+    fault: Fault | None = None
+
+
+def reference_run(plan: ExecutionPlan, settings: TrainSettings, *, tracer: ValueTrace | None = None) -> TrainRecord:
     """Train on one device with a plan compiled for a 1x1x1x1x1 mesh; `ReferenceNotFinite`
-    when its losses, gradients or parameters are not finite."""
+    when its losses, gradients or parameters are not finite. `tracer` keeps every op's
+    value and gradient."""
     graph = plan.graph
     ctx = KernelContext(graph, plan.mesh, plan.mesh.coords(0))
     params = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype)
     inputs = make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype)
-    record = train(Program(graph, ctx, recompute=plan.recompute), params, inputs, settings)
+    record = train(Program(graph, ctx, recompute=plan.recompute, tracer=tracer), params, inputs, settings)
     check_reference(record.losses, [*record.grads, record.params], what=graph.name)
     return record
 
@@ -94,28 +115,40 @@ def step_reporter(info, steps: int):
 
 def rank_job(info, payload) -> dict:
     """One rank of a verification run (module-level so the worker pool can pickle it)."""
-    plan, reference, settings = payload
+    plan, reference, settings, diagnosis = payload
     program, params, inputs, named = setup_rank(plan, info, settings)
     ctx = program.ctx
+    if diagnosis is not None:
+        program.tracer = ValueTrace(info.rank, diagnosis.fault)
     record = train_plan(plan, program, params, inputs, settings, info)
-    errors = compare_runs(record, reference, names=tuple(params), shard_of=lambda name, full: shard(
-        full, named[name].dims, named[name].sharding, ctx))
+    shard_of = lambda name, full: shard(full, named[name].dims, named[name].sharding, ctx)  # noqa: E731
+    errors = compare_runs(record, reference, names=tuple(params), shard_of=shard_of)
     load = record.expert_load if ctx.coords[MeshAxis.TP] == 0 else None  # tp ranks share their tokens
-    return {"errors": errors, "losses": record.losses, "held": record.held, "expert_load": load}
+    out = {"errors": errors, "losses": record.losses, "held": record.held, "expert_load": load}
+    if program.tracer is not None:
+        grad_errors = tuple({name: relative_error(mine[name].cpu(), shard_of(name, ref[name]), ref[name])
+                             for name in params if name in mine}
+                            for mine, ref in zip(record.grads, reference.grads))
+        traced = program.tracer.export()
+        out["trace"] = RankTrace(info.rank, traced["values"], traced["grads"], grad_errors)
+        out["injected"] = traced["injected"]
+    return out
 
 
 def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings: TrainSettings, pool=None,
-                timeout_s: float | None = None, on_progress=None) -> VerifyReport:
+                timeout_s: float | None = None, on_progress=None, diagnosis: Diagnosis | None = None) -> VerifyReport:
     """Compare `plan` on `plan.mesh.world` processes (a temporary pool unless `pool`,
     its collectives timing out after `timeout_s`) with the single-device reference;
-    `on_progress(line)` hears the reference run and each parallel step."""
+    `on_progress(line)` hears the reference run and each parallel step. With a
+    `diagnosis`, every op's value and gradient is compared too."""
     from fivedc.runtime.pool import DEFAULT_TIMEOUT_S, run_once
 
     report = on_progress or (lambda line: None)
     start = time.perf_counter()
-    reference = reference_run(reference_plan, settings)
+    tracer = ValueTrace(0) if diagnosis is not None else None
+    reference = reference_run(reference_plan, settings, tracer=tracer)
     report(f"reference run on one device: {settings.steps} steps in {time.perf_counter() - start:.1f} s")
-    payload = (plan, reference, settings)
+    payload = (plan, reference, settings, diagnosis)
     world = plan.mesh.world
     report(f"the parallel run on {world} processes" + ("" if pool is not None else " (starting them)"))
     if pool is not None:
@@ -123,11 +156,22 @@ def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings:
     else:
         results = run_once(rank_job, world=world, payload=payload, timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
                            on_progress=on_progress)
-    return merge_results(results, reference)
+    return merge_results(results, reference, plan=plan, tracer=tracer, diagnosis=diagnosis)
 
 
-def merge_results(results: list[dict], reference: TrainRecord) -> VerifyReport:
-    """One report from every rank's `rank_job` result: the worst error of each kind."""
+def merge_results(results: list[dict], reference: TrainRecord, *, plan: ExecutionPlan | None = None,
+                  tracer: ValueTrace | None = None, diagnosis: Diagnosis | None = None) -> VerifyReport:
+    """One report from every rank's `rank_job` result: the worst error of each kind, and
+    with a `diagnosis` (and the reference's `tracer`) the first divergent op of `plan`."""
+    report = _merge(results, reference)
+    if diagnosis is None:
+        return report
+    found = first_divergence(plan, tracer.export(), [r["trace"] for r in results], steps=len(reference.losses),
+                             tol=diagnosis.tol)
+    return replace(report, traced=True, divergence=found, injected=sum(r["injected"] for r in results))
+
+
+def _merge(results: list[dict], reference: TrainRecord) -> VerifyReport:
     worst = {k: max(r["errors"][k] for r in results) for k in ("loss", "grad", "param")}  # errors are never NaN
     loads = merge_loads([r.get("expert_load") for r in results])
     return VerifyReport(

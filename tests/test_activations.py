@@ -94,7 +94,7 @@ def test_selective_recomputation_drops_the_log_sum_exp() -> None:
     """Selective keeps q, k, v (checkpoint holds them) and rebuilds the attention's own
     buffer in backward: per layer 4·a·s·b/t less, and one layer's comes back while its
     backward runs (the transient)."""
-    t, lse = 4, 4 * A * S * B // 4
+    lse = 4 * A * S * B // 4  # t = 4
     assert per_layer() - per_layer(recompute="selective") == lse
     assert region(plan_of(layers=3, recompute="selective")) == lse
 

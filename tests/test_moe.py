@@ -29,7 +29,7 @@ from fivedc.runtime.moe import (batched_experts, capacity_keep, grouped_experts,
                                 sliced_experts)
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import reference_run, single_device_mesh, verify_plan
-from fivedc.verify_cli import _print_report
+from fivedc.verify_report import _print_report
 from random_models import Case, draw_moe_case, moe_model_text
 
 TOL = 1e-10

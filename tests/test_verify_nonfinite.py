@@ -113,9 +113,9 @@ def test_a_nan_parallel_run_fails_verification(worker_pool, capsys) -> None:
     reference_plan = compile_graph(graph, CompileOptions(mesh=verify.single_device_mesh(), dtype="fp64"))
     settings = TrainSettings(steps=2, dtype="fp64")
     reference = verify.reference_run(reference_plan, settings)
-    honest = worker_pool.run(nan_rank_job, world=4, payload=(plan, reference, settings, -1))
+    honest = worker_pool.run(nan_rank_job, world=4, payload=(plan, reference, settings, None, -1))
     assert verify.merge_results(honest, reference).max_error < 1e-10
-    results = worker_pool.run(nan_rank_job, world=4, payload=(plan, reference, settings, 3))
+    results = worker_pool.run(nan_rank_job, world=4, payload=(plan, reference, settings, None, 3))
     report = verify.merge_results(results, reference)
     assert report.grad_error == math.inf and report.max_error == math.inf
     with pytest.raises(VerifyMismatch):

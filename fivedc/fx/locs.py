@@ -9,6 +9,7 @@ format torch uses, and `torch.export` fills the same field.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import linecache
 import os
@@ -42,7 +43,10 @@ def user_loc(frames: list[tuple[str, int]]) -> SourceLoc | None:
     return None
 
 
+@functools.lru_cache(maxsize=8192)
 def _is_user(file: str) -> bool:
+    """Asked for every frame of every traced node: millions of times for a library model
+    (hundreds of frames deep), so cached by the frame's file name."""
     if file.startswith("<"):
         return False
     path = os.path.abspath(file)

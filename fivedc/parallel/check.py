@@ -46,10 +46,15 @@ class ModuleCheck:
     worst: str
     world: int = 1
     expert_load: tuple = ()  # (MoE routing statistics: none for a dense module)
+    module: bool = True  # checked against the plain module (a plan's report is against the plan on one device)
+    traced: bool = False  # verify traced the module's plan op by op (fivedc/verify_cli.py)
+    divergence: object = None  # then its first divergent op (runtime/divergence.Divergence), or None
+    injected: int = 0
 
     @property
     def max_error(self) -> float:
-        return max(self.loss_error, self.grad_error, self.param_error)
+        traced = self.divergence.error if self.divergence is not None else 0.0
+        return max(self.loss_error, self.grad_error, self.param_error, traced)
 
 
 def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: float = 1e-2,
