@@ -156,10 +156,12 @@ class Program:
                     self._layer(item, index, env, dims, params, scope)
             elif isinstance(item, Redistribute):
                 forward, backward = self.steps[item.out]
-                out = redistribute(env[item.src], forward, backward, self.ctx.groups)
+                out = self._traced(item.out, layer, redistribute(env[item.src], forward, backward, self.ctx.groups))
                 if item.out in self.regathered:  # sequence parallelism: backward gathers it again
+                    # (marked after tracing: an injected fault's perturbed copy is gathered again too,
+                    # so every rank issues the same collectives; backward sees the unperturbed value)
                     mark_regathered(out, env[item.src], forward, self.ctx.groups)
-                env[item.out] = self._traced(item.out, layer, out)
+                env[item.out] = out
                 dims[item.out] = item.type.dims
             else:
                 args, arg_dims = [], []

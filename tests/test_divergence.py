@@ -61,6 +61,7 @@ def test_an_injected_fault_is_the_first_divergence(case, pick, rank, worker_pool
     ("1x1x1x2x1", {}, "layers.0.a@1"),
     ("2x1x1x1x1", dict(zero=3), "logits@1"),
     ("1x1x2x2x1", dict(recompute="full", sequence_parallel=True), "layers.1.k@2"),
+    ("1x1x2x1x1", dict(sequence_parallel=True), "layers.1.h~1@1"),  # a value SP gathers again in backward
 ])
 def test_faults_are_found_on_every_axis(mesh, options, fault, worker_pool) -> None:
     graph = load_model("examples/tiny_llama.5d")
