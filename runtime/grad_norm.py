@@ -3,7 +3,8 @@
 The global norm is the norm of all gradients of the model as one device would
 hold them. After the gradient sync each element of a full gradient is held by
 several ranks: by every rank of the axes that neither split the parameter's dims
-nor (under ZeRO-2/3, where each rank keeps only its chunk of the summed gradient)
+nor (under ZeRO, where each rank keeps only its chunk of the summed gradient: ZeRO-1/2
+reduce-scatter it)
 chunk it. A rank counts its local gradient in the sum of squares only where its
 coordinate on each such axis is 0, so every element counts exactly once; pp ranks
 hold different parameters, and count their own. One all-reduce over the world
@@ -24,8 +25,8 @@ from fivedc.runtime.reshard import first_holder
 def counted_params(named: dict[str, Param], names, *, ctx, zero: int, specs) -> set[str]:
     """The parameters (of `names`, those this rank holds) whose local summed gradient this
     rank adds to the global norm: it is the first holder of that piece of the gradient
-    (ZeRO-2 and -3 keep a chunk of it per rank of the parameter's group)."""
-    return {name for name in names if first_holder(named[name], ctx, chunked=zero >= 2 and specs[name].n > 1)}
+    (ZeRO-1, -2 and -3 keep a chunk of it per rank of the parameter's group)."""
+    return {name for name in names if first_holder(named[name], ctx, chunked=zero >= 1 and specs[name].n > 1)}
 
 
 def clip_grad_norm(optimizer, counted: set[str], max_norm: float) -> float:
@@ -47,7 +48,7 @@ def clip_grad_norm(optimizer, counted: set[str], max_norm: float) -> float:
 
 
 def _real(optimizer, name: str) -> torch.Tensor:
-    """The gradient's real elements: a ZeRO-2/3 chunk without its padding."""
+    """The gradient's real elements: a ZeRO chunk without its padding."""
     grad = optimizer.grads[name].reshape(-1)
     spec = optimizer.specs[name]
-    return grad[: spec.owned_length] if optimizer.stage >= 2 and spec.n > 1 else grad
+    return grad[: spec.owned_length] if optimizer.stage >= 1 and spec.n > 1 else grad

@@ -148,7 +148,7 @@ def test_bad_data_and_settings_are_refused_before_any_process(tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("model,mesh,options", [
-    ("tiny_llama", "2x2x2x1x1", {"zero": 1}),  # pp holders; replicas over dp (ZeRO-1: whole gradients), norms over tp
+    ("tiny_llama", "2x2x2x1x1", {"zero": 1}),  # pp holders; ZeRO-1 chunks over dp, norms over tp
     ("moe", "1x1x1x2x2", {"zero": 2}),  # ep splits the experts, cp the sequence; ZeRO-2 chunks over the rest
 ])
 def test_global_norm_and_clipping_match_one_device(worker_pool, data, model: str, mesh: str, options: dict) -> None:
