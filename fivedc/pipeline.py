@@ -19,11 +19,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from fivedc.agreement import prove_agreement
+from fivedc.proof.agreement import prove_agreement
 from fivedc.errors import FivedcError, PassError
-from fivedc.ir import Graph
-from fivedc.plan import ExecutionPlan, build_plan
-from fivedc.stage_plan import plan_pipeline
+from fivedc.ir.graph import Graph
+from fivedc.plan.execution_plan import ExecutionPlan, build_plan
+from fivedc.passes.stage_plan import plan_pipeline
 from fivedc.passes.base import CompileOptions, Pass
 from fivedc.passes.communication import InsertCommunication
 from fivedc.passes.context import SplitSequence
@@ -75,7 +75,7 @@ def run_passes(graph: Graph, options: CompileOptions, *, timings: list[PassTimin
 def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None,
                   proofs: list | None = None) -> ExecutionPlan:
     """The plan for `graph`; before it is returned, a proof that every process group's ranks
-    issue the same collectives (`fivedc/agreement.py`), kept in `proofs` when given."""
+    issue the same collectives (`fivedc/proof/agreement.py`), kept in `proofs` when given."""
     plan = _build(run_passes(graph, options, timings=timings), options)
     start = time.perf_counter()
     proof = prove_agreement(plan)
@@ -88,7 +88,7 @@ def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTi
 
 def _build(graph: Graph, options: CompileOptions) -> ExecutionPlan:
     # pipeline stages: chunks of layers (at the model's @stage marks, a given layout, or balanced by cost)
-    # and the schedule (fivedc/stage_plan.py)
+    # and the schedule (fivedc/passes/stage_plan.py)
     pipeline = plan_pipeline(graph, options.mesh, schedule=options.schedule, microbatches=options.microbatches,
                              virtual=options.virtual, layout=options.pp_layout, dtype_bytes=options.dtype_bytes)
     return build_plan(

@@ -1,7 +1,7 @@
 """Memory per class of ranks in the plan: its JSON shape, its classes, and the transient parts.
 
 Plan-level, no processes. The transient parts are held against what each buffer is
-(`fivedc/transient.py`): ZeRO-3's gathered parameter and its prefetched successor, the
+(`fivedc/estimates/transient.py`): ZeRO-3's gathered parameter and its prefetched successor, the
 logits' gradient beside the kept softmax, ZeRO-2's whole buckets in flight, ring
 attention's K/V blocks, computed by hand from the model's dims.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.memory import CATEGORIES, rank_activations
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.estimates.memory import CATEGORIES, rank_activations
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.summary import format_bytes
-from fivedc.transient import transients
+from fivedc.plan.summary import format_bytes
+from fivedc.estimates.transient import transients
 from random_models import model_text
 
 TEXT = model_text(style="llama", batch=8, seq=32, heads=4, kv_heads=2, head_dim=8, ffn=64, vocab=512, layers=4,
@@ -98,7 +98,7 @@ def test_the_transient_is_the_largest_part_and_the_summary_names_it() -> None:
 
     from rich.console import Console
 
-    from fivedc.summary import render_summary
+    from fivedc.plan.summary import render_summary
 
     plan = compile_text("1x2x1x1x1", schedule="gpipe", microbatches=2)
     for r, parts in enumerate(parts_of(plan)):

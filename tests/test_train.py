@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import FivedcError
-from fivedc.frontend_dsl import parse_model
+from fivedc.frontends.dsl_file import parse_model
 from fivedc.runtime.data import RankBatches, Sampler, TokenFile, input_roles, read_windows
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import Program, init_params, shard
 from fivedc.runtime.train_loop import train_job
-from fivedc.train_config import TrainConfig
+from fivedc.runtime.train_config import TrainConfig
 from train_helpers import job_for, make_tokens, one_device, plan_of, rel
 
 TOL = 1e-12
@@ -109,7 +109,7 @@ class _Labels(torch.nn.Module):
 
 @pytest.mark.parametrize("shift,role", [(True, "labels"), (False, "targets")])
 def test_labels_the_model_shifts_get_the_tokens_themselves(shift: bool, role: str) -> None:
-    from fivedc.frontend_fx import trace_module
+    from fivedc.frontends.fx_module import trace_module
 
     ids = torch.randint(0, 32, (2, 8))
     graph = trace_module(_Labels(shift), (ids, ids.clone())).graph  # one tensor passed twice confuses export

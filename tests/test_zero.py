@@ -11,14 +11,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import FivedcError
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import CollectiveKind, Phase
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import CollectiveKind, Phase
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import OPTIMIZER_BYTES
+from fivedc.plan.execution_plan import OPTIMIZER_BYTES
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
 from fivedc.runtime.flat_shard import FlatShard
@@ -264,7 +264,7 @@ def _gathered_copies_job(info, zero: int) -> dict:
     from pathlib import Path
 
     import fivedc
-    from fivedc.frontend_py import import_file
+    from fivedc.frontends.python_file import import_file
 
     llama = import_file(Path(__file__).resolve().parent.parent / "examples" / "llama.py")
     module, inputs = llama.factory(batch=2)
