@@ -18,7 +18,7 @@ from fivedc.ir.graph import CollectiveKind, Phase
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan.execution_plan import OPTIMIZER_BYTES
+from fivedc.estimates.memory import OPTIMIZER_BYTES
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
 from fivedc.runtime.flat_shard import FlatShard

@@ -1,8 +1,8 @@
 """The `fivedc` command: compile, show, verify, run, train, export, diff and check; errors, no tracebacks.
 
 This file parses the command line and dispatches; what the commands share is in
-`cli_shared.py`, and the two that start processes are `verify_cli.py` and
-`run_cli.py`. Every command turns a `FivedcError` into its rendered message
+`shared.py`, and the two that start processes are `verify.py` and
+`run.py`. Every command turns a `FivedcError` into its rendered message
 (file:line:col, the line and a caret, a hint) on stderr and the error's exit code
 (`fivedc.errors.EXIT_CODES`: 1 a mismatch, 2 bad input, 3 a rank failed, 4 a bug).
 Nothing is written unless the command succeeds.
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="write the plan, print one line")
     c.add_argument("-v", "--verbose", action="store_true", help="list every parameter")
     c.add_argument("--wide", action="store_true", help="summary as wide tables (140+ columns; default fits 80)")
+    c.add_argument("--passes", action="store_true", help="list the compiler's passes in order, with their times")
     c.add_argument("--gpu", default=None, metavar="NAME",
                    help="estimate the step time on this GPU (h100, h800, a100, h200, or one from --hardware) and "
                    "check that every rank fits its memory (exit 2 with what would make it fit)")
@@ -183,7 +184,8 @@ def cmd_compile(args) -> int:
     check_output(output, inputs=(model_file,))  # fail before the compile; save checks again
     start = time.perf_counter()
     proofs: list = []
-    plan = compile_model(args.model, args.mesh, args, dtype=args.dtype, proofs=proofs)
+    timings: list = []
+    plan = compile_model(args.model, args.mesh, args, dtype=args.dtype, proofs=proofs, timings=timings)
     seconds = time.perf_counter() - start
     if plan.time is not None:  # a plan that does not fit its GPU is bad input: say what would fit
         from fivedc.cli.fit import check_fits
@@ -198,8 +200,22 @@ def cmd_compile(args) -> int:
         console = _console(wide=args.wide)
         render_summary(plan, console=console, verbose=args.verbose, wide=args.wide)
         print("\n" + textwrap.fill(str(proofs[0]), width=console.width))
+        if args.passes:
+            _print_passes(timings, console)
         print(f"wrote {output} in {seconds:.2f} s")
     return 0
+
+
+def _print_passes(timings, console) -> None:
+    """The compiler's passes in the order they ran (fivedc/pipeline.py), each with its time."""
+    from rich.table import Table
+
+    table = Table(title="passes (fivedc/pipeline.py)", title_justify="left", box=None)
+    for column, justify in (("#", "right"), ("pass", "left"), ("ms", "right"), ("what it decides", "left")):
+        table.add_column(column, justify=justify)
+    for index, timing in enumerate(timings, 1):
+        table.add_row(str(index), timing.name, f"{timing.seconds * 1e3:.1f}", timing.purpose)
+    console.print(table)
 
 
 def cmd_verify(args) -> int:

@@ -1,7 +1,7 @@
 """What the commands share: models and plans loaded, plan options read, local runs checked.
 
-`fivedc/cli/main.py` parses the command line and dispatches; `verify_cli.py` and
-`run_cli.py` run the two commands that start processes. All three take from here:
+`fivedc/cli/main.py` parses the command line and dispatches; `verify.py` and
+`run.py` run the two commands that start processes. All three take from here:
 `load_graph` (a `.5d` model or `file.py:factory`), `compile_model` (a model and a
 mesh with the command line's options), `load_plan_or_compile`, `compile_options`
 (the command line's plan options as `CompileOptions`), `check_local_run` and
@@ -97,13 +97,13 @@ def check_no_stage_boundaries(model: str, stage_boundaries) -> None:
 
 
 def compile_model(model: str, mesh_text: str, args, *, dtype: str, pipeline_flags_need_pp: bool = True,
-                  proofs: list | None = None):
+                  proofs: list | None = None, timings: list | None = None):
     from fivedc.ir.mesh import Mesh
     from fivedc.pipeline import compile_graph
 
     mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
     options = compile_options(args, mesh, dtype=dtype, pipeline_flags_need_pp=pipeline_flags_need_pp)
-    return compile_graph(load_graph(model, args.stage_boundary), options, proofs=proofs)
+    return compile_graph(load_graph(model, args.stage_boundary), options, proofs=proofs, timings=timings)
 
 
 def load_plan_or_compile(model: str, args, *, dtype: str):

@@ -101,5 +101,6 @@ def _is_int(value: object) -> bool:
 
 class Pass(Protocol):
     name: ClassVar[str]
+    purpose: ClassVar[str]  # one line, listed by `fivedc compile --passes`
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph: ...

@@ -125,6 +125,7 @@ _BACKWARD_WHY = {
 @dataclass(frozen=True, slots=True)
 class InsertCommunication:
     name: ClassVar[str] = "insert-communication"
+    purpose: ClassVar[str] = "redistributions where layouts differ, with their collectives and reasons"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         env: dict[str, tuple[Sharding, str, TensorType]] = {

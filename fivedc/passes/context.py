@@ -32,6 +32,7 @@ from fivedc.passes.layout import divisors
 @dataclass(frozen=True, slots=True)
 class SplitSequence:
     name: ClassVar[str] = "split-sequence"
+    purpose: ClassVar[str] = "CP: the sequence layout over cp and each attention's ring or all-gather variant"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         model_variant, model_layout = _model_choices(graph)

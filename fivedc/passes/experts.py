@@ -126,6 +126,7 @@ def node_levels(mesh: Mesh, node_ranks: int, loc=None) -> tuple[int, int]:
 @dataclass(frozen=True, slots=True)
 class PlaceExperts:
     name: ClassVar[str] = "place-experts"
+    purpose: ClassVar[str] = "EP: check each MoE op and place its experts and all-to-all over ep"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         model = graph.annotation("ep")

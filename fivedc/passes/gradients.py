@@ -20,6 +20,7 @@ from fivedc.passes.base import CompileOptions
 @dataclass(frozen=True, slots=True)
 class ReduceGradients:
     name: ClassVar[str] = "reduce-gradients"
+    purpose: ClassVar[str] = "the axes each parameter's gradient is summed over"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         return replace(graph, body=self._block(graph.body, {}))

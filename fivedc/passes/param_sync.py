@@ -57,16 +57,24 @@ def zero_notes(graph: Graph, mesh: Mesh, zero: int) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def param_sync_collectives(graph: Graph, mesh: Mesh, *, dtype_bytes: int, zero: int, overlap: bool,
-                           buckets: tuple[Bucket, ...]) -> list[Collective]:
+def bucket_collectives(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, overlap: bool) -> list[Collective]:
+    """Per gradient bucket: its sum (all-reduce, or ZeRO's reduce-scatter) and, for ZeRO-1/2
+    (and ZeRO-3 under a pipeline), the gather of its updated parameters."""
     out = [_bucket_collective(b, mesh, zero, overlap) for b in buckets]
     if zero in (1, 2) or (zero == 3 and buckets):  # the gathers go by the same buckets (flat_shard.gather_flat)
-        return out + [_bucket_gather(b, mesh, zero) for b in buckets]
-    uses = _param_uses(graph)
-    for param, repeat in walk_params(graph.body):
-        if mesh.size(*param.grad_partial) > 1 and zero:
-            out.extend(_zero_collectives(graph, mesh, param, repeat, dtype_bytes, zero, overlap, uses[param.name]))
+        out += [_bucket_gather(b, mesh, zero) for b in buckets]
     return out
+
+
+def per_use_collectives(graph: Graph, mesh: Mesh, *, dtype_bytes: int, zero: int, overlap: bool,
+                        pipelined: bool) -> list[Collective]:
+    """ZeRO-3 without a pipeline: each parameter gathered at every use, forward and backward,
+    and its gradient reduce-scattered per use (no buckets)."""
+    if zero != 3 or pipelined:
+        return []
+    uses = _param_uses(graph)
+    return [c for param, repeat in walk_params(graph.body) if mesh.size(*param.grad_partial) > 1
+            for c in _zero_collectives(graph, mesh, param, repeat, dtype_bytes, zero, overlap, uses[param.name])]
 
 
 def _bucket_collective(bucket: Bucket, mesh: Mesh, zero: int, overlap: bool) -> Collective:

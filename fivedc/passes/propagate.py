@@ -35,6 +35,7 @@ def grad_partial_axes(arg: Sharding, out: Sharding) -> tuple[MeshAxis, ...]:
 @dataclass(frozen=True, slots=True)
 class PropagateShardings:
     name: ClassVar[str] = "propagate-shardings"
+    purpose: ClassVar[str] = "DP batch split, TP column/row pairing, SP and the CP split on every value"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         ctx = RuleContext.build(

@@ -72,3 +72,11 @@ def recomputed_regions(graph: Graph, mode: str) -> tuple[int, int]:
     alone = sum(repeat.count if repeat else 1 for node, repeat in walk_ops(graph.body)
                 if isinstance(node, Op) and recomputes_op(node, repeat, mode))
     return layers, alone
+
+
+def recompute_notes(graph: Graph, recompute: str) -> tuple[str, ...]:
+    """A recompute mode that recomputes nothing in this model, said once."""
+    if recompute != "none" and recomputed_regions(graph, recompute) == (0, 0):
+        return (f"recompute {recompute} changes nothing: the model has no attention op and no layer stack "
+                "(repeat) it recomputes",)
+    return ()

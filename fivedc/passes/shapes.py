@@ -248,6 +248,7 @@ class InferShapes:
     """Fill `Op.type` for every op; check dims agree and the output is a scalar."""
 
     name: ClassVar[str] = "infer-shapes"
+    purpose: ClassVar[str] = "every value's dims and dtype from the ops' shape rules"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         env: dict[str, TensorType] = {i.name: i.type for i in graph.inputs}

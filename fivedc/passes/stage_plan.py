@@ -1,8 +1,8 @@
 """The plan's pipeline: which schedule, how many microbatches, and the chunks.
 
-`plan_pipeline` (called by `fivedc/pipeline.py` for pp > 1) checks the request
-(enough layers, microbatches that split the batch, a schedule the runtime runs),
-cuts the units into chunks (`fivedc/passes/stages.py`: at the model's `@stage` marks,
+Two passes of `fivedc/pipeline.py` for pp > 1: `choose_schedule` checks the request
+(enough layers, microbatches that split the batch, a schedule the runtime runs) and
+makes the schedule; `partition_stages` cuts the units into its chunks (`fivedc/passes/stages.py`: at the model's `@stage` marks,
 which must give exactly the chunks the schedule runs; else a layout given in
 layers; else balanced by cost) and names, for each chunk, its layers, cost,
 parameter bytes and the values it sends on; `pipeline_collectives` lists those
@@ -15,7 +15,7 @@ from fivedc.ir.aten_call import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir.graph import Collective, CollectiveKind, Graph, Op, Phase, Repeat, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.schedule import SCHEDULES, make_schedule, min_microbatches, peak_live_weighted
+from fivedc.schedule import SCHEDULES, Schedule, make_schedule, min_microbatches, peak_live_weighted
 from fivedc.passes.stages import (
     Chunk, PipelineSpec, Unit, check_enough, boundary_values, has_marks, layout_ranges, marked_ranges, partition,
     unit_costs, units, value_types,
@@ -52,9 +52,11 @@ def pipeline_collectives(graph: Graph, mesh: Mesh, spec: PipelineSpec, dtype_byt
 RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
 
 
-def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
-                  layout: tuple[int, ...] | None, dtype_bytes: int) -> PipelineSpec | None:
-    """Chunks and schedule for pp > 1 (None for pp = 1)."""
+def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
+                    layout: tuple[int, ...] | None) -> Schedule | None:
+    """The pipeline schedule for pp > 1 (None for pp = 1): its microbatches (given, or
+    max(pp, the schedule's least) that split the batch) and chunks per rank, after
+    checking that the model has the layers, marks and batch it needs."""
     p = mesh.size(MeshAxis.PP)
     if p == 1:
         return None
@@ -62,28 +64,34 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
         virtual = 2
     per_rank = virtual if schedule == "interleaved" else 2 if schedule == "dualpipev" else 1
     _check_mark_places(graph)
-    all_units = units(graph)
-    marked = has_marks(graph)
-    if marked:  # before the batch is checked: the marks decide the chunks
-        _check_marks(graph, all_units, layout, schedule, p, per_rank)
+    if has_marks(graph):  # before the batch is checked: the marks decide the chunks
+        _check_marks(graph, units(graph), layout, schedule, p, per_rank)
     elif layout is None:
-        check_enough(len(all_units), p * per_rank, "layers and op groups")
+        check_enough(len(units(graph)), p * per_rank, "layers and op groups")
     m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
     _check_microbatches(graph, mesh, m)
     _check_per_microbatch(graph, m)
-    sched = make_schedule(schedule, p, m, virtual)
+    return make_schedule(schedule, p, m, virtual)
+
+
+def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple[int, ...] | None,
+                     dtype_bytes: int) -> PipelineSpec:
+    """The model cut into the schedule's chunks (at the model's marks, a given layout, or
+    balanced by cost), each placed on the pp rank the schedule runs it on, with its
+    layers, cost, parameter bytes and the values it sends on."""
+    p, all_units = sched.p, units(graph)
     n_chunks = p * sched.v // sched.pipelines  # the model's chunks (DualPipe runs each on two ranks)
     costs, sizes = unit_costs(graph, mesh, dtype_bytes)
-    if marked:
+    if has_marks(graph):
         ranges, cut = marked_ranges(all_units), "marks"
     elif layout is not None:
         if len(layout) != n_chunks:
-            raise PlanError(f"the layout gives {len(layout)} chunks; {schedule} on pp={p} runs {n_chunks}",
+            raise PlanError(f"the layout gives {len(layout)} chunks; {sched.name} on pp={p} runs {n_chunks}",
                             hint=f"give {n_chunks} layer counts, one per chunk ({n_chunks // p} per pp rank)")
         ranges, cut = layout_ranges(layout, graph), "layout"
     else:
         ranges, cut = partition(costs, n_chunks, what="layers and op groups"), "cost"
-        if schedule == "dualpipev":
+        if sched.name == "dualpipev":
             ranges = balance_v(costs, ranges)
     chunks = []
     for k in range(p * sched.v):  # DualPipe: chunk n_chunks + s is the second copy's chunk s
@@ -91,7 +99,7 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
         what = _describe(graph, all_units[a:b]) + (" (second copy)" if k >= n_chunks else "")
         sends = boundary_values(graph, b) if k % n_chunks < n_chunks - 1 else ()
         chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
-    return PipelineSpec(schedule, m, sched.v, tuple(chunks), cut)
+    return PipelineSpec(sched.name, sched.m, sched.v, tuple(chunks), cut)
 
 
 def balance_v(costs: list[float], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -23,6 +23,7 @@ from fivedc.passes.base import CompileOptions
 class VerifyIR:
     stage: str = "entry"  # "entry" or "exit"
     name: ClassVar[str] = "verify-ir"
+    purpose: ClassVar[str] = "check the IR: names defined before use, known ops; at exit, all typed and sharded"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         dims = {name for name, _ in graph.dims}

@@ -14,22 +14,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fivedc.errors import FivedcError, PlanError
+from fivedc.estimates.memory import MemoryEstimate
+from fivedc.estimates.step_time import TimeEstimate
 from fivedc.ir.graph import Collective, CollectiveKind, Graph, Op, Repeat, Redistribute, walk_ops
-from fivedc.estimates.memory import OPTIMIZER_BYTES, MemoryEstimate, estimate_memory  # noqa: F401 (OPTIMIZER_BYTES: re-exported)
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.passes.overlap import Bucket, plan_buckets
-from fivedc.passes.recompute import recomputed_regions
-from fivedc.passes.param_sync import (DEFAULT_BUCKET_BYTES, copy_sync_collectives, param_sync_collectives, sync_bytes,
-                               zero_notes)
-from fivedc.estimates.saved import regather_collectives
-from fivedc.ir.hardware import Hardware
-from fivedc.estimates.step_time import TimeEstimate, estimate_time
 from fivedc.ir.serialize import decode, encode
-from fivedc.passes.stage_plan import pipeline_collectives
-from fivedc.passes.stages import PipelineSpec, chunk_starts
+from fivedc.passes.overlap import Bucket
+from fivedc.passes.param_sync import DEFAULT_BUCKET_BYTES
+from fivedc.passes.stages import PipelineSpec
 
 PLAN_VERSION = 1
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,40 +99,20 @@ class ExecutionPlan:
             raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {type(error).__name__}: {error}") from None
 
 
-def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int,
-               zero: int = 0, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-               pipeline: PipelineSpec | None = None, recompute: str = "none",
-               hardware: Hardware | None = None) -> ExecutionPlan:
-    buckets = () if zero == 3 and pipeline is None else plan_buckets(  # ZeRO-3 alone reduces per use
-        graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes,
-        cuts=chunk_starts(graph, pipeline),
-    )
-    collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero, overlap=overlap,
-                                     buckets=buckets) + tuple(regather_collectives(graph, recompute))
-    if pipeline is not None:
-        collectives += tuple(pipeline_collectives(graph, mesh, pipeline, dtype_bytes))
-        collectives += tuple(copy_sync_collectives(graph, mesh, pipeline, dtype_bytes, zero))
+def groups_of(mesh: Mesh, collectives: tuple[Collective, ...]) -> tuple[GroupInfo, ...]:
+    """The process groups a plan uses: each axis > 1, and every axis set a collective runs over."""
     axis_sets = {(a,) for a in mesh.rank_order if mesh.size(a) > 1} | {c.axes for c in collectives}
-    groups = tuple(
-        GroupInfo(axes, mesh.size(*axes), mesh.group_count(axes), tuple(mesh.stride(a) for a in axes))
-        for axes in sorted(axis_sets)
-    )
-    memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
-                             recompute=recompute, buckets=buckets, overlap=overlap)
-    notes = zero_notes(graph, mesh, zero) + recompute_notes(graph, recompute)
-    time = None if hardware is None else estimate_time(
-        graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, overlap=overlap, buckets=buckets,
-        pipeline=pipeline, recompute=recompute, hardware=hardware)
-    return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory,
-                         zero, overlap, bucket_bytes, buckets, pipeline, notes, recompute, time)
+    return tuple(GroupInfo(axes, mesh.size(*axes), mesh.group_count(axes), tuple(mesh.stride(a) for a in axes))
+                 for axes in sorted(axis_sets))
 
 
 def qualified(name: str, repeat: Repeat | None) -> str:
     return f"{repeat.name}.*.{name}" if repeat else name
 
 
-def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int = 0, overlap: bool = True,
-                       buckets: tuple[Bucket, ...] = ()) -> tuple[Collective, ...]:
+def graph_collectives(graph: Graph) -> tuple[Collective, ...]:
+    """The collectives the compiled graph itself holds: its redistributions' and its ops'
+    own (vocab-parallel cross-entropy, ring attention, MoE), counted over a repeat's layers."""
     found: list[Collective] = []
     for node, repeat in walk_ops(graph.body):
         if isinstance(node, Redistribute):  # counts already include the repeat
@@ -146,14 +120,4 @@ def gather_collectives(graph: Graph, *, dtype_bytes: int, mesh: Mesh, zero: int 
         elif isinstance(node, Op):
             layers = repeat.count if repeat else 1
             found.extend(replace(c, count=c.count * layers) for c in node.collectives)
-    found.extend(param_sync_collectives(graph, mesh, dtype_bytes=dtype_bytes, zero=zero, overlap=overlap,
-                                        buckets=buckets))
     return tuple(found)
-
-
-def recompute_notes(graph: Graph, recompute: str) -> tuple[str, ...]:
-    """A recompute mode that recomputes nothing in this model, said once."""
-    if recompute != "none" and recomputed_regions(graph, recompute) == (0, 0):
-        return (f"recompute {recompute} changes nothing: the model has no attention op and no layer stack "
-                "(repeat) it recomputes",)
-    return ()

@@ -17,7 +17,7 @@ loss.
 
 Only ATen calls can be kept: the export path's nodes carry theirs (`meta["aten"]`,
 `fivedc/frontends/fx/export.py`); a torch-level op of the symbolic path cannot, and the model
-is captured again with torch.export (`frontend_fx.py`).
+is captured again with torch.export (`fivedc/frontends/fx_module.py`).
 """
 
 from __future__ import annotations
