@@ -9,8 +9,9 @@ passes before it produced and the options (`CompileOptions`):
   sp, cp), decide the gradient sums, insert the redistributions with their
   collectives, check the IR again;
 - planning passes (`fivedc/plan/planning.py`), Draft -> Draft: the pipeline
-  schedule and stage partition, recomputation, ZeRO, gradient buckets and overlap,
-  then the memory and step-time estimates (`fivedc/estimates/`);
+  schedule and stage partition, recomputation, gradient buckets and overlap, ZeRO's
+  gathers by those buckets, then the memory and step-time estimates
+  (`fivedc/estimates/`);
 - last, `prove-agreement` (`fivedc/proof/`): every process group's ranks issue the
   same collectives in the same order and the pipeline's transfers pair up without
   deadlock; a plan that fails it is never returned (a compiler bug, exit 4).
@@ -61,8 +62,8 @@ PIPELINE: tuple[Pass | PlanningPass, ...] = (
     ChooseSchedule(),
     PartitionStages(),
     ChooseRecompute(),
-    ShardZero(),
     BucketGradients(),
+    ShardZero(),
     EstimateMemory(),
     EstimateTime(),
     ProveAgreement(),

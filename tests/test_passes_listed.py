@@ -9,7 +9,7 @@ from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import PIPELINE, compile_graph, run_pipeline
 from fivedc.plan.planning import assemble
 
-PLANNING_ORDER = ["schedule", "stage-partition", "recompute", "zero", "buckets", "memory", "time", "prove-agreement"]
+PLANNING_ORDER = ["schedule", "stage-partition", "recompute", "buckets", "zero", "memory", "time", "prove-agreement"]
 
 
 def test_every_decision_is_a_pass_with_a_purpose_in_order() -> None:

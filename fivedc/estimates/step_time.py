@@ -12,7 +12,7 @@ A step (`estimate_time`) is
    it (no pipeline, overlap on, not ZeRO-1: only what exceeds the backward before the
    last bucket), else all after it;
 3. ZeRO's gathers: ZeRO-1/2 all-gather the updated parameters after the step; ZeRO-3
-   gathers each parameter at its use (forward gathers prefetched behind compute,
+   gathers each group (a layer's parameters) at its use (forward gathers prefetched behind compute,
    backward ones and the reduce-scatters not) or, under a pipeline, once per step;
 4. the optimizer: AdamW reads and writes parameters, gradients and its state on the
    owned part, memory-bound.
@@ -119,7 +119,7 @@ def _after_backward(graph, mesh, dtype, dtype_bytes, zero, overlap, buckets, pip
     reduce = K.REDUCE_SCATTER if zero >= 1 else K.ALL_REDUCE
     sync = sum(collective_seconds(reduce, axes, b, mesh, hw) for axes, b in groups.items())
     gather = sum(collective_seconds(K.ALL_GATHER, axes, b, mesh, hw) for axes, b in groups.items())
-    if zero == 3 and pipeline is None:  # per use: gathered forward (prefetched) and backward, reduce-scattered
+    if zero == 3 and pipeline is None:  # by group: gathered forward (prefetched), again in backward, reduce-scattered
         scatter = sum(collective_seconds(K.REDUCE_SCATTER, axes, b, mesh, hw) for axes, b in groups.items())
         exposed_sync, gathers = scatter, max(0.0, gather - (makespan - backward)) + gather
     else:

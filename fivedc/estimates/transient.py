@@ -11,9 +11,12 @@ largest, not their sum, is added to what the rank keeps):
   output): the program holds one unit's values until the next unit overwrites them;
 - loss: the logits' gradient beside the kept softmax, and a temporary as large
   (2 x the logits);
-- ZeRO-3: without a pipeline the gathered parameter in use and the next one,
-  prefetched (2 x the largest); under a pipeline the whole gathered parameters of the
-  rank's chunks and their gradients for the step (2 x the local parameters);
+- ZeRO-3: without a pipeline, gathered by group (the buckets): in forward the groups
+  of the unit running (a layer's, or the top level's) and the next group, prefetched;
+  in backward a group gathered again, its gradients and their reduce-scatter buffer
+  (3 x the group): the larger (`fivedc/runtime/zero3.py`); under a pipeline the whole
+  gathered parameters of the rank's chunks and their gradients for the step (2 x the
+  local parameters);
 - gradient buckets: ZeRO-0/1 copy a bucket's gradients into one flat buffer (the
   largest bucket); ZeRO-2 lays every bucket out whole before reduce-scattering it,
   two at a time (2 x the largest);
@@ -50,7 +53,7 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
         parts = {"recomputed region": regions[r or 0]}
         parts["forward working set"] = max((working_set(c, graph, u, recompute) for u in mine), default=0)
         parts["loss"] = max((loss_bytes(c, graph, u) for u in mine), default=0)
-        parts["ZeRO-3 gathers"] = _zero3(graph, mesh, dtype_bytes, zero, pipeline, local)
+        parts["ZeRO-3 gathers"] = _zero3(graph, mesh, dtype_bytes, zero, pipeline, local, buckets)
         parts["gradient buckets"] = _buckets(graph, mesh, dtype_bytes, zero, buckets, local)
         parts["MoE all-to-all"] = max((_kernel_buffers(c, graph, u, "moe") for u in mine), default=0)
         parts["ring K/V"] = max((_kernel_buffers(c, graph, u, "attention") for u in mine), default=0)
@@ -106,16 +109,17 @@ def _kernel_buffers(c: SaveContext, graph: Graph, unit: Unit, kind: str) -> int:
 
 
 def _zero3(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
-           local: set[str] | None) -> int:
+           local: set[str] | None, buckets) -> int:
     if zero != 3:
         return 0
-    sizes = [graph.local_numel(p.dims, p.sharding, mesh) * dtype_bytes * _instances(p, r, local)
-             for p, r in walk_params(graph.body) if mesh.size(*p.grad_partial) > 1]
     if pipeline is not None:
-        return 2 * sum(sizes)
-    largest = [graph.local_numel(p.dims, p.sharding, mesh) * dtype_bytes for p, _ in walk_params(graph.body)
-               if mesh.size(*p.grad_partial) > 1]
-    return 2 * max(largest, default=0)
+        return 2 * sum(graph.local_numel(p.dims, p.sharding, mesh) * dtype_bytes * _instances(p, r, local)
+                       for p, r in walk_params(graph.body) if mesh.size(*p.grad_partial) > 1)
+    units: dict[str | None, int] = {}  # a layer of a repeat (all alike), or the top level
+    for bucket in buckets:
+        units[bucket.repeat] = units.get(bucket.repeat, 0) + bucket.bytes
+    group = max((b.bytes for b in buckets), default=0)
+    return max(max(units.values(), default=0) + group, 3 * group)
 
 
 def _instances(param, repeat: Repeat | None, local: set[str] | None) -> int:

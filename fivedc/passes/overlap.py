@@ -9,9 +9,10 @@ repeat body's buckets are planned once and run once per layer (the plan stays th
 size of one layer, whatever the depth). With overlap on, the runtime starts a
 bucket's reduction from the backward hook of its last gradient, in the plan's
 order, while backward computes the layers before it; with overlap off it reduces
-every bucket after backward. ZeRO-3 without a pipeline reduce-scatters each
-gradient inside backward and has no buckets; its overlap is the parameter prefetch
-(the next use's all-gather runs while the current op computes). The ZeRO gathers
+every bucket after backward. ZeRO-3 without a pipeline gathers and reduce-scatters
+by the same buckets, as FSDP2 by module (`fivedc/runtime/zero3.py`): each bucket is a
+group gathered at its first read and prefetched one group ahead; its reduce-scatter
+runs inside backward once the group's last gradient is computed. The ZeRO gathers
 that happen once per step (ZeRO-1/2 after the update, ZeRO-3 under a pipeline
 before the first microbatch) go by the same buckets.
 """
@@ -99,18 +100,29 @@ def _first_uses(body: Block, params: dict[str, Param]) -> list[Param]:
 
 def expand_buckets(buckets: Sequence[Bucket]) -> list[tuple[str, ...]]:
     """Parameter instances per bucket execution, in launch order."""
-    out: list[tuple[str, ...]] = []
+    return [names for names, _ in expand_units(buckets)]
+
+
+TOP_UNIT = ("", -1)  # the unit of the top-level parameters
+
+
+def expand_units(buckets: Sequence[Bucket]) -> list[tuple[tuple[str, ...], tuple[str, int]]]:
+    """Per bucket execution, in launch order: its parameter instances and its unit, the
+    (repeat, layer) it runs for or `TOP_UNIT` (ZeRO-3 keeps a unit's groups gathered
+    while the unit runs: `fivedc/runtime/zero3.py`)."""
+    out: list[tuple[tuple[str, ...], tuple[str, int]]] = []
     i = 0
     while i < len(buckets):
         repeat = buckets[i].repeat
         if repeat is None:
-            out.append(buckets[i].params)
+            out.append((buckets[i].params, TOP_UNIT))
             i += 1
             continue
         j = i
         while j < len(buckets) and buckets[j].repeat == repeat:
             j += 1
         for layer in reversed(range(buckets[i].count)):
-            out += [tuple(p.replace(".*.", f".{layer}.", 1) for p in b.params) for b in buckets[i:j]]
+            out += [(tuple(p.replace(".*.", f".{layer}.", 1) for p in b.params), (repeat, layer))
+                    for b in buckets[i:j]]
         i = j
     return out

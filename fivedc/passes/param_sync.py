@@ -8,7 +8,9 @@ its gradient summed over them. Per ZeRO stage (`fivedc/runtime/zero.py` runs exa
     1      reduce-scatter per bucket, after   all-gather per bucket after the step (optimizer)
            backward (full gradients kept)
     2      reduce-scatter per bucket          all-gather per bucket after the step (optimizer)
-    3      reduce-scatter per use (backward)  all-gather before each use, forward and backward
+    3      reduce-scatter per bucket, once    all-gather per bucket at the first read of any of
+           its last gradient is computed      its parameters (forward), and again in backward
+           (backward)                         (FSDP2's per-module groups: the buckets)
     3, pp  reduce-scatter per bucket, after    all-gather per bucket once per step (forward), kept
            the last microbatch (grad_sync)    across the microbatches
 
@@ -19,7 +21,7 @@ Each collective says what compute it overlaps with (`Collective.overlaps`).
 
 from __future__ import annotations
 
-from fivedc.ir.graph import Collective, CollectiveKind, Graph, Op, Param, Phase, walk_ops, walk_params
+from fivedc.ir.graph import Collective, CollectiveKind, Graph, Param, Phase, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.overlap import Bucket
 from fivedc.passes.base import DEFAULT_BUCKET_MB
@@ -57,27 +59,35 @@ def zero_notes(graph: Graph, mesh: Mesh, zero: int) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def bucket_collectives(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, overlap: bool) -> list[Collective]:
-    """Per gradient bucket: its sum (all-reduce, or ZeRO's reduce-scatter) and, for ZeRO-1/2
-    (and ZeRO-3 under a pipeline), the gather of its updated parameters."""
-    out = [_bucket_collective(b, mesh, zero, overlap) for b in buckets]
-    if zero in (1, 2) or (zero == 3 and buckets):  # the gathers go by the same buckets (flat_shard.gather_flat)
-        out += [_bucket_gather(b, mesh, zero) for b in buckets]
+def sum_collectives(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, overlap: bool,
+                    pipelined: bool) -> list[Collective]:
+    """Per gradient bucket: its sum (all-reduce, or ZeRO's reduce-scatter)."""
+    return [_bucket_collective(b, mesh, zero, overlap, pipelined) for b in buckets]
+
+
+def zero_gathers(buckets: tuple[Bucket, ...], mesh: Mesh, *, zero: int, overlap: bool,
+                 pipelined: bool) -> list[Collective]:
+    """ZeRO's gathers, by the same buckets: ZeRO-1/2 after the update; ZeRO-3 under a
+    pipeline once per step; ZeRO-3 alone per group (a bucket) in forward and again in
+    backward, as FSDP2 gathers per module."""
+    if zero in (1, 2) or (zero == 3 and pipelined):
+        return [_bucket_gather(b, mesh, zero) for b in buckets]
+    if zero != 3:
+        return []
+    out = []
+    for b in buckets:
+        n, what = mesh.size(*b.axes), f"bucket {b.index}: {', '.join(b.params)}"
+        out += [Collective(K.ALL_GATHER, b.axes, Phase.FORWARD, what, b.bytes,
+                           f"ZeRO-3: these parameters rest in 1/{n} chunks; gather them as one group at the first "
+                           "read of any, keep them while their layer runs", count=b.count,
+                           overlaps="the previous group's compute (prefetched one group ahead)" if overlap else ""),
+                Collective(K.ALL_GATHER, b.axes, Phase.BACKWARD, what, b.bytes,
+                           "ZeRO-3: gather the group again for its backward (autograd did not keep it)",
+                           count=b.count)]
     return out
 
 
-def per_use_collectives(graph: Graph, mesh: Mesh, *, dtype_bytes: int, zero: int, overlap: bool,
-                        pipelined: bool) -> list[Collective]:
-    """ZeRO-3 without a pipeline: each parameter gathered at every use, forward and backward,
-    and its gradient reduce-scattered per use (no buckets)."""
-    if zero != 3 or pipelined:
-        return []
-    uses = _param_uses(graph)
-    return [c for param, repeat in walk_params(graph.body) if mesh.size(*param.grad_partial) > 1
-            for c in _zero_collectives(graph, mesh, param, repeat, dtype_bytes, zero, overlap, uses[param.name])]
-
-
-def _bucket_collective(bucket: Bucket, mesh: Mesh, zero: int, overlap: bool) -> Collective:
+def _bucket_collective(bucket: Bucket, mesh: Mesh, zero: int, overlap: bool, pipelined: bool) -> Collective:
     group = "*".join(bucket.axes)
     n = mesh.size(*bucket.axes)
     why = f"the parameters are replicated over {group} while their ops split the work over {group}: sum the gradients"
@@ -86,6 +96,10 @@ def _bucket_collective(bucket: Bucket, mesh: Mesh, zero: int, overlap: bool) -> 
     else:
         kind = K.ALL_REDUCE
     where = "the layer" if bucket.count > 1 else "the step"
+    if zero == 3 and not pipelined:  # inside backward, once the group's last gradient is computed
+        return Collective(kind, bucket.axes, Phase.BACKWARD, f"bucket {bucket.index}: {', '.join(bucket.params)}",
+                          bucket.bytes, why + " (one reduce-scatter per group, when its last gradient is computed)",
+                          count=bucket.count)
     overlaps = (
         f"backward of what ran before it in {where} (starts when its last gradient is ready)"
         if overlap and zero != 1 else "nothing (after backward: ZeRO-1 keeps the full gradients until then)"
@@ -105,41 +119,6 @@ def _bucket_gather(bucket: Bucket, mesh: Mesh, zero: int) -> Collective:
     return Collective(K.ALL_GATHER, bucket.axes, Phase.OPTIMIZER, what, bucket.bytes,
                       f"ZeRO-{zero}: each rank updated its 1/{n} chunk of these parameters; gather them",
                       count=bucket.count, overlaps="nothing (after the optimizer step)")
-
-
-def _param_uses(graph: Graph) -> dict[str, int]:
-    """How many ops read each parameter name (per layer for a repeat body's own)."""
-    uses: dict[str, int] = {}
-    for node, _ in walk_ops(graph.body):
-        if isinstance(node, Op):
-            for arg in node.args:
-                if isinstance(arg, str):
-                    uses[arg] = uses.get(arg, 0) + 1
-    return uses
-
-
-def _zero_collectives(graph, mesh, param, repeat, dtype_bytes: int, zero: int, overlap: bool,
-                      uses: int) -> list[Collective]:
-    """ZeRO-3's per-parameter collectives: the gathers and the gradient's reduce-scatter."""
-    axes, layers = param.grad_partial, (repeat.count if repeat else 1)
-    n = mesh.size(*axes)
-    nbytes = sync_bytes(graph, mesh, param, dtype_bytes, zero)
-    name = f"{repeat.name}.*.{param.name}" if repeat else param.name
-
-    def make(kind: K, phase: Phase, reason: str, count: int, overlaps: str = "") -> Collective:
-        return Collective(kind, axes, phase, name, nbytes, reason, count=count, loc=param.loc, overlaps=overlaps)
-
-    group = "*".join(axes)
-    summed = f"{param.name} is replicated over {group} while its ops split the work over {group}: sum its gradient"
-    prefetch = "the compute of the previous use (prefetched one use ahead)" if overlap else ""
-    return [
-        make(K.ALL_GATHER, Phase.FORWARD,
-             f"ZeRO-3: {param.name} rests in 1/{n} chunks; gather it before each use, free it after",
-             uses * layers, prefetch),
-        make(K.ALL_GATHER, Phase.BACKWARD,
-             f"ZeRO-3: gather {param.name} again for the backward of each use (not kept from forward)", uses * layers),
-        make(K.REDUCE_SCATTER, Phase.BACKWARD, f"{summed}; ZeRO-3 keeps only this rank's 1/{n} chunk", uses * layers),
-    ]
 
 
 def copy_sync_collectives(graph: Graph, mesh: Mesh, pipeline, dtype_bytes: int, zero: int) -> list[Collective]:

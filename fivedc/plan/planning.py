@@ -3,8 +3,8 @@
 After the graph passes have placed every value on the mesh, these decide, in order:
 the pipeline schedule (how many microbatches, chunks per rank), the stage partition
 (which layers each chunk runs, on which pp rank, and what it sends on), what
-recomputes in backward, ZeRO's per-use collectives, the gradient buckets and their
-overlap, the memory per rank and the step time. Each reads the options and the
+recomputes in backward, the gradient buckets and their overlap, ZeRO's gathers by
+those buckets, the memory per rank and the step time. Each reads the options and the
 `Draft` (what the passes before it decided) and returns the draft with its own
 fields filled; it decides nothing else. `assemble` makes the `ExecutionPlan` of a
 finished draft, deciding nothing.
@@ -21,7 +21,7 @@ from fivedc.estimates.step_time import TimeEstimate, estimate_time
 from fivedc.ir.graph import Collective, Graph
 from fivedc.passes.base import CompileOptions
 from fivedc.passes.overlap import Bucket, plan_buckets
-from fivedc.passes.param_sync import bucket_collectives, copy_sync_collectives, per_use_collectives, sync_bytes, zero_notes
+from fivedc.passes.param_sync import copy_sync_collectives, sum_collectives, sync_bytes, zero_gathers, zero_notes
 from fivedc.passes.recompute import recompute_notes
 from fivedc.passes.stage_plan import choose_schedule, partition_stages, pipeline_collectives
 from fivedc.passes.stages import PipelineSpec, chunk_starts
@@ -42,11 +42,11 @@ class Draft:
     transfers: tuple[Collective, ...] = ()  # stage-partition: activations and gradients between chunks
     recompute: str = "none"  # recompute
     regathers: tuple[Collective, ...] = ()  # recompute: SP's gathered inputs gathered again in backward
-    per_use: tuple[Collective, ...] = ()  # zero: ZeRO-3's gathers and reduce-scatters at each use
     buckets: tuple[Bucket, ...] = ()  # buckets
-    bucket_sync: tuple[Collective, ...] = ()  # buckets: each bucket's sum, and ZeRO's gathers after the update
+    sums: tuple[Collective, ...] = ()  # buckets: each bucket's gradient sum
     copy_sync: tuple[Collective, ...] = ()  # buckets: DualPipe's two copies add their gradients
-    notes: tuple[str, ...] = ()  # zero, recompute
+    gathers: tuple[Collective, ...] = ()  # zero: ZeRO's gathers by the buckets
+    notes: tuple[str, ...] = ()  # recompute, zero
     memory: MemoryEstimate | None = None  # memory
     time: TimeEstimate | None = None  # time (with --gpu)
     proof: AgreementProof | None = None  # prove-agreement (fivedc/pipeline.py)
@@ -95,32 +95,29 @@ class ChooseRecompute(PlanningPass):
                        notes=draft.notes + recompute_notes(draft.graph, mode))
 
 
-class ShardZero(PlanningPass):
-    name = "zero"
-    purpose = "ZeRO: what each data-parallel rank keeps, and ZeRO-3's gathers at each use"
-
-    def plan(self, draft: Draft, options: CompileOptions) -> Draft:
-        per_use = per_use_collectives(draft.graph, options.mesh, dtype_bytes=options.dtype_bytes, zero=options.zero,
-                                      overlap=options.overlap, pipelined=draft.pipeline is not None)
-        return replace(draft, per_use=tuple(per_use),
-                       notes=zero_notes(draft.graph, options.mesh, options.zero) + draft.notes)
-
-
 class BucketGradients(PlanningPass):
     name = "buckets"
-    purpose = "gradient buckets in backward order, what each overlaps, and their collectives"
+    purpose = "gradient buckets in backward order, their sums and what each overlaps"
 
     def plan(self, draft: Draft, options: CompileOptions) -> Draft:
         graph, mesh, zero = draft.graph, options.mesh, options.zero
-        if zero == 3 and draft.pipeline is None:  # ZeRO-3 alone reduces at each use
-            buckets: tuple[Bucket, ...] = ()
-        else:
-            buckets = plan_buckets(graph, mesh, bucket_bytes=options.bucket_bytes,
-                                   param_bytes=lambda p: sync_bytes(graph, mesh, p, options.dtype_bytes, zero),
-                                   cuts=chunk_starts(graph, draft.pipeline))
-        return replace(draft, buckets=buckets,
-                       bucket_sync=tuple(bucket_collectives(buckets, mesh, zero=zero, overlap=options.overlap)),
+        buckets = plan_buckets(graph, mesh, bucket_bytes=options.bucket_bytes,
+                               param_bytes=lambda p: sync_bytes(graph, mesh, p, options.dtype_bytes, zero),
+                               cuts=chunk_starts(graph, draft.pipeline))
+        sums = sum_collectives(buckets, mesh, zero=zero, overlap=options.overlap, pipelined=draft.pipeline is not None)
+        return replace(draft, buckets=buckets, sums=tuple(sums),
                        copy_sync=tuple(copy_sync_collectives(graph, mesh, draft.pipeline, options.dtype_bytes, zero)))
+
+
+class ShardZero(PlanningPass):
+    name = "zero"
+    purpose = "ZeRO: each rank's chunks, and their gathers by the buckets (ZeRO-3: per group, as FSDP2)"
+
+    def plan(self, draft: Draft, options: CompileOptions) -> Draft:
+        gathers = zero_gathers(draft.buckets, options.mesh, zero=options.zero, overlap=options.overlap,
+                               pipelined=draft.pipeline is not None)
+        notes = zero_notes(draft.graph, options.mesh, options.zero) + draft.notes
+        return replace(draft, gathers=tuple(gathers), notes=notes)
 
 
 class EstimateMemory(PlanningPass):
@@ -148,10 +145,10 @@ class EstimateTime(PlanningPass):
 
 def assemble(draft: Draft, options: CompileOptions) -> ExecutionPlan:
     """The plan of a finished draft: the collectives in a fixed order (the graph's, the
-    gradient sync, ZeRO-3's per use, SP's gathers again, the pipeline's, DualPipe's) and
+    gradient sums, ZeRO's gathers, SP's gathers again, the pipeline's, DualPipe's) and
     the groups they use."""
     graph, mesh = draft.graph, options.mesh
-    collectives = (graph_collectives(graph) + draft.bucket_sync + draft.per_use + draft.regathers + draft.transfers
+    collectives = (graph_collectives(graph) + draft.sums + draft.gathers + draft.regathers + draft.transfers
                    + draft.copy_sync)
     return ExecutionPlan(PLAN_VERSION, graph, mesh, options.sp_enabled(graph), options.dtype,
                          groups_of(mesh, collectives), collectives, draft.memory, options.zero, options.overlap,

@@ -33,7 +33,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from fivedc.proof.comm_program import Event, class_programs
+from fivedc.proof.comm_program import class_programs
+from fivedc.proof.events import Event
 from fivedc.errors import PassError
 from fivedc.ir.graph import param_instances
 from fivedc.ir.mesh import Mesh, MeshAxis

@@ -6,16 +6,16 @@ actions). So the ranks fall into *classes*, one per pp rank, and `class_programs
 expands each class's step into the collectives and transfers it issues, in the
 runtime's order: the schedule's actions (without a pipeline, one forward and one
 backward of the whole graph); in a forward, each node in program order (a
-redistribution's steps; ZeRO-3's gather of each parameter an op reads; what a kernel
-sends inside: vocab-parallel cross-entropy's all-reduces, ring attention's hops, MoE's
-count exchange, dispatch and combine); in a backward, the nodes in reverse (a
-recomputed attention's forward hops first, ZeRO-3's gather again and the
-reduce-scatter of the gradient, the gradient buckets as their last gradient arrives
-when overlap is on; under sequence parallelism, at the first backward of a gathered
+redistribution's steps; what a kernel sends inside: vocab-parallel cross-entropy's
+all-reduces, ring attention's hops, MoE's count exchange, dispatch and combine); in a
+backward, the nodes in reverse (a recomputed attention's forward hops first, the
+gradient buckets as their last gradient arrives when overlap is on; under sequence parallelism, at the first backward of a gathered
 linear input's readers, the all-gather that makes it again); pipeline sends and
 receives with their buffers; then the buckets left (ZeRO-1's all of them,
 reduce-scattered), DualPipe's exchange of the two copies' gradients, the loss's
-all-reduce, and ZeRO-1/2's gathers after the update.
+all-reduce, and ZeRO-1/2's gathers after the update. ZeRO-3 without a pipeline
+gathers and reduce-scatters by group inside forward and backward
+(`fivedc/proof/zero3_program.py`).
 
 An `Event` records what must agree between the ranks of its group: the operation,
 the group's axes, the elements this rank contributes and their dtype (None: sized at
@@ -28,9 +28,6 @@ later). `fivedc/proof/agreement.py` proves from these programs that every group 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from fivedc.errors import SourceLoc
 from fivedc.ir.graph import DType, Graph, Op, Redistribute, Repeat, param_instances, walk_ops, walk_params
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.overlap import expand_buckets
@@ -38,6 +35,8 @@ from fivedc.passes.param_sync import zero_chunk
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
+from fivedc.proof.events import Event
+from fivedc.proof.zero3_program import zero3_step
 from fivedc.passes.stages import chunk_param_names, value_types
 
 TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -48,30 +47,6 @@ SAVES_NOTHING = frozenset({"add", "sub"})
 # Kernels whose backward does not read their parameter: ZeRO-3 does not gather it again.
 KEEPS_NO_PARAMETER = frozenset({"embedding"})
 GATHER_BUCKET_BYTES = 25 * 2**20  # fivedc/runtime/flat_shard.gather_flat's cap for parameters in no bucket
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv (a ring hop) | send | recv
-    axes: tuple[MeshAxis, ...]  # the group (send, recv: pp)
-    numel: int | None  # elements this rank puts in; None: sized at run time
-    dtype: str
-    what: str  # where it comes from, for a reader
-    loc: SourceLoc | None = None
-    peer: int | None = None  # send, recv: the other pp rank
-    tag: int = 0  # send, recv: 0 activations, 1 gradients; a ring hop: 0 K/V, 1 their gradients
-    level: str = ""  # a part of the group (a hierarchical all-to-all: intra or inter)
-
-    @property
-    def signature(self) -> tuple:
-        """What the members of a group must agree on."""
-        return (self.op, self.numel, self.dtype, self.tag, self.level)
-
-    def __str__(self) -> str:
-        size = "rows sized at run time" if self.numel is None else f"{self.numel} x {self.dtype}"
-        peer = f" with pp rank {self.peer}" if self.peer is not None else ""
-        level = f" ({self.level})" if self.level else ""
-        return f"{self.op}{level} over {'x'.join(self.axes)}{peer}: {size}, {self.what}"
 
 
 def class_programs(plan) -> dict[int, tuple[Event, ...]]:
@@ -90,7 +65,6 @@ class _Expander:
         self.sites = sites(plan.graph)
         self.repeats = {i.name: i for i in plan.graph.body.items if isinstance(i, Repeat)}
         self.params = dict(param_instances(plan.graph))  # qualified name -> Param
-        self.per_use = plan.zero == 3 and plan.pipeline is None  # ZeRO-3: a gather at every use
         self.trainable = trainable(plan.graph)  # what backward reaches
         self.index = {id(site): i for i, site in enumerate(self.sites)}
         self.regather_at = _regather_points(plan, self.sites)  # site index -> the redistribution gathered again
@@ -102,7 +76,9 @@ class _Expander:
         mine = self._held(pp_rank)
         buckets = _Buckets(self, mine, overlap=self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2))
         out: list[Event] = []
-        if self.pipeline is None:
+        if self.pipeline is None and self.plan.zero == 3:  # gathered and reduce-scattered by group
+            out += zero3_step(self)
+        elif self.pipeline is None:
             out += [e for site in self.sites for e in self.forward(site)]
             for site in reversed(self.sites):
                 out += self.backward(site)
@@ -212,8 +188,7 @@ class _Expander:
         if isinstance(node, Redistribute):
             return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding), f"forward of {site.id}",
                                node.loc, "int64" if node.type.dtype == DType.INT else self.dtype)
-        out = [self._zero3(p, "all_gather", f"ZeRO-3 gather of {p} for {site.id}") for p in self._param_args(site)]
-        return [e for e in out if e is not None] + self._kernel_forward(site)
+        return self._kernel_forward(site)
 
     def _backward(self, site: Site) -> list[Event]:
         node = site.node
@@ -222,26 +197,36 @@ class _Expander:
         if isinstance(node, Redistribute):
             return self._steps(node.backward, self.numel(node.type.dims, node.sharding), f"backward of {site.id}",
                                node.loc)
-        out: list[Event] = []
+        return [e for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
+            + self._kernel_backward(site)
+
+    def redone(self, site: Site) -> list[Site]:
+        """The sites whose forward backward redoes at `site`: a recomputed layer's, at its
+        recompute point; a recomputed op's own."""
+        repeat = self.repeats.get(site.repeat) if site.repeat else None
+        if repeat is not None and recomputes_layer(repeat, self.plan.recompute):
+            if site != self._recompute_point(site):
+                return []
+            return [s for s in self.sites if s.repeat == site.repeat and s.layer == site.layer]
+        return [site] if recomputes_op(site.node, repeat, self.plan.recompute) else []
+
+    def saves_params(self, site: Site) -> bool:
+        """Whether autograd keeps the parameters this op reads (its backward reads them), not
+        inside a recomputed layer, where the recomputation reads them again."""
+        if not isinstance(site.node, Op):
+            return False
         repeat = self.repeats.get(site.repeat) if site.repeat else None
         whole_layer = repeat is not None and recomputes_layer(repeat, self.plan.recompute)
-        if whole_layer and site == self._recompute_point(site):
-            layer = [s for s in self.sites if s.repeat == site.repeat and s.layer == site.layer]
-            out += [e for s in layer for e in self.forward(s)]  # the layer's forward again
-        elif recomputes_op(node, repeat, self.plan.recompute):
-            out += self.forward(site)
-        if self.index[id(site)] in self.regather_at:  # SP: the gathered input, gathered again for its linears
-            gathered = self.regather_at[self.index[id(site)]]
-            out += self._steps([c for c in gathered.node.forward if c.kind == "all_gather"],
-                               self.numel(gathered.node.type.dims, gathered.node.src_sharding),
-                               f"{gathered.id} gathered again for the weight gradients (SP)", gathered.node.loc)
-        params = self._param_args(site)
-        # what backward gathers again to use (in a recomputed layer, the recomputation gathered it)
-        saved = [] if node.kind in SAVES_NOTHING | KEEPS_NO_PARAMETER or whole_layer else params
-        out += [e for p in saved if (e := self._zero3(p, "all_gather", f"ZeRO-3 gather of {p} again")) is not None]
-        out += self._kernel_backward(site)
-        out += [e for p in params if (e := self._zero3(p, "reduce_scatter", f"ZeRO-3 gradient of {p}")) is not None]
-        return out
+        return not whole_layer and site.node.kind not in SAVES_NOTHING | KEEPS_NO_PARAMETER
+
+    def input_again(self, site: Site) -> list[Event]:
+        """SP: the gathered input of its linears, gathered again at the first backward that reads it."""
+        if self.index[id(site)] not in self.regather_at:
+            return []
+        gathered = self.regather_at[self.index[id(site)]]
+        return self._steps([c for c in gathered.node.forward if c.kind == "all_gather"],
+                           self.numel(gathered.node.type.dims, gathered.node.src_sharding),
+                           f"{gathered.id} gathered again for the weight gradients (SP)", gathered.node.loc)
 
     def _recompute_point(self, site: Site) -> Site | None:
         """Where backward redoes a recomputed layer: at the first of its nodes, from the
@@ -257,14 +242,6 @@ class _Expander:
         body = {p.name for p in self.repeats[site.repeat].body.params} if site.repeat else set()
         top = {p.name for p in self.graph.body.params}
         return [f"{site.repeat}.{site.layer}.{a}" if a in body else a for a in node.value_args if a in body | top]
-
-    def _zero3(self, name: str, op: str, what: str) -> Event | None:
-        param = self.params[name]
-        n = self.mesh.size(*param.grad_partial)
-        if not self.per_use or n == 1:
-            return None
-        chunk = zero_chunk(self.graph, self.mesh, param)
-        return Event(op, param.grad_partial, chunk if op == "all_gather" else chunk * n, self.dtype, what, param.loc)
 
     def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None) -> list[Event]:
         out = []

@@ -129,7 +129,7 @@ def gather_flat(chunks: dict[str, Tensor], specs: dict[str, FlatShard], *, out: 
         for name, rows in zip(names, gathered.split(sizes, dim=1)):  # rows[i]: rank i's chunk of `name`
             numel = specs[name].numel
             dest = out[name] if out is not None else torch.empty(numel, dtype=send.dtype, device=send.device)
-            result[name] = _unpad_into(dest, rows)
+            result[name] = unpad_into(dest, rows)
     for name, chunk in chunks.items():  # nothing to gather over
         if specs[name].n == 1:
             whole = chunk.reshape(-1)[: specs[name].numel]
@@ -158,7 +158,7 @@ def _gather_buckets(chunks: dict[str, Tensor], specs: dict[str, FlatShard], buck
     return given + sorted(done + [names for names, _ in open_.values()], key=lambda names: names[0])
 
 
-def _unpad_into(dest: Tensor, rows: Tensor) -> Tensor:
+def unpad_into(dest: Tensor, rows: Tensor) -> Tensor:
     """Copy the [n, chunk] gathered chunks into the flat `dest` (numel long), dropping the padding."""
     chunk = rows.shape[1]
     whole, rest = divmod(dest.numel(), chunk)

@@ -24,7 +24,7 @@ from fivedc.ir.graph import Graph, Op, walk_ops, walk_params
 from fivedc.ir.mesh import MeshAxis
 from fivedc.runtime.program import Program, grad_groups
 from fivedc.passes.overlap import Bucket
-from fivedc.runtime.buckets import expand_buckets
+from fivedc.passes.overlap import expand_units
 from fivedc.runtime.moe import ExpertLoad, discard_counts, end_step, register_params
 from fivedc.runtime.pipeline import PipelineRunner
 from fivedc.runtime.saved import LiveMeter
@@ -97,12 +97,14 @@ class Trainer:
             device = next(iter(params.values())).device
             self.runner = PipelineRunner(program, pipeline, dtype=settings.torch_dtype, device=device)
             overlap = False
-        local_buckets = [b for b in expand_buckets(buckets) if any(n in params for n in b)]
+        expanded = [(b, unit) for b, unit in expand_units(buckets) if any(n in params for n in b)]
+        local_buckets = [b for b, _ in expanded]
         if any(n not in params for b in local_buckets for n in b):  # its other gradients would go unsummed
             raise PassError("a gradient bucket of the plan spans pipeline stages: "
                             + ", ".join(next(b for b in local_buckets if any(n not in params for n in b))))
         self.optimizer = ZeroOptimizer(params, groups, stage=zero, lr=settings.lr, weight_decay=settings.weight_decay,
-                                       buckets=local_buckets, overlap=overlap, keep_gathered=self.runner is not None)
+                                       buckets=local_buckets, overlap=overlap, keep_gathered=self.runner is not None,
+                                       units=[unit for _, unit in expanded])
         self.loss_axes = loss_axes_of(graph, ctx.mesh)
         register_params(ctx, self.optimizer.params)  # MoE layers name their per-layer state by their router
         self.measure, self.kept = settings.measure, 0

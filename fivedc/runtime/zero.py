@@ -13,11 +13,11 @@ group rank `i` (`fivedc/runtime/flat_shard.py`). Per stage, on each rank:
   plan (`gather_flat`), not per parameter.
 - ZeRO-2: the same reduce-scatter, bucket by bucket during backward, each full
   gradient dropped as its bucket starts; then as ZeRO-1.
-- ZeRO-3: only the owned chunk of the parameter is kept at rest (`shards`). Every
-  use gathers it (`_Gather`: all-gather forward, reduce-scatter of the gradient
-  backward); the gathered tensor is not kept for backward: a saved-tensor hook
-  drops it and gathers again when backward needs it (fetch, compute, discard).
-  Under a pipeline (`keep_gathered`) the parameters are gathered once per step and
+- ZeRO-3: only the owned chunk of the parameter is kept at rest. The plan's buckets
+  are its groups, as FSDP2's are its modules (`fivedc/runtime/zero3.py`): one
+  all-gather per group in forward, kept while its layer runs; one again in backward
+  (autograd keeps a note, not the gathered tensors); one reduce-scatter of the
+  group's gradients once its last one is computed. Under a pipeline (`keep_gathered`) the parameters are gathered once per step and
   kept across the microbatches, their gradients reduce-scattered after the last,
   both by the plan's buckets (as stages 1, 2 gather): the memory of whole parameters during
   the step, instead of m times the traffic.
@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from fivedc.runtime.buckets import GradBuckets
-from fivedc.runtime.flat_shard import FlatShard, PendingGather, flat_shard, gather_flat
+from fivedc.runtime.flat_shard import flat_shard, gather_flat
 from fivedc.runtime.saved import saving_scope
+from fivedc.runtime.zero3 import ShardedParams, _Gathered
 
 
 @dataclass
@@ -64,21 +65,6 @@ def adamw_(p: Tensor, grad: Tensor, state: _AdamState, *, lr: float, weight_deca
     p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
-class _Gather(torch.autograd.Function):
-    """ZeRO-3: the full local parameter from the owned chunks (or from a prefetch
-    already under way); its gradient's chunk back."""
-
-    @staticmethod
-    def forward(fctx, chunk: Tensor, spec: FlatShard, shape: torch.Size, pending: PendingGather | None) -> Tensor:
-        fctx.spec = spec
-        whole = pending.wait() if pending is not None else spec.gather(chunk.detach())
-        return whole.view(shape)
-
-    @staticmethod
-    def backward(fctx, grad: Tensor):
-        return fctx.spec.reduce_scatter(grad.reshape(-1)), None, None, None
-
-
 def _all_reduced(grad: Tensor, group) -> Tensor:
     out = grad.clone()
     torch.distributed.all_reduce(out, group=group)
@@ -96,7 +82,7 @@ class ZeroOptimizer:
 
     def __init__(self, params: dict[str, Tensor], groups: dict[str, object | None], *, stage: int,
                  lr: float, weight_decay: float, buckets: list[tuple[str, ...]] = (), overlap: bool = True,
-                 keep_gathered: bool = False) -> None:
+                 keep_gathered: bool = False, units: list[tuple[str, int]] = ()) -> None:
         self.stage, self.lr, self.weight_decay, self.groups = stage, lr, weight_decay, groups
         self.overlap = overlap
         self.keep_gathered = keep_gathered and stage == 3  # a pipeline: gather once per step, not per use
@@ -106,7 +92,8 @@ class ZeroOptimizer:
         if stage == 3:  # keep only the owned chunk, a leaf that receives its gradient's chunk
             self.params = {n: self.specs[n].pad(self.specs[n].owned(p.detach().reshape(-1))).requires_grad_(True)
                            for n, p in params.items()}
-            self.sharded = ShardedParams(self.params, self.specs, self.shapes, overlap=overlap)
+            self.sharded = ShardedParams(self.params, self.specs, self.shapes, overlap=overlap,
+                                         groups=list(zip(buckets, units)))  # `units`: one per bucket
         else:
             self.params = {n: p.detach().requires_grad_(True) for n, p in params.items()}
         self.grads: dict[str, Tensor] = {}  # after `reduce_gradients`: summed, full or the owned chunk
@@ -221,87 +208,6 @@ class ZeroOptimizer:
     def _owned_grad(self, name: str) -> Tensor:
         grad = self.grads[name].reshape(-1)
         return grad[: self.specs[name].owned_length] if self.stage in (1, 2) else grad
-
-
-class ShardedParams:
-    """ZeRO-3 parameters at rest: each the owned chunk of its flat local tensor (`chunks`,
-    leaves that receive their gradient's chunk), gathered on every use (`view()`).
-    With overlap on, the next parameter in the order of the previous forward's reads
-    is gathered while the current one is used (one prefetch in flight)."""
-
-    def __init__(self, chunks: dict[str, Tensor], specs: dict[str, FlatShard], shapes: dict[str, torch.Size],
-                 *, overlap: bool) -> None:
-        self.chunks, self.specs, self.shapes, self.overlap = chunks, specs, shapes, overlap
-        self.access_order: tuple[str, ...] = ()  # the last forward's parameter reads
-        self.prefetch: tuple[int, str, PendingGather] | None = None
-
-    def view(self) -> _Gathered:
-        return _Gathered(self)
-
-    def gather(self, name: str) -> Tensor:
-        """The full local parameter, a new tensor outside autograd."""
-        return self.specs[name].gather(self.chunks[name].detach()).view(self.shapes[name])
-
-
-class _Gathered:
-    """ZeRO-3's parameters as the program sees them: each access gathers a fresh
-    tensor, freed after its use (see `gathered_params_scope`)."""
-
-    def __init__(self, sharded: ShardedParams) -> None:
-        self.sharded = sharded
-        self.seen: list[str] = []
-
-    def __getitem__(self, name: str) -> Tensor:
-        z = self.sharded
-        if z.specs[name].n == 1:
-            return z.chunks[name].view(z.shapes[name])
-        pending = self._take_prefetch(name)
-        self.seen.append(name)
-        full = _Gather.apply(z.chunks[name], z.specs[name], z.shapes[name], pending)
-        root = full if full._base is None else full._base
-        root._fivedc_regather = _Regather(name, z)
-        self._prefetch_next()
-        return full
-
-    def _take_prefetch(self, name: str) -> PendingGather | None:
-        slot, self.sharded.prefetch = self.sharded.prefetch, None
-        if slot is None:
-            return None
-        position, prefetched, pending = slot
-        if (position, prefetched) == (len(self.seen), name):
-            return pending
-        pending.wait()  # the order changed: finish the collective every rank started, drop it
-        return None
-
-    def _prefetch_next(self) -> None:
-        z, position = self.sharded, len(self.seen)
-        if not z.overlap or position >= len(z.access_order):
-            return
-        name = z.access_order[position]
-        if z.specs[name].n > 1:
-            z.prefetch = (position, name, z.specs[name].gather_async(z.chunks[name].detach()))
-
-    def done(self) -> None:
-        """After the forward: this step's access order is the next step's prefetch order."""
-        if self.sharded.prefetch is not None:
-            self.sharded.prefetch[2].wait()
-            self.sharded.prefetch = None
-        self.sharded.access_order = tuple(self.seen)
-
-
-class _Regather:
-    """How to make a gathered parameter again; autograd saves this instead of it."""
-
-    def __init__(self, name: str, sharded: ShardedParams, layout: tuple = ()) -> None:
-        self.name, self.sharded, self.layout = name, sharded, layout
-
-    def at(self, t: Tensor) -> _Regather:
-        return _Regather(self.name, self.sharded, (t.size(), t.stride(), t.storage_offset()))
-
-    def get(self) -> Tensor:
-        full = self.sharded.gather(self.name)
-        root = full if full._base is None else full._base
-        return root.as_strided(*self.layout)
 
 
 def gathered_params_scope(stage: int = 0):
