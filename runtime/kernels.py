@@ -128,7 +128,7 @@ def _expert_orders(graph: Graph, mesh: Mesh) -> dict[str, Tensor]:
 def align(t: Tensor, dims: Dims, target: Dims) -> Tensor:
     """View `t` (dims a subset of `target`) in `target`'s dim order, size 1 where absent."""
     order = [d for d in target if d in dims]
-    t = t.permute(*[dims.index(d) for d in order])
+    t = t.permute([dims.index(d) for d in order])  # a list: a scalar (no dims) permutes too
     shape = [t.shape[order.index(d)] if d in dims else 1 for d in target]
     return t.reshape(shape)
 

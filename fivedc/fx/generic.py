@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 
 
 def aten_call_of(node: fx.Node):
-    """(overload, args, kwargs) of the ATen call this node is, in fx nodes; None when it is none."""
+    """(overload, args, kwargs) of the ATen call this node is (or of a library's custom operator),
+    in fx nodes; None when it is none."""
     target, args, kwargs = node.meta.get("aten") or (node.target, node.args, node.kwargs)
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+    if isinstance(target, torch._ops.OpOverload) and target.namespace not in ("fivedc", "higher_order"):
         return target, args, kwargs
     return None
 

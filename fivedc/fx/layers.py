@@ -1,4 +1,4 @@
-"""Lowering handlers for the layer-sized ops: linear, embedding, norms, rope, MoE, attention, loss.
+"""Lowering handlers for the layer-sized ops: linear, embedding, norms, rope, attention, loss (MoE: moe_lower.py).
 
 Each handler takes the lowering, the frame, the fx node and its arguments (already
 turned into `fivedc.fx.lower` values) and returns the node's value. Modules are
@@ -18,11 +18,10 @@ import torch.nn.functional as F
 
 from fivedc.fx.build import DParam
 from fivedc.fx.generic import in_memory_order
-from fivedc.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, RouterLogits, T
+from fivedc.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, T
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
     from fivedc.fx.lower import Lowering
-from fivedc.fx.moe import moe_spec
 from fivedc.fx.recognise import rms_eps, rope_theta
 from fivedc.ir import DType
 
@@ -292,51 +291,6 @@ def rope(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
             "0..seq-1 with frequencies theta**(-i/half); the interleaved (complex) form is not supported",
         )
     return T(lw.emit(frame, node, "rope", (x.ref,), lw.ir(x), (("theta", float(theta)),)), x.ir, x.layout)
-
-
-def moe(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs):
-    """An MoE block module (`fivedc/fx/moe.py`): one IR `moe` op, its expert weights (stacked parameters,
-    or the experts' own weights stacked) mapped (transposed where torch stores them [.., out, in]) to
-    [experts, hidden, ffn] / [experts, ffn, hidden]. A block returning `(out, router_logits)` gives both;
-    the logits may not be used (`RouterLogits`)."""
-    m = _module(frame, node)
-    spec = moe_spec(m)
-    if len(args) != 1 or kwargs:
-        raise lw.unsupported(node, f"MoE block {type(m).__name__} called with more than the tokens",
-                             "call it as moe(x) with x [..., hidden]")
-    x = lw.tensor(frame, args[0], node)
-    hidden = _last(lw, node, x, "an MoE block")
-    router = getattr(m, spec.router).weight
-    n_experts = router.shape[0]
-    experts = lw.dims.new(n_experts, "experts", 60)
-    down = m.get_parameter(spec.keys(2, n_experts)[0])
-    ffn = lw.dims.new(down.shape[-1 if spec.transposed[2] else -2], "expert_ffn", 60)
-    lw.unify((hidden,), (lw.dims.new(router.shape[1]),), node, "the MoE router's input is not the tokens' hidden dim")
-    r = lw.param(frame, node, key=f"{node.target}.{spec.router}.weight", module=f"{node.target}.{spec.router}",
-                 attr="weight", atoms=(hidden, experts), init="normal", shape=_shape(router), transpose=True,
-                 role="an MoE router")
-    ws = []
-    for i, atoms in enumerate(((experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden))):
-        keys = spec.keys(i, n_experts)
-        shape = _shape(m.get_parameter(keys[0]))
-        if spec.experts:  # separate experts: `experts.{e}.w1.weight`, stacked
-            attr = spec.weights[i].removesuffix(".weight").replace(".", "_")
-            ws.append(lw.param(frame, node, key="", stack=tuple(f"{node.target}.{k}" for k in keys),
-                               module=f"{node.target}.{spec.experts}", attr=attr, atoms=atoms, init="normal",
-                               shape=shape, transpose=spec.transposed[i], role="an MoE expert weight"))
-        else:
-            ws.append(lw.param(frame, node, key=f"{node.target}.{keys[0]}", module=node.target, attr=keys[0],
-                               atoms=atoms, init="normal", shape=shape, transpose=spec.transposed[i],
-                               role="an MoE expert weight"))
-    attrs = (("top_k", spec.top_k), ("score", spec.score), ("normalize", spec.normalize))
-    aux = getattr(m, "fivedc_aux_loss", 0.0)
-    if isinstance(aux, bool) or not isinstance(aux, (int, float)) or aux < 0:
-        raise lw.unsupported(node, f"{type(m).__name__}.fivedc_aux_loss = {aux!r}",
-                             "fivedc_aux_loss is the Switch balancing loss coefficient: a number >= 0 (0.01)")
-    if aux:
-        attrs += (("aux_loss", float(aux)),)
-    out = T(lw.emit(frame, node, "moe", (x.ref, r, *ws), lw.ir(x), attrs), x.ir, x.layout)
-    return (out, RouterLogits(node.target, type(m).__name__, node)) if spec.logits else out
 
 
 # ---- attention and loss ---------------------------------------------------------------------

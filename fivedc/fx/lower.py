@@ -181,15 +181,15 @@ class Lowering:
 
     def param(self, frame: Frame, node: fx.Node, *, key: str, module: str, attr: str, atoms: tuple[int, ...],
               init: str, shape: tuple[int, ...], rows=None, transpose=False, part: str = "", role: str = "",
-              stack: tuple[str, ...] = ()) -> DParam:
+              stack: tuple[str, ...] = (), axis: int = 0) -> DParam:
         """The IR parameter of state-dict entry `key` (relative to the frame's module), or of the
-        entries `stack` (each `shape`) stacked along its first dim."""
+        entries `stack` (each `shape`) stacked along its first dim; `rows` a range of its dim `axis`."""
         key = stack[0] if stack else key
         cache = (key, rows, role)
         if cache not in frame.params:
             for k in stack or (key,):
                 self._claim(frame, node, k, role)
-            source = Source(key, shape, rows, transpose, tuple(stack))
+            source = Source(key, shape, rows, transpose, tuple(stack), axis)
             p = DParam(module, attr, part, atoms, init, source, node_loc(node))
             frame.params[cache] = p
             frame.block.params.append(p)
@@ -197,7 +197,7 @@ class Lowering:
 
     def _claim(self, frame: Frame, node: fx.Node, key: str, role: str) -> None:
         """A parameter tensor has one use and one layout in the IR: tied weights are refused."""
-        tensor = frame.traced.gm.get_parameter(key)
+        tensor = frame.traced.root.get_parameter(key)
         first = self.owners.setdefault(id(tensor), (key, role))
         uses = {r for k, _, r in frame.params if k == key} | ({first[1]} if first[0] != key else set())
         if first[0] != key or uses - {role}:
@@ -210,7 +210,7 @@ class Lowering:
     def tied_table(self, frame: Frame, key: str) -> DParam | None:
         """The embedding table a linear weight is the same tensor as (tied weights: the table
         [vocab, hidden] is the weight [out, in] of the output projection), if in this frame."""
-        first = self.owners.get(id(frame.traced.gm.get_parameter(key)))
+        first = self.owners.get(id(frame.traced.root.get_parameter(key)))
         if first is None or first[1] != "an embedding table":
             return None
         return frame.params.get((first[0], None, first[1]))
@@ -231,6 +231,10 @@ class Lowering:
             owner, _, attr = sym.key.rpartition(".")
             p = self.param(frame, node, key=sym.key, module=owner, attr=attr, atoms=atoms, init="normal",
                            shape=shape, role="a tensor")
+            if p.atoms != atoms:  # read before: its dims are the ones it was given then
+                given = iter(p.atoms)
+                layout = tuple((next(given),) if group else () for group in layout)
+                atoms = p.atoms
             return T(p, atoms, layout)
         if isinstance(sym, RouterLogits):
             raise self.logits_used(sym, node)

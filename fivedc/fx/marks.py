@@ -33,6 +33,7 @@ from fivedc.errors import FivedcError, NotSupportedError, SourceLoc
 from fivedc.fx.build import DOp, DRepeat, Draft
 from fivedc.fx.locs import def_loc, node_loc
 from fivedc.fx.locs import scope
+from fivedc.fx.moe_leaves import MOE_OPS, leaf
 from fivedc.fx.trace import STAGE_MARK, Trace, Traced
 from fivedc.ir import Annotation
 
@@ -146,7 +147,9 @@ def _inside_layer(r: DRepeat, mark: Mark, index: int, at: SourceLoc | None) -> N
 
 
 def _no_op(trace: Trace, mark: Mark, at: SourceLoc | None) -> NotSupportedError:
-    calls = [str(n.target) for n in trace.top.gm.graph.nodes if n.op == "call_module"]  # modules kept whole
+    nodes = trace.top.gm.graph.nodes
+    calls = [str(n.target) for n in nodes if n.op == "call_module"]  # modules kept whole, and MoE blocks
+    calls += [leaf(n.args[1]).path for n in nodes if n.op == "call_function" and n.target in MOE_OPS]
     owner = next((c for c in calls if mark.path.startswith(c + ".")), None)
     if owner is not None:
         at = _where(trace.top, owner, mark)

@@ -73,6 +73,9 @@ class _Matcher:
         new.meta.update({k: v for k, v in node.meta.items() if k != "aten"})  # no longer that ATen call
         self.values[new] = self.values.get(node)
         node.replace_all_uses_with(new)
+        for user in new.users:  # a user kept as its ATen call (fx/generic.py) reads the same value from `new`
+            if "aten" in user.meta:
+                user.meta["aten"] = fx.node.map_arg(user.meta["aten"], lambda n: new if n is node else n)
         graph.erase_node(node)
 
     # -- rms norm --

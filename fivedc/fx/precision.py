@@ -5,7 +5,11 @@ Libraries compute RMSNorm, the rotary tables or the loss in float32 on purpose
 even inside a float64 model. A plan computes at one dtype, so the casts are no ops
 in the IR. To compare the two exactly, the float64 check runs the plain module
 with every lower floating dtype read as float64, and the frontend captures a
-float64 module the same way (so the tables it reads off are float64 too).
+float64 module the same way (so the tables it reads off are float64 too). Where
+torch has no float64 kernel for an op on this device, the mode computes it exactly
+with ops that have one: `torch._grouped_mm` (what `F.grouped_mm` calls; Hugging
+Face's MoE experts use it, and on CPU it takes float32 and 16-bit floats only) as
+one matrix product per group.
 
 The IR has no dropout: the frontend drops it with a warning at its line. The
 reference of a check runs the module with dropout off (`without_dropout`), so both
@@ -33,7 +37,26 @@ class _Float64Everywhere(TorchFunctionMode):
             func = Tensor.double
         args = tuple(_up(a) for a in args)
         kwargs = {k: _up(v) for k, v in (kwargs or {}).items()}
+        if func is torch._grouped_mm and _grouped_in_float64(*args, **kwargs):
+            return _grouped_mm(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _grouped_in_float64(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> bool:
+    """A grouped product of a float64 [tokens, k] by [groups, k, n] at offsets (the MoE forward)."""
+    return mat_a.dtype == torch.float64 and mat_a.dim() == 2 and mat_b.dim() == 3 and offs is not None \
+        and bias is None and out_dtype in (None, torch.float64)
+
+
+def _grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor, bias=None, out_dtype=None) -> Tensor:
+    """torch._grouped_mm's 2-D by 3-D case: the rows of group g (offs[g-1]:offs[g]) times mat_b[g];
+    rows past the last offset are zero."""
+    pieces, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        pieces.append(mat_a[start:end] @ mat_b[g].to(mat_a.dtype))
+        start = end
+    pieces.append(mat_a.new_zeros(mat_a.shape[0] - start, mat_b.shape[-1]))
+    return torch.cat(pieces)
 
 
 def _up(value):

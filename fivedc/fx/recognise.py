@@ -15,7 +15,8 @@ Modules kept as one call (leaves of the trace), by class name *and* behaviour:
   the two halves, positions 0..seq-1) if a probe matches for theta taken from its
   `theta`/`base`/`rope_theta` attribute, its `inv_freq` buffer, 10000 or 500000;
   checked where it is called (`rope_theta`), an error naming the module otherwise;
-- an MoE block (`fivedc/fx/moe.py`: `moe_spec`), lowered to one IR `moe` op.
+MoE blocks are not leaves: while a model is traced each recognised block computes
+through one `fivedc::moe_block` call (`fivedc/fx/moe_leaves.py`), named `moe` here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.fx.moe import moe_spec
+from fivedc.fx.moe_leaves import MOE_OPS
 from fivedc.ops import parse_freqs
 
 _RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
@@ -72,7 +73,7 @@ _FUNCTIONS = {
     torch.repeat_interleave: "repeat_interleave", torch.arange: "arange", torch.cat: "cat",
     F.linear: "linear", F.embedding: "embedding", F.layer_norm: "layer_norm", F.rms_norm: "rms_norm",
     F.scaled_dot_product_attention: "sdpa", F.cross_entropy: "cross_entropy",
-    rms_norm: "rms_norm", swiglu: "swiglu", rope: "rope",
+    rms_norm: "rms_norm", swiglu: "swiglu", rope: "rope", **dict.fromkeys(MOE_OPS, "moe"),
 }
 _MODULES = {
     nn.SiLU: "silu", nn.GELU: "gelu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
@@ -97,8 +98,6 @@ def op_name(node: fx.Node, root: nn.Module) -> str | None:
             return "rms_norm"
         if is_rope(module):
             return "rope"
-        if moe_spec(module) is not None:
-            return "moe"
     return None
 
 
@@ -139,7 +138,7 @@ def is_rope(m: nn.Module) -> bool:
 
 
 def is_recognised_leaf(m: nn.Module) -> bool:
-    return rms_eps(m) is not None or is_rope(m) or moe_spec(m) is not None
+    return rms_eps(m) is not None or is_rope(m)
 
 
 def rope_theta(m: nn.Module, x: torch.Tensor, seq_axis: int) -> float | None:
