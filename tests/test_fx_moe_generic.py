@@ -142,3 +142,13 @@ def test_float64_mode_computes_grouped_matrix_products_torch_has_no_float64_kern
     assert got.dtype == torch.float64 and torch.allclose(got[:9], want, rtol=1e-12, atol=1e-12)
     assert torch.allclose(got[:9].float(), fp32[:9], rtol=1e-5, atol=1e-5)
     assert torch.equal(got[9:], torch.zeros(1, 4, dtype=torch.float64))  # rows past the last offset: none
+
+
+def test_a_check_whose_float64_reference_has_no_kernel_runs_in_float32_and_says_so(worker_pool) -> None:
+    """A library's operator with no float64 kernel (tests/library_ops.py) runs replicated in the plan;
+    the float64 check cannot run the plain module, so both runs are in float32, and the report says why."""
+    from fivedc.parallel.check import check_module
+
+    report = check_module("tests/library_ops.py:doubled", mesh="1x1x1x1x1", steps=2, dtype="fp64", pool=worker_pool)
+    assert report.dtype == "fp32" and "no float64 kernel" in report.note and "twice_f32" in report.note
+    assert report.max_error <= 1e-4, report
