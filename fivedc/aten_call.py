@@ -247,7 +247,8 @@ RULES = ("replicated", "pointwise", "along")
 # what torch does not tag: scans and slices along a dim, and pointwise ops without the tag
 ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
                    "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk", "split", "split_with_sizes",
-                   "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd"})
+                   "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd",
+                   "repeat_interleave"})
 PADS = frozenset({"pad", "constant_pad_nd"})  # along their last len(pad) // 2 dims
 UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__", "_to_copy", "to", "floor_divide"})
 

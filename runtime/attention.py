@@ -10,6 +10,9 @@ fully visible ones need no mask. `blockwise_attention` covers the local case and
 `ring_attention` passes K/V blocks (and in backward their gradients) around the
 ring of a context-parallel group. Layout: q [batch, heads, sq, head_dim], k and v
 [batch, kv_heads, sk, head_dim]; grouped-query heads share K/V by broadcasting.
+A `softcap` c > 0 (Gemma 2's logit softcapping) caps each scaled score s at
+c * tanh(s / c) before the mask and the softmax; backward multiplies the scores'
+gradient by its derivative 1 - tanh(s / c)^2, recomputed with the scores.
 """
 
 from __future__ import annotations
@@ -112,9 +115,16 @@ def _unrows(x: Tensor, heads: int) -> Tensor:
     return x.reshape(b, heads, rows // (heads // kv_heads), *x.shape[3:])
 
 
-def _scores(q_rows: Tensor, k_run: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """Scaled scores [b, kv_heads, group * m, n], -inf where `mask` [m, n] is False."""
+def _scores(q_rows: Tensor, k_run: Tensor, mask: Tensor | None, scale: float, softcap: float = 0.0,
+            capped: list | None = None) -> Tensor:
+    """Scaled scores [b, kv_heads, group * m, n] (capped at softcap * tanh(s / softcap) when softcap > 0;
+    `capped` then receives tanh(s / softcap)), -inf where `mask` [m, n] is False."""
     scores = torch.matmul(q_rows, k_run.transpose(-1, -2)).mul_(scale)
+    if softcap:
+        tanh = scores.div_(softcap).tanh_()
+        if capped is not None:
+            capped.append(tanh.clone())
+        scores = tanh.mul_(softcap)
     if mask is not None:
         b, kv_heads, rows, n = scores.shape
         view = scores.view(b, kv_heads, rows // mask.shape[0], mask.shape[0], n)
@@ -134,6 +144,7 @@ class _Block:
     v: Tensor
     kv_pos: Tensor
     pairs: tuple[Pair, ...]
+    softcap: float = 0.0
 
 
 def _mask(pair: Pair, q_pos: Tensor, kv_pos: Tensor, device: torch.device) -> Tensor | None:
@@ -150,7 +161,8 @@ def _forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block: _Bl
         (ko, kn), rows = pair.kv, slice(pair.q[0], pair.q[0] + pair.q[1])
         k_run = block.k[:, :, ko:ko + kn].to(out.dtype)
         v_run = block.v[:, :, ko:ko + kn].to(out.dtype)
-        probs = _scores(_rows(q, pair.q, kv_heads, out.dtype), k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale)
+        probs = _scores(_rows(q, pair.q, kv_heads, out.dtype), k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale,
+                        block.softcap)
         row_max = _finite(probs.amax(dim=-1))  # in place below: torch.logsumexp would copy the scores
         row_sum = probs.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
         pair_lse = row_max + row_sum.log()  # -inf for a row that sees no key here
@@ -175,11 +187,14 @@ def _backward_into(
         q_rows, dout_rows = _rows(q, pair.q, kv_heads, dtype), _rows(dout, pair.q, kv_heads, dtype)
         lse_rows = _rows(lse.unsqueeze(-1), pair.q, kv_heads, dtype)
         delta_rows = _rows(delta.unsqueeze(-1), pair.q, kv_heads, dtype)
-        probs = _scores(q_rows, k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale)
+        capped: list[Tensor] = []
+        probs = _scores(q_rows, k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale, block.softcap, capped)
         probs.sub_(_finite(lse_rows)).exp_()
         dkv[1, :, :, ko:ko + kn] += torch.matmul(probs.transpose(-1, -2), dout_rows)
         dscores = torch.matmul(dout_rows, v_run.transpose(-1, -2)).sub_(delta_rows).mul_(probs).mul_(scale)
         del probs
+        if capped:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2
+            dscores.mul_(1 - capped.pop().square_())
         dq[:, :, qo:qo + qn] += _unrows(torch.matmul(dscores, k_run), heads)
         dkv[0, :, :, ko:ko + kn] += torch.matmul(dscores.transpose(-1, -2), q_rows)
         del dscores  # before the next pair's scores
@@ -219,13 +234,13 @@ def _check(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor) -> No
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor,
-                causal: bool, kv_blocks: int) -> Tensor:
-        block = _Block(k, v, kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks))
+                causal: bool, kv_blocks: int, softcap: float) -> Tensor:
+        block = _Block(k, v, kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks), softcap)
         out, lse = _empty_partial(q)
         _forward_into(out, lse, q, q_pos, block)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.positions, ctx.pairs = (q_pos, kv_pos), block.pairs
+        ctx.positions, ctx.pairs, ctx.softcap = (q_pos, kv_pos), block.pairs, softcap
         return out
 
     @staticmethod
@@ -235,20 +250,21 @@ class _BlockwiseAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
         grads = (dout, lse, _delta(dout, out))
-        _backward_into(dq, dkv, q, q_pos, _Block(k, v, kv_pos, ctx.pairs), grads)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        _backward_into(dq, dkv, q, q_pos, _Block(k, v, kv_pos, ctx.pairs, ctx.softcap), grads)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor, *,
-                        causal: bool, kv_blocks: int = 1) -> Tensor:
+                        causal: bool, kv_blocks: int = 1, softcap: float = 0.0) -> Tensor:
     """Softmax attention of q to k/v [batch, heads, sq, head_dim], computed without ever
     holding the scores of more than one (q run x k/v run) pair; exact, differentiable.
 
     q_pos [sq] and kv_pos [sk] are global positions; under `causal`, a query sees the
-    keys at positions up to its own. k/v are cut into `kv_blocks` equal blocks.
+    keys at positions up to its own. k/v are cut into `kv_blocks` equal blocks. softcap > 0: scores
+    capped at softcap * tanh(score / softcap).
     """
     _check(q, k, v, q_pos, kv_pos)
-    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks)
+    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks, float(softcap))
 
 
 # ---- ring attention --------------------------------------------------------------------
@@ -304,25 +320,26 @@ def _exchange(ring: Ring, send: Tensor, tag: int) -> tuple[Tensor, _Transfer]:
     return received, _Transfer(send, tuple(dist.batch_isend_irecv(ops)))
 
 
-def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool) -> _Block:
+def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool, softcap: float) -> _Block:
     kv_pos = ring.block_positions[(ring.index - step) % ring.size]
-    return _Block(kv[0], kv[1], kv_pos, plan_pairs(q_pos, kv_pos, causal=causal))
+    return _Block(kv[0], kv[1], kv_pos, plan_pairs(q_pos, kv_pos, causal=causal), softcap)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, causal: bool) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, causal: bool,
+                softcap: float) -> Tensor:
         out, lse = _empty_partial(q)
         kv = torch.stack((k, v))  # one packed buffer to send
         for step in range(ring.size):
             last = step == ring.size - 1
             arriving, transfer = (None, _NOTHING) if last else _exchange(ring, kv, tag=0)
-            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal))
+            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, softcap))
             transfer.wait()
             kv = arriving
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.q_pos, ctx.ring, ctx.causal = q_pos, ring, causal
+        ctx.q_pos, ctx.ring, ctx.causal, ctx.softcap = q_pos, ring, causal, softcap
         return out
 
     @staticmethod
@@ -336,7 +353,8 @@ class _RingAttention(torch.autograd.Function):
             last = step == ring.size - 1
             arriving, kv_transfer = (None, _NOTHING) if last else _exchange(ring, kv, tag=0)
             dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-            _backward_into(dq, dkv, q, ctx.q_pos, _ring_block(kv, ring, step, ctx.q_pos, ctx.causal), grads)
+            block = _ring_block(kv, ring, step, ctx.q_pos, ctx.causal, ctx.softcap)
+            _backward_into(dq, dkv, q, ctx.q_pos, block, grads)
             acc_transfer.wait()  # the accumulator of the block in hand, from its earlier holders
             if acc is not None:
                 dkv += acc
@@ -344,10 +362,11 @@ class _RingAttention(torch.autograd.Function):
             kv_transfer.wait()
             kv = arriving
         acc_transfer.wait()  # the extra hop: every accumulator is home
-        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *, causal: bool) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *, causal: bool,
+                   softcap: float = 0.0) -> Tensor:
     """Softmax attention of this rank's q rows to the K/V blocks of every ring member,
     exact and differentiable; K/V blocks travel the ring, the sequence is never gathered.
 
@@ -355,4 +374,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *
     the q rows, `ring.block_positions` those of every member's K/V block.
     """
     _check(q, k, v, q_pos, ring.block_positions[ring.index])
-    return _RingAttention.apply(q, k, v, q_pos, ring, causal)
+    return _RingAttention.apply(q, k, v, q_pos, ring, causal, float(softcap))

@@ -228,10 +228,14 @@ def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
 
 def _attention(ctx, op, args, dims):
     """SDPA on one device; across cp, blockwise attention at global positions: ring
-    attention, or over the gathered K/V (one block per cp rank) for @cp(allgather)."""
+    attention, or over the gathered K/V (one block per cp rank) for @cp(allgather).
+    Scores capped by a `softcap` (which SDPA has not) take the blockwise kernel on one device too."""
     q, k, v = (t.transpose(1, 2) for t in args)  # [batch, heads, seq, head_dim]
-    causal = bool(op.attr("causal", True))
+    causal, softcap = bool(op.attr("causal", True)), float(op.attr("softcap", 0.0) or 0.0)
     cp = ctx.mesh.size(MeshAxis.CP)
+    if cp == 1 and softcap:
+        pos = torch.arange(q.shape[2], device=q.device)
+        return blockwise_attention(q, k, v, pos, pos, causal=causal, softcap=softcap).transpose(1, 2)
     if cp == 1:
         group = q.shape[1] // k.shape[1]
         if group > 1:
@@ -240,10 +244,10 @@ def _attention(ctx, op, args, dims):
     seq = ctx.graph.seq_dim
     q_pos = ctx.positions(seq, _arg_sharding(op, 0)).to(q.device)
     if op.annotation("cp").args[0] == "ring":
-        out = ring_attention(q, k, v, q_pos, ctx.ring(_arg_sharding(op, 1), q.device), causal=causal)
+        out = ring_attention(q, k, v, q_pos, ctx.ring(_arg_sharding(op, 1), q.device), causal=causal, softcap=softcap)
     else:
         kv_pos = ctx.positions(seq, _arg_sharding(op, 1)).to(q.device)
-        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp)
+        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap)
     return out.transpose(1, 2)
 
 

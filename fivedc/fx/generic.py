@@ -128,6 +128,27 @@ def in_memory_order(lw: Lowering, frame: Frame, node: fx.Node, t: T) -> T:
     return T(out, flat, groups, t.dtype)
 
 
+def repeated(lw: Lowering, frame: Frame, node: fx.Node, kv: RepeatedKV) -> T:
+    """k or v repeated over heads (`RepeatedKV`) for a use other than attention (written-out
+    attention the patterns did not recognise): `aten.repeat_interleave` along the heads, computed
+    on shards of the other dims; the repeated heads are a new dim."""
+    x = kv.t
+    groups = lw.groups(x)
+    size = lw.dims.numel(groups[kv.dim]) * kv.repeats
+    layout = _reduced_layout(lw, groups, (kv.dim,), tuple(size if i == kv.dim else lw.dims.numel(g)
+                                                            for i, g in enumerate(groups)))
+    atoms = tuple(a for group in layout for a in group)
+    out = DValue(node.name, atoms, x.dtype)
+    call = f'{{"args":[{{"tensor":0}},{kv.repeats}],"kwargs":{{"dim":{kv.dim}}}}}'
+    attrs = (("target", "aten.repeat_interleave.self_int"), ("call", call),
+             ("dtypes", "float" if x.dtype == DType.FLOAT else "int64"),
+             ("reason", "k/v repeated over heads for attention written out by hand"), ("rule", "along"),
+             ("along", str(kv.dim)))
+    frame.block.items.append(DOp(out, "aten", (x.ref,), attrs, node_loc(node), scope(node),
+                                 layouts=((x.layout,), layout)))
+    return T(out, atoms, layout, x.dtype)
+
+
 def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T], consts: list, items: list):
     """(rule, along, result layouts) where the op can run on shards, else None (replicated).
 

@@ -299,6 +299,7 @@ _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"
 
 def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     a = {name: arg(args, kwargs, i, name) for i, name in enumerate(_SDPA)}
+    softcap = kwargs.get("softcap")  # capped_attention (fivedc/fx/recognise.py): Gemma 2's logit softcapping
     if a["attn_mask"] is not None:
         raise lw.unsupported(node, "attention with an explicit attn_mask", "use is_causal=True for a causal mask")
     if a["dropout_p"]:
@@ -327,7 +328,8 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     for atom, hint in ((h, "heads"), (kh, "kv_heads"), (d, "head_dim"), (vd, "head_dim")):
         lw.dims.hint(atom, hint, 70)
     atoms = (b, s, h, vd)
-    out = lw.emit(frame, node, "attention", (q.ref, k.ref, v.ref), atoms, (("causal", bool(a["is_causal"])),))
+    attrs = (("causal", bool(a["is_causal"])),) + ((("softcap", float(softcap)),) if softcap else ())
+    out = lw.emit(frame, node, "attention", (q.ref, k.ref, v.ref), atoms, attrs)
     return T(out, atoms, ((b,), (h,), (s,), (vd,)))
 
 

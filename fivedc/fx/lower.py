@@ -27,6 +27,7 @@ import torch.fx as fx
 from fivedc.errors import FivedcError, NotSupportedError, PassError, SourceLoc
 from fivedc.fx.build import DBlock, DOp, DParam, DRepeat, DValue, Draft, Source
 from fivedc.fx.dims import DimMismatch, DimTable
+from fivedc.fx.generic import repeated
 from fivedc.fx.layers import materialize
 from fivedc.fx.locs import def_loc, node_loc, scope
 from fivedc.fx.ops import dispatch
@@ -238,9 +239,8 @@ class Lowering:
             return T(p, atoms, layout)
         if isinstance(sym, RouterLogits):
             raise self.logits_used(sym, node)
-        if isinstance(sym, RepeatedKV):
-            raise self.unsupported(node, "repeat_interleave over heads feeding anything but attention",
-                                   "repeat k and v only right before F.scaled_dot_product_attention")
+        if isinstance(sym, RepeatedKV):  # attention written out by hand that no pattern recognised
+            return repeated(self, frame, node, sym)
         if isinstance(sym, Const):
             raise self.unsupported(node, f"a constant tensor of shape {tuple(sym.value.shape)} used as data",
                                    "fivedc's IR has no constant tensors (buffers); compute it from the inputs")

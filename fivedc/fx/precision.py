@@ -19,6 +19,7 @@ sides compute the same function; its random masks could not be matched anyway.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +34,8 @@ class _Float64Everywhere(TorchFunctionMode):
     in float32 on purpose runs wholly in float64, as the plan does: the plan computes at one dtype."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _from_torch_itself():  # torch.export's fake tensors of a float32 buffer must stay float32
+            return func(*args, **(kwargs or {}))
         if func in (Tensor.float, Tensor.half, Tensor.bfloat16):
             func = Tensor.double
         args = tuple(_up(a) for a in args)
@@ -40,6 +43,20 @@ class _Float64Everywhere(TorchFunctionMode):
         if func is torch._grouped_mm and _grouped_in_float64(*args, **kwargs):
             return _grouped_mm(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+# torch's own machinery, whose dtypes describe tensors that exist (a fake copy of a float32 constant)
+_INTERNALS = ("torch._subclasses", "torch._export", "torch.export", "torch._functorch", "torch._library",
+              "torch._higher_order_ops", "torch._prims", "torch._refs", "torch._decomp", "torch.fx.experimental")
+_PASSING = ("torch.overrides", "torch.utils._python_dispatch", "torch.utils._device")
+
+
+def _from_torch_itself() -> bool:
+    """Whether the torch call the mode sees comes from torch's own machinery, not from a model."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_PASSING):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith(_INTERNALS)
 
 
 def _grouped_in_float64(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> bool:

@@ -47,6 +47,18 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
+                     softcap: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """softmax(softcap * tanh(q k^T * scale / softcap) [causal]) v: the marker eager attention with
+    logit softcapping becomes (`fivedc/fx/patterns.py`; k, v already repeated to q's heads)."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        sq, sk = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return torch.matmul(scores.softmax(-1), v)
+
+
 def rope(x: torch.Tensor, *, theta: float, seq_axis: int, freqs: str = "") -> torch.Tensor:
     """fivedc's rope, as the marker a `x * cos + rotate_half(x) * sin` pattern with
     tables checked by value becomes (`fivedc/fx/patterns.py`)."""
@@ -72,7 +84,7 @@ _FUNCTIONS = {
     torch.split: "split", torch.chunk: "chunk", torch.masked_fill: "masked_fill",
     torch.repeat_interleave: "repeat_interleave", torch.arange: "arange", torch.cat: "cat",
     F.linear: "linear", F.embedding: "embedding", F.layer_norm: "layer_norm", F.rms_norm: "rms_norm",
-    F.scaled_dot_product_attention: "sdpa", F.cross_entropy: "cross_entropy",
+    F.scaled_dot_product_attention: "sdpa", capped_attention: "sdpa", F.cross_entropy: "cross_entropy",
     rms_norm: "rms_norm", swiglu: "swiglu", rope: "rope", **dict.fromkeys(MOE_OPS, "moe"),
 }
 _MODULES = {
