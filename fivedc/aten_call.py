@@ -250,7 +250,8 @@ ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_
                    "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd",
                    "repeat_interleave"})
 PADS = frozenset({"pad", "constant_pad_nd"})  # along their last len(pad) // 2 dims
-UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__", "_to_copy", "to", "floor_divide"})
+UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__", "_to_copy", "to", "floor_divide",
+                                "detach"})
 
 
 def local_rule(overload) -> str:

@@ -79,7 +79,7 @@ from fivedc.errors import PassError, ShapeError
 from fivedc.fx.build import finish
 from fivedc.fx.locs import node_loc
 from fivedc.fx.lower import FxWarning, Lowering
-from fivedc.fx.marks import mark_layers, mark_stages
+from fivedc.fx.marks import mark_layers, mark_stages, sink_input_only
 from fivedc.fx.moe_leaves import blocks, moe_leaves
 from fivedc.fx.precision import float64_everywhere, is_float64
 from fivedc.fx.params import ParamMapping, from_ir_params, to_ir_params
@@ -174,6 +174,7 @@ def _lower(trace, module: nn.Module, name: str | None, stage_boundaries):
     draft = lowering.draft(name or type(module).__name__.lower())
     mark_stages(module, trace, draft, stage_boundaries)
     mark_layers(module, draft)  # layers inlined into top-level ops still make pipeline units
+    sink_input_only(draft)  # each chunk computes what it needs of the inputs (labels shifted by the model)
     return lowering, draft
 
 
