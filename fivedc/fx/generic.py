@@ -128,6 +128,20 @@ def in_memory_order(lw: Lowering, frame: Frame, node: fx.Node, t: T) -> T:
     return T(out, flat, groups, t.dtype)
 
 
+def sliced_rows(lw: Lowering, frame: Frame, node: fx.Node, table: T, atom: int, n: int) -> T:
+    """The first n rows of `table` as dim `atom` (a position table longer than the sequence):
+    `aten.slice` along its rows, on shards of its other dims."""
+    layout = ((atom,),) + table.layout[1:]
+    atoms = tuple(a for group in layout for a in group)
+    out = DValue(node.name, atoms, table.dtype)
+    attrs = (("target", "aten.slice.Tensor"), ("call", f'{{"args":[{{"tensor":0}},0,0,{n}],"kwargs":{{}}}}'),
+             ("dtypes", "float"), ("reason", "the rows of a position table that the sequence reads"),
+             ("rule", "along"), ("along", "0"))
+    frame.block.items.append(DOp(out, "aten", (table.ref,), attrs, node_loc(node), scope(node),
+                                 layouts=((table.layout,), layout)))
+    return T(out, atoms, layout, table.dtype)
+
+
 def repeated(lw: Lowering, frame: Frame, node: fx.Node, kv: RepeatedKV) -> T:
     """k or v repeated over heads (`RepeatedKV`) for a use other than attention (written-out
     attention the patterns did not recognise): `aten.repeat_interleave` along the heads, computed

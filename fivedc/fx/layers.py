@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fivedc.fx.build import DParam
-from fivedc.fx.generic import in_memory_order
+from fivedc.fx.generic import in_memory_order, sliced_rows
 from fivedc.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, T
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
@@ -196,19 +196,21 @@ def embedding(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
 
 
 def _positions(lw: Lowering, frame: Frame, node, value: torch.Tensor, key: str, table, hidden: int) -> T:
-    """A position table read at arange(seq): the table itself, as a [seq, hidden] parameter."""
-    seq = lw.seq_atom
-    n = value.shape[0] if value.dim() == 1 else -1
-    if n < 0 or not torch.equal(value.cpu(), torch.arange(n)) or seq is None or lw.dims.size(seq) != n:
+    """A position table read at arange(seq) (also [1, seq], as Hugging Face's position ids): the
+    table itself as a [seq, hidden] parameter, or, when it has more rows than the sequence, its
+    first seq rows (an `aten.slice` of the [positions, hidden] parameter along its rows)."""
+    seq, lead = lw.seq_atom, value.dim() - 1
+    n = value.shape[-1] if value.dim() >= 1 and all(s == 1 for s in value.shape[:-1]) else -1
+    if n < 0 or not torch.equal(value.reshape(-1).cpu(), torch.arange(n)) or seq is None or lw.dims.size(seq) != n:
         raise lw.unsupported(node, "an embedding of constant indices other than arange(seq)")
-    if table.shape[0] != n:
-        raise lw.unsupported(
-            node, f"a position table of {table.shape[0]} rows read at the first {n} positions",
-            f"trace with example inputs of the full length {table.shape[0]} (the IR parameter is the whole table)",
-        )
+    layout = ((),) * lead + ((seq,), (hidden,))
+    rows = seq if table.shape[0] == n else lw.dims.new(table.shape[0], "positions", 60)
     w = lw.param(frame, node, key=key, module=key.rpartition(".")[0], attr=key.rpartition(".")[2],
-                 atoms=(seq, hidden), init="normal", shape=_shape(table), role="a position table")
-    return T(w, (seq, hidden), ((seq,), (hidden,)))
+                 atoms=(rows, hidden), init="normal", shape=_shape(table), role="a position table")
+    if rows == seq:
+        return T(w, (seq, hidden), layout)
+    first = sliced_rows(lw, frame, node, T(w, (rows, hidden), ((rows,), (hidden,))), seq, n)
+    return T(first.ref, first.ir, layout)
 
 
 # ---- norms and rope -------------------------------------------------------------------------
