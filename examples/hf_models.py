@@ -70,19 +70,26 @@ class LogitsLoss(nn.Module):
 
 
 def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, loss: str = "library",
-          **overrides) -> tuple[nn.Module, tuple]:
+          weights: bool = True, **overrides) -> tuple[nn.Module, tuple]:
     """(model, (input_ids, labels)) for architecture `arch` (one of ARCHITECTURES); `loss`:
-    "library" (the model's own loss for `labels`) or "logits" (`LogitsLoss`); `overrides`:
-    config fields over the tiny defaults (`rope_scaling={"rope_type": "linear", "factor": 2.0}`)."""
+    "library" (the model's own loss for `labels`) or "logits" (`LogitsLoss`); `weights=False`:
+    built under `fivedc.empty_weights()` (parameters on the meta device: it compiles, it does not
+    train); `overrides`: config fields over the tiny defaults (`rope_scaling={"rope_type": "linear",
+    "factor": 2.0}`)."""
+    import contextlib
+
     import transformers as T
+
+    import fivedc
 
     config_class, fields = _configs()[arch]
     torch.manual_seed(seed)
     config = config_class(**(fields | overrides))
-    try:
-        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except ValueError:  # an architecture whose attention has no SDPA path
-        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with contextlib.nullcontext() if weights else fivedc.empty_weights():
+        try:
+            model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except ValueError:  # an architecture whose attention has no SDPA path
+            model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     wrapper = CausalLMLoss if loss == "library" else LogitsLoss
     return wrapper(model).to(dtype), (ids, torch.roll(ids, -1, dims=1) if loss == "logits" else ids.clone())

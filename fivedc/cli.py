@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="write the plan, print one line")
     c.add_argument("-v", "--verbose", action="store_true", help="list every parameter")
     c.add_argument("--wide", action="store_true", help="summary as wide tables (140+ columns; default fits 80)")
+    c.add_argument("--no-weights", dest="weights", action="store_false",
+                   help="file.py:factory: build the model under fivedc.empty_weights() (parameters on the meta "
+                   "device, none allocated): the same plan, so a large config plans on a laptop")
     v = sub.add_parser("verify", help=COMMANDS["verify"], description=COMMANDS["verify"])
     v.add_argument("model", help="a .5d model file, or path/to/file.py:factory (checked against the plain module)")
     _mesh_args(v, required=True)

@@ -75,9 +75,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from fivedc.errors import PassError, ShapeError
+from fivedc.errors import NotSupportedError, PassError, ShapeError
 from fivedc.fx.build import finish
-from fivedc.fx.locs import node_loc
+from fivedc.fx.locs import def_loc, node_loc
 from fivedc.fx.lower import FxWarning, Lowering
 from fivedc.fx.marks import mark_layers, mark_stages, sink_input_only
 from fivedc.fx.moe_leaves import blocks, moe_leaves
@@ -87,6 +87,7 @@ from fivedc.fx.patterns import rewrite
 from fivedc.fx.trace import export_trace, trace_graphs
 from fivedc.fx.values import Unrecognised
 from fivedc.ir import Graph, Op, Repeat, TensorType, walk_ops
+from fivedc.weightless import in_float64, meta_buffers
 from fivedc.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.passes.shapes import InferShapes
@@ -125,6 +126,12 @@ def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str |
     stage_boundaries: module-path patterns (`"layers.4"`, `"ln_f"`, `*` for one path element) at
     which a pipeline chunk begins, besides the modules marked `fivedc_stage_boundary = True`
     (`fivedc/fx/marks.py`)."""
+    _no_meta_buffers(module)
+    with in_float64(module):  # a model without weights, in bf16: captured as float64 (fivedc/weightless.py)
+        return _trace(module, example_inputs, name, stage_boundaries)
+
+
+def _trace(module: nn.Module, example_inputs: tuple | dict, name: str | None, stage_boundaries) -> TracedModel:
     blocks(module)  # MoE blocks are probed at the module's own precision (fivedc/fx/moe.py)
     with float64_everywhere(is_float64(module)):  # fivedc/fx/precision.py
         with moe_leaves(module, on=_leaves_keep_outputs(module, example_inputs)):  # fivedc/fx/moe_leaves.py
@@ -142,6 +149,20 @@ def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str |
         graph, mappings, expected = finish(draft, share_dims=False)
         _consistent(graph, expected, strict=True)
     return TracedModel(graph, mappings, tuple(lowering.warned), trace.exported)
+
+
+def _no_meta_buffers(module: nn.Module) -> None:
+    """A model without weights is planned from its buffers' values (rotary tables, masks): its
+    parameters may be on the meta device, its buffers not (`fivedc/weightless.py`)."""
+    unknown = meta_buffers(module)
+    if unknown:
+        owner = module.get_submodule(unknown[0].rpartition(".")[0])
+        raise NotSupportedError(
+            f"buffer {unknown[0]} of {type(module).__name__} has no values (it is on the meta device, or fake"
+            f"{f'; {len(unknown) - 1} more' if len(unknown) > 1 else ''}): the plan reads what the model computes "
+            "from its buffers (rotary tables, masks)", loc=def_loc(type(owner).__init__),
+            hint="build the model under fivedc.empty_weights(): its parameters go to the meta device (no memory), "
+            "its buffers are computed as usual")
 
 
 def _leaves_keep_outputs(module: nn.Module, example_inputs: tuple | dict) -> bool:

@@ -289,6 +289,10 @@ class _Matcher:
         if len(seq_axes) != 1:
             return None
         axis = seq_axes[0]
+        for a in range(value.dim() - 1):  # the tables decide: one row of x along the dims they broadcast over
+            if a != axis and cos.shape[a] == 1 and sin.shape[a] == 1:
+                value = value.narrow(a, 0, 1)
+        value = _probe(value)  # x's own values where it has them
         at_one = [0] * (value.dim() - 1)
         at_one[axis] = 1
         angle = math.atan2(float(sin[(*at_one, 1)]), float(cos[(*at_one, 1)]))  # theta ** (-1 / half)
@@ -345,6 +349,9 @@ class _Matcher:
         value, out = self.values[x], self.values[node]
         if not isinstance(axis, int) or not 0 < axis <= value.dim():
             return False
+        if value.is_meta:  # a model without weights: the same views of data of x's shape
+            value = _probe(value)
+            out = value.unsqueeze(axis).expand(self.values[grown].shape).reshape(out.shape)
         n = out.shape[axis - 1] // value.shape[axis - 1] if value.shape[axis - 1] else 0
         if n < 1 or not torch.equal(value.repeat_interleave(n, dim=axis - 1), out):
             return False
@@ -361,6 +368,14 @@ class _Matcher:
                 self.replace(node, swiglu, (act.args[0], up), {})
                 return True
         return False
+
+
+def _probe(value: torch.Tensor) -> torch.Tensor:
+    """`value`, or seeded random data of its shape and dtype where it has no values (computed from a
+    parameter on the meta device: a model without weights, `fivedc/weightless.py`)."""
+    if not value.is_meta:
+        return value
+    return torch.randn(value.shape, generator=torch.Generator().manual_seed(0), dtype=value.dtype)
 
 
 def _last_slice(index) -> tuple | None:

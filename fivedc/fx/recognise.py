@@ -137,9 +137,12 @@ def _probe_rms(m: nn.Module) -> float | None:
         return None
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, params[0].shape[0], generator=gen, dtype=params[0].dtype)
+    weight = 1 + 0.1 * torch.randn(params[0].shape, generator=gen, dtype=params[0].dtype)  # a model without weights too
+    name = next(n for n, _ in m.named_parameters())
     try:
         with torch.no_grad():
-            ok = torch.allclose(m(x), rms_norm(x, params[0], eps), rtol=1e-5, atol=1e-6)
+            got = torch.func.functional_call(m, {name: weight}, (x,))
+            ok = torch.allclose(got, rms_norm(x, weight, eps), rtol=1e-5, atol=1e-6)
     except Exception:
         return None
     return eps if ok else None

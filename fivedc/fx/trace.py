@@ -28,6 +28,7 @@ from fivedc.errors import FivedcError, NotSupportedError
 from fivedc.fx.locs import caller_loc, def_loc, error_loc, frames, node_loc, user_loc
 from fivedc.fx.moe import moe_spec
 from fivedc.fx.recognise import is_recognised_leaf
+from fivedc.weightless import example_run
 
 STAGE_MARK = "fivedc_stage_boundary"  # a module attribute: a pipeline chunk begins at this module
 _SHAPE_QUERIES = {"size", "dim", "shape", "ndim", "dtype", "device", "numel", "is_floating_point"}
@@ -325,7 +326,7 @@ def _run(gm: fx.GraphModule, feed: dict, capture: set[str], captured: dict) -> d
     args = [feed.get(str(n.target).lstrip("*"), n.args[0] if n.args else None)
             for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), example_run(gm):  # fivedc/weightless.py
             interp.propagate(*args)
     except Exception as error:
         cause = error.__cause__ or error
