@@ -8,12 +8,12 @@ __all__ = ["parallelize", "empty_weights"]
 def __getattr__(name: str):
     """`fivedc.parallelize` (and `fivedc.empty_weights`) import torch and the compiler only when first used."""
     if name == "parallelize":
-        from fivedc.parallelize import parallelize
+        from fivedc.parallel.parallelize import parallelize
 
         globals()["parallelize"] = parallelize
         return parallelize
     if name == "empty_weights":
-        from fivedc.weightless import empty_weights
+        from fivedc.frontends.weightless import empty_weights
 
         globals()["empty_weights"] = empty_weights
         return empty_weights

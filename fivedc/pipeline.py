@@ -8,7 +8,10 @@ yet passes: the pipeline's chunks and schedule (`stage_plan.plan_pipeline`), and
 `plan.build_plan` the gradient buckets and overlap (`overlap.py`), ZeRO's
 collectives (`param_sync.py`) and the memory estimate (with the activation
 recomputation the options or the model choose: `recompute.py`, `activations.py`);
-they are still to become passes of `PIPELINE`.
+they are still to become passes of `PIPELINE`. Last, `agreement.prove_agreement`
+proves that every process group's ranks will issue the same collectives in the same
+order, and the pipeline's transfers pair up without deadlock; a plan that fails it
+is never returned (a compiler bug, exit 4).
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from fivedc.proof.agreement import prove_agreement
 from fivedc.errors import FivedcError, PassError
-from fivedc.ir import Graph
-from fivedc.plan import ExecutionPlan, build_plan
-from fivedc.stage_plan import plan_pipeline
+from fivedc.ir.graph import Graph
+from fivedc.plan.execution_plan import ExecutionPlan, build_plan
+from fivedc.passes.stage_plan import plan_pipeline
 from fivedc.passes.base import CompileOptions, Pass
 from fivedc.passes.communication import InsertCommunication
 from fivedc.passes.context import SplitSequence
@@ -68,10 +72,23 @@ def run_passes(graph: Graph, options: CompileOptions, *, timings: list[PassTimin
     return graph
 
 
-def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None) -> ExecutionPlan:
-    graph = run_passes(graph, options, timings=timings)
+def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None,
+                  proofs: list | None = None) -> ExecutionPlan:
+    """The plan for `graph`; before it is returned, a proof that every process group's ranks
+    issue the same collectives (`fivedc/proof/agreement.py`), kept in `proofs` when given."""
+    plan = _build(run_passes(graph, options, timings=timings), options)
+    start = time.perf_counter()
+    proof = prove_agreement(plan)
+    if timings is not None:
+        timings.append(PassTiming("prove-agreement", time.perf_counter() - start))
+    if proofs is not None:
+        proofs.append(proof)
+    return plan
+
+
+def _build(graph: Graph, options: CompileOptions) -> ExecutionPlan:
     # pipeline stages: chunks of layers (at the model's @stage marks, a given layout, or balanced by cost)
-    # and the schedule (fivedc/stage_plan.py)
+    # and the schedule (fivedc/passes/stage_plan.py)
     pipeline = plan_pipeline(graph, options.mesh, schedule=options.schedule, microbatches=options.microbatches,
                              virtual=options.virtual, layout=options.pp_layout, dtype_bytes=options.dtype_bytes)
     return build_plan(
@@ -85,4 +102,5 @@ def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTi
         bucket_bytes=options.bucket_bytes,
         pipeline=pipeline,
         recompute=options.recompute_mode(graph),
+        hardware=options.hardware,
     )

@@ -3,12 +3,16 @@
 Every numerical check runs in float64 and compares with SDPA on the full sequence in
 natural order (GQA by `repeat_interleave`, as SDPA expects): the q rows are one cp
 rank's chunks and k/v the whole sequence in all-gathered order, so the positions are
-a permutation and causality must come from them, not from row order.
+a permutation and causality must come from them, not from row order. Each runs twice:
+with the blocks computed by torch's fused kernel (`fivedc/runtime/attention_fused.py`, what
+the CPU uses) and by the module's own matmuls (what other devices use).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -17,11 +21,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fivedc.errors import ShapeError
-from fivedc.runtime import attention
+from fivedc.runtime import attention, attention_fused
 from fivedc.runtime.attention import blockwise_attention, merge_partials, plan_pairs, position_runs
-from fivedc.seq_layout import SeqLayout, layout_order
+from fivedc.ir.seq_layout import SeqLayout, layout_order
 
 TOL = 1e-12
+
+
+@pytest.fixture(params=["fused", "matmuls"])
+def kernels(request, monkeypatch) -> str:
+    """Run a test with the blocks by the fused kernel, then by the matmuls."""
+    if request.param == "matmuls":
+        monkeypatch.setattr(attention_fused, "available", lambda q: False)
+    return request.param
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -143,6 +155,7 @@ def test_plan_skips_fully_masked_pairs_and_masks_only_the_diagonal() -> None:
 
 
 def test_skipped_pairs_compute_no_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(attention_fused, "available", lambda q: False)  # count the matmul path's scores
     seq, cp = 32, 4
     q_pos, kv_pos = cp_positions(seq, cp=cp, rank=0, balanced=True), gathered(seq, cp, balanced=True)
     calls: list[tuple[int, ...]] = []
@@ -162,18 +175,40 @@ def test_skipped_pairs_compute_no_scores(monkeypatch: pytest.MonkeyPatch) -> Non
     assert len(calls) == 16  # backward recomputes the same 8 pairs
 
 
+def test_the_fused_kernel_gets_whole_runs_and_the_causal_diagonal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same plan for the fused kernel: runs are not cut into tiles, a diagonal pair is
+    the kernel's causal mask (the same positions on both sides), the skipped pairs are
+    never computed, and GQA's K/V go in unrepeated."""
+    seq, cp = 32, 4
+    q_pos, kv_pos = cp_positions(seq, cp=cp, rank=0, balanced=True), gathered(seq, cp, balanced=True)
+    calls: list[tuple] = []
+    real = attention_fused._FORWARD
+
+    def counting(q, k, v, dropout, causal, attn_mask=None):
+        calls.append((q.shape[-2], k.shape[-2], k.shape[1], causal, attn_mask is not None))
+        return real(q, k, v, dropout, causal, attn_mask=attn_mask)
+
+    monkeypatch.setattr(attention_fused, "_FORWARD", counting)
+    monkeypatch.setattr(attention, "TILE", 2)  # would cut every run of 4: the fused path ignores it
+    q = torch.randn(1, 4, 8, 4, dtype=torch.float64)
+    k, v = torch.randn(2, 1, 2, seq, 4, dtype=torch.float64)
+    blockwise_attention(q, k, v, q_pos, kv_pos, causal=True, kv_blocks=4)
+    # q runs 0-3 and 28-31; kv runs per block (0-3, 28-31), (4-7, 24-27), (8-11, 20-23), (12-19)
+    assert sorted(calls) == sorted([(4, 4, 2, True, False)] * 2 + [(4, 4, 2, False, False)] * 5 + [(4, 8, 2, False, False)])
+
+
 # ---- blockwise attention against SDPA ---------------------------------------------------
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("kv_blocks", [1, 2, 4])
-def test_blockwise_matches_sdpa_balanced_layout(causal: bool, kv_heads: int, kv_blocks: int) -> None:
+def test_blockwise_matches_sdpa_balanced_layout(causal: bool, kv_heads: int, kv_blocks: int, kernels) -> None:
     for rank in (0, 1):
         check_against_sdpa(batch=2, heads=4, kv_heads=kv_heads, seq=32, dim=8, cp=2, rank=rank,
                            balanced=True, causal=causal, kv_blocks=kv_blocks)
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_blockwise_matches_sdpa_whole_sequence(causal: bool) -> None:
+def test_blockwise_matches_sdpa_whole_sequence(causal: bool, kernels) -> None:
     check_against_sdpa(batch=1, heads=4, kv_heads=2, seq=48, dim=16, cp=1, rank=0,
                        balanced=False, causal=causal, kv_blocks=3)
 
@@ -182,17 +217,19 @@ def test_blockwise_matches_sdpa_whole_sequence(causal: bool) -> None:
 @given(
     batch=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 3]),
     dim=st.sampled_from([1, 4, 8]), chunk=st.integers(1, 4), cp=st.integers(1, 3),
-    balanced=st.booleans(), causal=st.booleans(), data=st.data(),
+    balanced=st.booleans(), causal=st.booleans(), fused=st.booleans(), data=st.data(),
 )
-def test_blockwise_matches_sdpa_property(batch, kv_heads, group, dim, chunk, cp, balanced, causal, data) -> None:
+def test_blockwise_matches_sdpa_property(batch, kv_heads, group, dim, chunk, cp, balanced, causal, fused,
+                                         data) -> None:
     seq = chunk * 2 * cp
     kv_blocks = data.draw(st.sampled_from([b for b in (1, 2, 3, 4, 6) if seq % b == 0]), label="kv_blocks")
     rank = data.draw(st.integers(0, cp - 1), label="rank")
-    check_against_sdpa(batch=batch, heads=kv_heads * group, kv_heads=kv_heads, seq=seq, dim=dim, cp=cp,
-                       rank=rank, balanced=balanced, causal=causal, kv_blocks=kv_blocks, seed=seq)
+    with contextlib.nullcontext() if fused else mock.patch.object(attention_fused, "available", lambda q: False):
+        check_against_sdpa(batch=batch, heads=kv_heads * group, kv_heads=kv_heads, seq=seq, dim=dim, cp=cp,
+                           rank=rank, balanced=balanced, causal=causal, kv_blocks=kv_blocks, seed=seq)
 
 
-def test_low_precision_accumulates_in_float32() -> None:
+def test_low_precision_accumulates_in_float32(kernels) -> None:
     q, k, v = torch.randn(3, 1, 4, 64, 16, dtype=torch.float64)
     pos = torch.arange(64)
     want = sdpa(q, k, v, causal=True)

@@ -1,6 +1,6 @@
 """The command line: help, exit codes, errors with carets and no tracebacks, files.
 
-Most cases call `fivedc.cli.main` in-process; one runs the installed `fivedc`
+Most cases call `fivedc.cli.main.main` in-process; one runs the installed `fivedc`
 entry point to check the real exit code and stderr.
 """
 
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from fivedc.cli import main
-from fivedc.plan import ExecutionPlan
+from fivedc.cli.main import main
+from fivedc.plan.execution_plan import ExecutionPlan
 
 BAD_MODEL = """model broken {
   dims { batch = 2 seq = 4 }
@@ -81,7 +81,7 @@ def test_verify_refuses_a_launcher_world_that_does_not_match(monkeypatch, capsys
 def test_installed_entry_point_exit_code_and_stderr(tmp_path) -> None:
     model = tmp_path / "broken.5d"
     model.write_text(BAD_MODEL)
-    result = subprocess.run([sys.executable, "-m", "fivedc.cli", "compile", str(model), "--mesh", "1x1x1x1x1"],
+    result = subprocess.run([sys.executable, "-m", "fivedc.cli.main", "compile", str(model), "--mesh", "1x1x1x1x1"],
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2
     assert "broken.5d:4:7" in result.stderr and "Traceback" not in result.stderr
@@ -133,17 +133,25 @@ def test_run_executes_a_saved_plan_and_a_model(tmp_path, capsys) -> None:
     assert main(["compile", "examples/gpt.5d", "--mesh", "2x2x1x1x1", "--zero", "1", "--dtype", "fp32", "-q",
                  "-o", str(saved)]) == 0
     capsys.readouterr()
-    assert main(["run", str(saved), "--steps", "3", "--lr", "1e-2"]) == 0
+    report = tmp_path / "report.json"
+    assert main(["run", str(saved), "--steps", "3", "--lr", "1e-2", "--report", str(report)]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     losses = [float(row[1]) for row in rows]
     assert len(losses) == 3 and losses[2] < losses[1] < losses[0]
     plan = ExecutionPlan.load(saved)
-    from fivedc.summary import format_bytes
+    from fivedc.plan.summary import format_bytes
 
-    for kind in ("params", "grads", "optimizer"):
+    for kind in ("params", "grads", "optimizer", "activations"):
         held = next(line for line in out.splitlines() if line.strip().startswith(kind))
         assert held.split(None, 1)[1].count(format_bytes(getattr(plan.memory, kind))) == 2, held
+    data = json.loads(report.read_text())  # per rank: the estimate of its class and what it measured
+    assert [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3] and data["device"] == "cpu"
+    for entry in data["ranks"]:
+        estimated, measured = entry["estimated"], entry["measured"]
+        assert set(estimated) == set(measured) == {"params", "grads", "optimizer", "activations", "transient", "total"}
+        assert all(measured[k] == estimated[k] for k in ("params", "grads", "optimizer", "activations"))
+        assert measured["total"] is None  # no allocator peak on CPU
     assert main(["run", "examples/tiny_llama.5d", "--mesh", "1x1x2x1x1", "--sp", "--steps", "2"]) == 0
     assert "on mesh 1x1x2x1x1 (2 processes, 2 steps, fp32" in capsys.readouterr().out
     assert main(["run", str(saved), "--zero", "2", "--mesh", "4x1x1x1x1"]) == 2
@@ -194,7 +202,7 @@ def test_a_half_set_launcher_environment_is_bad_input(monkeypatch, capsys) -> No
 
 
 def test_an_internal_error_is_one_line_and_exit_4(monkeypatch, capsys) -> None:
-    import fivedc.cli as cli
+    import fivedc.cli.main as cli
 
     def broken(args):
         raise ZeroDivisionError("a bug")
@@ -203,5 +211,5 @@ def test_an_internal_error_is_one_line_and_exit_4(monkeypatch, capsys) -> None:
     assert main(["check", "whatever.json"]) == 4
     err = capsys.readouterr().err
     assert "internal error in fivedc (ZeroDivisionError: a bug)" in err and "Traceback" not in err
-    assert "0 ok" in subprocess.run([sys.executable, "-m", "fivedc.cli", "--help"], capture_output=True,
+    assert "0 ok" in subprocess.run([sys.executable, "-m", "fivedc.cli.main", "--help"], capture_output=True,
                                     text=True).stdout.replace("  ", " ")

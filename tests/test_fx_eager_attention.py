@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from eager_attention import decoder
-from fivedc.frontend_fx import trace_module
-from fivedc.fx.precision import float64_everywhere
-from fivedc.ir import Op, walk_ops
+from fivedc.frontends.fx_module import trace_module
+from fivedc.frontends.fx.precision import float64_everywhere
+from fivedc.ir.graph import Op, walk_ops
 from test_frontend_fx import assert_same_as_module
 
 

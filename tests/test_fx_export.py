@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fivedc.errors import NotSupportedError
-from fivedc.fx.export import export_graph
+from fivedc.frontends.fx.export import export_graph
 
 
 class TableFromBuffer(nn.Module):
@@ -82,9 +82,9 @@ class LongPositionTable(nn.Module):
 def test_a_position_table_longer_than_the_sequence_is_read_at_its_first_rows() -> None:
     """GPT-2's: the table is one [positions, hidden] parameter, its first seq rows a slice along
     them that becomes the sequence (no replicated lookup); the loss and gradients are the module's."""
-    from fivedc.aten_call import whole_dims
-    from fivedc.frontend_fx import trace_module
-    from fivedc.ir import Op, walk_ops
+    from fivedc.ir.aten_call import whole_dims
+    from fivedc.frontends.fx_module import trace_module
+    from fivedc.ir.graph import Op, walk_ops
     from test_frontend_fx import assert_same_as_module
 
     torch.manual_seed(0)

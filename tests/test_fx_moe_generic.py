@@ -1,5 +1,5 @@
-"""MoE blocks as libraries write them today, recognised by behaviour (`fivedc/fx/moe.py`,
-`fivedc/fx/moe_leaves.py`), with no name of a model or library in the rules.
+"""MoE blocks as libraries write them today, recognised by behaviour (`fivedc/frontends/fx/moe.py`,
+`fivedc/frontends/fx/moe_leaves.py`), with no name of a model or library in the rules.
 
 A DeepSeek-style block written here (not from a library): a router module holding its
 weight and a balancing bias buffer, sigmoid scores renormalised and scaled, experts
@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fivedc.frontend_fx import trace_module
-from fivedc.fx.precision import float64_everywhere
-from fivedc.ir import Op, walk_ops
-from fivedc.mesh import Mesh
+from fivedc.frontends.fx_module import trace_module
+from fivedc.frontends.fx.precision import float64_everywhere
+from fivedc.ir.graph import Op, walk_ops
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings

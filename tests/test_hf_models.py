@@ -71,9 +71,9 @@ def test_hugging_face_moe_blocks_are_the_irs_moe_ops(arch: str) -> None:
     and the module's parameters map to the IR's and back exactly (gate and up: halves of gate_up_proj)."""
     import torch
 
-    from fivedc.aten_call import whole_dims
-    from fivedc.frontend_py import traced_from_spec
-    from fivedc.ir import Op, walk_ops
+    from fivedc.ir.aten_call import whole_dims
+    from fivedc.frontends.python_file import traced_from_spec
+    from fivedc.ir.graph import Op, walk_ops
 
     module, _, tm = traced_from_spec(f"examples/hf_models.py:{arch}")
     ops = [op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op)]
@@ -96,10 +96,10 @@ def test_an_moe_block_whose_inner_outputs_are_collected_is_traced_through() -> N
     own grouped-matrix kernel among them) running replicated, and the loss is the module's."""
     import torch
 
-    from fivedc.frontend_fx import trace_module
-    from fivedc.frontend_py import import_file
-    from fivedc.fx.precision import float64_everywhere
-    from fivedc.ir import Op, walk_ops
+    from fivedc.frontends.fx_module import trace_module
+    from fivedc.frontends.python_file import import_file
+    from fivedc.frontends.fx.precision import float64_everywhere
+    from fivedc.ir.graph import Op, walk_ops
     from test_frontend_fx import run_ir
 
     module, inputs = import_file("examples/hf_models.py").build("mixtral", output_router_logits=True)
@@ -115,7 +115,7 @@ def test_an_moe_block_whose_inner_outputs_are_collected_is_traced_through() -> N
 
 def test_a_hugging_face_moe_trains_with_expert_parallelism(worker_pool) -> None:
     """Qwen3-MoE with its own loss at ep=2, in float64 (the library's grouped-matrix kernel has no
-    float64 CPU kernel: fivedc's float64 mode computes it per group, fivedc/fx/precision.py)."""
+    float64 CPU kernel: fivedc's float64 mode computes it per group, fivedc/frontends/fx/precision.py)."""
     from fivedc.parallel.check import check_module
 
     report = check_module("examples/hf_models.py:qwen3_moe", mesh="1x1x1x1x2", steps=2, dtype="fp64",

@@ -12,10 +12,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fivedc.ir import ArgSpec, Graph, Block, Op, TensorType
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.ir.graph import ArgSpec, Graph, Block, Op, TensorType
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.runtime.kernels import KERNELS, KernelContext
-from fivedc.sharding import Sharding
+from fivedc.ir.sharding import Sharding
 
 DIMS = (("b", 2), ("s", 6), ("h", 3), ("kv", 1), ("d", 4), ("v", 8), ("e", 5))
 GRAPH = Graph("k", DIMS, (), Block(), batch_dim="b", seq_dim="s")
@@ -36,6 +36,23 @@ def test_rmsnorm_and_layernorm() -> None:
     torch.testing.assert_close(got, F.rms_norm(x, (5,), w, eps=1e-6))
     got = KERNELS["layernorm"](ctx(), op("layernorm", ("b", "s", "e")), [x, w, b], [("b", "s", "e"), ("e",), ("e",)])
     torch.testing.assert_close(got, F.layer_norm(x, (5,), w, b, 1e-5))
+
+
+def test_rmsnorm_and_swiglu_gradients_match_torch() -> None:
+    """The two kernels with their own backward (they save only their inputs and rstd)
+    against autograd through torch's functions, in float64."""
+    x, w = torch.randn(2, 6, 5, dtype=torch.float64, requires_grad=True), torch.randn(5, dtype=torch.float64, requires_grad=True)
+    gate, up = (torch.randn(2, 6, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    for kind, args, expected in (
+        ("rmsnorm", [x, w], lambda: F.rms_norm(x, (5,), w, eps=1e-6)),
+        ("swiglu", [gate, up], lambda: F.silu(gate) * up),
+    ):
+        got = KERNELS[kind](ctx(), op(kind, ("b", "s", "e"), eps=1e-6), args, [("b", "s", "e")] * 2)
+        grad = torch.randn_like(got)
+        ours = torch.autograd.grad(got, args, grad)
+        theirs = torch.autograd.grad(expected(), args, grad)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b)
 
 
 def test_attention_gqa_matches_explicit_softmax() -> None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import fivedc.runtime.pool as pool_module
 from fivedc.errors import FivedcError, MeshError, ShapeError, SourceLoc, VerifyMismatch
-from fivedc.mesh import Mesh
+from fivedc.ir.mesh import Mesh
 from fivedc.runtime.pool import (
     RankError, RankInfo, WorkerError, WorkerPool, check_world, init_from_env, run_once,
 )

@@ -345,7 +345,7 @@ def test_draws_png_and_svg(tmp_path) -> None:
 
 # ---- activations in flight: the memory estimate plays the schedule -------------------------------
 def _spec(name: str, p: int, m: int, v: int | None = None):
-    from fivedc.stages import Chunk, PipelineSpec
+    from fivedc.passes.stages import Chunk, PipelineSpec
 
     sched = make_schedule(name, p, m, v)
     chunks = tuple(Chunk(c, sched.placement[c], (c, c + 1), f"c{c}", 1.0, 0) for c in range(p * sched.v))
@@ -356,10 +356,14 @@ def _spec(name: str, p: int, m: int, v: int | None = None):
 def test_activations_in_flight_follow_each_schedule(p: int, m: int) -> None:
     """With equal chunks, one microbatch through one chunk keeps A / (chunks x m) of the
     step's activations A; each schedule keeps its published count of them alive."""
-    from fivedc.stage_plan import activations_in_flight
 
     step = 2**20 * p * m * 6  # divisible, so the counts come out exact
     per = lambda chunks: step // (chunks * m)  # noqa: E731
+
+    def activations_in_flight(spec, p, step):
+        from fivedc.passes.stage_plan import activations_in_flight as played
+
+        return played(spec, p, [per(len(spec.chunks))] * len(spec.chunks))
     assert activations_in_flight(_spec("gpipe", p, m), p, step) == (per(p) * m,) * p  # all m, every rank
     assert activations_in_flight(_spec("1f1b", p, m), p, step) == tuple(per(p) * min(p - r, m) for r in range(p))
     zb = activations_in_flight(_spec("zb-h1", p, m), p, step)  # kept until W: ZB-H1's peak is 1F1B's (its paper)

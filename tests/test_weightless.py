@@ -1,4 +1,4 @@
-"""Capture without weights (`fivedc/weightless.py`): a model whose parameters were never allocated
+"""Capture without weights (`fivedc/frontends/weightless.py`): a model whose parameters were never allocated
 plans exactly as the same model with weights does.
 
 `fivedc.empty_weights()` registers every parameter on the meta device and makes the
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import fivedc
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import NotSupportedError
-from fivedc.frontend_fx import trace_module
-from fivedc.frontend_py import load_factory
-from fivedc.mesh import Mesh
+from fivedc.frontends.fx_module import trace_module
+from fivedc.frontends.python_file import load_factory
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from test_frontend_fx import llama
@@ -83,7 +83,7 @@ def test_a_bf16_model_without_weights_is_captured_as_float64() -> None:
     capture and back), so its rotary embedding is the IR's rope, not a refusal; the plan's precision
     is the compile's own."""
     pytest.importorskip("transformers")
-    from fivedc.ir import Op, walk_ops
+    from fivedc.ir.graph import Op, walk_ops
 
     kwargs = {"arch": "llama", "weights": False, "dtype": torch.bfloat16}
     module, inputs = load_factory("examples/hf_models.py:build", kwargs=kwargs)

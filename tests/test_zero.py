@@ -11,14 +11,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import FivedcError
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import CollectiveKind, Phase
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import CollectiveKind, Phase
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import OPTIMIZER_BYTES
+from fivedc.plan.execution_plan import OPTIMIZER_BYTES
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
 from fivedc.runtime.flat_shard import FlatShard
@@ -78,7 +78,7 @@ def test_collectives_per_stage() -> None:
                 if "dp" in c.axes and (c.tensor in names or any(f" {n}" in c.tensor for n in names))}
 
     assert kinds(0) == {(Phase.GRAD_SYNC, K.ALL_REDUCE)}
-    assert kinds(1) == {(Phase.GRAD_SYNC, K.ALL_REDUCE), (Phase.OPTIMIZER, K.ALL_GATHER)}
+    assert kinds(1) == {(Phase.GRAD_SYNC, K.REDUCE_SCATTER), (Phase.OPTIMIZER, K.ALL_GATHER)}
     assert kinds(2) == {(Phase.GRAD_SYNC, K.REDUCE_SCATTER), (Phase.OPTIMIZER, K.ALL_GATHER)}
     assert kinds(3) == {(Phase.BACKWARD, K.REDUCE_SCATTER), (Phase.FORWARD, K.ALL_GATHER), (Phase.BACKWARD, K.ALL_GATHER)}
     plan = plan_for("2x1x2x1x1", 3, sp=True)
@@ -86,6 +86,27 @@ def test_collectives_per_stage() -> None:
     assert wq.count == 2 and "gather it before each use" in wq.reason  # once per layer
     norm = next(c for c in plan.collectives if c.tensor == "norm" and c.kind == K.REDUCE_SCATTER)
     assert norm.axes == ("dp", "tp")  # under SP a norm weight's replicas span dp x tp
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_and_2_move_2psi_per_step(zero: int) -> None:
+    """The ZeRO paper's 2Ψ: a reduce-scatter and an all-gather of the parameters' bytes over
+    each data-parallel group, (n-1)/n x Ψ each on a ring, as much as plain data parallelism's
+    all-reduce, where an all-reduce and then the gather would move 3Ψ."""
+    def wire(plan) -> float:
+        total = 0.0
+        for c in plan.collectives:
+            if c.phase in (Phase.GRAD_SYNC, Phase.OPTIMIZER):
+                n = plan.mesh.size(*c.axes)
+                total += c.bytes * c.count * (n - 1) / n * (2 if c.kind == K.ALL_REDUCE else 1)
+        return total
+
+    plain, sharded = plan_for("4x1x1x1x1", 0), plan_for("4x1x1x1x1", zero)
+    assert {c.kind for c in sharded.collectives if c.phase == Phase.GRAD_SYNC} == {K.REDUCE_SCATTER}
+    assert wire(sharded) == pytest.approx(wire(plain))  # 2Ψ (n-1)/n both; tiny_llama's shapes divide by 4
+    one = plan_for("4x1x1x1x1", 1)
+    assert all("ZeRO-1 keeps the full gradients until then" in c.overlaps for c in one.collectives
+               if c.phase == Phase.GRAD_SYNC)
 
 
 def test_buckets_follow_backward_order_and_the_bucket_size() -> None:
@@ -243,7 +264,7 @@ def _gathered_copies_job(info, zero: int) -> dict:
     from pathlib import Path
 
     import fivedc
-    from fivedc.frontend_py import import_file
+    from fivedc.frontends.python_file import import_file
 
     llama = import_file(Path(__file__).resolve().parent.parent / "examples" / "llama.py")
     module, inputs = llama.factory(batch=2)

@@ -2,7 +2,7 @@
 
 Each parameter shard's gradient is a summand over its `grad_partial` axes (dp, cp,
 and tp for norm weights under SP). `GradSync` sums it there with the plan's
-buckets (`runtime/buckets.py`), started during backward from post-accumulate-grad
+buckets (`fivedc/runtime/buckets.py`), started during backward from post-accumulate-grad
 hooks in the plan's order (or all at the end with overlap off), and completes
 them in a callback queued on the autograd engine, which runs before `backward()`
 returns. So `.grad` holds the full gradient of each shard when the user's
@@ -10,8 +10,8 @@ returns. So `.grad` holds the full gradient of each shard when the user's
 
 Under ZeRO-1/2 (`fivedc/parallel/weights.FlatChunks`) the tensors the forward read
 are gathered copies and the parameters are their owned chunks (`owners`): the sum
-goes to the chunk's `.grad`, the owned slice of an all-reduced sum (stage 1) or a
-bucket's reduce-scatter (stages 2, 3), adding to what it held.
+goes to the chunk's `.grad`: its bucket's reduce-scatter (stages 1, 2, 3; stage 1
+after backward, the others during it), adding to what it held.
 
 Gradient accumulation keeps torch's semantics (`.grad` adds up until
 `zero_grad()`): a hook on each parameter's incoming gradient sets the
@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from fivedc.plan import ExecutionPlan
+from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.buckets import GradBuckets, expand_buckets
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import grad_groups
@@ -77,8 +77,6 @@ class GradSync:
                 grad = grad.view_as(p)
             else:  # ZeRO: the owned chunk goes to the parameter that is the chunk
                 p = self.owners[name]
-                spec = self.specs[name]
-                grad = spec.pad(spec.owned(grad)) if self.stage == 1 else grad
                 before = p.grad
             p.grad = grad if before is None else before + grad
         self.held.clear()

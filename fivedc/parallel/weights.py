@@ -8,15 +8,15 @@ Every mode registers one `nn.Parameter` per IR parameter instance this rank hold
   shards, and the forward reads them. `GradSync` sums their gradients over their
   `grad_partial` axes during backward.
 - `FlatChunks` (ZeRO-1 and 2, and ZeRO-3 under a pipeline): the parameters are
-  the owned chunks of the flattened local shards (`runtime/flat_shard.FlatShard`, padded
+  the owned chunks of the flattened local shards (`fivedc/runtime/flat_shard.FlatShard`, padded
   so every rank holds the same bytes). Each forward all-gathers them into full
-  local tensors (`runtime/flat_shard.gather_flat`: one collective per gradient
+  local tensors (`fivedc/runtime/flat_shard.gather_flat`: one collective per gradient
   bucket of the plan, not one per parameter), new leaves that autograd accumulates into, and
   a `GradSync` over those sums the gradients into the chunks' `.grad`: the full
   sum's owned slice (ZeRO-1, an all-reduce) or a reduce-scatter (ZeRO-2, 3). The
   optimizer updates only the chunks; the next forward gathers them again.
 - `GatheredOnUse` (ZeRO-3): the parameters are the owned chunks; every use
-  gathers a fresh tensor (`runtime/zero.ShardedParams`) that backward gathers
+  gathers a fresh tensor (`fivedc/runtime/zero.ShardedParams`) that backward gathers
   again instead of keeping; the gradient's chunk arrives through autograd, the
   gather's backward being a reduce-scatter.
 
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from fivedc.parallel.grads import GradSync
-from fivedc.plan import ExecutionPlan
+from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.buckets import expand_buckets
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import grad_groups

@@ -85,8 +85,16 @@ def _unpaired(schedule: Schedule, channel: tuple[int, int, K], s_idx: list[int],
 
 
 def execute(schedule: Schedule, costs: Mapping[str, float],
-            pairs: list[list[tuple[int, int] | None]] | None = None) -> tuple[list[list[float]], list[list[float]]]:
-    """Start and end times of every action; raises DeadlockError if some rank can never finish."""
+            pairs: list[list[tuple[int, int] | None]] | None = None, *,
+            chunk_costs: Mapping[str, list[float]] | None = None,
+            delays: Mapping[str, list[float]] | None = None) -> tuple[list[list[float]], list[list[float]]]:
+    """Start and end times of every action; raises DeadlockError if some rank can never finish.
+
+    `chunk_costs[kind][c]` replaces `costs[kind]` for actions on chunk c (a model's
+    chunks differ); `delays[kind][c]`, for a RECV kind, is how long its tensor travels:
+    the RECV starts no earlier than its SEND's end plus that."""
+    if chunk_costs or delays:
+        return _execute_by_chunk(schedule, costs, pairs, chunk_costs or {}, delays or {})
     wait = pair_transfers(schedule) if pairs is None else pairs
     ranks = schedule.ranks
     by_kind = {k: costs[k.value] for k in K}
@@ -111,6 +119,43 @@ def execute(schedule: Schedule, costs: Mapping[str, float],
             st[i] = t
             t += by_kind[acts[i].kind]
             en[i] = t
+            i += 1
+            if waiters and (r, i - 1) in waiters:
+                pos[r] = i
+                todo.append(waiters.pop((r, i - 1)))
+        pos[r], clock[r] = i, t
+    stuck = [r for r in range(len(ranks)) if pos[r] < len(ranks[r])]
+    if stuck:
+        raise _deadlock(schedule, stuck, pos, wait)
+    return start, end
+
+
+def _execute_by_chunk(schedule: Schedule, costs: Mapping[str, float], pairs, chunk_costs, delays):
+    """`execute` with costs per (kind, chunk) and transfer delays: the same loop, slower."""
+    wait = pair_transfers(schedule) if pairs is None else pairs
+    ranks = schedule.ranks
+    cost = {k: (chunk_costs[k.value] if k.value in chunk_costs else None, costs[k.value]) for k in K}
+    delay = {k: delays.get(k.value) for k in K}
+    start = [[0.0] * len(acts) for acts in ranks]
+    end = [[0.0] * len(acts) for acts in ranks]
+    pos, clock = [0] * len(ranks), [0.0] * len(ranks)
+    waiters: dict[tuple[int, int], int] = {}
+    todo = list(range(len(ranks)))
+    while todo:
+        r = todo.pop()
+        i, t, acts = pos[r], clock[r], ranks[r]
+        while i < len(acts):
+            a, w = acts[i], wait[r][i]
+            if w is not None:
+                if pos[w[0]] <= w[1]:
+                    waiters[w] = r
+                    break
+                travel = delay[a.kind]
+                t = max(t, end[w[0]][w[1]] + (travel[a.chunk] if travel is not None else 0.0))
+            start[r][i] = t
+            per_chunk, plain = cost[a.kind]
+            t += per_chunk[a.chunk] if per_chunk is not None else plain
+            end[r][i] = t
             i += 1
             if waiters and (r, i - 1) in waiters:
                 pos[r] = i

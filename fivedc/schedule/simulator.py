@@ -52,10 +52,13 @@ def peak_live(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peaks)
 
 
-def peak_live_weighted(schedule: Schedule, weights: Sequence[float]) -> tuple[float, ...]:
+def peak_live_weighted(schedule: Schedule, weights: Sequence[float],
+                       deferred: Sequence[float] | None = None) -> tuple[float, ...]:
     """Per rank, the most of `weights[chunk]` alive at once over the forwards alive (as
     `peak_live` counts them): the activations a rank keeps at its peak when one
-    microbatch's forward through chunk c keeps `weights[c]`."""
+    microbatch's forward through chunk c keeps `weights[c]` until its backward. With
+    `deferred`, an input-gradient pass I frees them but keeps `deferred[c]` (what the
+    weight gradients need) until its W; without, everything stays until W."""
     peaks = []
     for acts in schedule.ranks:
         live = peak = 0.0
@@ -63,23 +66,39 @@ def peak_live_weighted(schedule: Schedule, weights: Sequence[float]) -> tuple[fl
             if a.kind == K.FORWARD:
                 live += weights[a.chunk]
                 peak = max(peak, live)
-            elif a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT):
+            elif a.kind == K.BACKWARD:
                 live -= weights[a.chunk]
+            elif deferred is None:
+                live -= weights[a.chunk] if a.kind == K.BACKWARD_WEIGHT else 0.0
+            elif a.kind == K.BACKWARD_INPUT:
+                live += deferred[a.chunk] - weights[a.chunk]
+                peak = max(peak, live)
+            elif a.kind == K.BACKWARD_WEIGHT:
+                live -= deferred[a.chunk]
         peaks.append(peak)
     return tuple(peaks)
 
 
-def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *, check: bool = True) -> SimResult:
-    """Run `schedule` on the clock with `costs` per action kind (defaults: F=1, B=2, I=1, W=1, transfers 0).
+def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *, check: bool = True,
+             chunk_costs: Mapping[str, Sequence[float]] | None = None,
+             delays: Mapping[str, Sequence[float]] | None = None) -> SimResult:
+    """Run `schedule` on the clock with `costs` per action kind (defaults: F=1, B=2, I=1, W=1, transfers 0),
+    or per kind and chunk (`chunk_costs`), RECVs waiting `delays[kind][chunk]` after their SEND.
 
     With `check`, first verifies what `check_schedule` verifies without running
-    (dependencies, exactly-once, pairing); the run itself finds deadlocks.
+    (dependencies, exactly-once, pairing); the run itself finds deadlocks. Busy time
+    counts computations and transfers as the ranks spend them (not the delays).
     """
     pairs = check_static(schedule) if check else None
     c = resolve_costs(costs)
-    start, end = execute(schedule, c, pairs)
+    per = {k: list(v) for k, v in (chunk_costs or {}).items()}
+    start, end = execute(schedule, c, pairs, chunk_costs=per, delays={k: list(v) for k, v in (delays or {}).items()})
     by_kind = {k: c[k.value] for k in K}
-    busy = tuple(sum(by_kind[a.kind] for a in acts) for acts in schedule.ranks)
+    if per:
+        busy = tuple(sum(per[a.kind.value][a.chunk] if a.kind.value in per else by_kind[a.kind] for a in acts)
+                     for acts in schedule.ranks)
+    else:
+        busy = tuple(sum(by_kind[a.kind] for a in acts) for acts in schedule.ranks)
     makespan = max((e[-1] for e in end if e), default=0.0)
     return SimResult(schedule=schedule, start=tuple(map(tuple, start)), end=tuple(map(tuple, end)),
                      makespan=makespan, busy=busy, peak_live=peak_live(schedule))
