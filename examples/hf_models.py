@@ -34,8 +34,10 @@ def _configs():
         "mixtral": (T.MixtralConfig, _MOE),
         "qwen3_moe": (T.Qwen3MoeConfig, dict(_DENSE, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                              moe_intermediate_size=32)),
-        "deepseek_v3": (T.DeepseekV3Config, dict(_DENSE, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                                 topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
+        # multi-head latent attention: as many k/v heads as query heads, as DeepSeek-V3's own config has
+        "deepseek_v3": (T.DeepseekV3Config, dict(_DENSE, num_key_value_heads=4, n_routed_experts=4,
+                                                 num_experts_per_tok=2, n_group=1, topk_group=1,
+                                                 moe_intermediate_size=32, first_k_dense_replace=1,
                                                  q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
                                                  qk_nope_head_dim=4, v_head_dim=8)),
     }

@@ -4,7 +4,7 @@ Built from the library itself (tiny configs, random weights, no downloads).
 docs/compatibility.md has the full matrix and the reasons. What must hold for each,
 whatever it is: it compiles, or it is refused with a located bad-input error (exit
 2, the user's file and line), never an internal error or a traceback; a slice of
-them that compiles also verifies on one rank here.
+them verifies in parallel here, in float64, one run per distinct path.
 """
 
 from __future__ import annotations
@@ -15,17 +15,22 @@ transformers = pytest.importorskip("transformers")
 
 from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E402
 
-# verified on one rank here (a slice: the Llama family differs little; llama itself is verified on
-# dp2·tp2 and cp2 below); the others compile or are refused here, and are verified in the matrix
-VERIFIED_HERE = ("qwen3",)  # gemma, gpt2, qwen3_moe: in parallel below; all: the matrix
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
                  "deepseek_v3")
+# compiled and verified in parallel by the tests below (llama, gpt2, gemma, qwen3_moe), or as a logits-loss
+# model in tests/test_fx_hf_patterns.py (qwen3): not traced again here; all: the matrix
+COVERED_BELOW = ("llama", "gpt2", "gemma", "qwen3_moe", "qwen3")
+# compiled where their own paths meet other ranks, so that the agreement proof runs on those plans:
+# softcap attention on the cp ring, Mixtral's MoE blocks from the library over ep
+MESHES = {"gemma2": "1x1x1x2x1", "mixtral": "1x1x1x1x2"}
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in COVERED_BELOW])
 def test_a_library_model_compiles_or_is_refused_at_its_line(arch: str) -> None:
     # the full matrix: benchmarks/compatibility.py -> docs/compatibility.md
-    assert_compiles_or_is_refused_at_its_line(f"examples/hf_models.py:{arch}", verify=arch in VERIFIED_HERE)
+    compiled = assert_compiles_or_is_refused_at_its_line(f"examples/hf_models.py:{arch}", verify=False,
+                                                         mesh=MESHES.get(arch, "1x1x1x1x1"))
+    assert compiled or arch not in MESHES
 
 
 def test_the_examples_list_every_architecture() -> None:
@@ -52,14 +57,13 @@ def test_library_models_train_in_parallel(worker_pool, arch: str, mesh: str, opt
     assert report.max_error <= 1e-10, report
 
 
-@pytest.mark.parametrize("mesh", ["2x1x2x1x1", "1x1x1x2x1"])
-def test_hugging_face_llama_trains_with_its_own_loss(worker_pool, mesh: str) -> None:
+def test_hugging_face_llama_trains_with_its_own_loss(worker_pool) -> None:
     """LlamaForCausalLM(input_ids, labels=labels).loss as the library computes it: its label shift
-    runs replicated, its rotary frequencies are its own float32 table's, and under dp·tp with SP
-    and under cp the run equals the module's in float64."""
+    runs along the sequence, its rotary frequencies are its own float32 table's, and under tp with
+    SP and cp together the run equals the module's in float64."""
     from fivedc.parallel.check import check_module
 
-    report = check_module("examples/hf_models.py:llama", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool,
+    report = check_module("examples/hf_models.py:llama", mesh="1x1x2x2x1", steps=2, dtype="fp64", pool=worker_pool,
                           sequence_parallel=True)
     assert report.max_error <= 1e-10, report
 
