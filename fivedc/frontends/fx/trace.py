@@ -9,7 +9,7 @@ the example inputs, as `torch.export` would; a condition on tensor *data* is an
 error at the user's line. Where symbolic tracing cannot follow the Python
 (`float(x.shape[-1])`, `len()` of a tensor) the model is exported with
 `torch.export` instead (`fivedc/frontends/fx/export.py`: no repeats then). Every graph is run
-once on the example inputs (`ShapeProp`), keeping each node's value.
+once on the example inputs (an `fx.Interpreter`), keeping each node's value.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp
 
 from fivedc.errors import FivedcError, NotSupportedError
 from fivedc.frontends.fx.locs import caller_loc, def_loc, error_loc, frames, node_loc, user_loc
@@ -304,7 +303,10 @@ def _chain(gm: fx.GraphModule, path: str, count: int) -> bool:
 
 
 # ---- example values -------------------------------------------------------------------
-class _Values(ShapeProp):
+class _Values(fx.Interpreter):
+    """Runs the graph, keeping every node's value (not torch's ShapeProp: its metadata of every
+    tensor, which nothing here reads, cost more than the run itself on a library model)."""
+
     def __init__(self, gm: fx.GraphModule, capture: set[str], captured: dict) -> None:
         super().__init__(gm)
         self.values: dict[fx.Node, object] = {}
@@ -327,7 +329,7 @@ def _run(gm: fx.GraphModule, feed: dict, capture: set[str], captured: dict) -> d
             for n in gm.graph.nodes if n.op == "placeholder"]
     try:
         with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), example_run(gm):  # fivedc/frontends/weightless.py
-            interp.propagate(*args)
+            interp.run(*args)
     except Exception as error:
         cause = error.__cause__ or error
         node = next((n for n in gm.graph.nodes if n not in interp.values), None)
