@@ -34,8 +34,10 @@ def _configs():
         "mixtral": (T.MixtralConfig, _MOE),
         "qwen3_moe": (T.Qwen3MoeConfig, dict(_DENSE, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                              moe_intermediate_size=32)),
-        "deepseek_v3": (T.DeepseekV3Config, dict(_DENSE, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                                 topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
+        # multi-head latent attention: as many k/v heads as query heads, as DeepSeek-V3's own config has
+        "deepseek_v3": (T.DeepseekV3Config, dict(_DENSE, num_key_value_heads=4, n_routed_experts=4,
+                                                 num_experts_per_tok=2, n_group=1, topk_group=1,
+                                                 moe_intermediate_size=32, first_k_dense_replace=1,
                                                  q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
                                                  qk_nope_head_dim=4, v_head_dim=8)),
     }
@@ -70,19 +72,26 @@ class LogitsLoss(nn.Module):
 
 
 def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, loss: str = "library",
-          **overrides) -> tuple[nn.Module, tuple]:
+          weights: bool = True, **overrides) -> tuple[nn.Module, tuple]:
     """(model, (input_ids, labels)) for architecture `arch` (one of ARCHITECTURES); `loss`:
-    "library" (the model's own loss for `labels`) or "logits" (`LogitsLoss`); `overrides`:
-    config fields over the tiny defaults (`rope_scaling={"rope_type": "linear", "factor": 2.0}`)."""
+    "library" (the model's own loss for `labels`) or "logits" (`LogitsLoss`); `weights=False`:
+    built under `fivedc.empty_weights()` (parameters on the meta device: it compiles, it does not
+    train); `overrides`: config fields over the tiny defaults (`rope_scaling={"rope_type": "linear",
+    "factor": 2.0}`)."""
+    import contextlib
+
     import transformers as T
+
+    import fivedc
 
     config_class, fields = _configs()[arch]
     torch.manual_seed(seed)
     config = config_class(**(fields | overrides))
-    try:
-        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except ValueError:  # an architecture whose attention has no SDPA path
-        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with contextlib.nullcontext() if weights else fivedc.empty_weights():
+        try:
+            model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        except ValueError:  # an architecture whose attention has no SDPA path
+            model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     wrapper = CausalLMLoss if loss == "library" else LogitsLoss
     return wrapper(model).to(dtype), (ids, torch.roll(ids, -1, dims=1) if loss == "logits" else ids.clone())

@@ -2,14 +2,19 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "empty_weights"]
 
 
 def __getattr__(name: str):
-    """`fivedc.parallelize` imports torch and the compiler only when first used."""
+    """`fivedc.parallelize` (and `fivedc.empty_weights`) import torch and the compiler only when first used."""
     if name == "parallelize":
         from fivedc.parallel.parallelize import parallelize
 
         globals()["parallelize"] = parallelize
         return parallelize
+    if name == "empty_weights":
+        from fivedc.frontends.weightless import empty_weights
+
+        globals()["empty_weights"] = empty_weights
+        return empty_weights
     raise AttributeError(f"module 'fivedc' has no attribute {name!r}")

@@ -12,16 +12,19 @@ from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 
 
-def assert_compiles_or_is_refused_at_its_line(spec: str, *, verify: bool = True) -> None:
+def assert_compiles_or_is_refused_at_its_line(spec: str, *, verify: bool = True, mesh: str = "1x1x1x1x1") -> bool:
+    """Whether it compiled. `mesh`: where it compiles (every compile proves that its process
+    groups agree, fivedc/proof/agreement.py); it verifies on one rank."""
     try:
-        compile_graph(load_graph(spec), CompileOptions(mesh=Mesh.parse("1x1x1x1x1"), dtype="fp64"))
+        compile_graph(load_graph(spec), CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64"))
     except FivedcError as error:
         assert error.exit_code == 2, error.render()
         assert error.loc is not None and error.loc.line > 0, error.render()
-        return
+        return False
     if not verify:
-        return
+        return True
     from fivedc.parallel.check import check_module
 
     report = check_module(spec, mesh="1x1x1x1x1", steps=2, dtype="fp64")
     assert report.max_error <= 1e-10, report
+    return True

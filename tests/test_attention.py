@@ -161,9 +161,9 @@ def test_skipped_pairs_compute_no_scores(monkeypatch: pytest.MonkeyPatch) -> Non
     calls: list[tuple[int, ...]] = []
     real = attention._scores
 
-    def counting(q_rows, k_run, mask, scale):
+    def counting(q_rows, k_run, mask, scale, *rest):
         calls.append((q_rows.shape[-2], k_run.shape[-2], mask is not None))
-        return real(q_rows, k_run, mask, scale)
+        return real(q_rows, k_run, mask, scale, *rest)
 
     monkeypatch.setattr(attention, "_scores", counting)
     q = torch.randn(1, 4, 8, 4, dtype=torch.float64, requires_grad=True)
@@ -261,3 +261,23 @@ def test_long_runs_are_cut_into_tiles(causal: bool, monkeypatch: pytest.MonkeyPa
     assert len(pairs) == (6 if causal else 9)  # 3 x 3 tiles, the 3 above the diagonal skipped
     check_against_sdpa(batch=1, heads=4, kv_heads=2, seq=16, dim=4, cp=2, rank=1, balanced=True,
                        causal=causal, kv_blocks=2)
+
+
+@pytest.mark.parametrize("kv_blocks", [1, 2])
+def test_scores_capped_by_a_softcap_match_the_written_out_attention(kv_blocks: int) -> None:
+    """Gemma 2's logit softcapping, c * tanh(s / c) of the scaled scores before the mask: forward and
+    gradients against the attention written out with torch ops, one cp rank's rows of a balanced layout."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 16, 8, dtype=torch.float64, generator=gen).requires_grad_(True) for h in (4, 2, 2))
+    q_pos, kv_pos = cp_positions(16, cp=2, rank=1, balanced=True), gathered(16, 2, balanced=True)
+    cap = 1.5  # small enough that the tanh bends the scores
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(8)
+    scores = (cap * torch.tanh(scores / cap)).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), -math.inf)
+    want = (scores.softmax(-1) @ v.repeat_interleave(2, dim=1))[:, :, q_pos]
+    got = blockwise_attention(q[:, :, q_pos], k[:, :, kv_pos], v[:, :, kv_pos], q_pos, kv_pos, causal=True,
+                              kv_blocks=kv_blocks, softcap=cap)
+    uncapped = blockwise_attention(q[:, :, q_pos], k[:, :, kv_pos], v[:, :, kv_pos], q_pos, kv_pos, causal=True)
+    assert rel(got, want) <= TOL and rel(uncapped, want) > 1e-3
+    dout = torch.randn(got.shape, dtype=torch.float64, generator=gen)
+    for name, g, w in zip("qkv", torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        assert rel(g, w) <= TOL, f"d{name}: {rel(g, w):.2e}"

@@ -64,3 +64,33 @@ def test_a_no_grad_region_over_a_weight_is_refused_at_its_line() -> None:
     with pytest.raises(NotSupportedError, match="no_grad\\(\\) region computes its result from trainable") as caught:
         export_graph(NoGradOverAWeight().double(), {"x": torch.randn(2, 4, dtype=torch.float64)})
     assert caught.value.loc is not None and caught.value.loc.file.endswith("test_fx_export.py")
+
+
+class LongPositionTable(nn.Module):
+    """A learned position table of 16 rows read at position ids [1, seq] of a sequence of 6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(10, 8), nn.Embedding(16, 8), nn.Linear(8, 10)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1]).unsqueeze(0)
+        logits = self.head(self.wte(idx) + self.wpe(positions))
+        return torch.nn.functional.cross_entropy(logits.view(-1, 10), targets.view(-1))
+
+
+def test_a_position_table_longer_than_the_sequence_is_read_at_its_first_rows() -> None:
+    """GPT-2's: the table is one [positions, hidden] parameter, its first seq rows a slice along
+    them that becomes the sequence (no replicated lookup); the loss and gradients are the module's."""
+    from fivedc.ir.aten_call import whole_dims
+    from fivedc.frontends.fx_module import trace_module
+    from fivedc.ir.graph import Op, walk_ops
+    from test_frontend_fx import assert_same_as_module
+
+    torch.manual_seed(0)
+    module, inputs = LongPositionTable().double(), (torch.randint(0, 10, (2, 6)), torch.randint(0, 10, (2, 6)))
+    tm = trace_module(module, inputs)
+    (op,) = [op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op) and op.kind == "aten"]
+    assert op.attr("target") == "aten.slice.Tensor" and whole_dims(op) == {"positions"}
+    assert {p.name: p.dims for p in tm.graph.body.params}["wpe"] == ("positions", "hidden")
+    assert_same_as_module(tm, module, inputs)

@@ -151,7 +151,7 @@ def test_a_marked_block_that_is_not_the_ir_moe_is_an_error_naming_it() -> None:
         fivedc_moe = True
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return super().forward(x) * 2.0
+            return super().forward(x).tanh()
 
     module, inputs = _tiny(WrongMoE(8, 4, 6))
     with pytest.raises(NotSupportedError, match="WrongMoE is marked fivedc_moe = True") as info:

@@ -18,6 +18,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -132,6 +135,33 @@ def test_ignored_targets_count_over_shards_and_microbatches(worker_pool, mesh: s
     options = {"microbatches": microbatches} if microbatches else {}
     report = check_module(f"{MODELS}:llama_ignoring", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool, **options)
     assert report.max_error <= 1e-10, report
+
+
+def test_targets_computed_from_the_inputs_count_over_every_microbatch(worker_pool) -> None:
+    """Labels shifted inside the model (pad, slice: Hugging Face's loss) under pp2 with 2 microbatches
+    and cp2: the pipeline counts them for the whole step up front, running the ops that compute them
+    from the inputs once more on the step's inputs (a per-microbatch count would double the loss)."""
+    report = check_module(f"{MODELS}:shifted_labels", mesh="1x2x1x2x1", steps=2, dtype="fp64", pool=worker_pool,
+                          microbatches=2, stage_boundaries=("head",))
+    assert report.max_error <= 1e-10, report
+
+
+def test_targets_computed_from_activations_cannot_be_counted_per_step() -> None:
+    class ArgmaxTargets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            logits = self.head(self.emb(idx))
+            targets = logits.detach().argmax(-1)  # from an activation: known only as each microbatch runs
+            return F.cross_entropy(logits.view(-1, 16), targets.view(-1))
+
+    graph = trace_module(ArgmaxTargets().double(), (torch.randint(0, 16, (4, 8)),), stage_boundaries=("head",)).graph
+    with pytest.raises(NotSupportedError, match="targets computed from more than the inputs") as info:
+        compile_graph(graph, CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), microbatches=2))
+    assert info.value.loc.line == line_of(ArgmaxTargets.forward, "F.cross_entropy")
+    compile_graph(graph, CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), microbatches=1))
 
 
 def _plan(mesh: str = "2x1x2x1x1"):

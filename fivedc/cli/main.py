@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-v", "--verbose", action="store_true", help="list every parameter")
     c.add_argument("--wide", action="store_true", help="summary as wide tables (140+ columns; default fits 80)")
     c.add_argument("--passes", action="store_true", help="list the compiler's passes in order, with their times")
+    c.add_argument("--no-weights", dest="weights", action="store_false",
+                   help="file.py:factory: build the model under fivedc.empty_weights() (parameters on the meta "
+                   "device, none allocated): the same plan, so a large config plans on a laptop")
     c.add_argument("--gpu", default=None, metavar="NAME",
                    help="estimate the step time on this GPU (h100, h800, a100, h200, or one from --hardware) and "
                    "check that every rank fits its memory (exit 2 with what would make it fit)")

@@ -70,9 +70,10 @@ def _layout(text: str | None) -> tuple[int, ...] | None:
         raise FivedcError(f"--pp-layout {text!r} is not a list of layer counts", hint="e.g. --pp-layout 3,5,5,3") from None
 
 
-def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = ()):
+def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = (), *, weights: bool = True):
     """A `.5d` model, or `path/to/file.py:factory` traced with torch.fx (with pipeline
-    chunks beginning at the modules `stage_boundaries` match)."""
+    chunks beginning at the modules `stage_boundaries` match; `weights=False`: built without
+    allocating its parameters, `fivedc/frontends/weightless.py`)."""
     from fivedc.frontends.python_file import graph_from_spec, is_spec
 
     if model.endswith(".json"):
@@ -80,8 +81,11 @@ def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = ()):
                           hint="compile the model it came from (.5d or file.py:factory); "
                           "a plan runs with fivedc run PLAN.json and checks with fivedc check PLAN.json")
     if is_spec(model):
-        return graph_from_spec(model, stage_boundaries=tuple(stage_boundaries))
+        return graph_from_spec(model, stage_boundaries=tuple(stage_boundaries), weights=weights)
     check_no_stage_boundaries(model, stage_boundaries)
+    if not weights:
+        raise FivedcError(f"--no-weights builds a file.py:factory model without its parameters; {model} is a DSL "
+                          "model, which never allocates any at compile", hint="leave --no-weights out")
     from fivedc.frontends.dsl_file import load_model
 
     return load_model(model)
@@ -103,7 +107,8 @@ def compile_model(model: str, mesh_text: str, args, *, dtype: str, pipeline_flag
 
     mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
     options = compile_options(args, mesh, dtype=dtype, pipeline_flags_need_pp=pipeline_flags_need_pp)
-    return compile_graph(load_graph(model, args.stage_boundary), options, proofs=proofs, timings=timings)
+    return compile_graph(load_graph(model, args.stage_boundary, weights=getattr(args, "weights", True)), options,
+                         proofs=proofs, timings=timings)
 
 
 def load_plan_or_compile(model: str, args, *, dtype: str):

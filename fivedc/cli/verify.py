@@ -71,6 +71,7 @@ def run_verify(args) -> int:
     if module and fault is None:
         report = _module_check(args, mesh)
         what = "the parallel module differs from the plain one"
+        tol = _module_tol(args, report, tol)
     else:
         if module:
             print("(the fault goes into the plan of the traced module, checked against that plan on one device)")
@@ -141,7 +142,18 @@ def _module_under_launcher(args, mesh, tol: float) -> int:
                               **_module_options(args, mesh))
     finally:
         dist.destroy_process_group()
-    return 0 if report is None else judge(report, tol, what="the parallel module differs from the plain one")
+    if report is None:
+        return 0
+    return judge(report, _module_tol(args, report, tol), what="the parallel module differs from the plain one")
+
+
+def _module_tol(args, report, tol: float) -> float:
+    """The tolerance of a module check that ran in float32 (no float64 kernel for some op of the
+    module, `report.note` says which): float32's, unless --tol gave one."""
+    if not report.note:
+        return tol
+    print(f"note: {report.note}")
+    return args.tol if args.tol is not None else DEFAULT_TOL[report.dtype]
 
 
 def _check_machine(args, plan, reference) -> None:

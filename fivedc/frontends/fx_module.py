@@ -33,18 +33,22 @@ Recognised:
   Face decoders write them (through torch.export): `x * cos + rotate_half(x) * sin`
   with constant tables (rope, theta read off the tables, checked by value),
   `repeat_kv` by `expand` + `reshape`, and SDPA with a constant causal `attn_mask`.
-- MoE blocks, lowered to one IR `moe` op (the block is a leaf: its token loop is never
-  traced; `fx/moe.py`): mark the block's class with `fivedc_moe = True` (or name it with
-  `MoE`/`Moe`, as Hugging Face's `MixtralSparseMoeBlock`); it holds one bias-free
-  `nn.Linear(hidden, experts)` router and SwiGLU experts (gate, up, down), either three
-  parameters of its own stacked over the experts ([experts, out, in] as nn.Linear stores
-  them, or [experts, in, out]) or an `nn.ModuleList` of expert modules with three weights
-  each (`experts.3.w1.weight`: stacked into one IR parameter, each expert a slice); it
-  takes one tensor [..., hidden] and returns the same shape, or `(out, router_logits)`
-  of which only `out` may be used (`out, _ = moe(x)`, `moe(x)[0]`). Which weight is
-  which, `top_k`, softmax or sigmoid scores and renormalised gates or not are read off
-  a random probe; `fivedc_aux_loss = a` on the block gives the op `aux_loss=a`. See
-  `examples/mixtral.py` (`factory`, and `hf_factory` for the Hugging Face layout).
+- MoE blocks, lowered to one IR `moe` op (`fx/moe.py` reads a block by its behaviour,
+  `fx/moe_leaves.py` keeps it whole while tracing: its token loop is never traced): a
+  module marked `fivedc_moe = True`, named with `MoE`/`Moe`, or with a child `experts`,
+  holding a router weight [experts, hidden] (an `nn.Linear` or a router module of its
+  own) and SwiGLU experts (gate, up, down; gate and up may be fused in one, as Hugging
+  Face's `gate_up_proj`), stacked over the experts or an `nn.ModuleList` of expert
+  modules (stacked into one IR parameter, each expert a slice), plus children added to
+  its output (shared experts) and a scale of the routed part (DeepSeek's); it takes one
+  tensor [..., hidden] and returns the same shape, or `(out, router_logits)` of which only
+  `out` may be used. Which weight is which, `top_k`, softmax or sigmoid scores,
+  renormalised gates or not and the scale are read off a random probe; a block that
+  matches no reading (group-limited routing, a balancing bias that is not zero) is
+  traced through as generic ops, and so is every block of a model that computes
+  otherwise with them kept whole (hooks that collect a block's inner outputs).
+  `fivedc_aux_loss = a` on the block gives the op `aux_loss=a`. See `examples/mixtral.py`
+  (`factory`, and `hf_factory` for the older Hugging Face layout).
 - dims of size 1 (one head, a batch of one) stay dims of the IR: a view that merges
   one keeps it with its neighbour (a head with head_dim, the sequence with the batch);
   a parameter's size-1 dims ([1, seq, hidden]) are broadcast dims and left out.
@@ -67,19 +71,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
-from fivedc.errors import PassError, ShapeError
+from fivedc.errors import NotSupportedError, PassError, ShapeError
 from fivedc.frontends.fx.build import finish
-from fivedc.frontends.fx.locs import node_loc
+from fivedc.frontends.fx.locs import def_loc, node_loc
 from fivedc.frontends.fx.lower import FxWarning, Lowering
-from fivedc.frontends.fx.marks import mark_layers, mark_stages
+from fivedc.frontends.fx.marks import mark_layers, mark_stages, sink_input_only
+from fivedc.frontends.fx.moe_leaves import blocks, moe_leaves
 from fivedc.frontends.fx.precision import float64_everywhere, is_float64
 from fivedc.frontends.fx.params import ParamMapping, from_ir_params, to_ir_params
 from fivedc.frontends.fx.patterns import rewrite
 from fivedc.frontends.fx.trace import export_trace, trace_graphs
 from fivedc.frontends.fx.values import Unrecognised
 from fivedc.ir.graph import Graph, Op, Repeat, TensorType, walk_ops
+from fivedc.frontends.weightless import in_float64, meta_buffers
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.passes.shapes import InferShapes
@@ -118,21 +126,65 @@ def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str |
     stage_boundaries: module-path patterns (`"layers.4"`, `"ln_f"`, `*` for one path element) at
     which a pipeline chunk begins, besides the modules marked `fivedc_stage_boundary = True`
     (`fivedc/frontends/fx/marks.py`)."""
+    _no_meta_buffers(module)
+    with in_float64(module):  # a model without weights, in bf16: captured as float64 (fivedc/frontends/weightless.py)
+        return _trace(module, example_inputs, name, stage_boundaries)
+
+
+def _trace(module: nn.Module, example_inputs: tuple | dict, name: str | None, stage_boundaries) -> TracedModel:
+    blocks(module)  # MoE blocks are probed at the module's own precision (fivedc/frontends/fx/moe.py)
     with float64_everywhere(is_float64(module)):  # fivedc/frontends/fx/precision.py
-        trace = trace_graphs(module, example_inputs)
-        try:
-            lowering, draft = _lower(trace, module, name, stage_boundaries)
-        except Unrecognised as error:
-            if trace.exported:
-                raise
-            # an op without a rule: torch.export gives it as an ATen call, which can run replicated
-            trace = export_trace(module, example_inputs, error)
-            lowering, draft = _lower(trace, module, name, stage_boundaries)
+        with moe_leaves(module, on=_leaves_keep_outputs(module, example_inputs)):  # fivedc/frontends/fx/moe_leaves.py
+            trace = trace_graphs(module, example_inputs)
+            try:
+                lowering, draft = _lower(trace, module, name, stage_boundaries)
+            except Unrecognised as error:
+                if trace.exported:
+                    raise
+                # an op without a rule: torch.export gives it as an ATen call, which can run replicated
+                trace = export_trace(module, example_inputs, error)
+                lowering, draft = _lower(trace, module, name, stage_boundaries)
     graph, mappings, expected = finish(draft, share_dims=True)
     if not _consistent(graph, expected):
         graph, mappings, expected = finish(draft, share_dims=False)
         _consistent(graph, expected, strict=True)
     return TracedModel(graph, mappings, tuple(lowering.warned), trace.exported)
+
+
+def _no_meta_buffers(module: nn.Module) -> None:
+    """A model without weights is planned from its buffers' values (rotary tables, masks): its
+    parameters may be on the meta device, its buffers not (`fivedc/frontends/weightless.py`)."""
+    unknown = meta_buffers(module)
+    if unknown:
+        owner = module.get_submodule(unknown[0].rpartition(".")[0])
+        raise NotSupportedError(
+            f"buffer {unknown[0]} of {type(module).__name__} has no values (it is on the meta device, or fake"
+            f"{f'; {len(unknown) - 1} more' if len(unknown) > 1 else ''}): the plan reads what the model computes "
+            "from its buffers (rotary tables, masks)", loc=def_loc(type(owner).__init__),
+            hint="build the model under fivedc.empty_weights(): its parameters go to the meta device (no memory), "
+            "its buffers are computed as usual")
+
+
+def _leaves_keep_outputs(module: nn.Module, example_inputs: tuple | dict) -> bool:
+    """Whether the module computes the same with its MoE blocks kept whole as without. They may not:
+    a block's inner modules are not called then, so hooks on them (Hugging Face collects the router
+    logits for its balancing loss that way) do not run; such a model is traced through its blocks."""
+    if not blocks(module):
+        return False
+    outputs = []
+    for on in (False, True):
+        try:
+            with moe_leaves(module, on=on), torch.no_grad():
+                got = module(**example_inputs) if isinstance(example_inputs, dict) else module(*example_inputs)
+        except Exception:  # with them whole it fails (hooks that collect a block's inner outputs found none):
+            return not on  # traced through; the plain module fails at this precision: nothing to compare
+        outputs.append([t for t in tree_leaves(got) if isinstance(t, Tensor)])
+    plain, kept = outputs
+    if any(t.is_meta for t in plain):
+        return True  # no values to compare (a model without weights)
+    return len(plain) == len(kept) and all(
+        a.shape == b.shape and torch.allclose(a, b, rtol=1e-9 if a.dtype == torch.float64 else 1e-5, atol=1e-12)
+        for a, b in zip(plain, kept))
 
 
 def _lower(trace, module: nn.Module, name: str | None, stage_boundaries):
@@ -143,6 +195,7 @@ def _lower(trace, module: nn.Module, name: str | None, stage_boundaries):
     draft = lowering.draft(name or type(module).__name__.lower())
     mark_stages(module, trace, draft, stage_boundaries)
     mark_layers(module, draft)  # layers inlined into top-level ops still make pipeline units
+    sink_input_only(draft)  # each chunk computes what it needs of the inputs (labels shifted by the model)
     return lowering, draft
 
 

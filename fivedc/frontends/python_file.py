@@ -77,18 +77,23 @@ def load_factory(spec: str, *, kwargs: Mapping[str, object] | None = None):
 
 
 def traced_from_spec(spec: str, *, kwargs: Mapping[str, object] | None = None,
-                     stage_boundaries: tuple[str, ...] = ()):
+                     stage_boundaries: tuple[str, ...] = (), weights: bool = True):
     """(module, example_inputs, TracedModel) of a `file.py:factory` spec; `stage_boundaries`:
-    module-path patterns where a pipeline chunk begins (`trace_module`)."""
-    from fivedc.frontends.fx_module import trace_module
+    module-path patterns where a pipeline chunk begins (`trace_module`); `weights=False`: the
+    factory runs under `fivedc.empty_weights()` (parameters on the meta device)."""
+    import contextlib
 
-    module, inputs = load_factory(spec, kwargs=kwargs)
+    from fivedc.frontends.fx_module import trace_module
+    from fivedc.frontends.weightless import empty_weights
+
+    with contextlib.nullcontext() if weights else empty_weights():
+        module, inputs = load_factory(spec, kwargs=kwargs)
     return module, inputs, trace_module(module, inputs, stage_boundaries=stage_boundaries)
 
 
-def graph_from_spec(spec: str, *, stage_boundaries: tuple[str, ...] = ()) -> Graph:
+def graph_from_spec(spec: str, *, stage_boundaries: tuple[str, ...] = (), weights: bool = True) -> Graph:
     """The IR graph of the module `file.py:factory` builds, traced on its example inputs."""
-    return traced_from_spec(spec, stage_boundaries=stage_boundaries)[2].graph
+    return traced_from_spec(spec, stage_boundaries=stage_boundaries, weights=weights)[2].graph
 
 
 def import_file(path: str | Path):

@@ -10,9 +10,12 @@ user sees where parallelism is lost.
 
 An `aten` op's attributes say everything the kernel needs:
 
-- `target`: the operator overload, `aten.constant_pad_nd.default`. Only `aten`
-  operators that neither mutate their arguments nor draw random numbers are allowed
-  (`resolve`): a plan file can name nothing else.
+- `target`: the operator overload, `aten.constant_pad_nd.default`. Only operators
+  that neither mutate their arguments nor draw random numbers are allowed (`resolve`):
+  a plan file can name nothing else. Besides ATen's, a library's own custom operator
+  (`transformers.grouped_mm_fallback.default`, registered with `torch.library`) is
+  allowed where the library has registered it in the process: it always runs
+  replicated, and a process that has not imported the library is told to.
 - `call`: the arguments as JSON, `{"args": [...], "kwargs": {...}}`: numbers, bools,
   strings, lists and null as they are; `{"tensor": i}` the op's i-th value argument;
   `{"dtype": "float32"}`, `{"device": null}` (the rank's device), `{"layout":
@@ -69,12 +72,20 @@ def resolve(target: str, args: tuple | list | None = None, kwargs: dict | None =
     """The ATen overload `aten.NAME.OVERLOAD`, if it is one a plan may call (with these
     arguments, when given: an op that may draw random numbers is fine with dropout 0)."""
     parts = target.split(".")
-    if len(parts) != 3 or parts[0] != "aten":
-        raise AtenCallError(f"aten op target {target!r} is not of the form aten.NAME.OVERLOAD")
+    if len(parts) != 3 or not all(p.isidentifier() for p in parts) or parts[0] in _OWN:
+        raise AtenCallError(f"aten op target {target!r} is not of the form aten.NAME.OVERLOAD (or a library's "
+                            "NAMESPACE.NAME.OVERLOAD)")
     try:
-        overload = getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+        overload = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
     except (AttributeError, RuntimeError):
-        raise AtenCallError(f"aten op target {target!r} is not an ATen operator of torch {torch.__version__}") from None
+        if parts[0] == "aten":
+            raise AtenCallError(f"aten op target {target!r} is not an ATen operator of torch {torch.__version__}") \
+                from None
+        raise AtenCallError(f"aten op target {target!r} is not an operator registered in this process",
+                            hint=f"import the library that registers the {parts[0]}:: operators (torch.library) "
+                            "before the plan is loaded") from None
+    if not isinstance(overload, torch._ops.OpOverload):
+        raise AtenCallError(f"aten op target {target!r} is not an operator overload")
     schema = overload._schema
     if schema.is_mutable:
         raise AtenCallError(f"aten op target {target!r} writes to its arguments; only pure operators run replicated")
@@ -110,8 +121,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def target_name(overload) -> str:
-    """`aten.constant_pad_nd.default` for the overload object."""
-    return f"aten.{overload.overloadpacket.__name__}.{overload._overloadname}"
+    """`aten.constant_pad_nd.default` for the overload object (a library's: `transformers.NAME.OVERLOAD`)."""
+    return f"{overload.namespace}.{overload.overloadpacket.__name__}.{overload._overloadname}"
+
+
+_OWN = frozenset({"fivedc", "prim", "prims", "higher_order"})  # namespaces that are no library's operators
 
 
 # ---- the call as JSON ---------------------------------------------------------------------
@@ -233,9 +247,11 @@ RULES = ("replicated", "pointwise", "along")
 # what torch does not tag: scans and slices along a dim, and pointwise ops without the tag
 ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
                    "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk", "split", "split_with_sizes",
-                   "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd"})
+                   "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd",
+                   "repeat_interleave"})
 PADS = frozenset({"pad", "constant_pad_nd"})  # along their last len(pad) // 2 dims
-UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__"})
+UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__", "_to_copy", "to", "floor_divide",
+                                "detach"})
 
 
 def local_rule(overload) -> str:
@@ -243,6 +259,8 @@ def local_rule(overload) -> str:
     or `replicated` (none)."""
     name = overload.overloadpacket.__name__
     tags = getattr(overload, "tags", ())
+    if overload.namespace != "aten":
+        return "replicated"  # a library's own operator: nothing says how it could be split
     if torch.Tag.pointwise in tags or name in UNTAGGED_POINTWISE:
         return "pointwise"
     if torch.Tag.reduction in tags or name in ALONG:

@@ -11,6 +11,12 @@ kind (relative to the largest magnitude of the reference tensor, as
 `fivedc/runtime/verify.py` does). The module comes from a `file.py:factory` spec, so
 each worker builds it again; the reference's initial state is sent along, so the
 factory need not be seeded.
+
+Where the plain module has no float64 kernel for one of its ops (Hugging Face's
+grouped experts call `torch.nn.functional.grouped_mm`, which on CPU takes float32
+and 16-bit floats only), a float64 check cannot run its reference: both runs then
+fall back to float32, and the report says so (`ModuleCheck.dtype`, `note`), so
+that `fivedc verify` judges it with float32's tolerance.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class ModuleCheck:
     worst: str
     world: int = 1
     expert_load: tuple = ()  # (MoE routing statistics: none for a dense module)
+    dtype: str | None = None  # the precision both runs took ("fp32" where float64 had no kernel)
+    note: str = ""  # why the precision is not the one asked for
     module: bool = True  # checked against the plain module (a plan's report is against the plan on one device)
     traced: bool = False  # verify traced the module's plan op by op (fivedc/cli/verify.py)
     divergence: object = None  # then its first divergent op (fivedc/runtime/divergence.Divergence), or None
@@ -113,23 +121,18 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
     if seed is not None:
         torch.manual_seed(seed)
     module, inputs = load_factory(spec, kwargs=kwargs)
-    if dtype is not None:
-        module = module.to(_DTYPES[dtype])
-        inputs = _cast(inputs, _DTYPES[dtype])
     if not any(p.requires_grad for p in module.parameters()):
         raise FivedcError(f"{spec} builds a module with no trainable parameters: there is nothing to verify",
                           hint="return the model that holds the weights from the factory")
-    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay}
-    with float64_everywhere(dtype == "fp64"), without_dropout():  # as the plan computes: fivedc/frontends/fx/precision.py
-        reference = train_module(module, inputs, **settings)
-    check_reference(reference.losses, [*reference.grads, reference.params], what=spec)
+    dtype, state, inputs, reference, note = _reference(spec, module, inputs, dtype, settings)
     payload = (spec, kwargs, dtype, state, inputs, {"mesh": mesh, **options}, settings)
     world = (mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)).world
     if dist.is_initialized():
         device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
         parallel = rank_job(RankInfo(dist.get_rank(), dist.get_world_size(), device), payload)
-        return replace(compare(reference, parallel), world=world) if parallel is not None else None
+        return replace(compare(reference, parallel), world=world, dtype=dtype, note=note) \
+            if parallel is not None else None
     if on_progress is not None:
         on_progress(f"reference run of the plain module: {steps} steps")
     if pool is not None:
@@ -137,7 +140,32 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
     else:
         parallel = run_once(rank_job, world=world, payload=payload, timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
                             on_progress=on_progress)[0]
-    return replace(compare(reference, parallel), world=world)
+    return replace(compare(reference, parallel), world=world, dtype=dtype, note=note)
+
+
+def _reference(spec: str, module: nn.Module, inputs, dtype: str | None, settings: dict):
+    """(dtype, initial state, inputs, the plain module's run, note): in `dtype`, or in float32 where
+    the module has no float64 kernel for some op (then the note says which error it met)."""
+    start = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    note = ""
+    for attempt in (dtype, "fp32") if dtype == "fp64" else (dtype,):
+        model = module.to(_DTYPES[attempt]) if attempt is not None else module
+        if attempt != dtype:
+            model.load_state_dict({k: v.to(_DTYPES[attempt]) if v.is_floating_point() else v for k, v in start.items()})
+        cast = _cast(inputs, _DTYPES[attempt]) if attempt is not None else inputs
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        try:
+            with float64_everywhere(attempt == "fp64"), without_dropout():  # as the plan computes: fivedc/frontends/fx/precision.py
+                reference = train_module(model, cast, **settings)
+        except (RuntimeError, NotImplementedError) as error:
+            if attempt != "fp64":
+                raise
+            note = (f"the plain module has no float64 kernel for one of its ops ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0][:120]}): both runs are in float32")
+            continue
+        check_reference(reference.losses, [*reference.grads, reference.params], what=spec)
+        return attempt, state, cast, reference, note
+    raise AssertionError("unreachable: the float32 attempt returns or raises")
 
 
 def compare(reference: ModuleRun, parallel: ModuleRun) -> ModuleCheck:

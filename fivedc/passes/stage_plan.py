@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from fivedc.ir.aten_call import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
-from fivedc.ir.graph import Collective, CollectiveKind, Graph, Op, Phase, Repeat, walk_ops
+from fivedc.ir.graph import Collective, CollectiveKind, DType, Graph, Op, Phase, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.schedule import SCHEDULES, Schedule, make_schedule, min_microbatches, peak_live_weighted
 from fivedc.passes.stages import (
@@ -98,10 +98,22 @@ def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple
         a, b = ranges[k % n_chunks]
         what = _describe(graph, all_units[a:b]) + (" (second copy)" if k >= n_chunks else "")
         sends = boundary_values(graph, b) if k % n_chunks < n_chunks - 1 else ()
+        _check_sends(graph, sends, k % n_chunks)
         chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
     return PipelineSpec(sched.name, sched.m, sched.v, tuple(chunks), cut)
 
 
+def _check_sends(graph: Graph, sends: tuple[str, ...], chunk: int) -> None:
+    """A chunk passes on activations, which carry gradients: an integer value cannot cross a cut."""
+    types = {item.out: item for item in graph.body.items if isinstance(item, Op)}
+    for name in sends:
+        op = types.get(name)
+        if op is not None and op.type is not None and op.type.dtype == DType.INT:
+            raise NotSupportedError(
+                f"the integer value {name} is computed in pipeline chunk {chunk} and used after it; a chunk passes "
+                "on floating-point activations only", loc=op.loc,
+                hint="compute it from the inputs only (each chunk then computes what it uses), move the pipeline "
+                "cut (--pp-layout, or a stage mark) so that one chunk computes and uses it, or use pp=1")
 def balance_v(costs: list[float], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """DualPipeV's rank r runs chunks r and 2p-1-r: move units across chunk boundaries
     while that lowers the ranks' pair costs, largest first (compared as sorted lists, so
@@ -235,11 +247,34 @@ def _check_microbatches(graph: Graph, mesh: Mesh, m: int) -> None:
         )
 
 
+def input_only_items(graph: Graph, name: str) -> tuple[int, ...] | None:
+    """The top-level items (indices) that compute value `name` from the inputs alone, in order
+    (none: it is an input); None when it depends on a parameter, an activation or a repeat."""
+    inputs = {i.name for i in graph.inputs}
+    params = {p.name for p in graph.body.params}
+    made = {item.out: i for i, item in enumerate(graph.body.items) if isinstance(item, (Op, Redistribute))}
+    needed: set[int] = set()
+    todo = [name]
+    while todo:
+        value = todo.pop()
+        if value in inputs:
+            continue
+        if value in params or value not in made:
+            return None
+        index = made[value]
+        if index not in needed:
+            needed.add(index)
+            item = graph.body.items[index]
+            todo.extend([item.src] if isinstance(item, Redistribute) else [a for a in item.args if isinstance(a, str)])
+    return tuple(sorted(needed))
+
+
 def _check_per_microbatch(graph: Graph, m: int) -> None:
     """Ops that see the whole batch at once cannot run one microbatch at a time: an `aten` op
     that runs replicated or along the batch (it may reduce over it), and a loss with
-    ignore_index whose targets are computed (its count spans the step: the runtime counts it
-    up front from an input only)."""
+    ignore_index whose targets are computed from more than the inputs (its count spans the
+    step: the runtime counts it up front, from the inputs, running the ops that compute the
+    targets once more on the whole step's inputs: `fivedc/runtime/pipeline.py`)."""
     if m == 1:
         return
     inputs = {i.name for i in graph.inputs}
@@ -252,11 +287,13 @@ def _check_per_microbatch(graph: Graph, m: int) -> None:
             raise NotSupportedError(
                 f"{op.attr('target')} {how} and sees the whole batch, so it cannot run "
                 f"in {m} microbatches", loc=op.loc, hint="use --microbatches 1, or pp=1")
-        if op.kind == "cross_entropy" and op.attr("ignore_index") is not None and op.args[1] not in inputs:
+        if op.kind == "cross_entropy" and op.attr("ignore_index") is not None and op.args[1] not in inputs \
+                and input_only_items(graph, op.args[1]) is None:
             raise NotSupportedError(
-                f"cross_entropy with ignore_index over computed targets ({op.args[1]}): the count of targets spans "
-                f"the {m} microbatches", loc=op.loc,
-                hint="pass the targets as an input (shifted by the data loader), or use --microbatches 1")
+                f"cross_entropy with ignore_index over targets computed from more than the inputs ({op.args[1]}): "
+                f"the count of targets spans the {m} microbatches", loc=op.loc,
+                hint="compute the targets from the inputs only (a shift, a mask), pass them as an input, "
+                "or use --microbatches 1")
 
 
 def _describe(graph: Graph, chunk_units: list[Unit]) -> str:

@@ -35,6 +35,7 @@ from fivedc.passes.param_sync import zero_chunk
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
+from fivedc.passes.stage_plan import input_only_items
 from fivedc.proof.events import Event
 from fivedc.proof.zero3_program import zero3_step
 from fivedc.passes.stages import chunk_param_names, value_types
@@ -152,16 +153,19 @@ class _Expander:
         return self._boundary_numel(name)
 
     def _pipeline_start(self, pp_rank: int, mine: list[str]) -> list[Event]:
-        """Before the first microbatch: the loss's target count (on the last chunk's rank,
-        for a loss with ignore_index whose targets are an input), and ZeRO-3's gathers."""
+        """Before the first microbatch: the loss's target count (on the last chunk's rank, for a
+        loss with ignore_index whose targets are an input or, under several microbatches, computed
+        from the inputs alone: those ops run once more first), and ZeRO-3's gathers."""
         out: list[Event] = []
         schedule = self.pipeline.build_schedule(self.mesh.size(MeshAxis.PP))
         if any(c.rank == pp_rank for c in self.pipeline.chunks if schedule.next_chunk(c.index) is None):
-            inputs = {i.name for i in self.graph.inputs}
+            top = {id(site.node): site for site in self.sites if site.repeat is None}
             for site in self.sites:
                 node = site.node
-                if isinstance(node, Op) and node.kind == "cross_entropy" and node.attr("ignore_index") is not None \
-                        and node.args[1] in inputs:
+                items = self._counted_up_front(node) if isinstance(node, Op) and node.kind == "cross_entropy" \
+                    and node.attr("ignore_index") is not None else None
+                if items is not None:
+                    out += [e for i in items for e in self._step_forward(top[id(self.graph.body.items[i])])]
                     out += self._count(node)
         if self.plan.zero == 3:
             out += self._gathers(mine, "gather every parameter once for the step (ZeRO-3 under a pipeline)")
@@ -283,10 +287,28 @@ class _Expander:
             tokens = self.numel(dims[:-1], logits)
             out += [Event("all_reduce", vocab_axes, tokens, self.dtype, f"vocab-parallel cross-entropy: {what}",
                           op.loc) for what in ("max of the logits", "sum of exp(logits)", "logit of the target")]
-        counted_up_front = self.pipeline is not None and op.args[1] in {i.name for i in self.graph.inputs}
-        if op.attr("ignore_index") is not None and not counted_up_front:
+        if op.attr("ignore_index") is not None and self._counted_up_front(op) is None:
             out += self._count(op)
         return out
+
+    def _step_forward(self, site: Site) -> list[Event]:
+        """`forward(site)` on the whole step's rows at once, as the count up front runs it (not
+        cached: its sizes are those of all microbatches together)."""
+        m, self.m = self.m, 1
+        try:
+            return self._forward(site)
+        finally:
+            self.m = m
+
+    def _counted_up_front(self, op: Op) -> tuple[int, ...] | None:
+        """The top-level items a pipeline runs once more before its first microbatch to count
+        `op`'s targets over the step (none: they are an input); None where the kernel counts
+        them itself (fivedc/runtime/pipeline.PipelineRunner._count_targets)."""
+        if self.pipeline is None:
+            return None
+        if op.args[1] in {i.name for i in self.graph.inputs}:
+            return ()
+        return input_only_items(self.graph, op.args[1]) if self.m > 1 else None
 
     def _count(self, op: Op) -> list[Event]:
         split = op.arg_specs[1].sharding.split_axes()

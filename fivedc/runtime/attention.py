@@ -10,6 +10,9 @@ fully visible ones need no mask. `blockwise_attention` covers the local case and
 `ring_attention` passes K/V blocks (and in backward their gradients) around the
 ring of a context-parallel group. Layout: q [batch, heads, sq, head_dim], k and v
 [batch, kv_heads, sk, head_dim]; grouped-query heads share K/V by broadcasting.
+A `softcap` c > 0 (Gemma 2's logit softcapping) caps each scaled score s at
+c * tanh(s / c) before the mask and the softmax; backward multiplies the scores'
+gradient by its derivative 1 - tanh(s / c)^2, recomputed with the scores.
 """
 
 from __future__ import annotations
@@ -116,9 +119,16 @@ def _unrows(x: Tensor, heads: int) -> Tensor:
     return x.reshape(b, heads, rows // (heads // kv_heads), *x.shape[3:])
 
 
-def _scores(q_rows: Tensor, k_run: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """Scaled scores [b, kv_heads, group * m, n], -inf where `mask` [m, n] is False."""
+def _scores(q_rows: Tensor, k_run: Tensor, mask: Tensor | None, scale: float, softcap: float = 0.0,
+            capped: list | None = None) -> Tensor:
+    """Scaled scores [b, kv_heads, group * m, n] (capped at softcap * tanh(s / softcap) when softcap > 0;
+    `capped` then receives tanh(s / softcap)), -inf where `mask` [m, n] is False."""
     scores = torch.matmul(q_rows, k_run.transpose(-1, -2)).mul_(scale)
+    if softcap:
+        tanh = scores.div_(softcap).tanh_()
+        if capped is not None:
+            capped.append(tanh.clone())
+        scores = tanh.mul_(softcap)
     if mask is not None:
         b, kv_heads, rows, n = scores.shape
         view = scores.view(b, kv_heads, rows // mask.shape[0], mask.shape[0], n)
@@ -138,6 +148,7 @@ class _Block:
     v: Tensor
     kv_pos: Tensor
     pairs: tuple[Pair, ...]
+    softcap: float = 0.0
 
 
 def _mask(pair: Pair, q_pos: Tensor, kv_pos: Tensor, device: torch.device) -> Tensor | None:
@@ -163,7 +174,8 @@ def _pair_forward(q: Tensor, q_pos: Tensor, block: _Block, pair: Pair, dtype: to
     heads, kv_heads, scale = q.shape[1], block.k.shape[1], q.shape[-1] ** -0.5
     (ko, kn) = pair.kv
     k_run, v_run = block.k[:, :, ko:ko + kn].to(dtype), block.v[:, :, ko:ko + kn].to(dtype)
-    probs = _scores(_rows(q, pair.q, kv_heads, dtype), k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale)
+    probs = _scores(_rows(q, pair.q, kv_heads, dtype), k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale,
+                    block.softcap)
     row_max = _finite(probs.amax(dim=-1))  # in place below: torch.logsumexp would copy the scores
     row_sum = probs.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
     pair_lse = row_max + row_sum.log()  # -inf for a row that sees no key here
@@ -184,11 +196,14 @@ def _backward_into(
         q_rows, dout_rows = _rows(q, pair.q, kv_heads, dtype), _rows(dout, pair.q, kv_heads, dtype)
         lse_rows = _rows(lse.unsqueeze(-1), pair.q, kv_heads, dtype)
         delta_rows = _rows(delta.unsqueeze(-1), pair.q, kv_heads, dtype)
-        probs = _scores(q_rows, k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale)
+        capped: list[Tensor] = []
+        probs = _scores(q_rows, k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale, block.softcap, capped)
         probs.sub_(_finite(lse_rows)).exp_()
         dkv[1, :, :, ko:ko + kn] += torch.matmul(probs.transpose(-1, -2), dout_rows)
         dscores = torch.matmul(dout_rows, v_run.transpose(-1, -2)).sub_(delta_rows).mul_(probs).mul_(scale)
         del probs
+        if capped:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2
+            dscores.mul_(1 - capped.pop().square_())
         dq[:, :, qo:qo + qn] += _unrows(torch.matmul(dscores, k_run), heads)
         dkv[0, :, :, ko:ko + kn] += torch.matmul(dscores.transpose(-1, -2), q_rows)
         del dscores  # before the next pair's scores
@@ -232,14 +247,15 @@ def _check(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor) -> No
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor,
-                causal: bool, kv_blocks: int) -> Tensor:
-        fused = attention_fused.available(q)
-        block = _Block(k, v, kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks, tiles=not fused))
+                causal: bool, kv_blocks: int, softcap: float) -> Tensor:
+        fused = attention_fused.available(q) and not softcap  # torch's kernel has no softcap
+        block = _Block(k, v, kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks, tiles=not fused),
+                       softcap)
         out, lse = _empty_partial(q)
         _forward_into(out, lse, q, q_pos, block, fused=fused)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.positions, ctx.pairs, ctx.fused = (q_pos, kv_pos), block.pairs, fused
+        ctx.positions, ctx.pairs, ctx.fused, ctx.softcap = (q_pos, kv_pos), block.pairs, fused, softcap
         return out
 
     @staticmethod
@@ -248,24 +264,25 @@ class _BlockwiseAttention(torch.autograd.Function):
         (q_pos, kv_pos), dtype = ctx.positions, _compute_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
-        block = _Block(k, v, kv_pos, ctx.pairs)
+        block = _Block(k, v, kv_pos, ctx.pairs, ctx.softcap)
         if ctx.fused:
             attention_fused.backward_into(dq, dkv, q, q_pos, block, dout, out, lse)
         else:
             _backward_into(dq, dkv, q, q_pos, block, (dout, lse, _delta(dout, out)))
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor, *,
-                        causal: bool, kv_blocks: int = 1) -> Tensor:
+                        causal: bool, kv_blocks: int = 1, softcap: float = 0.0) -> Tensor:
     """Softmax attention of q to k/v [batch, heads, sq, head_dim], computed without ever
     holding the scores of more than one (q run x k/v run) pair; exact, differentiable.
 
     q_pos [sq] and kv_pos [sk] are global positions; under `causal`, a query sees the
-    keys at positions up to its own. k/v are cut into `kv_blocks` equal blocks.
+    keys at positions up to its own. k/v are cut into `kv_blocks` equal blocks. softcap > 0: scores
+    capped at softcap * tanh(score / softcap).
     """
     _check(q, k, v, q_pos, kv_pos)
-    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks)
+    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks, float(softcap))
 
 
 # ---- ring attention --------------------------------------------------------------------
@@ -321,26 +338,28 @@ def _exchange(ring: Ring, send: Tensor, tag: int) -> tuple[Tensor, _Transfer]:
     return received, _Transfer(send, tuple(dist.batch_isend_irecv(ops)))
 
 
-def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool, fused: bool) -> _Block:
+def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool, fused: bool,
+                softcap: float) -> _Block:
     kv_pos = ring.block_positions[(ring.index - step) % ring.size]
-    return _Block(kv[0], kv[1], kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, tiles=not fused))
+    return _Block(kv[0], kv[1], kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, tiles=not fused), softcap)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, causal: bool) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, causal: bool,
+                softcap: float) -> Tensor:
         out, lse = _empty_partial(q)
-        fused = attention_fused.available(q)
+        fused = attention_fused.available(q) and not softcap  # torch's kernel has no softcap
         kv = torch.stack((k, v))  # one packed buffer to send
         for step in range(ring.size):
             last = step == ring.size - 1
             arriving, transfer = (None, _NOTHING) if last else _exchange(ring, kv, tag=0)
-            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused), fused=fused)
+            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused, softcap), fused=fused)
             transfer.wait()
             kv = arriving
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.q_pos, ctx.ring, ctx.causal, ctx.fused = q_pos, ring, causal, fused
+        ctx.q_pos, ctx.ring, ctx.causal, ctx.fused, ctx.softcap = q_pos, ring, causal, fused, softcap
         return out
 
     @staticmethod
@@ -354,7 +373,7 @@ class _RingAttention(torch.autograd.Function):
             last = step == ring.size - 1
             arriving, kv_transfer = (None, _NOTHING) if last else _exchange(ring, kv, tag=0)
             dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-            block = _ring_block(kv, ring, step, ctx.q_pos, ctx.causal, ctx.fused)
+            block = _ring_block(kv, ring, step, ctx.q_pos, ctx.causal, ctx.fused, ctx.softcap)
             if ctx.fused:
                 attention_fused.backward_into(dq, dkv, q, ctx.q_pos, block, dout, out, lse)
             else:
@@ -366,10 +385,11 @@ class _RingAttention(torch.autograd.Function):
             kv_transfer.wait()
             kv = arriving
         acc_transfer.wait()  # the extra hop: every accumulator is home
-        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *, causal: bool) -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *, causal: bool,
+                   softcap: float = 0.0) -> Tensor:
     """Softmax attention of this rank's q rows to the K/V blocks of every ring member,
     exact and differentiable; K/V blocks travel the ring, the sequence is never gathered.
 
@@ -377,4 +397,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *
     the q rows, `ring.block_positions` those of every member's K/V block.
     """
     _check(q, k, v, q_pos, ring.block_positions[ring.index])
-    return _RingAttention.apply(q, k, v, q_pos, ring, causal)
+    return _RingAttention.apply(q, k, v, q_pos, ring, causal, float(softcap))

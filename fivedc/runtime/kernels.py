@@ -128,7 +128,7 @@ def _expert_orders(graph: Graph, mesh: Mesh) -> dict[str, Tensor]:
 def align(t: Tensor, dims: Dims, target: Dims) -> Tensor:
     """View `t` (dims a subset of `target`) in `target`'s dim order, size 1 where absent."""
     order = [d for d in target if d in dims]
-    t = t.permute(*[dims.index(d) for d in order])
+    t = t.permute([dims.index(d) for d in order])  # a list: a scalar (no dims) permutes too
     shape = [t.shape[order.index(d)] if d in dims else 1 for d in target]
     return t.reshape(shape)
 
@@ -278,20 +278,24 @@ def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
 
 def _attention(ctx, op, args, dims):
     """SDPA on one device; across cp, blockwise attention at global positions: ring
-    attention, or over the gathered K/V (one block per cp rank) for @cp(allgather)."""
+    attention, or over the gathered K/V (one block per cp rank) for @cp(allgather).
+    Scores capped by a `softcap` (which SDPA has not) take the blockwise kernel on one device too."""
     q, k, v = (t.transpose(1, 2) for t in args)  # [batch, heads, seq, head_dim]
-    causal = bool(op.attr("causal", True))
+    causal, softcap = bool(op.attr("causal", True)), float(op.attr("softcap", 0.0) or 0.0)
     cp = ctx.mesh.size(MeshAxis.CP)
+    if cp == 1 and softcap:
+        pos = torch.arange(q.shape[2], device=q.device)
+        return blockwise_attention(q, k, v, pos, pos, causal=causal, softcap=softcap).transpose(1, 2)
     if cp == 1:  # grouped-query heads share K/V inside the kernel: no repeated copies are kept
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                               enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
     seq = ctx.graph.seq_dim
     q_pos = ctx.positions(seq, _arg_sharding(op, 0)).to(q.device)
     if op.annotation("cp").args[0] == "ring":
-        out = ring_attention(q, k, v, q_pos, ctx.ring(_arg_sharding(op, 1), q.device), causal=causal)
+        out = ring_attention(q, k, v, q_pos, ctx.ring(_arg_sharding(op, 1), q.device), causal=causal, softcap=softcap)
     else:
         kv_pos = ctx.positions(seq, _arg_sharding(op, 1)).to(q.device)
-        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp)
+        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap)
     return out.transpose(1, 2)
 
 

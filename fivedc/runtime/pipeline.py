@@ -33,6 +33,7 @@ from fivedc.runtime.kernels import counted_targets
 from fivedc.runtime.saved import held
 from fivedc.runtime.weight_grads import DeferredGrad
 from fivedc.runtime.weight_grads import enable as enable_deferred_weight_grads
+from fivedc.passes.stage_plan import input_only_items
 from fivedc.passes.stages import PipelineSpec, Unit, units, value_types
 
 K = ActionKind
@@ -156,14 +157,22 @@ class PipelineRunner:
 
     def _count_targets(self, inputs: dict[str, Tensor]) -> None:
         """A loss with ignore_index divides by the count of its targets over the whole step,
-        not one microbatch's: counted here, before them, on the rank that holds the loss
-        (its targets are an input: `stage_plan._check_per_microbatch`)."""
+        not one microbatch's: counted here, before them, on the rank that holds the loss. Its
+        targets are an input, or computed from the inputs alone (Hugging Face's label shift:
+        `stage_plan.input_only_items`), by those ops run once more here on the whole step's
+        inputs (row by row: the plan runs no op along the batch under microbatches)."""
         self.ctx.step_counts.clear()
         if all(self.spec.chunks[c].rank != self.ctx.coords[MeshAxis.PP] for c in self.loss_chunks):
             return
         for op in self.program.losses_ignoring():
-            if op.args[1] in inputs:  # else one microbatch: the kernel counts them itself
-                self.ctx.step_counts[op.out] = counted_targets(self.ctx, op, inputs[op.args[1]])
+            targets = op.args[1]
+            if targets not in inputs and self.spec.microbatches > 1:
+                env, dims = dict(inputs), {i.name: i.type.dims for i in self.graph.inputs}
+                items = input_only_items(self.graph, targets)
+                self.program.run_units([Unit(i, i + 1) for i in items], {}, env, dims)
+                inputs = {**inputs, targets: env[targets]}
+            if targets in inputs:  # else one microbatch: the kernel counts them itself
+                self.ctx.step_counts[op.out] = counted_targets(self.ctx, op, inputs[targets])
 
     def _split(self, inputs: dict[str, Tensor]) -> list[dict[str, Tensor]]:
         """The inputs of each microbatch: split along the batch dim."""

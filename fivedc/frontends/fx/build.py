@@ -29,6 +29,7 @@ class Source:
     rows: tuple[int, int] | None = None
     transpose: bool = False
     stack: tuple[str, ...] = ()  # keys stacked along the IR's first dim (separate experts); key is the first
+    axis: int = 0  # the dim of the entry `rows` is a range of
 
 
 @dataclass(eq=False)
@@ -192,7 +193,8 @@ def _mappings(draft: Draft, names: dict[int, str], dims: DimTable) -> tuple[Para
                         key=prefix + key, module_path=module,
                         pattern=(f"{path}.*." + owner).rstrip(".") if repeat else module,
                         ir_shape=tuple(dims.size(a) for a in dims.leaves(p.atoms)),
-                        key_shape=p.source.key_shape, rows=p.source.rows, transpose=p.source.transpose,
+                        key_shape=p.source.key_shape, rows=p.source.rows, axis=p.source.axis,
+                        transpose=p.source.transpose,
                         index=index if stack else None,
                     ))
     return tuple(out)

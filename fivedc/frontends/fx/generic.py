@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 
 
 def aten_call_of(node: fx.Node):
-    """(overload, args, kwargs) of the ATen call this node is, in fx nodes; None when it is none."""
+    """(overload, args, kwargs) of the ATen call this node is (or of a library's custom operator),
+    in fx nodes; None when it is none."""
     target, args, kwargs = node.meta.get("aten") or (node.target, node.args, node.kwargs)
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+    if isinstance(target, torch._ops.OpOverload) and target.namespace not in ("fivedc", "higher_order"):
         return target, args, kwargs
     return None
 
@@ -125,6 +126,41 @@ def in_memory_order(lw: Lowering, frame: Frame, node: fx.Node, t: T) -> T:
     frame.block.items.append(DOp(out, "aten", (t.ref,), attrs, node_loc(node), scope(node),
                                  layouts=((t.layout,), groups)))
     return T(out, flat, groups, t.dtype)
+
+
+def sliced_rows(lw: Lowering, frame: Frame, node: fx.Node, table: T, atom: int, n: int) -> T:
+    """The first n rows of `table` as dim `atom` (a position table longer than the sequence):
+    `aten.slice` along its rows, on shards of its other dims."""
+    layout = ((atom,),) + table.layout[1:]
+    atoms = tuple(a for group in layout for a in group)
+    out = DValue(node.name, atoms, table.dtype)
+    attrs = (("target", "aten.slice.Tensor"), ("call", f'{{"args":[{{"tensor":0}},0,0,{n}],"kwargs":{{}}}}'),
+             ("dtypes", "float"), ("reason", "the rows of a position table that the sequence reads"),
+             ("rule", "along"), ("along", "0"))
+    frame.block.items.append(DOp(out, "aten", (table.ref,), attrs, node_loc(node), scope(node),
+                                 layouts=((table.layout,), layout)))
+    return T(out, atoms, layout, table.dtype)
+
+
+def repeated(lw: Lowering, frame: Frame, node: fx.Node, kv: RepeatedKV) -> T:
+    """k or v repeated over heads (`RepeatedKV`) for a use other than attention (written-out
+    attention the patterns did not recognise): `aten.repeat_interleave` along the heads, computed
+    on shards of the other dims; the repeated heads are a new dim."""
+    x = kv.t
+    groups = lw.groups(x)
+    size = lw.dims.numel(groups[kv.dim]) * kv.repeats
+    layout = _reduced_layout(lw, groups, (kv.dim,), tuple(size if i == kv.dim else lw.dims.numel(g)
+                                                            for i, g in enumerate(groups)))
+    atoms = tuple(a for group in layout for a in group)
+    out = DValue(node.name, atoms, x.dtype)
+    call = f'{{"args":[{{"tensor":0}},{kv.repeats}],"kwargs":{{"dim":{kv.dim}}}}}'
+    attrs = (("target", "aten.repeat_interleave.self_int"), ("call", call),
+             ("dtypes", "float" if x.dtype == DType.FLOAT else "int64"),
+             ("reason", "k/v repeated over heads for attention written out by hand"), ("rule", "along"),
+             ("along", str(kv.dim)))
+    frame.block.items.append(DOp(out, "aten", (x.ref,), attrs, node_loc(node), scope(node),
+                                 layouts=((x.layout,), layout)))
+    return T(out, atoms, layout, x.dtype)
 
 
 def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T], consts: list, items: list):

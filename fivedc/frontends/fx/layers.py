@@ -1,4 +1,4 @@
-"""Lowering handlers for the layer-sized ops: linear, embedding, norms, rope, MoE, attention, loss.
+"""Lowering handlers for the layer-sized ops: linear, embedding, norms, rope, attention, loss (MoE: moe_lower.py).
 
 Each handler takes the lowering, the frame, the fx node and its arguments (already
 turned into `fivedc.frontends.fx.lower` values) and returns the node's value. Modules are
@@ -17,12 +17,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fivedc.frontends.fx.build import DParam
-from fivedc.frontends.fx.generic import in_memory_order
-from fivedc.frontends.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, RouterLogits, T
+from fivedc.frontends.fx.generic import in_memory_order, sliced_rows
+from fivedc.frontends.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, T
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
     from fivedc.frontends.fx.lower import Lowering
-from fivedc.frontends.fx.moe import moe_spec
 from fivedc.frontends.fx.recognise import rms_eps, rope_theta
 from fivedc.ir.graph import DType
 
@@ -197,19 +196,21 @@ def embedding(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
 
 
 def _positions(lw: Lowering, frame: Frame, node, value: torch.Tensor, key: str, table, hidden: int) -> T:
-    """A position table read at arange(seq): the table itself, as a [seq, hidden] parameter."""
-    seq = lw.seq_atom
-    n = value.shape[0] if value.dim() == 1 else -1
-    if n < 0 or not torch.equal(value.cpu(), torch.arange(n)) or seq is None or lw.dims.size(seq) != n:
+    """A position table read at arange(seq) (also [1, seq], as Hugging Face's position ids): the
+    table itself as a [seq, hidden] parameter, or, when it has more rows than the sequence, its
+    first seq rows (an `aten.slice` of the [positions, hidden] parameter along its rows)."""
+    seq, lead = lw.seq_atom, value.dim() - 1
+    n = value.shape[-1] if value.dim() >= 1 and all(s == 1 for s in value.shape[:-1]) else -1
+    if n < 0 or not torch.equal(value.reshape(-1).cpu(), torch.arange(n)) or seq is None or lw.dims.size(seq) != n:
         raise lw.unsupported(node, "an embedding of constant indices other than arange(seq)")
-    if table.shape[0] != n:
-        raise lw.unsupported(
-            node, f"a position table of {table.shape[0]} rows read at the first {n} positions",
-            f"trace with example inputs of the full length {table.shape[0]} (the IR parameter is the whole table)",
-        )
+    layout = ((),) * lead + ((seq,), (hidden,))
+    rows = seq if table.shape[0] == n else lw.dims.new(table.shape[0], "positions", 60)
     w = lw.param(frame, node, key=key, module=key.rpartition(".")[0], attr=key.rpartition(".")[2],
-                 atoms=(seq, hidden), init="normal", shape=_shape(table), role="a position table")
-    return T(w, (seq, hidden), ((seq,), (hidden,)))
+                 atoms=(rows, hidden), init="normal", shape=_shape(table), role="a position table")
+    if rows == seq:
+        return T(w, (seq, hidden), layout)
+    first = sliced_rows(lw, frame, node, T(w, (rows, hidden), ((rows,), (hidden,))), seq, n)
+    return T(first.ref, first.ir, layout)
 
 
 # ---- norms and rope -------------------------------------------------------------------------
@@ -294,57 +295,13 @@ def rope(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     return T(lw.emit(frame, node, "rope", (x.ref,), lw.ir(x), (("theta", float(theta)),)), x.ir, x.layout)
 
 
-def moe(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs):
-    """An MoE block module (`fivedc/frontends/fx/moe.py`): one IR `moe` op, its expert weights (stacked parameters,
-    or the experts' own weights stacked) mapped (transposed where torch stores them [.., out, in]) to
-    [experts, hidden, ffn] / [experts, ffn, hidden]. A block returning `(out, router_logits)` gives both;
-    the logits may not be used (`RouterLogits`)."""
-    m = _module(frame, node)
-    spec = moe_spec(m)
-    if len(args) != 1 or kwargs:
-        raise lw.unsupported(node, f"MoE block {type(m).__name__} called with more than the tokens",
-                             "call it as moe(x) with x [..., hidden]")
-    x = lw.tensor(frame, args[0], node)
-    hidden = _last(lw, node, x, "an MoE block")
-    router = getattr(m, spec.router).weight
-    n_experts = router.shape[0]
-    experts = lw.dims.new(n_experts, "experts", 60)
-    down = m.get_parameter(spec.keys(2, n_experts)[0])
-    ffn = lw.dims.new(down.shape[-1 if spec.transposed[2] else -2], "expert_ffn", 60)
-    lw.unify((hidden,), (lw.dims.new(router.shape[1]),), node, "the MoE router's input is not the tokens' hidden dim")
-    r = lw.param(frame, node, key=f"{node.target}.{spec.router}.weight", module=f"{node.target}.{spec.router}",
-                 attr="weight", atoms=(hidden, experts), init="normal", shape=_shape(router), transpose=True,
-                 role="an MoE router")
-    ws = []
-    for i, atoms in enumerate(((experts, hidden, ffn), (experts, hidden, ffn), (experts, ffn, hidden))):
-        keys = spec.keys(i, n_experts)
-        shape = _shape(m.get_parameter(keys[0]))
-        if spec.experts:  # separate experts: `experts.{e}.w1.weight`, stacked
-            attr = spec.weights[i].removesuffix(".weight").replace(".", "_")
-            ws.append(lw.param(frame, node, key="", stack=tuple(f"{node.target}.{k}" for k in keys),
-                               module=f"{node.target}.{spec.experts}", attr=attr, atoms=atoms, init="normal",
-                               shape=shape, transpose=spec.transposed[i], role="an MoE expert weight"))
-        else:
-            ws.append(lw.param(frame, node, key=f"{node.target}.{keys[0]}", module=node.target, attr=keys[0],
-                               atoms=atoms, init="normal", shape=shape, transpose=spec.transposed[i],
-                               role="an MoE expert weight"))
-    attrs = (("top_k", spec.top_k), ("score", spec.score), ("normalize", spec.normalize))
-    aux = getattr(m, "fivedc_aux_loss", 0.0)
-    if isinstance(aux, bool) or not isinstance(aux, (int, float)) or aux < 0:
-        raise lw.unsupported(node, f"{type(m).__name__}.fivedc_aux_loss = {aux!r}",
-                             "fivedc_aux_loss is the Switch balancing loss coefficient: a number >= 0 (0.01)")
-    if aux:
-        attrs += (("aux_loss", float(aux)),)
-    out = T(lw.emit(frame, node, "moe", (x.ref, r, *ws), lw.ir(x), attrs), x.ir, x.layout)
-    return (out, RouterLogits(node.target, type(m).__name__, node)) if spec.logits else out
-
-
 # ---- attention and loss ---------------------------------------------------------------------
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     a = {name: arg(args, kwargs, i, name) for i, name in enumerate(_SDPA)}
+    softcap = kwargs.get("softcap")  # capped_attention (fivedc/frontends/fx/recognise.py): Gemma 2's logit softcapping
     if a["attn_mask"] is not None:
         raise lw.unsupported(node, "attention with an explicit attn_mask", "use is_causal=True for a causal mask")
     if a["dropout_p"]:
@@ -373,7 +330,8 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     for atom, hint in ((h, "heads"), (kh, "kv_heads"), (d, "head_dim"), (vd, "head_dim")):
         lw.dims.hint(atom, hint, 70)
     atoms = (b, s, h, vd)
-    out = lw.emit(frame, node, "attention", (q.ref, k.ref, v.ref), atoms, (("causal", bool(a["is_causal"])),))
+    attrs = (("causal", bool(a["is_causal"])),) + ((("softcap", float(softcap)),) if softcap else ())
+    out = lw.emit(frame, node, "attention", (q.ref, k.ref, v.ref), atoms, attrs)
     return T(out, atoms, ((b,), (h,), (s,), (vd,)))
 
 

@@ -50,7 +50,9 @@ def _is_user(file: str) -> bool:
     if file.startswith("<"):
         return False
     path = os.path.abspath(file)
-    stdlib = path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
+    installed = path.startswith(_INSTALLED) or any(part in ("site-packages", "dist-packages")
+                                                  for part in path.split(os.sep))  # a venv's base packages too
+    stdlib = path.startswith(_STDLIB) and not installed
     return not stdlib and not path.startswith(_LIBS)
 
 
@@ -68,6 +70,16 @@ def def_loc(fn) -> SourceLoc | None:
         return make_loc(inspect.getsourcefile(fn) or "<unknown>", inspect.getsourcelines(fn)[1])
     except (OSError, TypeError):
         return None
+
+
+def caller_loc() -> SourceLoc | None:
+    """`user_loc(frames())` without listing every frame: the innermost user frame calling this."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _is_user(frame.f_code.co_filename):
+            return make_loc(frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return None
 
 
 def frames() -> list[tuple[str, int]]:

@@ -27,6 +27,7 @@ import torch.fx as fx
 from fivedc.errors import FivedcError, NotSupportedError, PassError, SourceLoc
 from fivedc.frontends.fx.build import DBlock, DOp, DParam, DRepeat, DValue, Draft, Source
 from fivedc.frontends.fx.dims import DimMismatch, DimTable
+from fivedc.frontends.fx.generic import repeated
 from fivedc.frontends.fx.layers import materialize
 from fivedc.frontends.fx.locs import def_loc, node_loc, scope
 from fivedc.frontends.fx.ops import dispatch
@@ -181,15 +182,15 @@ class Lowering:
 
     def param(self, frame: Frame, node: fx.Node, *, key: str, module: str, attr: str, atoms: tuple[int, ...],
               init: str, shape: tuple[int, ...], rows=None, transpose=False, part: str = "", role: str = "",
-              stack: tuple[str, ...] = ()) -> DParam:
+              stack: tuple[str, ...] = (), axis: int = 0) -> DParam:
         """The IR parameter of state-dict entry `key` (relative to the frame's module), or of the
-        entries `stack` (each `shape`) stacked along its first dim."""
+        entries `stack` (each `shape`) stacked along its first dim; `rows` a range of its dim `axis`."""
         key = stack[0] if stack else key
         cache = (key, rows, role)
         if cache not in frame.params:
             for k in stack or (key,):
                 self._claim(frame, node, k, role)
-            source = Source(key, shape, rows, transpose, tuple(stack))
+            source = Source(key, shape, rows, transpose, tuple(stack), axis)
             p = DParam(module, attr, part, atoms, init, source, node_loc(node))
             frame.params[cache] = p
             frame.block.params.append(p)
@@ -197,7 +198,7 @@ class Lowering:
 
     def _claim(self, frame: Frame, node: fx.Node, key: str, role: str) -> None:
         """A parameter tensor has one use and one layout in the IR: tied weights are refused."""
-        tensor = frame.traced.gm.get_parameter(key)
+        tensor = frame.traced.root.get_parameter(key)
         first = self.owners.setdefault(id(tensor), (key, role))
         uses = {r for k, _, r in frame.params if k == key} | ({first[1]} if first[0] != key else set())
         if first[0] != key or uses - {role}:
@@ -210,7 +211,7 @@ class Lowering:
     def tied_table(self, frame: Frame, key: str) -> DParam | None:
         """The embedding table a linear weight is the same tensor as (tied weights: the table
         [vocab, hidden] is the weight [out, in] of the output projection), if in this frame."""
-        first = self.owners.get(id(frame.traced.gm.get_parameter(key)))
+        first = self.owners.get(id(frame.traced.root.get_parameter(key)))
         if first is None or first[1] != "an embedding table":
             return None
         return frame.params.get((first[0], None, first[1]))
@@ -231,12 +232,15 @@ class Lowering:
             owner, _, attr = sym.key.rpartition(".")
             p = self.param(frame, node, key=sym.key, module=owner, attr=attr, atoms=atoms, init="normal",
                            shape=shape, role="a tensor")
+            if p.atoms != atoms:  # read before: its dims are the ones it was given then
+                given = iter(p.atoms)
+                layout = tuple((next(given),) if group else () for group in layout)
+                atoms = p.atoms
             return T(p, atoms, layout)
         if isinstance(sym, RouterLogits):
             raise self.logits_used(sym, node)
-        if isinstance(sym, RepeatedKV):
-            raise self.unsupported(node, "repeat_interleave over heads feeding anything but attention",
-                                   "repeat k and v only right before F.scaled_dot_product_attention")
+        if isinstance(sym, RepeatedKV):  # attention written out by hand that no pattern recognised
+            return repeated(self, frame, node, sym)
         if isinstance(sym, Const):
             raise self.unsupported(node, f"a constant tensor of shape {tuple(sym.value.shape)} used as data",
                                    "fivedc's IR has no constant tensors (buffers); compute it from the inputs")

@@ -15,6 +15,10 @@ layers differ) are still the pipeline's units: `mark_layers` puts `@layer(path)`
 (`Annotation("layer")`) on the first top-level op of each layer of an `nn.ModuleList`,
 where a unit begins (`fivedc/passes/stages.py`) without forcing a cut; what follows the
 last layer (the final norm, the head) begins a unit too.
+Ops that compute from the inputs alone (Hugging Face's shifted labels: a pad and a slice of
+the input ids) are placed at their first use (`sink_input_only`), so that the chunk that
+uses them computes them, rather than an earlier chunk sending them on (a linear is emitted
+at its first use, so the traced order can put them before the head that meets them).
 What cannot be honoured is an error, never a silent no-op: a module inside a layer
 of a repeat (its layers share one body), a module inside a block lowered as one op
 (an MoE block's experts), a module that computes no op of the plan (dropout), and a
@@ -33,6 +37,7 @@ from fivedc.errors import FivedcError, NotSupportedError, SourceLoc
 from fivedc.frontends.fx.build import DOp, DRepeat, Draft
 from fivedc.frontends.fx.locs import def_loc, node_loc
 from fivedc.frontends.fx.locs import scope
+from fivedc.frontends.fx.moe_leaves import MOE_OPS, leaf
 from fivedc.frontends.fx.trace import STAGE_MARK, Trace, Traced
 from fivedc.ir.graph import Annotation
 
@@ -63,6 +68,60 @@ def mark_layers(module: nn.Module, draft: Draft) -> None:
         inside = [i for i, op in enumerate(ops) if _within(path, op.scope)]
         if inside:  # what follows the last layer (a final norm, the head) is a unit of its own
             _begin(next((op for op in ops[inside[-1] + 1:] if not _within(path, op.scope)), None), ())
+
+
+def sink_input_only(draft: Draft) -> None:
+    """Move each unmarked top-level op that reads only inputs (or such ops' results) to just
+    before its first user, keeping their order among themselves."""
+    known = {id(v) for _, v, _ in draft.inputs}
+    movable = []
+    for item in draft.body.items:
+        if isinstance(item, DOp) and not item.annotations and all(
+                isinstance(a, (int, float)) or id(a) in known for a in item.args):
+            movable.append(item)
+            known.add(id(item.out))
+    if movable:
+        moving = {id(op) for op in movable}
+        draft.body.items = _ordered([item for item in draft.body.items if id(item) not in moving], movable)
+
+
+def _reads(item) -> set[int]:
+    if isinstance(item, DOp):
+        return {id(a) for a in item.args}
+    return {id(v) for v in item.carried}
+
+
+def _ordered(rest: list, movable: list[DOp]) -> list:
+    """`rest` with each op of `movable` just before the first item that needs it (directly or
+    through another moved op); ops nothing needs go last."""
+    producers = {id(op.out): op for op in movable}
+    placed: set[int] = set()
+    out = []
+
+    def place(value_ids: set[int]) -> None:
+        for op in movable:  # in their own order: a producer comes before its users among them
+            if id(op) in placed or id(op.out) not in _needed(value_ids, producers):
+                continue
+            placed.add(id(op))
+            out.append(op)
+
+    for item in rest:
+        place(_reads(item))
+        out.append(item)
+    out.extend(op for op in movable if id(op) not in placed)
+    return out
+
+
+def _needed(value_ids: set[int], producers: dict) -> set[int]:
+    """The values among `value_ids` made by moved ops, and what those read, transitively."""
+    needed, todo = set(), [v for v in value_ids if v in producers]
+    while todo:
+        value = todo.pop()
+        if value in needed:
+            continue
+        needed.add(value)
+        todo.extend(a for a in map(id, producers[value].args) if a in producers)
+    return needed
 
 
 def _begin(op: DOp | None, args: tuple) -> None:
@@ -146,7 +205,9 @@ def _inside_layer(r: DRepeat, mark: Mark, index: int, at: SourceLoc | None) -> N
 
 
 def _no_op(trace: Trace, mark: Mark, at: SourceLoc | None) -> NotSupportedError:
-    calls = [str(n.target) for n in trace.top.gm.graph.nodes if n.op == "call_module"]  # modules kept whole
+    nodes = trace.top.gm.graph.nodes
+    calls = [str(n.target) for n in nodes if n.op == "call_module"]  # modules kept whole, and MoE blocks
+    calls += [leaf(n.args[1]).path for n in nodes if n.op == "call_function" and n.target in MOE_OPS]
     owner = next((c for c in calls if mark.path.startswith(c + ".")), None)
     if owner is not None:
         at = _where(trace.top, owner, mark)

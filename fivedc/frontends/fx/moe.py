@@ -1,26 +1,32 @@
-"""MoE blocks the fx frontend keeps whole and lowers to the IR's `moe` op: how a block is read.
+"""MoE blocks the fx frontend lowers to the IR's `moe` op: how a block is read, by its behaviour.
 
-A block is a module whose class sets `fivedc_moe = True`, or whose class name
-contains `MoE`/`Moe` (`SparseMoeBlock`, Hugging Face's `MixtralSparseMoeBlock`),
-holding one bias-free `nn.Linear(hidden, experts)` router child and SwiGLU experts
-(gate, up, down), either
-- stacked: three parameters of the block's own, [experts, out, in] as `nn.Linear`
-  stores each expert's weight, or already [experts, in, out]; or
-- separate: an `nn.ModuleList` of `experts` identical modules, each with three 2-D
-  weights (Hugging Face's `w1`, `w3`, `w2` as bias-free `nn.Linear`s), which the IR
-  stacks into [experts, ...] parameters (`fivedc/frontends/fx/params.py` maps each expert's
-  weight to its slice).
-It takes one tensor [..., hidden] and returns the same shape, or a tuple
-`(out, router_logits)` with the logits `[tokens, experts]` (Hugging Face's
-convention; only the output may then be used: the IR's moe does not give its
-logits out). `moe_spec` finds which weight is which, their layouts, `top_k` (the
-block's `top_k`/`num_experts_per_tok` attribute, else 2 or 1), softmax or sigmoid
-scores and renormalised gates or not, by running the block with random weights on
-a random probe against `reference_moe`, the IR's dropless moe written densely. A
-block marked `fivedc_moe = True` that matches no reading is an error naming it; one
-only named like an MoE is traced through. `fivedc_aux_loss = a` on a block (class or
-instance) sets the IR op's Switch balancing-loss coefficient (the DSL's
-`moe(..., aux_loss=a)`).
+A candidate block is a module whose class sets `fivedc_moe = True`, whose class name
+contains `MoE`/`Moe` (`MixtralSparseMoeBlock`, `DeepseekV3MoE`), or that has a child
+named `experts`. It is read as
+
+    out = scale * moe(x; router, w_gate, w_up, w_down) + sum of its shared children(x)
+
+where, whatever the library calls them,
+- the router is one 2-D parameter [experts, hidden] (as `nn.Linear` stores it, in a
+  child such as Hugging Face's `TopKRouter` or an `nn.Linear`) or [hidden, experts];
+- the experts are SwiGLU (gate, up, down), stacked over the experts in parameters
+  [experts, out, in] or [experts, in, out], with gate and up fused in one (Hugging
+  Face's `gate_up_proj`: the first half gate, the second up, or the reverse), or an
+  `nn.ModuleList` of alike expert modules with two or three 2-D weights each;
+- the shared children are its other children with parameters, each applied to the
+  block's input and added (DeepSeek's `shared_experts`);
+- `scale` multiplies the routed experts (DeepSeek's `routed_scaling_factor`); an
+  attribute of the block or its modules holding that number gives its exact value.
+The block may return `out` or `(out, router_logits)` (only `out` may then be used).
+Which parameter is which, the layouts, `top_k` (a `top_k`/`num_experts_per_tok`
+attribute, else 2 or 1), softmax or sigmoid scores, renormalised gates or not, and
+the scale are found by running the block with random weights on a random probe
+against `reference_moe`, the IR's dropless moe written densely. Buffers take part as
+they are: a balancing bias that is zero (DeepSeek's `e_score_correction_bias` at
+initialisation) selects as none does; one that is not zero, or group-limited routing
+that selects other experts, does not match, and the block is traced through. A block
+marked `fivedc_moe = True` that matches no reading is an error naming it.
+`fivedc_aux_loss = a` on a block sets the op's Switch balancing-loss coefficient.
 """
 
 from __future__ import annotations
@@ -32,135 +38,285 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from fivedc.errors import NotSupportedError
 
 _MOE_NAME = re.compile(r"moe", re.IGNORECASE)
 _TOPK_ATTRS = ("top_k", "num_experts_per_tok", "n_activated_experts", "k")
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HINT = ("an MoE block has a router weight [experts, hidden] and SwiGLU experts (gate, up, down; gate and up may "
+         "be fused), stacked over the experts or an nn.ModuleList of expert modules; it returns scale * (sum over "
+         "its top_k experts of gate * w_down(silu(x w_gate) * x w_up)) with softmax (or sigmoid) scores, gates "
+         "renormalised to sum 1 or not, plus its other children applied to x (shared experts), or that and the "
+         "router logits as a tuple")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeight:
+    """Where one of the IR's expert weights lives in the block."""
+
+    keys: tuple[str, ...]  # relative to the block: one stacked [experts, a, b], or one [a, b] per expert
+    transposed: bool  # stored [.., out, in] as nn.Linear stores it (the IR's is [.., in, out])
+    half: int | None = None  # a fused gate-up: the first (0) or second (1) half of its output dim
+    per_expert: bool = False  # keys are the experts' own weights (an nn.ModuleList), stacked by the IR
+
+    def ir_value(self, params: dict[str, Tensor]) -> Tensor:
+        """[experts, in, out] from the block's parameters by name."""
+        w = torch.stack([params[k] for k in self.keys]) if self.per_expert else params[self.keys[0]]
+        if self.half is not None:
+            axis = -2 if self.transposed else -1
+            n = w.shape[axis] // 2
+            w = w.narrow(axis, self.half * n, n)
+        return w.transpose(-2, -1) if self.transposed else w
 
 
 @dataclass(frozen=True, slots=True)
 class MoeSpec:
     """How an MoE module maps to the IR's `moe`: names relative to the module."""
 
-    router: str  # the router nn.Linear child: its weight is [experts, hidden]
-    weights: tuple[str, str, str]  # gate, up, down: the block's stacked parameters, or each expert's (`w1.weight`)
-    transposed: tuple[bool, bool, bool]  # stored [.., out, in] (IR: [experts, in, out])
+    router: str  # the router weight's name: `gate.weight`
+    router_transposed: bool  # stored [experts, hidden] (the IR's router is [hidden, experts])
+    weights: tuple[ExpertWeight, ExpertWeight, ExpertWeight]  # gate, up, down
     top_k: int
     score: str
     normalize: bool
-    experts: str = ""  # the nn.ModuleList of separate experts (`experts`); "" when the weights are stacked
+    scale: float = 1.0  # the routed experts' sum times this
+    shared: tuple[str, ...] = ()  # children added to the output, each applied to the block's input
     logits: bool = False  # returns (out, router_logits)
+    experts: str = ""  # the nn.ModuleList of separate experts; "" when stacked
 
-    def keys(self, i: int, count: int) -> tuple[str, ...]:
-        """The parameter names (relative to the block) of weight i: one stacked, or one per expert."""
-        if not self.experts:
-            return (self.weights[i],)
-        return tuple(f"{self.experts}.{e}.{self.weights[i]}" for e in range(count))
+    def router_value(self, params: dict[str, Tensor]) -> Tensor:
+        r = params[self.router]
+        return r.t() if self.router_transposed else r
+
+    def routed(self, params: dict[str, Tensor], x: Tensor) -> Tensor:
+        """The routed experts' output (before `scale`) with these parameters, as the IR computes it."""
+        ws = [w.ir_value(params) for w in self.weights]
+        return reference_moe(x, self.router_value(params), *ws, top_k=self.top_k, score=self.score,
+                             normalize=self.normalize)
 
 
 def is_marked_moe(m: nn.Module) -> bool:
     return getattr(type(m), "fivedc_moe", False) is True
 
 
+def is_candidate(m: nn.Module) -> bool:
+    """Whether a module may be an MoE block (then `moe_spec` probes it)."""
+    return is_marked_moe(m) or bool(_MOE_NAME.search(type(m).__name__)) or "experts" in m._modules
+
+
 def moe_spec(m: nn.Module) -> MoeSpec | None:
     """How `m` computes the IR's `moe`, or None (an error if `m` is marked `fivedc_moe = True`)."""
-    marked = is_marked_moe(m)
-    if not marked and not _MOE_NAME.search(type(m).__name__):
+    if not is_candidate(m):
         return None
     if m not in _CACHE:
         _CACHE[m] = _probe(m)
     spec = _CACHE[m]
     if isinstance(spec, str):
-        if not marked:
+        if not is_marked_moe(m):
             return None
         from fivedc.frontends.fx.locs import def_loc
 
-        raise NotSupportedError(
-            f"{type(m).__name__} is marked fivedc_moe = True but {spec}",
-            loc=def_loc(type(m).forward),
-            hint="an MoE block has a bias-free nn.Linear(hidden, experts) router and SwiGLU experts (gate, up, down), "
-            "as three parameters stacked over the experts or an nn.ModuleList of expert modules with three weights "
-            "each; it returns sum over its top_k experts of gate * w_down(silu(x w_gate) * x w_up) with softmax (or "
-            "sigmoid) scores, gates renormalised to sum 1 or not (or that and the router logits, as a tuple)",
-        )
+        raise NotSupportedError(f"{type(m).__name__} is marked fivedc_moe = True but {spec}",
+                                loc=def_loc(type(m).forward), hint=_HINT)
     return spec
 
 
+# ---- the probe --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    router: str
+    transposed: bool
+    experts: str  # "" or the ModuleList
+    readings: tuple[tuple[ExpertWeight, ExpertWeight, ExpertWeight], ...]
+    shared: tuple[str, ...]
+
+
 def _probe(m: nn.Module) -> MoeSpec | str:
-    routers = [(n, c) for n, c in m.named_children() if isinstance(c, nn.Linear) and c.bias is None]
-    if len(routers) != 1:
-        return "it has no single bias-free nn.Linear child to be the router"
-    rname, router = routers[0]
-    experts, hidden = router.weight.shape
-    found = _expert_weights(m, rname, experts)
+    params = dict(m.named_parameters())
+    found = _candidates(m, params)
     if isinstance(found, str):
         return found
-    listed, names, shapes = found
-    candidates = []
-    for order in itertools.permutations(range(3)):
-        for flips in itertools.product((False, True), repeat=3):
-            laid = [(shapes[i][0], shapes[i][2], shapes[i][1]) if flip else shapes[i] for i, flip in zip(order, flips)]
-            g, u, d = laid
-            if g == u and g[1] == hidden and d == (experts, g[2], hidden):
-                candidates.append((order, flips))
-    if not candidates:
-        return f"no three of its expert weights are [experts, hidden, ffn] twice and [experts, ffn, hidden] (hidden={hidden})"
-    named = [getattr(m, a) for a in _TOPK_ATTRS if isinstance(getattr(m, a, None), int) and not isinstance(getattr(m, a), bool)]
-    top_ks = [k for k in dict.fromkeys(named + [2, 1]) if 1 <= k <= experts]
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, hidden, generator=gen, dtype=router.weight.dtype)
-    values = {n: torch.randn(p.shape, generator=gen, dtype=p.dtype) * (p.shape[-1] ** -0.5)
-              for n, p in m.named_parameters()}
-    try:
-        with torch.no_grad():
-            out = torch.func.functional_call(m, values, (x,))
-    except Exception as error:
-        return f"running it on a probe failed ({type(error).__name__}: {error})"
-    r = values[f"{rname}.weight"].t()
-    out, logits = _outputs(out, x, x @ r)
-    if out is None:
-        return logits
-    stacked = [torch.stack([values[f"{listed}.{e}.{n}"] for e in range(experts)]) if listed else values[n] for n in names]
-    for order, flips in candidates:
-        ws = [stacked[i].transpose(-2, -1) if flip else stacked[i] for i, flip in zip(order, flips)]
-        for top_k in top_ks:
-            for score in ("softmax", "sigmoid"):
-                for normalize in (True, False):
-                    want = reference_moe(x, r, *ws, top_k=top_k, score=score, normalize=normalize)
-                    if torch.allclose(out, want, rtol=1e-5, atol=1e-6):
-                        return MoeSpec(rname, tuple(names[i] for i in order), flips, top_k, score, normalize,
-                                       listed, logits)
-    return "it does not compute the IR's moe on a probe for any reading of its weights, top_k, score and gates"
+    hidden = found[0].readings[0][2].ir_value(params).shape[-1]
+    ran = _run_probe(m, params, hidden)
+    if isinstance(ran, str):
+        return ran
+    x, values, out = ran
+    top_ks = _top_ks(m)
+    reason = "it does not compute the IR's moe on a probe for any reading of its weights, top_k, score and gates"
+    for c in found:
+        got, logits = _outputs(out, x, x @ _router(c, values))
+        if got is None:
+            reason = logits
+            continue
+        try:
+            with torch.no_grad():
+                routed = got - sum((_call(m, name, values, x) for name in c.shared), torch.zeros_like(got))
+        except Exception as error:
+            reason = f"its children {', '.join(c.shared)} do not each map its input to its output's shape ({error})"
+            continue
+        spec = _match(m, c, values, x, routed, top_ks, logits)
+        if spec is not None:
+            return spec
+    return reason
 
 
-def _expert_weights(m: nn.Module, rname: str, experts: int) -> tuple[str, list[str], list[tuple]] | str:
-    """(ModuleList name or "", the three weights' names, their stacked shapes [experts, ...])."""
-    own = list(m.named_parameters(recurse=False))
-    lists = [(n, c) for n, c in m.named_children() if isinstance(c, nn.ModuleList)]
-    others = [n for n, _ in m.named_parameters() if not n.startswith(rname + ".")]
-    if own:
-        if len(own) != 3 or any(p.dim() != 3 or p.shape[0] != experts for _, p in own):
-            return f"it does not hold exactly three parameters of its own stacked over its {experts} experts"
-        if len(others) != 3:
-            return "it holds parameters besides the router and the three stacked expert weights"
-        return "", [n for n, _ in own], [tuple(p.shape) for _, p in own]
-    if len(lists) != 1 or len(lists[0][1]) != experts:
-        return f"it has neither three parameters stacked over its {experts} experts nor one nn.ModuleList of {experts} experts"
-    listed, modules = lists[0]
-    params = [[(n, tuple(p.shape)) for n, p in e.named_parameters()] for e in modules]
-    if any(p != params[0] for p in params[1:]) or len(params[0]) != 3 or any(len(s) != 2 for _, s in params[0]):
-        return f"its experts ({listed}) are not alike with three 2-D weights each (SwiGLU: gate, up, down)"
-    if len(others) != 3 * experts:
-        return f"it holds parameters besides the router and its experts ({listed})"
-    return listed, [n for n, _ in params[0]], [(experts, *s) for _, s in params[0]]
+def _run_probe(m: nn.Module, params: dict[str, Tensor], hidden: int):
+    """(x, random parameters, the block's output) at the parameters' dtype (float64 as fivedc's float64
+    mode computes it: `fivedc/frontends/fx/precision.py`), or in float32 where the block has no kernel for it;
+    else what failed."""
+    from fivedc.frontends.fx.precision import float64_everywhere
+
+    dtypes = dict.fromkeys((next(iter(params.values())).dtype, torch.float32))
+    for dtype in dtypes:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 6, hidden, generator=gen, dtype=dtype)
+        values = {n: torch.randn(p.shape, generator=gen, dtype=dtype) * (p.shape[-1] ** -0.5)
+                  for n, p in params.items()}
+        try:
+            with torch.no_grad(), float64_everywhere(dtype == torch.float64):
+                return x, values, torch.func.functional_call(m, values, (x,))
+        except Exception as error:
+            failure = f"running it on a probe failed ({type(error).__name__}: {error})"
+    return failure
 
 
-def _outputs(out, x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor | None, bool | str]:
+def _router(c: _Candidate, values: dict[str, Tensor]) -> Tensor:
+    r = values[c.router]
+    return r.t() if c.transposed else r
+
+
+def _call(m: nn.Module, name: str, values: dict[str, Tensor], x: Tensor) -> Tensor:
+    child = m.get_submodule(name)
+    own = {k.removeprefix(name + "."): v for k, v in values.items() if k.startswith(name + ".")}
+    return torch.func.functional_call(child, own, (x,))
+
+
+def _match(m: nn.Module, c: _Candidate, values, x: Tensor, routed: Tensor, top_ks, logits: bool) -> MoeSpec | None:
+    r = _router(c, values)
+    for weights in c.readings:
+        ws = [w.ir_value(values) for w in weights]
+        for top_k, score, normalize in itertools.product(top_ks, ("softmax", "sigmoid"), (True, False)):
+            want = reference_moe(x, r, *ws, top_k=top_k, score=score, normalize=normalize)
+            scale = _scale(m, routed, want)
+            if scale is not None and torch.allclose(routed, scale * want, rtol=1e-5, atol=1e-6):
+                return MoeSpec(c.router, c.transposed, weights, top_k, score, normalize, scale, c.shared, logits,
+                               c.experts)
+    return None
+
+
+def _scale(m: nn.Module, routed: Tensor, want: Tensor) -> float | None:
+    """The number routed is of want (1.0 when it is close), exactly as an attribute of the block holds it."""
+    norm = float((want * want).sum())
+    fitted = float((routed * want).sum()) / norm if norm else 0.0
+    if not fitted > 0:
+        return None
+    if abs(fitted - 1.0) < 1e-6:
+        return 1.0
+    for sub in m.modules():
+        for value in vars(sub).values():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 \
+                    and abs(value - fitted) <= 1e-6 * fitted:
+                return float(value)
+    return fitted
+
+
+def _top_ks(m: nn.Module) -> list[int]:
+    named = [getattr(sub, a) for sub in m.modules() for a in _TOPK_ATTRS
+             if isinstance(getattr(sub, a, None), int) and not isinstance(getattr(sub, a), bool)]
+    return [k for k in dict.fromkeys(named + [2, 1]) if k >= 1]
+
+
+def _candidates(m: nn.Module, params: dict[str, Tensor]) -> list[_Candidate] | str:
+    lists = _expert_lists(m)
+    in_lists = {n for name in lists for n in params if n.startswith(name + ".")}
+    out: list[_Candidate] = []
+    for name, p in params.items():
+        if p.dim() != 2 or name in in_lists:
+            continue
+        for transposed, (experts, hidden) in ((True, tuple(p.shape)), (False, tuple(p.shape)[::-1])):
+            for listed, names, shapes in _expert_sets(params, lists, in_lists, experts):
+                readings = _readings(listed, names, shapes, hidden, experts)
+                covered = {name, *(n for n in params if n.startswith(listed + "."))} if listed else {name, *names}
+                shared = _shared(m, params, covered)
+                if readings and shared is not None:
+                    out.append(_Candidate(name, transposed, listed, readings, shared))
+    if not out:
+        return ("it has no router weight [experts, hidden] with SwiGLU expert weights over as many experts "
+                "(and nothing else but children added to its output)")
+    return out
+
+
+def _expert_lists(m: nn.Module) -> dict[str, tuple[int, list[tuple[str, tuple[int, ...]]]]]:
+    """ModuleLists of alike expert modules with two or three 2-D weights each: name -> (experts, one's weights)."""
+    out = {}
+    for name, sub in m.named_modules():
+        if not isinstance(sub, nn.ModuleList) or not len(sub):
+            continue
+        weights = [[(n, tuple(p.shape)) for n, p in e.named_parameters()] for e in sub]
+        if all(w == weights[0] for w in weights) and len(weights[0]) in (2, 3) and all(len(s) == 2 for _, s in weights[0]):
+            out[name] = (len(sub), weights[0])
+    return out
+
+
+def _expert_sets(params, lists, in_lists, experts: int):
+    """(ModuleList or "", weight names, stacked shapes) of the expert weights over `experts` experts."""
+    stacked = [n for n, p in params.items() if p.dim() == 3 and p.shape[0] == experts and n not in in_lists]
+    if len(stacked) in (2, 3):
+        yield "", stacked, [tuple(params[n].shape) for n in stacked]
+    for name, (count, weights) in lists.items():
+        if count == experts:
+            yield name, [n for n, _ in weights], [(experts, *s) for _, s in weights]
+
+
+def _readings(listed: str, names: list[str], shapes: list[tuple], hidden: int, experts: int):
+    """Every assignment of the weights to gate, up and down whose shapes fit [experts, hidden, ffn] and
+    [experts, ffn, hidden] (a fused gate-up [experts, hidden, 2 ffn])."""
+
+    def keys(i: int) -> tuple[str, ...]:
+        return (names[i],) if not listed else tuple(f"{listed}.{e}.{names[i]}" for e in range(experts))
+
+    def weight(i: int, flip: bool, half: int | None = None) -> ExpertWeight:
+        return ExpertWeight(keys(i), flip, half, bool(listed))
+
+    def laid(i: int, flip: bool) -> tuple:
+        s = shapes[i]
+        return (s[0], s[2], s[1]) if flip else s
+
+    found = []
+    n = len(names)
+    for order in itertools.permutations(range(n)):
+        for flips in itertools.product((False, True), repeat=n):
+            ls = [laid(i, f) for i, f in zip(order, flips)]
+            if n == 3:
+                g, u, d = ls
+                if g == u and g[1] == hidden and d == (experts, g[2], hidden):
+                    found.append(tuple(weight(i, f) for i, f in zip(order, flips)))
+            else:
+                fused, d = ls
+                if fused[1] == hidden and fused[2] % 2 == 0 and d == (experts, fused[2] // 2, hidden):
+                    (i, fi), (j, fj) = zip(order, flips)
+                    for gate in (0, 1):
+                        found.append((weight(i, fi, gate), weight(i, fi, 1 - gate), weight(j, fj)))
+    return tuple(found)
+
+
+def _shared(m: nn.Module, params: dict[str, Tensor], covered: set[str]) -> tuple[str, ...] | None:
+    """The children holding the parameters besides `covered` (each wholly), or None when some are elsewhere."""
+    rest = set(params) - covered
+    shared = []
+    for name, child in m.named_children():
+        own = {f"{name}.{n}" for n, _ in child.named_parameters()}
+        if own and own <= rest:
+            shared.append(name)
+            rest -= own
+    return tuple(shared) if not rest else None
+
+
+def _outputs(out, x: Tensor, logits: Tensor) -> tuple[Tensor | None, bool | str]:
     """(the output, whether router logits come with it), or (None, what is wrong)."""
-    if isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(o, torch.Tensor) for o in out):
+    if isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(o, Tensor) for o in out):
         second = out[1]
         if second.numel() != logits.numel() or not torch.allclose(second.reshape(logits.shape), logits,
                                                                    rtol=1e-5, atol=1e-6):
@@ -168,13 +324,13 @@ def _outputs(out, x: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor |
         out, with_logits = out[0], True
     else:
         with_logits = False
-    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+    if not isinstance(out, Tensor) or out.shape != x.shape:
         return None, "it does not return one tensor shaped like its input (or that and the router logits)"
     return out, with_logits
 
 
-def reference_moe(x: torch.Tensor, router: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                  w_down: torch.Tensor, *, top_k: int = 2, score: str = "softmax", normalize: bool = True) -> torch.Tensor:
+def reference_moe(x: Tensor, router: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *, top_k: int = 2,
+                  score: str = "softmax", normalize: bool = True) -> Tensor:
     """The IR's dropless `moe` with SwiGLU experts, densely: router [hidden, E], w_gate/w_up [E, hidden, ffn],
     w_down [E, ffn, hidden]."""
     logits = x @ router

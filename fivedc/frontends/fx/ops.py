@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from fivedc.frontends.fx import layers
+from fivedc.frontends.fx.moe_lower import moe_block
 from fivedc.frontends.fx.build import DParam
 from fivedc.frontends.fx.layers import arg
 from fivedc.frontends.fx.generic import aten_call_of, broadcast, generic, leaves
@@ -171,6 +172,10 @@ def swiglu(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
 
 def identity(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs):
     kind = lw.op_name(frame, node)
+    value = frame.traced.values.get(node)
+    if isinstance(args[0], T) and isinstance(value, torch.Tensor) and \
+            value.is_floating_point() != (args[0].dtype == DType.FLOAT):  # the plan's dtype decides only floats'
+        raise lw.unsupported(node, "a cast between integers and floating point")
     if kind == "dropout":
         m = frame.traced.gm.get_submodule(node.target) if node.op == "call_module" else None
         p = m.p if m is not None else arg(args, kwargs, 1, "p", 0.5)
@@ -276,6 +281,6 @@ HANDLERS = {
     "expand_as": expand,
     "linear": layers.linear, "matmul": layers.matmul, "addmm": layers.addmm, "split": layers.split, "chunk": layers.split,
     "embedding": layers.embedding, "layer_norm": layers.layer_norm, "rms_norm": layers.rms_norm, "rope": layers.rope,
-    "moe": layers.moe,
+    "moe": moe_block,
     "sdpa": layers.attention, "repeat_interleave": layers.repeat_interleave, "cross_entropy": layers.cross_entropy,
 }

@@ -7,7 +7,9 @@ linear's weight as [out, in], the IR as [in..., out...]; an MoE block's stacked
 expert weights [experts, out, in] swap their last two dims), then reshaped to the IR
 dims. Experts kept as separate modules (`experts.3.w1.weight`, an `nn.ModuleList`)
 are one IR parameter stacked over the experts: one mapping per expert, each with the
-`index` of its slice of the IR parameter's first dim. Only slicing, transposing,
+`index` of its slice of the IR parameter's first dim. A range of rows is of dim 0 (one
+of q, k, v of a fused projection) or of another dim `axis` (the gate or up half of an MoE
+block's fused gate-up, stacked over the experts [experts, 2 ffn, hidden]). Only slicing, transposing,
 reshaping, stacking and concatenating happen, so `to_ir_params` and
 `from_ir_params` are exact inverses. `module_path` and `pattern`
 (`transformer.h.*.attn.c_attn`) keep the user's names, so shardings can be pinned
@@ -36,9 +38,10 @@ class ParamMapping:
     pattern: str  # the module path with the layer index as `*`: `transformer.h.*.attn.c_attn`
     ir_shape: tuple[int, ...]
     key_shape: tuple[int, ...]  # of the whole state_dict entry
-    rows: tuple[int, int] | None = None  # the slice of dim 0 this parameter is
+    rows: tuple[int, int] | None = None  # the slice of dim `axis` this parameter is
     transpose: bool = False  # the entry's last two dims swapped: stored [..., out, in] by torch
     index: int | None = None  # the entry is this slice of the IR parameter's first dim (separate experts)
+    axis: int = 0  # the dim of the entry `rows` is a range of
 
     def matches(self, pattern: str) -> bool:
         """Module-path pattern, dot-separated, `*` matching one path element (`blocks.*.attn.qkv`)."""
@@ -48,7 +51,7 @@ class ParamMapping:
     def to_ir(self, entry: Tensor) -> Tensor:
         """The IR parameter (its slice `index`, for one of separate experts) from the state-dict entry."""
         if self.rows is not None:
-            entry = entry[self.rows[0] : self.rows[1]]
+            entry = entry.narrow(self.axis, self.rows[0], self.rows[1] - self.rows[0])
         if self.transpose:
             entry = entry.transpose(-2, -1)
         return entry.reshape(self.ir_shape if self.index is None else self.ir_shape[1:])
@@ -57,7 +60,9 @@ class ParamMapping:
         """The inverse of `to_ir`: this parameter (the whole IR value) as (its rows of) the state-dict entry."""
         if self.index is not None:
             value = value.reshape(self.ir_shape)[self.index]
-        rows = self.key_shape if self.rows is None else (self.rows[1] - self.rows[0], *self.key_shape[1:])
+        rows = list(self.key_shape)
+        if self.rows is not None:
+            rows[self.axis] = self.rows[1] - self.rows[0]
         if self.transpose:
             return value.reshape(*rows[:-2], rows[-1], rows[-2]).transpose(-2, -1)
         return value.reshape(rows)
@@ -85,6 +90,7 @@ def to_ir_params(mappings: tuple[ParamMapping, ...], state_dict: dict[str, Tenso
 
 def from_ir_params(mappings: tuple[ParamMapping, ...], ir_params: dict[str, Tensor]) -> dict[str, Tensor]:
     parts: dict[str, list[tuple[int, Tensor]]] = {}
+    axes: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for m in mappings:
         if m.ir_name not in ir_params:
@@ -94,10 +100,11 @@ def from_ir_params(mappings: tuple[ParamMapping, ...], ir_params: dict[str, Tens
             raise FivedcError(f"{m.ir_name} has shape {tuple(value.shape)}; the IR has {m.ir_shape}")
         parts.setdefault(m.key, []).append((m.rows[0] if m.rows else 0, m.torch_part(value)))
         shapes[m.key] = m.key_shape
+        axes[m.key] = m.axis
     out = {}
     for key, pieces in parts.items():
         pieces.sort(key=lambda p: p[0])
-        whole = pieces[0][1] if len(pieces) == 1 else torch.cat([p for _, p in pieces], dim=0)
+        whole = pieces[0][1] if len(pieces) == 1 else torch.cat([p for _, p in pieces], dim=axes[key])
         if tuple(whole.shape) != shapes[key]:
             raise FivedcError(f"the IR parameters of {key} do not cover it: {tuple(whole.shape)} of {shapes[key]}")
         out[key] = whole

@@ -4,10 +4,12 @@ Each pattern becomes one call of an executable marker (`fivedc/frontends/fx/reco
 or of a torch function, so the rewritten graph still runs and keeps its values:
 - `x * rsqrt(mean(x^2 | x*x, dim=-1, keepdim=True) + eps) * w` (also `/ sqrt(...)`,
   casts in between, w a 1-D parameter) -> `rms_norm(x, w, eps)`;
-- `softmax(q @ k.transpose(-2, -1) * scale [masked_fill(mask, -inf)], -1) [dropout] @ v`
-  with scale = 1/sqrt(head_dim) (also `/ sqrt(d)`), the mask checked on its example
-  value to be exactly causal -> `F.scaled_dot_product_attention(q, k, v, is_causal=...,
-  dropout_p=...)` (the lowering warns about an active dropout);
+- `softmax(q @ k.transpose(-2, -1) * scale [softcap] [masked_fill(mask, -inf) | + mask],
+  -1) [dropout] @ v` with any constant scale (also `/ sqrt(d)`), the mask checked on its
+  example value to be exactly causal (a bool fill, or an additive constant: 0 where a key
+  is seen, below -1e4 elsewhere) -> `F.scaled_dot_product_attention(q, k, v, is_causal=...,
+  dropout_p=..., scale=...)` (the lowering warns about an active dropout); with a softcap
+  `c * tanh(s / c)` of the scaled scores (Gemma 2's eager attention) -> `capped_attention`;
 - `silu(a) * b` (either order, the silu used once) -> `swiglu(a, b)`;
 - `x * cos + rotate_half(x) * sin` with constant tables (from buffers and shapes, as
   Hugging Face's rotary embeddings compute them), rotate_half(x) = cat(-x2, x1) of
@@ -30,7 +32,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.frontends.fx.recognise import CASTS, op_name, reference_rope, rms_norm, rope, swiglu
+from fivedc.frontends.fx.recognise import CASTS, capped_attention, op_name, reference_rope, rms_norm, rope, swiglu
 from fivedc.ir.ops import freqs_text
 
 
@@ -73,6 +75,9 @@ class _Matcher:
         new.meta.update({k: v for k, v in node.meta.items() if k != "aten"})  # no longer that ATen call
         self.values[new] = self.values.get(node)
         node.replace_all_uses_with(new)
+        for user in new.users:  # a user kept as its ATen call (fx/generic.py) reads the same value from `new`
+            if "aten" in user.meta:
+                user.meta["aten"] = fx.node.map_arg(user.meta["aten"], lambda n: new if n is node else n)
         graph.erase_node(node)
 
     # -- rms norm --
@@ -127,13 +132,56 @@ class _Matcher:
             if not self._causal_fill(scores):
                 return False
             scores, causal = scores.args[0], True
+        elif self.name(scores) == "add":
+            scores = self._causal_added(scores)
+            if scores is None:
+                return False
+            causal = True
+        scores, softcap = self.capped(scores)
         found = self.scaled(scores)
         if found is None:
             return False
-        q, k = found
+        q, k, scale = found
         kwargs = {"is_causal": causal, "dropout_p": self.dropout_p(pair[0])}  # the lowering warns about dropout
+        if softcap is not None:
+            self.replace(node, capped_attention, (q, k, v), kwargs | {"scale": scale, "softcap": softcap})
+            return True
+        if not math.isclose(scale, 1.0 / math.sqrt(self.values[q].shape[-1]), rel_tol=1e-12):
+            kwargs["scale"] = scale
         self.replace(node, F.scaled_dot_product_attention, (q, k, v), kwargs)
         return True
+
+    def capped(self, node) -> tuple:
+        """(s, c) when `node` is c * tanh(s / c) (or s * (1 / c)), else (node, None)."""
+        pair = self.operands(node, "mul")
+        for tanh, c in (pair, pair[::-1]) if pair else ():
+            cap = self.number(c)
+            if cap is None or cap <= 0 or self.name(tanh) != "tanh":
+                continue
+            inner = tanh.args[0]
+            for kind, factor in (("div", cap), ("mul", 1.0 / cap)):
+                operands = self.operands(inner, kind)
+                if operands is not None and self.number(operands[1]) is not None and \
+                        math.isclose(self.number(operands[1]), factor, rel_tol=1e-12):
+                    return operands[0], cap
+        return node, None
+
+    def _causal_added(self, node: fx.Node):
+        """The scores of `scores + M` with M a constant additive causal mask (0 where a key is seen,
+        below -1e4 elsewhere, checked on its value), else None."""
+        for scores, mask in (node.args[:2], node.args[1::-1]):
+            value, shape = self.values.get(mask), getattr(self.values.get(scores), "shape", None)
+            if not isinstance(mask, fx.Node) or not self.constant(mask) or not isinstance(value, torch.Tensor) \
+                    or shape is None or value.dtype == torch.bool:
+                continue
+            causal = torch.ones(shape[-2], shape[-1], dtype=torch.bool).tril()
+            try:
+                full = value.expand(shape)
+            except RuntimeError:
+                continue
+            if bool((full[..., causal] == 0).all()) and bool((full[..., ~causal] < -1e4).all()):
+                return scores
+        return None
 
     def dropout_p(self, node) -> float:
         """The probability of an active dropout among the casts in front of `node`, else 0."""
@@ -163,9 +211,8 @@ class _Matcher:
                 q, kt = qk.args[0], qk.args[1]
                 if self.name(kt) != "transpose" or sorted(_transpose_dims(kt)) not in ([-2, -1], [2, 3]):
                     continue
-                head_dim = self.values[q].shape[-1]
-                if math.isclose(scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12):
-                    return q, kt.args[0]
+                if scale > 0:
+                    return q, kt.args[0], scale
         return None
 
     def _causal_fill(self, node: fx.Node) -> bool:
@@ -242,6 +289,10 @@ class _Matcher:
         if len(seq_axes) != 1:
             return None
         axis = seq_axes[0]
+        for a in range(value.dim() - 1):  # the tables decide: one row of x along the dims they broadcast over
+            if a != axis and cos.shape[a] == 1 and sin.shape[a] == 1:
+                value = value.narrow(a, 0, 1)
+        value = _probe(value)  # x's own values where it has them
         at_one = [0] * (value.dim() - 1)
         at_one[axis] = 1
         angle = math.atan2(float(sin[(*at_one, 1)]), float(cos[(*at_one, 1)]))  # theta ** (-1 / half)
@@ -298,6 +349,9 @@ class _Matcher:
         value, out = self.values[x], self.values[node]
         if not isinstance(axis, int) or not 0 < axis <= value.dim():
             return False
+        if value.is_meta:  # a model without weights: the same views of data of x's shape
+            value = _probe(value)
+            out = value.unsqueeze(axis).expand(self.values[grown].shape).reshape(out.shape)
         n = out.shape[axis - 1] // value.shape[axis - 1] if value.shape[axis - 1] else 0
         if n < 1 or not torch.equal(value.repeat_interleave(n, dim=axis - 1), out):
             return False
@@ -314,6 +368,14 @@ class _Matcher:
                 self.replace(node, swiglu, (act.args[0], up), {})
                 return True
         return False
+
+
+def _probe(value: torch.Tensor) -> torch.Tensor:
+    """`value`, or seeded random data of its shape and dtype where it has no values (computed from a
+    parameter on the meta device: a model without weights, `fivedc/frontends/weightless.py`)."""
+    if not value.is_meta:
+        return value
+    return torch.randn(value.shape, generator=torch.Generator().manual_seed(0), dtype=value.dtype)
 
 
 def _last_slice(index) -> tuple | None:

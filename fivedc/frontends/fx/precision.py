@@ -5,7 +5,11 @@ Libraries compute RMSNorm, the rotary tables or the loss in float32 on purpose
 even inside a float64 model. A plan computes at one dtype, so the casts are no ops
 in the IR. To compare the two exactly, the float64 check runs the plain module
 with every lower floating dtype read as float64, and the frontend captures a
-float64 module the same way (so the tables it reads off are float64 too).
+float64 module the same way (so the tables it reads off are float64 too). Where
+torch has no float64 kernel for an op on this device, the mode computes it exactly
+with ops that have one: `torch._grouped_mm` (what `F.grouped_mm` calls; Hugging
+Face's MoE experts use it, and on CPU it takes float32 and 16-bit floats only) as
+one matrix product per group.
 
 The IR has no dropout: the frontend drops it with a warning at its line. The
 reference of a check runs the module with dropout off (`without_dropout`), so both
@@ -15,6 +19,7 @@ sides compute the same function; its random masks could not be matched anyway.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch import Tensor, nn
@@ -29,11 +34,46 @@ class _Float64Everywhere(TorchFunctionMode):
     in float32 on purpose runs wholly in float64, as the plan does: the plan computes at one dtype."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _from_torch_itself():  # torch.export's fake tensors of a float32 buffer must stay float32
+            return func(*args, **(kwargs or {}))
         if func in (Tensor.float, Tensor.half, Tensor.bfloat16):
             func = Tensor.double
         args = tuple(_up(a) for a in args)
         kwargs = {k: _up(v) for k, v in (kwargs or {}).items()}
+        if func is torch._grouped_mm and _grouped_in_float64(*args, **kwargs):
+            return _grouped_mm(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+# torch's own machinery, whose dtypes describe tensors that exist (a fake copy of a float32 constant)
+_INTERNALS = ("torch._subclasses", "torch._export", "torch.export", "torch._functorch", "torch._library",
+              "torch._higher_order_ops", "torch._prims", "torch._refs", "torch._decomp", "torch.fx.experimental")
+_PASSING = ("torch.overrides", "torch.utils._python_dispatch", "torch.utils._device")
+
+
+def _from_torch_itself() -> bool:
+    """Whether the torch call the mode sees comes from torch's own machinery, not from a model."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_PASSING):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith(_INTERNALS)
+
+
+def _grouped_in_float64(mat_a, mat_b, offs=None, bias=None, out_dtype=None) -> bool:
+    """A grouped product of a float64 [tokens, k] by [groups, k, n] at offsets (the MoE forward)."""
+    return mat_a.dtype == torch.float64 and mat_a.dim() == 2 and mat_b.dim() == 3 and offs is not None \
+        and bias is None and out_dtype in (None, torch.float64)
+
+
+def _grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor, bias=None, out_dtype=None) -> Tensor:
+    """torch._grouped_mm's 2-D by 3-D case: the rows of group g (offs[g-1]:offs[g]) times mat_b[g];
+    rows past the last offset are zero."""
+    pieces, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        pieces.append(mat_a[start:end] @ mat_b[g].to(mat_a.dtype))
+        start = end
+    pieces.append(mat_a.new_zeros(mat_a.shape[0] - start, mat_b.shape[-1]))
+    return torch.cat(pieces)
 
 
 def _up(value):

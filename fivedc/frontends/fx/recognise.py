@@ -15,7 +15,8 @@ Modules kept as one call (leaves of the trace), by class name *and* behaviour:
   the two halves, positions 0..seq-1) if a probe matches for theta taken from its
   `theta`/`base`/`rope_theta` attribute, its `inv_freq` buffer, 10000 or 500000;
   checked where it is called (`rope_theta`), an error naming the module otherwise;
-- an MoE block (`fivedc/frontends/fx/moe.py`: `moe_spec`), lowered to one IR `moe` op.
+MoE blocks are not leaves: while a model is traced each recognised block computes
+through one `fivedc::moe_block` call (`fivedc/frontends/fx/moe_leaves.py`), named `moe` here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.frontends.fx.moe import moe_spec
+from fivedc.frontends.fx.moe_leaves import MOE_OPS
 from fivedc.ir.ops import parse_freqs
 
 _RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
@@ -44,6 +45,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
+                     softcap: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """softmax(softcap * tanh(q k^T * scale / softcap) [causal]) v: the marker eager attention with
+    logit softcapping becomes (`fivedc/frontends/fx/patterns.py`; k, v already repeated to q's heads)."""
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        sq, sk = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return torch.matmul(scores.softmax(-1), v)
 
 
 def rope(x: torch.Tensor, *, theta: float, seq_axis: int, freqs: str = "") -> torch.Tensor:
@@ -71,8 +84,8 @@ _FUNCTIONS = {
     torch.split: "split", torch.chunk: "chunk", torch.masked_fill: "masked_fill",
     torch.repeat_interleave: "repeat_interleave", torch.arange: "arange", torch.cat: "cat",
     F.linear: "linear", F.embedding: "embedding", F.layer_norm: "layer_norm", F.rms_norm: "rms_norm",
-    F.scaled_dot_product_attention: "sdpa", F.cross_entropy: "cross_entropy",
-    rms_norm: "rms_norm", swiglu: "swiglu", rope: "rope",
+    F.scaled_dot_product_attention: "sdpa", capped_attention: "sdpa", F.cross_entropy: "cross_entropy",
+    rms_norm: "rms_norm", swiglu: "swiglu", rope: "rope", **dict.fromkeys(MOE_OPS, "moe"),
 }
 _MODULES = {
     nn.SiLU: "silu", nn.GELU: "gelu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
@@ -97,8 +110,6 @@ def op_name(node: fx.Node, root: nn.Module) -> str | None:
             return "rms_norm"
         if is_rope(module):
             return "rope"
-        if moe_spec(module) is not None:
-            return "moe"
     return None
 
 
@@ -126,9 +137,12 @@ def _probe_rms(m: nn.Module) -> float | None:
         return None
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, params[0].shape[0], generator=gen, dtype=params[0].dtype)
+    weight = 1 + 0.1 * torch.randn(params[0].shape, generator=gen, dtype=params[0].dtype)  # a model without weights too
+    name = next(n for n, _ in m.named_parameters())
     try:
         with torch.no_grad():
-            ok = torch.allclose(m(x), rms_norm(x, params[0], eps), rtol=1e-5, atol=1e-6)
+            got = torch.func.functional_call(m, {name: weight}, (x,))
+            ok = torch.allclose(got, rms_norm(x, weight, eps), rtol=1e-5, atol=1e-6)
     except Exception:
         return None
     return eps if ok else None
@@ -139,7 +153,7 @@ def is_rope(m: nn.Module) -> bool:
 
 
 def is_recognised_leaf(m: nn.Module) -> bool:
-    return rms_eps(m) is not None or is_rope(m) or moe_spec(m) is not None
+    return rms_eps(m) is not None or is_rope(m)
 
 
 def rope_theta(m: nn.Module, x: torch.Tensor, seq_axis: int) -> float | None:

@@ -9,7 +9,7 @@ the example inputs, as `torch.export` would; a condition on tensor *data* is an
 error at the user's line. Where symbolic tracing cannot follow the Python
 (`float(x.shape[-1])`, `len()` of a tensor) the model is exported with
 `torch.export` instead (`fivedc/frontends/fx/export.py`: no repeats then). Every graph is run
-once on the example inputs (`ShapeProp`), keeping each node's value.
+once on the example inputs (an `fx.Interpreter`), keeping each node's value.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.fx.passes.shape_prop import ShapeProp
 
 from fivedc.errors import FivedcError, NotSupportedError
-from fivedc.frontends.fx.locs import def_loc, error_loc, frames, node_loc, user_loc
+from fivedc.frontends.fx.locs import caller_loc, def_loc, error_loc, frames, node_loc, user_loc
+from fivedc.frontends.fx.moe import moe_spec
 from fivedc.frontends.fx.recognise import is_recognised_leaf
+from fivedc.frontends.weightless import example_run
 
 STAGE_MARK = "fivedc_stage_boundary"  # a module attribute: a pipeline chunk begins at this module
 _SHAPE_QUERIES = {"size", "dim", "shape", "ndim", "dtype", "device", "numel", "is_floating_point"}
@@ -164,6 +165,7 @@ class _Tracer(fx.Tracer):
         self.lists, self.inputs = lists, inputs
         self.root_module = root
         self.memo: dict[fx.Node, object] = {}
+        self.evaluating = 0  # inside `_evaluate`: modules and attributes are the real ones, not traced
         # decided before tracing: recognising a module runs it, which must not be traced
         self.recognised = {id(m) for m in root.modules() if is_recognised_leaf(m)}
 
@@ -171,10 +173,20 @@ class _Tracer(fx.Tracer):
         # torch's own record_stack_traces symbolizes with the profiler, which imports
         # torch._inductor on first use (seconds); walking the Python frames is enough
         node = super().create_node(*args, **kwargs)
-        loc = user_loc(frames())
+        loc = caller_loc()
         if loc is not None and not node.meta.get("stack_trace"):
             node.meta["stack_trace"] = f'File "{loc.file}", line {loc.line}, in forward\n'
         return node
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self.evaluating:  # a parameter or buffer read while computing a condition's value
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def call_module(self, m, forward, args, kwargs):
+        if self.evaluating:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname.rpartition(".")[0] in self.lists:
@@ -206,9 +218,17 @@ class _Tracer(fx.Tracer):
         return any(self._reads_data(n, seen) for n in node.all_input_nodes)
 
     def _evaluate(self, node: fx.Node) -> object:
+        """The example value of a traced node (computed on the real tensors, tracing nothing)."""
+        self.evaluating += 1
+        try:
+            return self._value(node)
+        finally:
+            self.evaluating -= 1
+
+    def _value(self, node: fx.Node) -> object:
         if node not in self.memo:
-            args = fx.node.map_arg(node.args, self._evaluate)
-            kwargs = fx.node.map_arg(node.kwargs, self._evaluate)
+            args = fx.node.map_arg(node.args, self._value)
+            kwargs = fx.node.map_arg(node.kwargs, self._value)
             if node.op == "placeholder":
                 value = self.inputs[str(node.target).lstrip("*")]
             elif node.op == "get_attr":
@@ -232,7 +252,7 @@ def _fetch(root: nn.Module, target: str) -> object:
 def _uniform_lists(module: nn.Module, inline: set[str]) -> dict[str, int]:
     """ModuleLists (outermost only) whose layers can be one `Repeat`: path -> layer count."""
     found: dict[str, int] = {}
-    leaves = [p for p, m in module.named_modules() if p and is_recognised_leaf(m)]  # an MoE block's experts
+    leaves = [p for p, m in module.named_modules() if p and (is_recognised_leaf(m) or moe_spec(m) is not None)]
     for path, sub in module.named_modules():
         if not isinstance(sub, nn.ModuleList) or len(sub) < 2 or path in inline or not path:
             continue
@@ -283,7 +303,10 @@ def _chain(gm: fx.GraphModule, path: str, count: int) -> bool:
 
 
 # ---- example values -------------------------------------------------------------------
-class _Values(ShapeProp):
+class _Values(fx.Interpreter):
+    """Runs the graph, keeping every node's value (not torch's ShapeProp: its metadata of every
+    tensor, which nothing here reads, cost more than the run itself on a library model)."""
+
     def __init__(self, gm: fx.GraphModule, capture: set[str], captured: dict) -> None:
         super().__init__(gm)
         self.values: dict[fx.Node, object] = {}
@@ -305,8 +328,8 @@ def _run(gm: fx.GraphModule, feed: dict, capture: set[str], captured: dict) -> d
     args = [feed.get(str(n.target).lstrip("*"), n.args[0] if n.args else None)
             for n in gm.graph.nodes if n.op == "placeholder"]
     try:
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-            interp.propagate(*args)
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), example_run(gm):  # fivedc/frontends/weightless.py
+            interp.run(*args)
     except Exception as error:
         cause = error.__cause__ or error
         node = next((n for n in gm.graph.nodes if n not in interp.values), None)
