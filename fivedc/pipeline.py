@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fivedc.agreement import prove_agreement
 from fivedc.errors import FivedcError, PassError
 from fivedc.ir import Graph
+from fivedc.memo import Memo
 from fivedc.plan import ExecutionPlan, build_plan
 from fivedc.stage_plan import plan_pipeline
 from fivedc.passes.base import CompileOptions, Pass
@@ -86,11 +87,14 @@ def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTi
     return plan
 
 
-def _build(graph: Graph, options: CompileOptions) -> ExecutionPlan:
+def _build(graph: Graph, options: CompileOptions, memo: Memo | None = None) -> ExecutionPlan:
+    # per-layer figures computed once (fivedc/memo.py; the layout search hands its own, shared by many plans)
+    memo = memo if memo is not None else Memo(graph, options.mesh, options.dtype)
     # pipeline stages: chunks of layers (at the model's @stage marks, a given layout, or balanced by cost)
     # and the schedule (fivedc/stage_plan.py)
     pipeline = plan_pipeline(graph, options.mesh, schedule=options.schedule, microbatches=options.microbatches,
-                             virtual=options.virtual, layout=options.pp_layout, dtype_bytes=options.dtype_bytes)
+                             virtual=options.virtual, layout=options.pp_layout, dtype_bytes=options.dtype_bytes,
+                             memo=memo)
     return build_plan(
         graph,
         mesh=options.mesh,
@@ -103,4 +107,5 @@ def _build(graph: Graph, options: CompileOptions) -> ExecutionPlan:
         pipeline=pipeline,
         recompute=options.recompute_mode(graph),
         hardware=options.hardware,
+        memo=memo,
     )

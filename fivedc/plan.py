@@ -23,6 +23,7 @@ from fivedc.param_sync import (DEFAULT_BUCKET_BYTES, copy_sync_collectives, para
                                zero_notes)
 from fivedc.saved import regather_collectives
 from fivedc.hardware import Hardware
+from fivedc.memo import Memo, memo_for
 from fivedc.step_time import TimeEstimate, estimate_time
 from fivedc.serialize import decode, encode
 from fivedc.stage_plan import pipeline_collectives
@@ -108,11 +109,10 @@ class ExecutionPlan:
 def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str, dtype_bytes: int,
                zero: int = 0, overlap: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                pipeline: PipelineSpec | None = None, recompute: str = "none",
-               hardware: Hardware | None = None) -> ExecutionPlan:
-    buckets = () if zero == 3 and pipeline is None else plan_buckets(  # ZeRO-3 alone reduces per use
-        graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes,
-        cuts=chunk_starts(graph, pipeline),
-    )
+               hardware: Hardware | None = None, memo: Memo | None = None) -> ExecutionPlan:
+    memo = memo_for(memo, graph, mesh, dtype)
+    buckets = gradient_buckets(graph, mesh, dtype_bytes=dtype_bytes, zero=zero, bucket_bytes=bucket_bytes,
+                               pipeline=pipeline, memo=memo)
     collectives = gather_collectives(graph, dtype_bytes=dtype_bytes, mesh=mesh, zero=zero, overlap=overlap,
                                      buckets=buckets) + tuple(regather_collectives(graph, recompute))
     if pipeline is not None:
@@ -124,13 +124,24 @@ def build_plan(graph: Graph, *, mesh: Mesh, sequence_parallel: bool, dtype: str,
         for axes in sorted(axis_sets)
     )
     memory = estimate_memory(graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
-                             recompute=recompute, buckets=buckets, overlap=overlap)
+                             recompute=recompute, buckets=buckets, overlap=overlap, memo=memo)
     notes = zero_notes(graph, mesh, zero) + recompute_notes(graph, recompute)
     time = None if hardware is None else estimate_time(
         graph, mesh=mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, overlap=overlap, buckets=buckets,
-        pipeline=pipeline, recompute=recompute, hardware=hardware)
+        pipeline=pipeline, recompute=recompute, hardware=hardware, memo=memo)
     return ExecutionPlan(PLAN_VERSION, graph, mesh, sequence_parallel, dtype, groups, collectives, memory,
                          zero, overlap, bucket_bytes, buckets, pipeline, notes, recompute, time)
+
+
+def gradient_buckets(graph: Graph, mesh: Mesh, *, dtype_bytes: int, zero: int, bucket_bytes: int,
+                     pipeline: PipelineSpec | None, memo: Memo) -> tuple[Bucket, ...]:
+    """The plan's gradient buckets (none for ZeRO-3 alone, which reduces per use)."""
+    if zero == 3 and pipeline is None:
+        return ()
+    cuts = chunk_starts(graph, pipeline)
+    return memo.get(("buckets", dtype_bytes, zero, bucket_bytes, cuts), lambda: plan_buckets(
+        graph, mesh, param_bytes=lambda p: sync_bytes(graph, mesh, p, dtype_bytes, zero), bucket_bytes=bucket_bytes,
+        cuts=cuts))
 
 
 def qualified(name: str, repeat: Repeat | None) -> str:

@@ -15,10 +15,11 @@ from fivedc.aten_call import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir import Collective, CollectiveKind, Graph, Op, Phase, Repeat, walk_ops
 from fivedc.mesh import Mesh, MeshAxis
-from fivedc.schedule import SCHEDULES, make_schedule, min_microbatches, peak_live_weighted
+from fivedc.memo import Memo, memo_units
+from fivedc.schedule import SCHEDULES, min_microbatches, peak_live_weighted
 from fivedc.stages import (
-    Chunk, PipelineSpec, Unit, check_enough, boundary_values, has_marks, layout_ranges, marked_ranges, partition,
-    unit_costs, units, value_types,
+    Chunk, PipelineSpec, Unit, all_boundary_values, cached_schedule, check_enough, has_marks, layout_ranges, marked_ranges,
+    partition, unit_costs, value_types,
 )
 
 
@@ -53,8 +54,9 @@ RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
 
 
 def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
-                  layout: tuple[int, ...] | None, dtype_bytes: int) -> PipelineSpec | None:
-    """Chunks and schedule for pp > 1 (None for pp = 1)."""
+                  layout: tuple[int, ...] | None, dtype_bytes: int, memo: Memo | None = None) -> PipelineSpec | None:
+    """Chunks and schedule for pp > 1 (None for pp = 1); unit costs and boundaries from `memo`."""
+    memo = memo if memo is not None else Memo(graph, mesh, "")
     p = mesh.size(MeshAxis.PP)
     if p == 1:
         return None
@@ -62,7 +64,7 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
         virtual = 2
     per_rank = virtual if schedule == "interleaved" else 2 if schedule == "dualpipev" else 1
     _check_mark_places(graph)
-    all_units = units(graph)
+    all_units = memo_units(memo)
     marked = has_marks(graph)
     if marked:  # before the batch is checked: the marks decide the chunks
         _check_marks(graph, all_units, layout, schedule, p, per_rank)
@@ -71,9 +73,9 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
     m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
     _check_microbatches(graph, mesh, m)
     _check_per_microbatch(graph, m)
-    sched = make_schedule(schedule, p, m, virtual)
+    sched = cached_schedule(schedule, p, m, virtual)
     n_chunks = p * sched.v // sched.pipelines  # the model's chunks (DualPipe runs each on two ranks)
-    costs, sizes = unit_costs(graph, mesh, dtype_bytes)
+    costs, sizes = memo.get(("unit costs", dtype_bytes), lambda: unit_costs(graph, mesh, dtype_bytes))
     if marked:
         ranges, cut = marked_ranges(all_units), "marks"
     elif layout is not None:
@@ -82,16 +84,20 @@ def plan_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int 
                             hint=f"give {n_chunks} layer counts, one per chunk ({n_chunks // p} per pp rank)")
         ranges, cut = layout_ranges(layout, graph), "layout"
     else:
-        ranges, cut = partition(costs, n_chunks, what="layers and op groups"), "cost"
-        if schedule == "dualpipev":
-            ranges = balance_v(costs, ranges)
+        ranges, cut = memo.get(("partition", dtype_bytes, n_chunks, schedule == "dualpipev"),
+                               lambda: _balanced(costs, n_chunks, schedule == "dualpipev")), "cost"
     chunks = []
     for k in range(p * sched.v):  # DualPipe: chunk n_chunks + s is the second copy's chunk s
         a, b = ranges[k % n_chunks]
         what = _describe(graph, all_units[a:b]) + (" (second copy)" if k >= n_chunks else "")
-        sends = boundary_values(graph, b) if k % n_chunks < n_chunks - 1 else ()
+        sends = memo.get("boundaries", lambda: all_boundary_values(graph))[b] if k % n_chunks < n_chunks - 1 else ()
         chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
     return PipelineSpec(schedule, m, sched.v, tuple(chunks), cut)
+
+
+def _balanced(costs: list[float], n_chunks: int, v_shape: bool) -> list[tuple[int, int]]:
+    ranges = partition(costs, n_chunks, what="layers and op groups")
+    return balance_v(costs, ranges) if v_shape else ranges
 
 
 def balance_v(costs: list[float], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
