@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from fivedc.errors import PassError
 from fivedc.held_params import HeldParams, held_params
+from fivedc.ir import walk_params
 from fivedc.saved import SaveContext
 from fivedc.stages import PipelineSpec, units
 
@@ -72,3 +73,16 @@ def rank_held(memo: Memo, pipeline: PipelineSpec | None, pp_rank: int | None) ->
 
 def memo_units(memo: Memo) -> list:
     return memo.get("units", lambda: units(memo.graph))
+
+
+def param_sizes(memo: Memo) -> list[tuple]:
+    """Per parameter (in `walk_params` order): (param, its repeat, local elements, the ZeRO
+    chunk a rank owns, the size of its gradient's group)."""
+    def sizes() -> list[tuple]:
+        graph, mesh, out = memo.graph, memo.mesh, []
+        for param, repeat in walk_params(graph.body):
+            local = graph.local_numel(param.dims, param.sharding, mesh)
+            group = mesh.size(*param.grad_partial)
+            out.append((param, repeat, local, -(-local // group), group))
+        return out
+    return memo.get("param sizes", sizes)

@@ -30,10 +30,9 @@ from fivedc.activations import chunk_activations, chunk_deferred
 from fivedc.errors import PlanError
 from fivedc.ir import Graph, walk_params
 from fivedc.mesh import Mesh, MeshAxis
-from fivedc.param_sync import zero_chunk
 from fivedc.saved import SaveContext
 from fivedc.held_params import HeldParams, param_count
-from fivedc.memo import Memo, memo_for, memo_units, rank_held, save_context
+from fivedc.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.stages import PipelineSpec, units
 from fivedc.transient import transients
 
@@ -117,7 +116,7 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
     The per-layer figures come from `memo` (`fivedc/memo.py`), computed once per graph."""
     memo = memo_for(memo, graph, mesh, dtype)
     pp = mesh.size(MeshAxis.PP)
-    held = [_held(graph, mesh, dtype, dtype_bytes, zero, rank_held(memo, pipeline, r))
+    held = [_held(param_sizes(memo), dtype, dtype_bytes, zero, rank_held(memo, pipeline, r))
             for r in (range(pp) if pipeline else (None,))]
     activations, regions = rank_activations(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline,
                                             recompute=recompute, memo=memo)
@@ -161,14 +160,12 @@ def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, 
     return [in_flight[r] + sum(constants[r].values()) for r in range(pp)], regions
 
 
-def _held(graph: Graph, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int,
+def _held(sizes: list[tuple], dtype: str, dtype_bytes: int, zero: int,
           held: HeldParams | None) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one pp rank (every rank without a pipeline)."""
     params = grads = optimizer = 0
-    for param, repeat in walk_params(graph.body):
+    for param, repeat, local_numel, chunk, _ in sizes:
         n = param_count(held, param.name, repeat)
-        local_numel = graph.local_numel(param.dims, param.sharding, mesh)
-        chunk = zero_chunk(graph, mesh, param)
         params += (chunk if zero >= 3 else local_numel) * n
         grads += (chunk if zero >= 2 else local_numel) * n
         optimizer += (chunk if zero >= 1 else local_numel) * n

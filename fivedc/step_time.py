@@ -31,10 +31,9 @@ from fivedc.hardware import Hardware
 from fivedc.ir import CollectiveKind, Graph, walk_params
 from fivedc.memory import OPTIMIZER_BYTES
 from fivedc.mesh import Mesh, MeshAxis
-from fivedc.param_sync import sync_bytes, zero_chunk
 from fivedc.saved import SaveContext
 from fivedc.held_params import HeldParams, param_count
-from fivedc.memo import Memo, memo_for, memo_units, rank_held, save_context
+from fivedc.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.stages import PipelineSpec
 
 K = CollectiveKind
@@ -74,7 +73,7 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
     else:
         makespan, bubble, comm = _pipelined(c, pipeline, mesh, hw, times, memo)
         backward = last = 0.0
-    tail = max(_after_backward(graph, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline,
+    tail = max(_after_backward(param_sizes(memo), mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline,
                                rank_held(memo, pipeline, r), hw, backward, last, makespan)
                for r in (range(mesh.size(MeshAxis.PP)) if pipeline else (None,)))
     sync, gathers, optimizer = tail
@@ -117,17 +116,17 @@ def _play(schedule, per: dict, delays: dict) -> tuple[float, float]:
     return result.makespan, result.bubble_fraction
 
 
-def _after_backward(graph, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,
+def _after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,
                     hw: Hardware, backward: float, last: float, makespan: float) -> tuple[float, float, float]:
     """(gradient sync, ZeRO gathers, optimizer) seconds one pp rank spends beyond the schedule."""
     groups: dict[tuple, int] = {}
     owned = 0
-    for param, repeat in walk_params(graph.body):
+    for param, repeat, local, chunk, group in sizes:
         n = param_count(held, param.name, repeat)
-        owned += (zero_chunk(graph, mesh, param) if zero else graph.local_numel(param.dims, param.sharding, mesh)) * n
-        if n and mesh.size(*param.grad_partial) > 1:
-            groups[param.grad_partial] = groups.get(param.grad_partial, 0) + sync_bytes(graph, mesh, param,
-                                                                                        dtype_bytes, zero) * n
+        owned += (chunk if zero else local) * n
+        if n and group > 1:  # the gradient's bytes as its sum moves (`param_sync.sync_bytes`)
+            groups[param.grad_partial] = groups.get(param.grad_partial, 0) + \
+                (chunk * group if zero else local) * dtype_bytes * n
     reduce = K.REDUCE_SCATTER if zero >= 1 else K.ALL_REDUCE
     sync = sum(collective_seconds(reduce, axes, b, mesh, hw) for axes, b in groups.items())
     gather = sum(collective_seconds(K.ALL_GATHER, axes, b, mesh, hw) for axes, b in groups.items())
