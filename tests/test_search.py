@@ -152,3 +152,14 @@ def test_a_model_that_fits_nowhere(tmp_path, capsys) -> None:
     with pytest.raises(SearchError) as error:
         search(graph, gpus=8, hardware=tiny_gpu)
     assert "does not fit in the GPU's memory" in error.value.message and "more GPUs" in error.value.hint
+
+
+def test_parallelize_auto_compiles_the_searched_layout() -> None:
+    from fivedc.frontend_py import load_factory
+    from fivedc.parallelize import search_module
+
+    module, example = load_factory("examples/nanogpt.py:factory")
+    traced, plan = search_module(module, example, gpus=2, gpu="h100")
+    best = search(traced.graph, gpus=2, hardware=H100, dtype="fp64", compile_best=False).best
+    assert plan.mesh.world == 2 and plan.mesh == best.candidate.mesh
+    assert plan.time.step_seconds == best.time.step_seconds
