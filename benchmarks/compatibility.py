@@ -41,10 +41,10 @@ def replicated_cell(arch: str) -> str:
     """The ops of the traced model that run replicated: `3 (pad, slice, cumsum)`, or `-`."""
     from collections import Counter
 
-    from fivedc.aten_call import whole_dims
-    from fivedc.cli import load_graph
+    from fivedc.ir.aten_call import whole_dims
+    from fivedc.cli.main import load_graph
     from fivedc.errors import FivedcError
-    from fivedc.ir import Op, walk_ops
+    from fivedc.ir.graph import Op, walk_ops
 
     try:
         graph = load_graph(f"{ROOT}/examples/hf_models.py:{arch}")
@@ -60,7 +60,7 @@ def replicated_cell(arch: str) -> str:
 def verify_cell(arch: str, mesh: str, flags: list[str], dtype: str) -> str:
     """`fivedc verify` in a fresh process (it starts its own ranks): 'ok 1.2e-13', or 'compile: ERROR'
     (exit 2: it did not compile), or the mismatch."""
-    run = subprocess.run([sys.executable, "-m", "fivedc.cli", "verify", f"{ROOT}/examples/hf_models.py:{arch}",
+    run = subprocess.run([sys.executable, "-m", "fivedc.cli.main", "verify", f"{ROOT}/examples/hf_models.py:{arch}",
                           "--mesh", mesh, *flags, "--dtype", dtype], capture_output=True, text=True, timeout=900)
     if run.returncode == 0:
         worst = max(float(line.split()[1]) for line in run.stdout.splitlines()
@@ -129,7 +129,7 @@ def render(rows: dict[str, dict[str, str]], *, versions: str, dtype: str) -> str
         out.append(f"| {arch} | " + " | ".join(cell(cells[c]) for c in columns) + " |")
     out += ["", "These libraries compute RMSNorm, the rotary tables and the loss in float32 even inside a float64",
             "model; a plan computes at one dtype, so the float64 check reads those casts as float64 in the",
-            "reference too (`fivedc/fx/precision.py`)."]
+            "reference too (`fivedc/frontends/fx/precision.py`)."]
     out += ["", "Errors:", ""] + [f"{k}. {e}" for k, e in enumerate(errors, start=1)] if errors else []
     return "\n".join(out) + "\n"
 

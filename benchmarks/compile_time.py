@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fivedc.frontend_dsl import load_model
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from fivedc.runtime.attention import TILE, make_ring, ring_attention
 from fivedc.runtime.pool import RankInfo, WorkerPool
-from fivedc.seq_layout import SeqLayout, layout_order
+from fivedc.ir.seq_layout import SeqLayout, layout_order
 
 HEADS, KV_HEADS, DIM, BATCH = 8, 8, 64, 1
 MIB = 1 << 20

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from fivedc.frontend_py import import_file
+from fivedc.frontends.python_file import import_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -60,8 +60,8 @@ def build(name: str, dtype=torch.float32):
 
 
 def trace_compile_times(name: str, repeats: int) -> dict[str, float]:
-    from fivedc.frontend_fx import trace_module
-    from fivedc.mesh import Mesh
+    from fivedc.frontends.fx_module import trace_module
+    from fivedc.ir.mesh import Mesh
     from fivedc.passes.base import CompileOptions
     from fivedc.pipeline import compile_graph
 

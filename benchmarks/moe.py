@@ -24,9 +24,9 @@ import argparse
 import statistics
 import time
 
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import CollectiveKind, Op, walk_ops
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import CollectiveKind, Op, walk_ops
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.pool import RankInfo, WorkerPool

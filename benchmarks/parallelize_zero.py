@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from fivedc.frontend_py import import_file
+from fivedc.frontends.python_file import import_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 WORLD = 4

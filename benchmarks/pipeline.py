@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from fivedc.frontend_dsl import parse_model
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import parse_model
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.pool import WorkerPool

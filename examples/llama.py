@@ -153,7 +153,7 @@ def factory(*, batch: int = 2, args: ModelArgs | None = None, seed: int = 0, dty
 
 
 if __name__ == "__main__":
-    from fivedc.frontend_fx import trace_module
+    from fivedc.frontends.fx_module import trace_module
 
     module, inputs = factory()
     print(trace_module(module, inputs).summary())

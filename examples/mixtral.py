@@ -160,7 +160,7 @@ def hf_factory(*, batch: int = 2, args: ModelArgs | None = None, seed: int = 0, 
 
 
 if __name__ == "__main__":
-    from fivedc.frontend_fx import trace_module
+    from fivedc.frontends.fx_module import trace_module
 
     module, inputs = (hf_factory if "--hf" in sys.argv else factory)()
     print(trace_module(module, inputs).summary())

@@ -115,7 +115,7 @@ def factory(*, batch: int = 2, config: GPTConfig | None = None, seed: int = 0, d
 
 
 if __name__ == "__main__":
-    from fivedc.frontend_fx import trace_module
+    from fivedc.frontends.fx_module import trace_module
 
     module, inputs = factory()
     print(trace_module(module, inputs).summary())

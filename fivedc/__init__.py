@@ -8,7 +8,7 @@ __all__ = ["parallelize"]
 def __getattr__(name: str):
     """`fivedc.parallelize` imports torch and the compiler only when first used."""
     if name == "parallelize":
-        from fivedc.parallelize import parallelize
+        from fivedc.parallel.parallelize import parallelize
 
         globals()["parallelize"] = parallelize
         return parallelize

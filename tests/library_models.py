@@ -5,9 +5,9 @@ never an internal error or a traceback."""
 
 from __future__ import annotations
 
-from fivedc.cli import load_graph
+from fivedc.cli.main import load_graph
 from fivedc.errors import FivedcError
-from fivedc.mesh import Mesh
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fivedc.frontend_dsl import parse_model
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import parse_model
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.kernels import KernelContext
@@ -42,7 +42,7 @@ def plan_of(*, layers: int, mesh: str = "1x1x4x1x1", sp: bool = True, style: str
 
 def region(plan) -> int:
     """The largest recomputed region of one microbatch (the transient's recomputation part)."""
-    from fivedc.memory import rank_activations
+    from fivedc.estimates.memory import rank_activations
 
     _, regions = rank_activations(plan.graph, plan.mesh, dtype=plan.dtype, dtype_bytes=2, pipeline=plan.pipeline,
                                   recompute=plan.recompute)

@@ -1,8 +1,8 @@
 """Every process group's ranks agree: the proof, held against the runtime and against broken programs.
 
-The class programs (`fivedc/comm_program.py`) must be what the runtime really calls:
+The class programs (`fivedc/proof/comm_program.py`) must be what the runtime really calls:
 one step of real plans on gloo is recorded call by call and, group by group, must
-equal the expansion of the rank's class. The proof (`fivedc/agreement.py`) must
+equal the expansion of the rank's class. The proof (`fivedc/proof/agreement.py`) must
 reject what would hang or corrupt: two collectives swapped on one rank, a transfer
 whose sizes differ, a send dropped, the loss's sum moved before the last send, a
 gradient bucket that spans two pipeline stages; and it stays fast at 16384 ranks.
@@ -14,14 +14,14 @@ from dataclasses import replace
 
 import pytest
 
-from fivedc.agreement import AgreementError, RankClasses, prove_agreement
-from fivedc.cli import main
-from fivedc.cli_shared import load_graph
-from fivedc.comm_program import class_programs
-from fivedc.frontend_dsl import load_model
-from fivedc.mesh import Mesh, MeshAxis
-from fivedc.overlap import plan_buckets
-from fivedc.param_sync import sync_bytes
+from fivedc.proof.agreement import AgreementError, RankClasses, prove_agreement
+from fivedc.cli.main import main
+from fivedc.cli.shared import load_graph
+from fivedc.proof.comm_program import class_programs
+from fivedc.frontends.dsl_file import load_model
+from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.passes.overlap import plan_buckets
+from fivedc.passes.param_sync import sync_bytes
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings
@@ -112,7 +112,7 @@ def test_a_gradient_bucket_across_stages_is_rejected() -> None:
     """The bug this proof would have caught: a model without a repeat kept one bucket over
     both stages, which neither stage ran, so no gradient was summed over dp."""
     from test_pipeline import FLAT
-    from fivedc.frontend_dsl import parse_model
+    from fivedc.frontends.dsl_file import parse_model
 
     graph = parse_model(FLAT, filename="<flat>")
     plan = compile_graph(graph, CompileOptions(mesh=Mesh.parse("2x2x1x1x1"), dtype="fp64"))

@@ -4,7 +4,7 @@ Every numerical check runs in float64 and compares with SDPA on the full sequenc
 natural order (GQA by `repeat_interleave`, as SDPA expects): the q rows are one cp
 rank's chunks and k/v the whole sequence in all-gathered order, so the positions are
 a permutation and causality must come from them, not from row order. Each runs twice:
-with the blocks computed by torch's fused kernel (`runtime/attention_fused.py`, what
+with the blocks computed by torch's fused kernel (`fivedc/runtime/attention_fused.py`, what
 the CPU uses) and by the module's own matmuls (what other devices use).
 """
 
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from fivedc.errors import ShapeError
 from fivedc.runtime import attention, attention_fused
 from fivedc.runtime.attention import blockwise_attention, merge_partials, plan_pairs, position_runs
-from fivedc.seq_layout import SeqLayout, layout_order
+from fivedc.ir.seq_layout import SeqLayout, layout_order
 
 TOL = 1e-12
 

@@ -168,8 +168,8 @@ def test_another_models_checkpoint_is_refused(data, tmp_path) -> None:
 def test_moe_balancing_biases_are_saved_and_restored(worker_pool, data, tmp_path) -> None:
     """DeepSeek-V3's balancing bias is state outside the parameters: saved once (ep2), read
     back on one device; without it the routing, so the loss, would differ."""
-    from fivedc.frontend_dsl import parse_model
-    from fivedc.mesh import Mesh
+    from fivedc.frontends.dsl_file import parse_model
+    from fivedc.ir.mesh import Mesh
     from fivedc.passes.base import CompileOptions
     from fivedc.pipeline import compile_graph
     from train_helpers import ROOT

@@ -1,6 +1,6 @@
 """The command line: help, exit codes, errors with carets and no tracebacks, files.
 
-Most cases call `fivedc.cli.main` in-process; one runs the installed `fivedc`
+Most cases call `fivedc.cli.main.main` in-process; one runs the installed `fivedc`
 entry point to check the real exit code and stderr.
 """
 
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from fivedc.cli import main
-from fivedc.plan import ExecutionPlan
+from fivedc.cli.main import main
+from fivedc.plan.execution_plan import ExecutionPlan
 
 BAD_MODEL = """model broken {
   dims { batch = 2 seq = 4 }
@@ -81,7 +81,7 @@ def test_verify_refuses_a_launcher_world_that_does_not_match(monkeypatch, capsys
 def test_installed_entry_point_exit_code_and_stderr(tmp_path) -> None:
     model = tmp_path / "broken.5d"
     model.write_text(BAD_MODEL)
-    result = subprocess.run([sys.executable, "-m", "fivedc.cli", "compile", str(model), "--mesh", "1x1x1x1x1"],
+    result = subprocess.run([sys.executable, "-m", "fivedc.cli.main", "compile", str(model), "--mesh", "1x1x1x1x1"],
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2
     assert "broken.5d:4:7" in result.stderr and "Traceback" not in result.stderr
@@ -140,7 +140,7 @@ def test_run_executes_a_saved_plan_and_a_model(tmp_path, capsys) -> None:
     losses = [float(row[1]) for row in rows]
     assert len(losses) == 3 and losses[2] < losses[1] < losses[0]
     plan = ExecutionPlan.load(saved)
-    from fivedc.summary import format_bytes
+    from fivedc.plan.summary import format_bytes
 
     for kind in ("params", "grads", "optimizer", "activations"):
         held = next(line for line in out.splitlines() if line.strip().startswith(kind))
@@ -202,7 +202,7 @@ def test_a_half_set_launcher_environment_is_bad_input(monkeypatch, capsys) -> No
 
 
 def test_an_internal_error_is_one_line_and_exit_4(monkeypatch, capsys) -> None:
-    import fivedc.cli as cli
+    import fivedc.cli.main as cli
 
     def broken(args):
         raise ZeroDivisionError("a bug")
@@ -211,5 +211,5 @@ def test_an_internal_error_is_one_line_and_exit_4(monkeypatch, capsys) -> None:
     assert main(["check", "whatever.json"]) == 4
     err = capsys.readouterr().err
     assert "internal error in fivedc (ZeroDivisionError: a bug)" in err and "Traceback" not in err
-    assert "0 ok" in subprocess.run([sys.executable, "-m", "fivedc.cli", "--help"], capture_output=True,
+    assert "0 ok" in subprocess.run([sys.executable, "-m", "fivedc.cli.main", "--help"], capture_output=True,
                                     text=True).stdout.replace("  ", " ")

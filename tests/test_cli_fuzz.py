@@ -1,6 +1,6 @@
 """A fuzz test of the command line: random commands, flags, meshes, paths and plan edits.
 
-Each drawn command runs in-process (`fivedc.cli.main`) in a scratch directory
+Each drawn command runs in-process (`fivedc.cli.main.main`) in a scratch directory
 holding copies of the example models and a saved plan (some drawn edits mutate
 it). Whatever is drawn, the command must: exit with a documented code other than
 4 (an internal error is a bug the fuzzer found), print no traceback, write nothing
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MODELS = ["gpt.5d", "tiny_llama.5d", "moe.5d", "missing.5d", "plan.json", "edited.json", "folder", "folder/x.json"]

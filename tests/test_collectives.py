@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fivedc.errors import ShapeError
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.runtime.collectives import Step, apply_steps, redistribute
 from fivedc.runtime import groups as groups_module
 from fivedc.runtime.groups import MeshGroups

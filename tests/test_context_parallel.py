@@ -13,16 +13,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fivedc.errors import NotSupportedError, ShapeError, ShardingError
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import CollectiveKind, Op, Phase, walk_ops
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import CollectiveKind, Op, Phase, walk_ops
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.passes.communication import plan_steps
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
-from fivedc.seq_layout import SeqLayout, layout_order
-from fivedc.sharding import Sharding
+from fivedc.ir.seq_layout import SeqLayout, layout_order
+from fivedc.ir.sharding import Sharding
 from random_models import Case, draw_cp_case, model_text
 
 TOL = 1e-10

@@ -15,17 +15,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import FivedcError
-from fivedc.faults import resolve_fault
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import Block, Redistribute, Repeat
-from fivedc.mesh import Mesh
+from fivedc.plan.faults import resolve_fault
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import Block, Redistribute, Repeat
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import Diagnosis, single_device_mesh, verify_plan
-from fivedc.sites import data_dependent, find_site, is_float, sites
+from fivedc.plan.sites import data_dependent, find_site, is_float, sites
 from random_models import draw_case
 
 TOL = 1e-10

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from fivedc.errors import DslError, FivedcError
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import Annotation, DType, Graph, Op, Param, Repeat, TensorType, walk_ops
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import Annotation, DType, Graph, Op, Param, Repeat, TensorType, walk_ops
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fivedc.errors import DslError
-from fivedc.frontend_dsl import load_model
+from fivedc.frontends.dsl_file import load_model
 from test_dsl import _at, _error, _model, _where
 
 

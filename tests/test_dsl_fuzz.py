@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fivedc.errors import FivedcError
-from fivedc.frontend_dsl import parse_model
-from fivedc.ir import Block, Graph, Op, Repeat
+from fivedc.frontends.dsl_file import parse_model
+from fivedc.ir.graph import Block, Graph, Op, Repeat
 
 EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.5d"))
 TEXTS = [path.read_text() for path in EXAMPLES]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings

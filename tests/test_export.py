@@ -17,16 +17,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fivedc.cli import main
-from fivedc.export import names_of
-from fivedc.frontend_fx import trace_module
-from fivedc.mesh import Mesh
+from fivedc.cli.main import main
+from fivedc.runtime.export import names_of
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.data import RankBatches, Sampler
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.train_loop import TrainJob, train_job
-from fivedc.train_cli import _write_init
+from fivedc.cli.train import _write_init
 from train_helpers import ROOT, job_for, make_tokens, one_device
 
 CONFIG = dict(steps=3, lr=1e-2, save_every=0, seed=2)
@@ -84,8 +84,8 @@ def test_hugging_face_llama_loads_the_export(worker_pool, tmp_path, capsys) -> N
     """A Hugging Face Llama trained on tp2 from its own weights, resumed on one device;
     the export, with the wrapper's prefix stripped, loads into LlamaForCausalLM."""
     transformers = pytest.importorskip("transformers")
-    from fivedc.frontend_py import load_factory
-    from fivedc.fx.precision import float64_everywhere
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.frontends.fx.precision import float64_everywhere
 
     data, save = make_tokens(tmp_path), tmp_path / "run"
     module, inputs = load_factory(f"{ROOT}/examples/hf_models.py:llama")

@@ -21,13 +21,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fivedc.diff import canonical_values, diff_plans
+from fivedc.plan.diff import canonical_values, diff_plans
 from fivedc.errors import FivedcError, NotSupportedError
-from fivedc.frontend_dsl import load_model
-from fivedc.frontend_py import import_file
-from fivedc.frontend_fx import FxWarning, TracedModel, trace_module
-from fivedc.ir import Op, Repeat, walk_ops
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model
+from fivedc.frontends.python_file import import_file
+from fivedc.frontends.fx_module import FxWarning, TracedModel, trace_module
+from fivedc.ir.graph import Op, Repeat, walk_ops
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.kernels import KernelContext
@@ -347,7 +347,7 @@ def test_what_is_dropped_is_a_warning_at_the_users_line() -> None:
 
 def test_the_reference_runs_without_dropout_as_the_plan_does() -> None:
     """The IR has no dropout: a check's reference runs the module with every dropout at p=0."""
-    from fivedc.fx.precision import without_dropout
+    from fivedc.frontends.fx.precision import without_dropout
 
     x = torch.randn(2, 2, 4, 8, dtype=torch.float64)
     plain = F.scaled_dot_product_attention(x, x, x)

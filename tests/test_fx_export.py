@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fivedc.errors import NotSupportedError
-from fivedc.fx.export import export_graph
+from fivedc.frontends.fx.export import export_graph
 
 
 class TableFromBuffer(nn.Module):

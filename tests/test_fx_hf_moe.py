@@ -22,9 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fivedc.errors import NotSupportedError
-from fivedc.frontend_fx import trace_module
-from fivedc.ir import Repeat
-from fivedc.mesh import Mesh
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.graph import Repeat
+from fivedc.ir.mesh import Mesh
 from fivedc.parallel.check import check_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
@@ -156,7 +156,7 @@ def test_hf_mixtral_parallelized_at_dp_ep_trains_like_the_plain_module(worker_po
 
 
 def state_job(info, payload):
-    from fivedc.parallelize import parallelize
+    from fivedc.parallel.parallelize import parallelize
 
     module, inputs = mixtral.hf_factory(batch=4)
     model = parallelize(module, mesh="2x1x1x1x2", example_inputs=inputs)

@@ -19,9 +19,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from fivedc.errors import NotSupportedError  # noqa: E402
-from fivedc.frontend_fx import trace_module  # noqa: E402
-from fivedc.ir import Op, walk_ops  # noqa: E402
-from fivedc.mesh import Mesh, MeshAxis  # noqa: E402
+from fivedc.frontends.fx_module import trace_module  # noqa: E402
+from fivedc.ir.graph import Op, walk_ops  # noqa: E402
+from fivedc.ir.mesh import Mesh, MeshAxis  # noqa: E402
 from fivedc.passes.base import CompileOptions  # noqa: E402
 from fivedc.pipeline import compile_graph  # noqa: E402
 
@@ -68,7 +68,7 @@ def test_a_scaled_rotary_keeps_its_own_frequencies(worker_pool) -> None:
 
 def test_a_library_llama_under_a_loops_own_loss_trains_like_the_plain_module(worker_pool) -> None:
     """dp2 x tp2 with SP, 2 AdamW steps, float64: the float32 casts Hugging Face writes are read as
-    float64 by the reference (fivedc/fx/precision.py), as the plan computes."""
+    float64 by the reference (fivedc/frontends/fx/precision.py), as the plan computes."""
     from fivedc.parallel.check import check_module
 
     report = check_module("examples/hf_models.py:llama", kwargs={"loss": "logits"}, mesh="2x1x2x1x1", dtype="fp64",

@@ -17,9 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fivedc.errors import NotSupportedError
-from fivedc.frontend_fx import trace_module
-from fivedc.ir import Op, Repeat, walk_ops
-from fivedc.mesh import Mesh
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.graph import Op, Repeat, walk_ops
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings

@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fivedc.errors import NotSupportedError
-from fivedc.frontend_fx import trace_module
-from fivedc.ir import Op, Repeat, walk_ops
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.graph import Op, Repeat, walk_ops
 from fivedc.parallel.check import check_module
 from test_frontend_fx import assert_same_as_module, line_of, llama, nanogpt
 

@@ -1,4 +1,4 @@
-"""Pipeline stage marks in the fx frontend (`fivedc/fx/marks.py`).
+"""Pipeline stage marks in the fx frontend (`fivedc/frontends/fx/marks.py`).
 
 A module marked `fivedc_stage_boundary = True` (class or instance) or matched by a
 `stage_boundaries=` pattern of `trace_module` begins a pipeline chunk: a layer of a
@@ -17,8 +17,8 @@ import pytest
 import torch.nn as nn
 
 from fivedc.errors import FivedcError, NotSupportedError
-from fivedc.frontend_fx import trace_module
-from fivedc.ir import Op, Repeat
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.graph import Op, Repeat
 from test_frontend_fx import ShapeInFloat, _with_attention, line_of, nanogpt
 from test_fx_hf_moe import _tiny
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from fivedc.cli_shared import load_graph
-from fivedc.mesh import Mesh
+from fivedc.cli.shared import load_graph
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import ExecutionPlan
-from fivedc.plan_check import check_plan
-from fivedc.serialize import encode
+from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.cli.plan_check import check_plan
+from fivedc.ir.serialize import encode
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"

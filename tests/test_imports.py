@@ -1,11 +1,13 @@
-"""The package's import graph has no cycles.
+"""The package's import graph has no cycles, and no module imports from a layer above it.
 
-Every module of `fivedc` (with `passes/` as `fivedc.passes` and `runtime/` as
-`fivedc.runtime`) is parsed, and each import of another fivedc module is an edge,
+Every module of `fivedc` is parsed, and each import of another fivedc module is an edge,
 imports inside functions included (a lazy import that closes a cycle is still a
 cycle a reader must untangle). Imports under `if TYPE_CHECKING:` only name types
 and are not run, so they are left out; so is the root package's `__getattr__`,
 which makes `fivedc.parallelize` available lazily without importing the compiler.
+
+The folders are layers (each folder's `__init__.py` says which): a module may import
+its own folder and the layers below, never one above.
 """
 
 from __future__ import annotations
@@ -16,7 +18,22 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"fivedc": ROOT / "fivedc", "fivedc.passes": ROOT / "passes", "fivedc.runtime": ROOT / "runtime"}
+PACKAGES = {"fivedc": ROOT / "fivedc"}
+LAYERS = (  # bottom to top
+    ("fivedc.errors", "fivedc.files"),
+    ("fivedc.ir",),
+    ("fivedc.schedule",),
+    ("fivedc.passes",),
+    ("fivedc.estimates",),
+    ("fivedc.plan",),
+    ("fivedc.proof",),
+    ("fivedc.pipeline",),
+    ("fivedc.search",),
+    ("fivedc.frontends",),
+    ("fivedc.runtime",),
+    ("fivedc.parallel",),
+    ("fivedc.cli",),
+)
 
 
 def modules() -> dict[str, Path]:
@@ -76,3 +93,19 @@ def test_the_checker_sees_a_cycle() -> None:
     lazy = ast.parse("def f():\n    from fivedc.b import g\n")
     typed = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fivedc.b import g\n")
     assert imports(lazy, known) == {"fivedc.b"} and imports(typed, known) == set()
+
+
+def layer_of(module: str) -> int | None:
+    for index, owners in enumerate(LAYERS):
+        if any(module == owner or module.startswith(owner + ".") for owner in owners):
+            return index
+    return None  # the root package itself
+
+
+def test_no_module_imports_from_a_layer_above_it() -> None:
+    graph = import_graph()
+    assert all(layer_of(m) is not None for m in graph.nodes if m != "fivedc"), \
+        [m for m in graph.nodes if m != "fivedc" and layer_of(m) is None]  # every folder has its layer
+    upward = sorted(f"{a} -> {b}" for a, b in graph.edges
+                    if b != "fivedc" and layer_of(a) is not None and layer_of(b) > layer_of(a))
+    assert not upward, "imports from a layer above:\n" + "\n".join(upward)

@@ -12,10 +12,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fivedc.ir import ArgSpec, Graph, Block, Op, TensorType
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.ir.graph import ArgSpec, Graph, Block, Op, TensorType
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.runtime.kernels import KERNELS, KernelContext
-from fivedc.sharding import Sharding
+from fivedc.ir.sharding import Sharding
 
 DIMS = (("b", 2), ("s", 6), ("h", 3), ("kv", 1), ("d", 4), ("v", 8), ("e", 5))
 GRAPH = Graph("k", DIMS, (), Block(), batch_dim="b", seq_dim="s")

@@ -1,7 +1,7 @@
 """Memory per class of ranks in the plan: its JSON shape, its classes, and the transient parts.
 
 Plan-level, no processes. The transient parts are held against what each buffer is
-(`fivedc/transient.py`): ZeRO-3's gathered parameter and its prefetched successor, the
+(`fivedc/estimates/transient.py`): ZeRO-3's gathered groups and the prefetched next one, the
 logits' gradient beside the kept softmax, ZeRO-2's whole buckets in flight, ring
 attention's K/V blocks, computed by hand from the model's dims.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.memory import CATEGORIES, rank_activations
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.estimates.memory import CATEGORIES, rank_activations
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.summary import format_bytes
-from fivedc.transient import transients
+from fivedc.plan.summary import format_bytes
+from fivedc.estimates.transient import transients
 from random_models import model_text
 
 TEXT = model_text(style="llama", batch=8, seq=32, heads=4, kv_heads=2, head_dim=8, ffn=64, vocab=512, layers=4,
@@ -60,11 +60,17 @@ def test_the_plan_stays_flat_in_the_world_size() -> None:
     assert all(x.activations == y.activations for x, y in zip(a.memory.ranks, b.memory.ranks))
 
 
-def test_zero3_transient_is_the_gathered_parameter_and_the_next_one() -> None:
-    """ZeRO-3 without a pipeline gathers each parameter at its use and prefetches the next:
-    2 x the largest local parameter (the vocab table: 512 x 32 bf16)."""
+def test_zero3_transient_is_a_unit_of_groups_and_the_next_group() -> None:
+    """ZeRO-3 without a pipeline gathers by group (the buckets): in forward the groups of
+    the running unit and the next group, prefetched; in backward a group gathered again,
+    its gradients and their reduce-scatter buffer (3 x the group). Here the top level's
+    groups are the vocab table (512 x 32) and the head with the final norm (32 x 512 + 32),
+    bf16, and the largest group is the head's."""
     plan = compile_text("4x1x1x1x1", zero=3)
-    assert parts_of(plan)[0]["ZeRO-3 gathers"] == 2 * 512 * 32 * 2
+    table, head = 512 * 32 * 2, (32 * 512 + 32) * 2
+    layer = (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 64 + 2 * 32) * 2
+    assert sorted(b.bytes for b in plan.buckets) == sorted([table, head, layer])
+    assert parts_of(plan)[0]["ZeRO-3 gathers"] == max(table + head + head, 3 * head)
     piped = compile_text("2x2x1x1x1", zero=3, schedule="1f1b", microbatches=2)
     for r, parts in enumerate(parts_of(piped)):  # under a pipeline: the rank's whole parameters and gradients
         assert parts["ZeRO-3 gathers"] == 2 * piped.memory.of_pp_rank(r, 2).params * 2 // 2 * 2  # chunk x dp=2, x2
@@ -98,7 +104,7 @@ def test_the_transient_is_the_largest_part_and_the_summary_names_it() -> None:
 
     from rich.console import Console
 
-    from fivedc.summary import render_summary
+    from fivedc.plan.summary import render_summary
 
     plan = compile_text("1x2x1x1x1", schedule="gpipe", microbatches=2)
     for r, parts in enumerate(parts_of(plan)):

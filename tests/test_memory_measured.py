@@ -3,8 +3,8 @@
 `fivedc run --report` measures, per rank: the parameters, gradients and optimizer
 state held after the last backward, and the peak of what a step keeps for backward
 (every storage autograd saves, each once, plus checkpoint's region inputs and the
-pipeline's boundary values, alive until the backward: `runtime/saved.LiveMeter`).
-Each must be within 5% of the plan's estimate (`fivedc/memory.py`), on meshes over
+pipeline's boundary values, alive until the backward: `fivedc/runtime/saved.LiveMeter`).
+Each must be within 5% of the plan's estimate (`fivedc/estimates/memory.py`), on meshes over
 every axis, with pipeline schedules and recomputation.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from fivedc.frontend_dsl import parse_model
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import parse_model
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.run import memory_report, run_plan

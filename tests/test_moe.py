@@ -15,11 +15,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import DslError, NotSupportedError, ShapeError, ShardingError
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import CollectiveKind, Op, Phase, Repeat, walk_ops, walk_params
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import CollectiveKind, Op, Phase, Repeat, walk_ops, walk_params
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.passes.experts import MoeSettings
 from fivedc.pipeline import compile_graph
@@ -29,7 +29,7 @@ from fivedc.runtime.moe import (batched_experts, capacity_keep, grouped_experts,
                                 sliced_experts)
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import reference_run, single_device_mesh, verify_plan
-from fivedc.verify_report import _print_report
+from fivedc.cli.verify_report import _print_report
 from random_models import Case, draw_moe_case, moe_model_text
 
 TOL = 1e-10
@@ -332,7 +332,7 @@ def test_verify_prints_the_expert_load(worker_pool, capsys) -> None:
 def test_the_activation_estimate_counts_what_the_experts_keep() -> None:
     """The plan's activation estimate against the bytes autograd really saves in a
     forward (parameters and inputs aside, each storage once), for a model that is mostly
-    one MoE layer on one device: equal (the save rule of `fivedc/saved.py`: routing,
+    one MoE layer on one device: equal (the save rule of `fivedc/estimates/saved.py`: routing,
     the routed rows, the experts' inner activations, the rows sent back)."""
     from fivedc.runtime.program import Program, init_params, make_inputs
     from fivedc.runtime.saved import SavedRecorder, saving_scope

@@ -5,7 +5,7 @@ a device, the command's own input, a missing or read-only directory) is an
 `OutputError` with exit code 2 that leaves the directory exactly as it was; a write
 that succeeds gets the mode a plain open() would give, keeps an existing file's
 mode and writes through a symlink inside the tree. The CLI checks are run through
-`fivedc.cli.main` (and once through `python -m fivedc.cli`) with no traceback.
+`fivedc.cli.main.main` (and once through `python -m fivedc.cli.main`) with no traceback.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-import fivedc.cli
-from fivedc.cli import main
+import fivedc.cli.main
+from fivedc.cli.main import main
 from fivedc.files import OutputError, check_output, write_output
-from fivedc.plan import ExecutionPlan
+from fivedc.plan.execution_plan import ExecutionPlan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -225,7 +225,7 @@ def test_compile_refuses_to_overwrite_the_model(tree: Path, capsys) -> None:
 def test_compile_checks_the_output_before_compiling(tree: Path, capsys, monkeypatch) -> None:
     (tree / "somedir").mkdir()
     _copy("gpt.5d", tree)
-    monkeypatch.setattr(fivedc.cli, "compile_model", lambda *a, **k: pytest.fail("compiled before checking -o"))
+    monkeypatch.setattr(fivedc.cli.main, "compile_model", lambda *a, **k: pytest.fail("compiled before checking -o"))
     for output, message in (("missing/x.json", "does not exist"), ("somedir/", "names a directory"),
                             ("somedir", "is a directory")):
         assert main(["compile", "gpt.5d", "--mesh", "2x1x2x1x1", "-o", output]) == 2
@@ -237,7 +237,7 @@ def test_compile_checks_the_output_before_compiling(tree: Path, capsys, monkeypa
 def test_the_command_line_entry_point_refuses_without_a_traceback(tree: Path) -> None:
     model = _copy("gpt.5d", tree)
     before = model.read_bytes()
-    result = subprocess.run([sys.executable, "-m", "fivedc.cli", "compile", "gpt.5d", "--mesh", "2x1x2x1x1",
+    result = subprocess.run([sys.executable, "-m", "fivedc.cli.main", "compile", "gpt.5d", "--mesh", "2x1x2x1x1",
                              "-o", "gpt.5d"], capture_output=True, text=True, cwd=tree)
     assert result.returncode == 2 and "is the input file" in result.stderr and "Traceback" not in result.stderr
     assert model.read_bytes() == before

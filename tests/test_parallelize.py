@@ -18,25 +18,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from fivedc.frontend_py import import_file
+from fivedc.frontends.python_file import import_file
 import torch.nn as nn
 import torch.nn.functional as F
 
 import fivedc
-from fivedc.diff import canonical_values, diff_plans
+from fivedc.plan.diff import canonical_values, diff_plans
 from fivedc.errors import FivedcError, MeshError, NotSupportedError, ShardingError
-from fivedc.frontend_dsl import load_model
-from fivedc.frontend_py import graph_from_spec, is_spec, load_factory
-from fivedc.ir import Repeat
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.frontends.dsl_file import load_model
+from fivedc.frontends.python_file import graph_from_spec, is_spec, load_factory
+from fivedc.ir.graph import Repeat
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.parallel.check import check_module, compare, train_module
 from fivedc.parallel.module import ParallelModule
-from fivedc.parallelize import compile_module
+from fivedc.parallel.parallelize import compile_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import ExecutionPlan
+from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.program import qualified_params
-from fivedc.stages import chunk_param_names
+from fivedc.passes.stages import chunk_param_names
 
 HERE = str(Path(__file__).resolve())
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -307,7 +307,7 @@ def _param_shardings(plan) -> dict[str, str]:
 
 
 def _walk_params(graph):
-    from fivedc.ir import walk_params
+    from fivedc.ir.graph import walk_params
 
     return walk_params(graph.body)
 

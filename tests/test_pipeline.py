@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import FivedcError, PlanError
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import CollectiveKind, Phase
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import CollectiveKind, Phase
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
-from fivedc.stage_plan import RUNNABLE
-from fivedc.stages import chunk_param_names, partition
+from fivedc.passes.stage_plan import RUNNABLE
+from fivedc.passes.stages import chunk_param_names, partition
 from random_models import model_text
 
 TOL = 1e-10
@@ -217,7 +217,7 @@ def test_dualpipev_balances_each_ranks_pair_of_chunks() -> None:
     import itertools
     import random
 
-    from fivedc.stage_plan import balance_v
+    from fivedc.passes.stage_plan import balance_v
 
     def worst_pair(costs, ranges) -> float:
         chunk = [sum(costs[a:b]) for a, b in ranges]

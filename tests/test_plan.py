@@ -12,12 +12,12 @@ import math
 import pytest
 
 from fivedc.errors import PlanError, ShapeError
-from fivedc.frontend_dsl import load_model
-from fivedc.ir import CollectiveKind as K, Phase
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.frontends.dsl_file import load_model
+from fivedc.ir.graph import CollectiveKind as K, Phase
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import ExecutionPlan
+from fivedc.plan.execution_plan import ExecutionPlan
 
 MiB = 2**20
 LLAMA = "examples/llama3_405b.5d"

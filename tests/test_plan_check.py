@@ -18,13 +18,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fivedc.cli import load_graph, main
+from fivedc.cli.main import load_graph, main
 from fivedc.errors import PlanError
-from fivedc.mesh import Mesh
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import ExecutionPlan
-from fivedc.plan_check import check_plan, first_difference, load_plan, options_of, source_graph
+from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.cli.plan_check import check_plan, first_difference, load_plan, options_of, source_graph
 
 CASES = [
     ("examples/gpt.5d", "2x1x2x1x1", dict(sequence_parallel=True)),
@@ -50,7 +50,7 @@ def plan_of(index: int) -> ExecutionPlan:
 
 
 def saved(tmp_path, plan: ExecutionPlan, edit=None):
-    data = json.loads(json.dumps(__import__("fivedc.serialize", fromlist=["encode"]).encode(plan)))
+    data = json.loads(json.dumps(__import__("fivedc.ir.serialize", fromlist=["encode"]).encode(plan)))
     if edit is not None:
         edit(data)
     path = tmp_path / "plan.json"
@@ -166,7 +166,7 @@ def _mutations(value):
 @given(index=st.sampled_from([0, 1, 3, 4, 6]), pick=st.integers(0, 10**9), how=st.integers(0, 10**9),
        delete=st.booleans())
 def test_every_mutation_is_rejected_or_compiles_to_itself(tmp_path, index, pick, how, delete) -> None:
-    from fivedc.serialize import encode
+    from fivedc.ir.serialize import encode
 
     data = json.loads(json.dumps(encode(plan_of(index))))
     leaves = [(p, v) for p, v in _leaves(data) if p]

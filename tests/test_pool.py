@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import fivedc.runtime.pool as pool_module
 from fivedc.errors import FivedcError, MeshError, ShapeError, SourceLoc, VerifyMismatch
-from fivedc.mesh import Mesh
+from fivedc.ir.mesh import Mesh
 from fivedc.runtime.pool import (
     RankError, RankInfo, WorkerError, WorkerPool, check_world, init_from_env, run_once,
 )
@@ -277,12 +277,19 @@ def start_parent(tmp_path, *args: str) -> subprocess.Popen:
 
 
 def read_line(proc: subprocess.Popen, timeout_s: float = 120) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        pytest.fail(f"the parent printed nothing; stderr:\n{proc.communicate()[1]}")
-    return line.strip()
+    """The parent's next line, read from its pipe directly: a buffered reader could take two
+    lines at once and leave `select` waiting for one already read."""
+    fd, buffered = proc.stdout.fileno(), getattr(proc, "unread", b"")
+    deadline = time.monotonic() + timeout_s
+    while b"\n" not in buffered:
+        left = deadline - time.monotonic()
+        chunk = os.read(fd, 4096) if left > 0 and select.select([fd], [], [], left)[0] else b""
+        if not chunk:
+            proc.kill()
+            pytest.fail(f"the parent printed nothing; stderr:\n{proc.communicate()[1]}")
+        buffered += chunk
+    line, _, proc.unread = buffered.partition(b"\n")
+    return line.decode().strip()
 
 
 def session(sid: int) -> list[int]:
@@ -311,23 +318,31 @@ def pool_folders(pid: int) -> list[str]:
 
 
 @linux_only
-@pytest.mark.parametrize("how", ["kill", "term", "kill-thread"])
-def test_workers_and_folder_go_with_a_killed_parent(tmp_path, how: str) -> None:
+def test_workers_and_folder_go_with_a_killed_parent(tmp_path) -> None:
     """kill: the workers die by PR_SET_PDEATHSIG and the next pool removes the folder;
     term: the parent's handler stops them and removes it; kill-thread: the workers'
-    watching thread sees the parent gone, removes the folder and exits."""
-    proc = start_parent(tmp_path, *(["thread"] if how == "kill-thread" else []))
-    assert read_line(proc) == "starting"
-    workers = [int(pid) for pid in read_line(proc).split()]
-    assert len(workers) == 2 and set(workers) <= set(session(proc.pid))
-    assert len(pool_folders(proc.pid)) == 1
-    sig = signal.SIGTERM if how == "term" else signal.SIGKILL
-    os.kill(proc.pid, sig)
-    assert proc.wait(timeout=30) == -sig
-    assert gone_within(proc.pid, 10) == []  # the workers and multiprocessing's resource tracker
-    if how == "kill":
-        WorkerPool(1).close()
-    assert pool_folders(proc.pid) == []
+    watching thread sees the parent gone, removes the folder and exits. The three
+    parents run at once (each its own session), so their workers start together."""
+    hows = ("kill", "term", "kill-thread")
+    procs = {}
+    for how in hows:
+        (tmp_path / how).mkdir()
+        procs[how] = start_parent(tmp_path / how, *(["thread"] if how == "kill-thread" else []))
+    for how, proc in procs.items():
+        assert read_line(proc) == "starting", how
+        workers = [int(pid) for pid in read_line(proc).split()]
+        assert len(workers) == 2 and set(workers) <= set(session(proc.pid)), how
+        assert len(pool_folders(proc.pid)) == 1, how
+    for how, proc in procs.items():
+        sig = signal.SIGTERM if how == "term" else signal.SIGKILL
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=30) == -sig, how
+    for how, proc in procs.items():
+        assert gone_within(proc.pid, 10) == [], how  # the workers and multiprocessing's resource tracker
+    for how in ("term", "kill-thread"):  # removed by the parent's handler, or the workers' thread
+        assert pool_folders(procs[how].pid) == [], how
+    WorkerPool(1).close()  # sweeps the folder SIGKILL left (its owner is gone)
+    assert pool_folders(procs["kill"].pid) == []
 
 
 @linux_only

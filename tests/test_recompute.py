@@ -21,13 +21,13 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fivedc.errors import DslError, PlanError
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import Op, Repeat, walk_ops
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import Op, Repeat, walk_ops
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import ExecutionPlan
-from fivedc.plan_check import check_plan
+from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.cli.plan_check import check_plan
 from fivedc.runtime import program as program_module
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import Program, init_params, make_inputs
@@ -156,7 +156,7 @@ def test_moe_layers_recomputed_route_and_count_once(worker_pool) -> None:
 # ---- the option: CLI, plan file, summary, diff, DSL ------------------------------------------
 def fivedc(capsys, *args: str) -> tuple[int, str, str]:
     """`fivedc ARGS` in this process: exit code, stdout, stderr (argparse's exit is code 2)."""
-    from fivedc.cli import main
+    from fivedc.cli.main import main
 
     try:
         code = main(list(args))
@@ -218,7 +218,7 @@ def test_the_model_and_its_layer_stacks_choose(tmp_path) -> None:
 
 
 def test_parallelize_takes_the_option() -> None:
-    from fivedc.parallelize import compile_module
+    from fivedc.parallel.parallelize import compile_module
 
     sys.path.insert(0, "examples")
     try:

@@ -22,16 +22,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from fivedc.diff import diff_plans
+from fivedc.plan.diff import diff_plans
 from fivedc.errors import FivedcError, NotSupportedError
-from fivedc.frontend_fx import trace_module
-from fivedc.ir import Op, walk_ops
-from fivedc.mesh import Mesh
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.graph import Op, walk_ops
+from fivedc.ir.mesh import Mesh
 from fivedc.parallel.check import check_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan_check import load_plan
-from fivedc.summary import render_summary
+from fivedc.cli.plan_check import load_plan
+from fivedc.plan.summary import render_summary
 from replicated_models import Flipped, LocalOps, flipped, running_sum
 from test_frontend_fx import assert_same_as_module, line_of, llama
 

@@ -33,7 +33,7 @@ def test_too_many_processes_for_the_cores() -> None:
     assert isinstance(error, FivedcError) and error.exit_code == 2
     assert error.message == ("the mesh 4x1x8x1x1 needs 32 local processes, but this machine runs at most 16 "
                              "(2 cores x 8 per core, and never more than 256)")
-    assert "torchrun --nnodes 2 --nproc-per-node 16 ... -m fivedc.cli run PLAN.json" in error.hint
+    assert "torchrun --nnodes 2 --nproc-per-node 16 ... -m fivedc.cli.main run PLAN.json" in error.hint
     assert "smaller mesh" in error.hint and "--force" in error.hint
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fivedc.runtime.attention import make_ring, ring_attention
 from fivedc.runtime.pool import RankInfo, WorkerPool
-from fivedc.seq_layout import SeqLayout, layout_order
+from fivedc.ir.seq_layout import SeqLayout, layout_order
 
 TOL = 1e-10
 SEQ, HEADS, DIM = 32, 4, 8

@@ -345,7 +345,7 @@ def test_draws_png_and_svg(tmp_path) -> None:
 
 # ---- activations in flight: the memory estimate plays the schedule -------------------------------
 def _spec(name: str, p: int, m: int, v: int | None = None):
-    from fivedc.stages import Chunk, PipelineSpec
+    from fivedc.passes.stages import Chunk, PipelineSpec
 
     sched = make_schedule(name, p, m, v)
     chunks = tuple(Chunk(c, sched.placement[c], (c, c + 1), f"c{c}", 1.0, 0) for c in range(p * sched.v))
@@ -361,7 +361,7 @@ def test_activations_in_flight_follow_each_schedule(p: int, m: int) -> None:
     per = lambda chunks: step // (chunks * m)  # noqa: E731
 
     def activations_in_flight(spec, p, step):
-        from fivedc.stage_plan import activations_in_flight as played
+        from fivedc.passes.stage_plan import activations_in_flight as played
 
         return played(spec, p, [per(len(spec.chunks))] * len(spec.chunks))
     assert activations_in_flight(_spec("gpipe", p, m), p, step) == (per(p) * m,) * p  # all m, every rank

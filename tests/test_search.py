@@ -1,4 +1,4 @@
-"""The layout search (fivedc/search.py): its scores are compile's, it never proposes what compile
+"""The layout search (fivedc/search/search.py): its scores are compile's, it never proposes what compile
 refuses or what does not fit, it finds the one layout that fits, and it is deterministic.
 
 Plan-level, no processes, small models (a search over 8 GPUs takes about a second).
@@ -11,13 +11,13 @@ import json
 
 import pytest
 
-from fivedc.cli import main
-from fivedc.frontend_dsl import parse_model
-from fivedc.hardware import GiB, hardware
-from fivedc.mesh import Mesh
+from fivedc.cli.main import main
+from fivedc.frontends.dsl_file import parse_model
+from fivedc.ir.hardware import GiB, hardware
+from fivedc.ir.mesh import Mesh
 from fivedc.pipeline import compile_graph
-from fivedc.search import SearchError, search
-from fivedc.search_space import Candidate
+from fivedc.search.search import SearchError, search
+from fivedc.search.space import Candidate
 
 H100 = hardware("h100")
 
@@ -102,15 +102,19 @@ def test_ranked_best_first_and_deterministic(tiny_result) -> None:
 
 
 def test_the_one_layout_that_fits() -> None:
+    # dp=2 is the only mesh; of its ZeRO stages one needs the least memory (ZeRO-1 here: ZeRO-2
+    # lays out its bucket twice, ZeRO-3 holds its one group gathered 3x in backward), and a GPU
+    # sized between it and the next leaves it the only layout
     graph = parse_model(ODD)
     totals = {z: compile_graph(graph, Candidate(Mesh((2, 1, 1, 1, 1)), zero=z).options(dtype="bf16")).memory.total
-              for z in (2, 3)}
-    assert totals[3] < totals[2]
-    limit = (totals[3] + totals[2]) / 2  # ZeRO-3 fits, ZeRO-2 does not
-    small = dataclasses.replace(H100, memory_gib=1.0 + limit / GiB, reserved_gib=1.0)
+              for z in (0, 1, 2, 3)}
+    least, second = sorted(totals.values())[:2]
+    assert least < second
+    fits = next(z for z, total in totals.items() if total == least)
+    small = dataclasses.replace(H100, memory_gib=1.0 + (least + second) / 2 / GiB, reserved_gib=1.0)
     result = search(graph, gpus=2, hardware=small)
-    assert [s.candidate for s in result.ranked] == [Candidate(Mesh((2, 1, 1, 1, 1)), zero=3)]
-    assert result.plan.memory.total == totals[3]  # the best, compiled for real
+    assert [s.candidate for s in result.ranked] == [Candidate(Mesh((2, 1, 1, 1, 1)), zero=fits)]
+    assert result.plan.memory.total == least  # the best, compiled for real
     assert result.rejected["does not fit in the GPU's memory"] == 3
 
 
@@ -155,11 +159,19 @@ def test_a_model_that_fits_nowhere(tmp_path, capsys) -> None:
 
 
 def test_parallelize_auto_compiles_the_searched_layout() -> None:
-    from fivedc.frontend_py import load_factory
-    from fivedc.parallelize import search_module
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.parallel.parallelize import search_module
 
     module, example = load_factory("examples/nanogpt.py:factory")
     traced, plan = search_module(module, example, gpus=2, gpu="h100")
     best = search(traced.graph, gpus=2, hardware=H100, dtype="fp64", compile_best=False).best
     assert plan.mesh.world == 2 and plan.mesh == best.candidate.mesh
     assert plan.time.step_seconds == best.time.step_seconds
+
+
+def test_the_search_runs_every_planning_pass_of_compile() -> None:
+    from fivedc.pipeline import PLANNING_PASSES
+    from fivedc.search.search import PER_MODE, PER_PIPELINE, TIMING
+
+    assert PER_PIPELINE + PER_MODE + TIMING == PLANNING_PASSES[:-1]  # all but prove-agreement, in order
+    assert PLANNING_PASSES[-1].name == "prove-agreement"

@@ -20,18 +20,18 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import DslError, PlanError
-from fivedc.frontend_dsl import parse_model
-from fivedc.ir import Annotation, Op, Redistribute
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import parse_model
+from fivedc.ir.graph import Annotation, Op, Redistribute
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import ExecutionPlan
+from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
-from fivedc.stages import Unit, units
-from fivedc.summary import render_summary
+from fivedc.passes.stages import Unit, units
+from fivedc.plan.summary import render_summary
 from random_models import model_text
 from test_dsl import _at
 
@@ -279,7 +279,7 @@ def test_cli_shows_the_marked_chunks_and_refuses_a_wrong_count(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "the model marks 1 stage boundary (before layers.3), giving 2 chunks; 1f1b on pp=4 runs 4 chunks" in err
     assert "hint: add 2 marks" in err and "Traceback" not in err and not (tmp_path / "bad.json").exists()
-    result = subprocess.run([sys.executable, "-m", "fivedc.cli", "compile", str(model), "--mesh", "1x2x1x1x1",
+    result = subprocess.run([sys.executable, "-m", "fivedc.cli.main", "compile", str(model), "--mesh", "1x2x1x1x1",
                              "--pp-layout", "2,2", "-q", "-o", str(tmp_path / "bad.json")], capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{model}:" in result.stderr and "--pp-layout 2,2 gives layers per chunk too" in result.stderr

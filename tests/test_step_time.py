@@ -15,17 +15,17 @@ import json
 
 import pytest
 
-from fivedc.cli import main
-from fivedc.costs import collective_seconds, model_flops, node_span, op_times
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.hardware import HardwareError, hardware, profiles
-from fivedc.ir import CollectiveKind as K, Op, walk_ops
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.cli.main import main
+from fivedc.estimates.costs import collective_seconds, model_flops, node_span, op_times
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.hardware import HardwareError, hardware, profiles
+from fivedc.ir.graph import CollectiveKind as K, Op, walk_ops
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.saved import SaveContext
+from fivedc.estimates.saved import SaveContext
 from fivedc.schedule import make_schedule, simulate
-from fivedc.step_time import closed_form_makespan
+from fivedc.estimates.step_time import closed_form_makespan
 from random_models import model_text
 
 H100 = hardware("h100")

@@ -1,4 +1,4 @@
-"""The plan summary (`fivedc.summary`) and the plan diff (`fivedc.diff`).
+"""The plan summary (`fivedc.plan.summary`) and the plan diff (`fivedc.plan.diff`).
 
 The summary is checked as text, the way `fivedc compile` prints it: groups, the
 parameter rows, a collective row with its reason, the memory rows; by default it
@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fivedc.cli import main
-from fivedc.diff import PlanDiff, diff_plans, render_diff
-from fivedc.frontend_dsl import load_model
-from fivedc.ir import Phase
-from fivedc.mesh import Mesh, MeshAxis
+from fivedc.cli.main import main
+from fivedc.plan.diff import PlanDiff, diff_plans, render_diff
+from fivedc.frontends.dsl_file import load_model
+from fivedc.ir.graph import Phase
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import ExecutionPlan
-from fivedc.summary import MAX_PARAM_ROWS, axes_text, format_bytes, op_shardings, render_summary
+from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.plan.summary import MAX_PARAM_ROWS, axes_text, format_bytes, op_shardings, render_summary
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TINY = EXAMPLES / "tiny_llama.5d"
@@ -293,7 +293,7 @@ def test_repeated_collective_keys_pair_up_in_order() -> None:
 def test_the_summary_prints_the_bubble_of_the_published_formula(schedule: str, m: int, v) -> None:
     """Equal chunks, a backward twice a forward: 1F1B and GPipe idle (p - 1) / (m + p - 1) of the
     step, interleaved with v chunks per rank (p - 1) / (v m + p - 1) (Narayanan et al. 2021, eq. 1-2)."""
-    from fivedc.summary import pipeline_bubble
+    from fivedc.plan.summary import pipeline_bubble
 
     p = 4
     options = CompileOptions(mesh=Mesh.parse("1x4x1x1x1"), schedule=schedule, microbatches=m,

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from fivedc.errors import FivedcError
-from fivedc.frontend_fx import trace_module
-from fivedc.ir import Annotation, Op, walk_ops
-from fivedc.mesh import Mesh
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.graph import Annotation, Op, walk_ops
+from fivedc.ir.mesh import Mesh
 from fivedc.parallel.check import check_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph

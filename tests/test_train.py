@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import FivedcError
-from fivedc.frontend_dsl import parse_model
+from fivedc.frontends.dsl_file import parse_model
 from fivedc.runtime.data import RankBatches, Sampler, TokenFile, input_roles, read_windows
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import Program, init_params, shard
 from fivedc.runtime.train_loop import train_job
-from fivedc.train_config import TrainConfig
+from fivedc.runtime.train_config import TrainConfig
 from train_helpers import job_for, make_tokens, one_device, plan_of, rel
 
 TOL = 1e-12
@@ -109,7 +109,7 @@ class _Labels(torch.nn.Module):
 
 @pytest.mark.parametrize("shift,role", [(True, "labels"), (False, "targets")])
 def test_labels_the_model_shifts_get_the_tokens_themselves(shift: bool, role: str) -> None:
-    from fivedc.frontend_fx import trace_module
+    from fivedc.frontends.fx_module import trace_module
 
     ids = torch.randint(0, 32, (2, 8))
     graph = trace_module(_Labels(shift), (ids, ids.clone())).graph  # one tensor passed twice confuses export
@@ -148,7 +148,7 @@ def test_bad_data_and_settings_are_refused_before_any_process(tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("model,mesh,options", [
-    ("tiny_llama", "2x2x2x1x1", {"zero": 1}),  # pp holders; replicas over dp (ZeRO-1: whole gradients), norms over tp
+    ("tiny_llama", "2x2x2x1x1", {"zero": 1}),  # pp holders; ZeRO-1 chunks over dp, norms over tp
     ("moe", "1x1x1x2x2", {"zero": 2}),  # ep splits the experts, cp the sequence; ZeRO-2 chunks over the rest
 ])
 def test_global_norm_and_clipping_match_one_device(worker_pool, data, model: str, mesh: str, options: dict) -> None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.runtime.checkpoint import committed, find_checkpoint, read_index
 from fivedc.runtime.data import RankBatches
 from fivedc.runtime.pool import WorkerError

@@ -3,7 +3,7 @@
 Before, the worst error was kept with `max((err, name), ...)`, which a NaN never
 wins, so a parallel run whose numbers were all NaN reported error 0.0 and "OK".
 These tests poison a real parallel run inside the workers (the job wraps
-`runtime/verify.train_plan`) and check the verdict, and hold each comparison rule
+`fivedc/runtime/verify.train_plan`) and check the verdict, and hold each comparison rule
 to its definition.
 """
 
@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import VerifyMismatch
-from fivedc.frontend_dsl import load_model
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model
+from fivedc.ir.mesh import Mesh
 from fivedc.parallel.check import ModuleRun, compare
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
@@ -25,7 +25,7 @@ from fivedc.runtime import verify
 from fivedc.runtime.compare import (ReferenceNotFinite, Worst, check_reference, compare_runs, loss_error,
                                    relative_error)
 from fivedc.runtime.train import TrainRecord, TrainSettings
-from fivedc.verify_cli import judge
+from fivedc.cli.verify import judge
 
 
 def test_relative_error_treats_non_finite_values_as_infinite() -> None:

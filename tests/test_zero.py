@@ -11,14 +11,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fivedc.cli import main
+from fivedc.cli.main import main
 from fivedc.errors import FivedcError
-from fivedc.frontend_dsl import load_model, parse_model
-from fivedc.ir import CollectiveKind, Phase
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import CollectiveKind, Phase
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan import OPTIMIZER_BYTES
+from fivedc.estimates.memory import OPTIMIZER_BYTES
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
 from fivedc.runtime.flat_shard import FlatShard
@@ -82,10 +82,20 @@ def test_collectives_per_stage() -> None:
     assert kinds(2) == {(Phase.GRAD_SYNC, K.REDUCE_SCATTER), (Phase.OPTIMIZER, K.ALL_GATHER)}
     assert kinds(3) == {(Phase.BACKWARD, K.REDUCE_SCATTER), (Phase.FORWARD, K.ALL_GATHER), (Phase.BACKWARD, K.ALL_GATHER)}
     plan = plan_for("2x1x2x1x1", 3, sp=True)
-    wq = next(c for c in plan.collectives if c.tensor == "layers.*.wq" and c.phase == Phase.FORWARD)
-    assert wq.count == 2 and "gather it before each use" in wq.reason  # once per layer
-    norm = next(c for c in plan.collectives if c.tensor == "norm" and c.kind == K.REDUCE_SCATTER)
-    assert norm.axes == ("dp", "tp")  # under SP a norm weight's replicas span dp x tp
+
+    def group(name: str, kind: K, phase: Phase):
+        return next(c for c in plan.collectives if c.kind == kind and c.phase == phase and f" {name}" in c.tensor)
+
+    wq = group("layers.*.wq", K.ALL_GATHER, Phase.FORWARD)
+    assert wq.count == 2 and "as one group" in wq.reason and " layers.*.wo" in wq.tensor  # once per layer, with wo
+    assert group("norm", K.REDUCE_SCATTER, Phase.BACKWARD).axes == ("dp", "tp")  # SP: a norm weight spans dp x tp
+    # FSDP2's count: per group (a layer's weights of one ZeRO group) one gather forward, one
+    # backward, one reduce-scatter; not one per parameter and use
+    for axes in (("dp",), ("dp", "tp")):
+        instances = sum(b.count for b in plan.buckets if b.axes == axes)
+        moved = [c for c in plan.collectives if c.axes == axes and c.kind in (K.ALL_GATHER, K.REDUCE_SCATTER)]
+        assert sum(c.count for c in moved) == 3 * instances
+    assert [b.count for b in plan.buckets].count(2) == 2  # a layer's groups: its weights (dp), its norms (dp x tp)
 
 
 @pytest.mark.parametrize("zero", [1, 2])
@@ -264,7 +274,7 @@ def _gathered_copies_job(info, zero: int) -> dict:
     from pathlib import Path
 
     import fivedc
-    from fivedc.frontend_py import import_file
+    from fivedc.frontends.python_file import import_file
 
     llama = import_file(Path(__file__).resolve().parent.parent / "examples" / "llama.py")
     module, inputs = llama.factory(batch=2)

@@ -7,21 +7,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fivedc.frontend_dsl import load_model
-from fivedc.mesh import Mesh
+from fivedc.frontends.dsl_file import load_model
+from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.data import TokenFile, check_token_file
 from fivedc.runtime.pool_worker import RankInfo
 from fivedc.runtime.train_loop import TrainJob, train_rank
-from fivedc.train_config import TrainConfig
+from fivedc.runtime.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_tokens(folder: Path, *, tokens: int = 3000, val: int = 600, vocab: int = 64, seed: int = 0) -> tuple[str, str]:
     """train.bin and val.bin of examples/make_data.py's synthetic language, in `folder`."""
-    from fivedc.frontend_py import import_file
+    from fivedc.frontends.python_file import import_file
 
     make_data = import_file(ROOT / "examples" / "make_data.py")
     both, _ = make_data.markov(tokens + val, vocab=vocab, seed=seed)

@@ -1,10 +1,10 @@
 """What a rank really calls on torch.distributed during one training step, for the agreement tests.
 
 `record_step` (a worker-pool job) wraps torch.distributed's collectives and point-to-
-point calls, trains one step of the plan (`runtime/verify.train_plan`), and returns
+point calls, trains one step of the plan (`fivedc/runtime/verify.train_plan`), and returns
 each call as (op, group axes or "pp", elements, dtype, peer pp rank). Calls made
 inside another recorded call (torch's `recv` through `irecv`) are not recorded twice.
-`expected_calls` turns a class program (`fivedc/comm_program.py`) into the same form,
+`expected_calls` turns a class program (`fivedc/proof/comm_program.py`) into the same form,
 as gloo runs it: a reduce-scatter is an all-reduce of the same input; a ring hop is a
 send and a receive (recorded as one `send_recv`).
 """
@@ -16,7 +16,7 @@ from itertools import combinations
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from fivedc.mesh import MeshAxis
+from fivedc.ir.mesh import MeshAxis
 
 NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
          "all_to_all_single", "isend", "irecv", "send", "recv", "broadcast")

@@ -1,4 +1,4 @@
-"""What `fivedc.parallelize` (fivedc/parallelize.py) returns and how it runs.
+"""What `fivedc.parallelize` (fivedc/parallel/parallelize.py) returns and how it runs.
 
 module.py    ParallelModule: one rank's shards of a traced module, run by the plan's Program
 weights.py   where its weights live per ZeRO stage (whole shards, flat chunks, gathered on use)
@@ -6,4 +6,6 @@ grads.py     GradSync: gradients summed over their grad_partial axes before back
 pipeline.py  pp > 1: the forward runs the schedule; gathers across pp
 pins.py      shardings pinned by module-path pattern
 check.py     equivalence of a parallelized module with the plain one (fivedc verify file.py:factory)
+
+Layer 9: may import the runtime, the frontends, the pipeline and everything below.
 """

@@ -8,7 +8,7 @@ comparing them checks every rank's shards). `check_module` trains the plain modu
 in this process, then the parallelized one on `mesh.world` workers (a
 `WorkerPool`, or a temporary one), and reports the worst relative error of each
 kind (relative to the largest magnitude of the reference tensor, as
-`runtime/verify.py` does). The module comes from a `file.py:factory` spec, so
+`fivedc/runtime/verify.py` does). The module comes from a `file.py:factory` spec, so
 each worker builds it again; the reference's initial state is sent along, so the
 factory need not be seeded.
 """
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from fivedc.errors import FivedcError
-from fivedc.fx.precision import float64_everywhere, without_dropout
+from fivedc.frontends.fx.precision import float64_everywhere, without_dropout
 from fivedc.runtime.compare import check_reference, compare_runs
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
@@ -47,8 +47,8 @@ class ModuleCheck:
     world: int = 1
     expert_load: tuple = ()  # (MoE routing statistics: none for a dense module)
     module: bool = True  # checked against the plain module (a plan's report is against the plan on one device)
-    traced: bool = False  # verify traced the module's plan op by op (fivedc/verify_cli.py)
-    divergence: object = None  # then its first divergent op (runtime/divergence.Divergence), or None
+    traced: bool = False  # verify traced the module's plan op by op (fivedc/cli/verify.py)
+    divergence: object = None  # then its first divergent op (fivedc/runtime/divergence.Divergence), or None
     injected: int = 0
 
     @property
@@ -82,8 +82,8 @@ def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: 
 
 def rank_job(info, payload) -> ModuleRun | None:
     """One rank: build the module from its spec, load the reference's start, parallelize, train."""
-    from fivedc.frontend_py import load_factory
-    from fivedc.parallelize import parallelize
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.parallel.parallelize import parallelize
 
     spec, kwargs, dtype, state, inputs, options, settings = payload
     module, _ = load_factory(spec, kwargs=kwargs)
@@ -106,8 +106,8 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
     process is one rank: every rank must call it, and rank 0 gets the result, the others None."""
     import torch.distributed as dist
 
-    from fivedc.frontend_py import load_factory
-    from fivedc.mesh import Mesh
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.ir.mesh import Mesh
     from fivedc.runtime.pool import DEFAULT_TIMEOUT_S, RankInfo, run_once
 
     if seed is not None:
@@ -121,7 +121,7 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
                           hint="return the model that holds the weights from the factory")
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay}
-    with float64_everywhere(dtype == "fp64"), without_dropout():  # as the plan computes: fivedc/fx/precision.py
+    with float64_everywhere(dtype == "fp64"), without_dropout():  # as the plan computes: fivedc/frontends/fx/precision.py
         reference = train_module(module, inputs, **settings)
     check_reference(reference.losses, [*reference.grads, reference.params], what=spec)
     payload = (spec, kwargs, dtype, state, inputs, {"mesh": mesh, **options}, settings)
@@ -141,7 +141,7 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
 
 
 def compare(reference: ModuleRun, parallel: ModuleRun) -> ModuleCheck:
-    """The worst relative error of each kind (runtime/compare.py: a missing step or
+    """The worst relative error of each kind (fivedc/runtime/compare.py: a missing step or
     tensor, or a non-finite value in the parallel run, is an infinite error)."""
     worst = compare_runs(parallel, reference, names=tuple(reference.params))
     return ModuleCheck(tuple(reference.losses), tuple(parallel.losses), worst["loss"][0], worst["grad"][0],

@@ -2,7 +2,7 @@
 
 Each parameter shard's gradient is a summand over its `grad_partial` axes (dp, cp,
 and tp for norm weights under SP). `GradSync` sums it there with the plan's
-buckets (`runtime/buckets.py`), started during backward from post-accumulate-grad
+buckets (`fivedc/runtime/buckets.py`), started during backward from post-accumulate-grad
 hooks in the plan's order (or all at the end with overlap off), and completes
 them in a callback queued on the autograd engine, which runs before `backward()`
 returns. So `.grad` holds the full gradient of each shard when the user's
@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from fivedc.plan import ExecutionPlan
+from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.buckets import GradBuckets, expand_buckets
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import grad_groups

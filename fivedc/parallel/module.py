@@ -28,12 +28,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fivedc.errors import FivedcError
-from fivedc.frontend_fx import TracedModel
-from fivedc.ir import Param
+from fivedc.frontends.fx_module import TracedModel
+from fivedc.ir.graph import Param
 from fivedc.parallel.grads import GradSync
 from fivedc.parallel.pipeline import PipelineLoss
 from fivedc.parallel.weights import make_weights
-from fivedc.plan import ExecutionPlan
+from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.collectives import Step, apply_steps, redistribute
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.moe import end_step, register_params

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from fivedc.errors import ShardingError
-from fivedc.frontend_fx import TracedModel
-from fivedc.ir import Annotation, Block, Graph, Op, Repeat
+from fivedc.frontends.fx_module import TracedModel
+from fivedc.ir.graph import Annotation, Block, Graph, Op, Repeat
 
 MODES = ("col", "row", "replicate")
 PINNABLE = ("linear", "matmul", "embedding")  # the ops whose rules read @col/@row/@replicate

@@ -2,7 +2,7 @@
 
 A pipeline interleaves the microbatches' forwards and backwards across the pp
 ranks, so it cannot wait for the user's `loss.backward()`. `PipelineLoss.loss`
-runs the plan's schedule (`runtime/pipeline.PipelineRunner`: every microbatch's
+runs the plan's schedule (`fivedc/runtime/pipeline.PipelineRunner`: every microbatch's
 forward and backward) on aliases of the weights, and returns the full loss (the
 last chunk's sum of microbatch losses, summed over pp and the loss's pending
 axes) through `_PrecomputedGrads`, an autograd function of the weights whose
@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fivedc.ir import Param
-from fivedc.mesh import MeshAxis
-from fivedc.plan import ExecutionPlan
+from fivedc.ir.graph import Param
+from fivedc.ir.mesh import MeshAxis
+from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.pipeline import PipelineRunner
 from fivedc.runtime.moe import register_params
 from fivedc.runtime.train import DTYPES, loss_axes_of
-from fivedc.stages import chunk_param_names
+from fivedc.passes.stages import chunk_param_names
 
 
 class PipelineLoss:

@@ -8,15 +8,15 @@ Every mode registers one `nn.Parameter` per IR parameter instance this rank hold
   shards, and the forward reads them. `GradSync` sums their gradients over their
   `grad_partial` axes during backward.
 - `FlatChunks` (ZeRO-1 and 2, and ZeRO-3 under a pipeline): the parameters are
-  the owned chunks of the flattened local shards (`runtime/flat_shard.FlatShard`, padded
+  the owned chunks of the flattened local shards (`fivedc/runtime/flat_shard.FlatShard`, padded
   so every rank holds the same bytes). Each forward all-gathers them into full
-  local tensors (`runtime/flat_shard.gather_flat`: one collective per gradient
+  local tensors (`fivedc/runtime/flat_shard.gather_flat`: one collective per gradient
   bucket of the plan, not one per parameter), new leaves that autograd accumulates into, and
   a `GradSync` over those sums the gradients into the chunks' `.grad`: the full
   sum's owned slice (ZeRO-1, an all-reduce) or a reduce-scatter (ZeRO-2, 3). The
   optimizer updates only the chunks; the next forward gathers them again.
-- `GatheredOnUse` (ZeRO-3): the parameters are the owned chunks; every use
-  gathers a fresh tensor (`runtime/zero.ShardedParams`) that backward gathers
+- `GatheredOnUse` (ZeRO-3): the parameters are the owned chunks; a layer's groups
+  are gathered while it runs (`fivedc/runtime/zero3.ShardedParams`), and backward gathers
   again instead of keeping; the gradient's chunk arrives through autograd, the
   gather's backward being a reduce-scatter.
 
@@ -33,12 +33,13 @@ import torch
 from torch import Tensor, nn
 
 from fivedc.parallel.grads import GradSync
-from fivedc.plan import ExecutionPlan
-from fivedc.runtime.buckets import expand_buckets
+from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.passes.overlap import expand_buckets, expand_units
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import grad_groups
 from fivedc.runtime.flat_shard import FlatShard, flat_shard, gather_flat
-from fivedc.runtime.zero import ShardedParams, gathered_params_scope
+from fivedc.runtime.zero import gathered_params_scope
+from fivedc.runtime.zero3 import ShardedParams
 
 
 class WholeShards:
@@ -164,12 +165,14 @@ class _WeakParams(Mapping[str, Tensor]):
 
 
 class GatheredOnUse(_Chunked):
-    """ZeRO-3: gathered at each use, gathered again in backward, the gradient's chunk by autograd."""
+    """ZeRO-3: gathered by group (the plan's buckets) while a layer runs, gathered again in
+    backward, the group's gradients reduce-scattered into the chunks by autograd."""
 
     def __init__(self, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan, ctx: KernelContext) -> None:
         super().__init__(3, local, frozen, plan, ctx)
         specs = {n: self.specs.get(n, FlatShard(t.numel(), 1, 0, None)) for n, t in local.items()}
-        self.sharded = ShardedParams(self.params, specs, self.shapes, overlap=plan.overlap)
+        self.sharded = ShardedParams(self.params, specs, self.shapes, overlap=plan.overlap,
+                                     groups=expand_units(plan.buckets))  # gathered by the plan's buckets
 
     def view(self):
         return self.sharded.view()

@@ -4,6 +4,8 @@
     check_schedule(schedule)                           (check.py)
     simulate(schedule, costs=None) -> SimResult        (simulator.py: the P2P semantics)
     draw_schedule(schedule, path, costs=None)          (picture.py, needs matplotlib)
+
+Layer 2: may import `fivedc.ir` only.
 """
 
 from fivedc.schedule.actions import Action, ActionKind, Schedule, ScheduleError

@@ -1,0 +1,148 @@
+"""The plan validator: a saved plan runs only if it is what this fivedc compiles.
+
+A plan file is easy to edit and every field matters at run time: a mesh size, a
+dim, a sharding, a collective's count. Rather than a list of rules that an edit
+could slip past, `check_plan` re-derives the whole plan: it takes the model back
+out of the plan's graph (`source_graph`: the ops, parameters and annotations the
+frontend wrote, without what the passes added), reads the compile options back
+(`options_of`: mesh, dtype, sequence parallelism, CP layout, ZeRO, buckets, the
+pipeline, recomputation), compiles that again, and requires the result to equal the plan field
+for field. An edit either yields the plan a fresh compile gives (and so runs as
+one) or is a `PlanError` naming the first field that differs, before any process
+starts. `load_plan` reads, decodes and checks a plan file: the one way the CLI
+reads plans (`fivedc check PLAN.json` runs it alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from fivedc.errors import FivedcError, PlanError
+from fivedc.ir.graph import Block, Graph, Redistribute, Repeat, walk_ops
+from fivedc.ir.mesh import MeshAxis
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.ir.seq_layout import SeqLayout
+from fivedc.passes.stages import units
+
+RECOMPILE_HINT = "recompile the model with this fivedc (fivedc compile MODEL --mesh ... -o PLAN.json) instead of editing the plan"
+
+
+def load_plan(path: str | Path) -> ExecutionPlan:
+    """Read a plan file and check that it is exactly what this fivedc compiles."""
+    plan = ExecutionPlan.load(path)
+    check_plan(plan, source=str(path))
+    return plan
+
+
+def check_plan(plan: ExecutionPlan, *, source: str = "<plan>") -> None:
+    """Raise `PlanError` unless compiling the plan's own model with its own options gives the plan."""
+    try:
+        fresh = compile_graph(source_graph(plan.graph), options_of(plan))
+    except FivedcError as error:
+        at = f" at {error.loc}" if error.loc else ""
+        raise PlanError(f"{source} does not hold together: compiling its model with its options fails{at}: "
+                        f"{error.message}", hint=RECOMPILE_HINT) from None
+    except Exception as error:  # an edit the compiler cannot even read, e.g. a dim of the wrong kind
+        raise PlanError(f"{source} does not hold together: compiling its model with its options fails "
+                        f"({type(error).__name__}: {error})", hint=RECOMPILE_HINT) from None
+    difference = first_difference(plan, fresh, "plan")
+    if difference is not None:
+        where, saved, compiled = difference
+        raise PlanError(f"{source} is not the plan its model compiles to: {where} is {_show(saved)} in the file, "
+                        f"{_show(compiled)} when compiled", hint=RECOMPILE_HINT)
+
+
+def options_of(plan: ExecutionPlan) -> CompileOptions:
+    """The compile options the plan records (every choice explicit)."""
+    pipeline = plan.pipeline
+    return CompileOptions(
+        mesh=plan.mesh,
+        sequence_parallel=plan.sequence_parallel,
+        dtype=plan.dtype,
+        cp_layout=str(plan.graph.seq_layout) if plan.mesh.size(MeshAxis.CP) > 1 else None,
+        zero=plan.zero,
+        overlap=plan.overlap,
+        bucket_mb=plan.bucket_bytes / 2**20,
+        schedule=pipeline.schedule if pipeline else "1f1b",
+        microbatches=pipeline.microbatches if pipeline else None,
+        virtual=pipeline.virtual if pipeline and pipeline.schedule == "interleaved" else None,
+        pp_layout=_layers_per_chunk(plan) if pipeline and pipeline.cut == "layout" else None,
+        recompute=plan.recompute,
+        hardware=plan.time.hardware if plan.time else None,
+    )
+
+
+def _layers_per_chunk(plan: ExecutionPlan) -> tuple[int, ...]:
+    """The --pp-layout that cuts the plan's chunks: repeat layers in each chunk's units."""
+    all_units = units(plan.graph)
+    chunks = plan.pipeline.chunks
+    model = chunks[:len(chunks) // 2] if plan.pipeline.schedule == "dualpipe" else chunks  # its second copy repeats them
+    return tuple(sum(u.layer is not None for u in all_units[a:b]) for a, b in (c.units for c in model))
+
+
+# ---- the model back out of a compiled graph ----------------------------------------------------
+def source_graph(graph: Graph) -> Graph:
+    """The graph as a frontend wrote it: no redistributions (their uses read the value
+    they redistributed), no types, shardings, argument specs or collectives, the
+    default sequence layout. Annotations the passes resolved (`@cp`, `@ep`) stay: they
+    say what the plan chose, and compiling with them chooses the same."""
+    origin = {node.out: node.src for node, _ in walk_ops(graph.body) if isinstance(node, Redistribute)}
+
+    def original(name):
+        while isinstance(name, str) and name in origin:
+            name = origin[name]
+        return name
+
+    inputs = tuple(replace(i, sharding=None) for i in graph.inputs)
+    return replace(graph, inputs=inputs, body=_strip_block(graph.body, original), seq_layout=SeqLayout.CONTIGUOUS)
+
+
+def _strip_block(block: Block, original) -> Block:
+    items = []
+    for item in block.items:
+        if isinstance(item, Redistribute):
+            continue
+        if isinstance(item, Repeat):
+            items.append(replace(item, carried=tuple(map(original, item.carried)), carried_shardings=(),
+                                 body=_strip_block(item.body, original)))
+        else:
+            items.append(replace(item, args=tuple(map(original, item.args)), type=None, sharding=None,
+                                 arg_specs=(), collectives=()))
+    params = tuple(replace(p, sharding=None, grad_partial=()) for p in block.params)
+    return replace(block, params=params, items=tuple(items), yields=tuple(map(original, block.yields)))
+
+
+# ---- where two plans differ ---------------------------------------------------------------------
+def first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
+    """(path, a's value, b's value) of the first field where `a` and `b` differ, or None."""
+    if a == b:
+        return None
+    if type(a) is not type(b):
+        return path, a, b
+    if dataclasses.is_dataclass(a):
+        for field in dataclasses.fields(a):
+            if field.compare:
+                found = first_difference(getattr(a, field.name), getattr(b, field.name), f"{path}.{field.name}")
+                if found is not None:
+                    return found
+        return path, a, b
+    if isinstance(a, tuple):
+        for index, (x, y) in enumerate(zip(a, b)):
+            found = first_difference(x, y, f"{path}[{index}]")
+            if found is not None:
+                return found
+        return f"{path} (length)", len(a), len(b)
+    return path, a, b
+
+
+def _show(value: Any) -> str:
+    text = str(value) if isinstance(value, (int, float, str)) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+__all__ = ["check_plan", "load_plan", "source_graph", "options_of", "first_difference"]

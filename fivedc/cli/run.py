@@ -1,0 +1,110 @@
+"""`fivedc run`: execute a plan (a saved one, or a model compiled on the spot).
+
+`fivedc run PLAN.json` runs the plan as written; `fivedc run model.5d --mesh ...`
+compiles first (the same options as `compile`). Started plainly it spawns the
+mesh's world of local processes (gloo on CPU, NCCL with CUDA); under torchrun it
+is one rank of that job. It trains `--steps` AdamW steps on a seeded synthetic
+batch (`fivedc/runtime/run.py`) and prints each step's loss and time (the slowest
+rank's), then the bytes the busiest rank held against the plan's estimate: parameters,
+gradients and optimizer state after the last backward, and the peak of what a step
+kept for backward (saved tensors, `fivedc/runtime/saved.LiveMeter`); `--report out.json` writes
+them per rank (`fivedc/runtime/run.memory_report`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from fivedc.errors import FivedcError
+
+def run_run(args, *, defaults) -> int:
+    """`defaults`: the run command's arguments as parsed with no flags (which flags were given)."""
+    from fivedc.cli.shared import check_local_run, load_plan_or_compile
+    from fivedc.runtime.train import DTYPES, TrainSettings, check_trainable
+
+    if args.steps < 1:
+        raise FivedcError(f"--steps {args.steps} must be at least 1")
+    check_local_run(args)
+    if args.model.endswith(".json"):
+        given = plan_flags_given(args, defaults)
+        if given:
+            raise FivedcError(f"{args.model} is a compiled plan: its mesh and options are fixed, and "
+                              f"{', '.join(given)} would change them",
+                              hint="drop them, or run the model file (.5d or file.py:factory) with the new options")
+    elif args.mesh is None:
+        raise FivedcError(f"running {args.model} needs a mesh", hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
+    if args.report is not None:  # refuse a bad target before anything runs
+        from fivedc.files import check_output
+
+        check_output(args.report, inputs=(args.model.split(":")[0],))
+    plan = load_plan_or_compile(args.model, args, dtype=args.dtype or "fp32")
+    check_trainable(plan.graph)
+    if plan.dtype not in DTYPES:
+        raise FivedcError(f"the plan trains in {plan.dtype}; run trains in {', '.join(DTYPES)}",
+                          hint="compile with --dtype fp32 (or bf16)")
+    settings = TrainSettings(steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                             dtype=plan.dtype, keep_grads=False, measure=True)
+    if "WORLD_SIZE" in os.environ:
+        report = _under_launcher(plan, settings)
+        if report is None:
+            return 0
+    else:
+        from fivedc.cli.shared import progress_printer
+        from fivedc.runtime.resources import check_local_resources
+        from fivedc.runtime.run import run_plan
+
+        check_local_resources(world=plan.mesh.world, bytes_per_rank=plan.memory.total, force=args.force,
+                              what=f"running {args.model} on mesh {plan.mesh}")
+        print(f"running {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {args.steps} steps, "
+              f"{plan.dtype}, a seeded synthetic batch)")
+        report = run_plan(plan, settings, timeout_s=args.timeout, on_progress=progress_printer())
+    _print_report(plan, report)
+    if args.report is not None:
+        _write_report(args, plan, report)
+    return 0
+
+
+def _write_report(args, plan, report) -> None:
+    import json
+
+    from fivedc.files import write_output
+    from fivedc.runtime.run import memory_report
+
+    write_output(args.report, json.dumps(memory_report(plan, report), indent=1) + "\n",
+                 inputs=(args.model.split(":")[0],), what="report")
+    print(f"wrote {args.report}: per rank, the plan's memory estimate and what the run measured")
+
+
+PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",
+              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute")
+
+
+def plan_flags_given(args, defaults) -> list[str]:
+    """The options that shape a plan given on the command line (not left at their defaults)."""
+    names = {"sp": "--sp/--no-sp", "overlap": "--no-overlap"}
+    return [names.get(k, "--" + k.replace("_", "-")) for k in PLAN_FLAGS if getattr(args, k) != getattr(defaults, k)]
+
+
+def _under_launcher(plan, settings):
+    """One rank of a torchrun job; rank 0 returns the merged report, the others None."""
+    from fivedc.runtime.pool import run_as_launched_rank
+    from fivedc.runtime.run import merge_runs, run_job
+
+    gathered = run_as_launched_rank(run_job, mesh=plan.mesh, payload=(plan, settings))
+    return merge_runs(gathered) if gathered is not None else None
+
+
+def _print_report(plan, report) -> None:
+    from fivedc.plan.summary import format_bytes
+
+    print(f"{'step':>4}  {'loss':>12}  {'ms':>9}")
+    for step, (loss, seconds) in enumerate(zip(report.losses, report.seconds), start=1):
+        print(f"{step:>4}  {loss:>12.6f}  {seconds * 1e3:>9.1f}")
+    later = sorted(report.seconds[1:]) or list(report.seconds)
+    print(f"median step after the first: {later[len(later) // 2] * 1e3:.1f} ms (slowest rank)")
+    print("held by the busiest rank (the plan's estimate for its busiest class):")
+    for kind in ("params", "grads", "optimizer", "activations"):
+        got, want = report.most_held(kind), max(getattr(entry, kind) for entry in plan.memory.ranks)
+        print(f"  {kind:<11} {format_bytes(got):>10}   ({format_bytes(want)})")
+    if report.peak and report.peak[0] is not None:
+        print(f"  {'peak':<11} {format_bytes(max(report.peak)):>10}   ({format_bytes(plan.memory.total)}, the total)")

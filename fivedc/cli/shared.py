@@ -1,0 +1,115 @@
+"""What the commands share: models and plans loaded, plan options read, local runs checked.
+
+`fivedc/cli/main.py` parses the command line and dispatches; `verify.py` and
+`run.py` run the two commands that start processes. All three take from here:
+`load_graph` (a `.5d` model or `file.py:factory`), `compile_model` (a model and a
+mesh with the command line's options), `load_plan_or_compile`, `compile_options`
+(the command line's plan options as `CompileOptions`), `check_local_run` and
+`progress_printer`. Nothing here imports the commands, so none imports another.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from fivedc.errors import FivedcError
+
+
+def check_local_run(args) -> None:
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise FivedcError(f"--timeout {args.timeout} must be a number of seconds > 0", hint="e.g. --timeout 600")
+
+
+def progress_printer():
+    """Print progress lines with the seconds since the command started (verify, run)."""
+    start = time.perf_counter()
+    return lambda line: print(f"  [{time.perf_counter() - start:6.1f} s] {line}", flush=True)
+
+
+def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = True):
+    """CompileOptions from the command line's mesh and plan options. Pipeline flags on a
+    mesh with pp = 1 are an error (they would change nothing), unless the same flags
+    serve meshes with and without a pipeline (`fivedc diff`)."""
+    from fivedc.ir.mesh import MeshAxis
+    from fivedc.passes.base import CompileOptions
+
+    options = CompileOptions(
+        mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
+        cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
+        overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or "1f1b",
+        microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
+        recompute=args.recompute, hardware=_hardware(args),
+    )  # checks each value first
+    given = [f"--{name.replace('_', '-')}" for name in ("schedule", "microbatches", "virtual", "pp_layout")
+             if getattr(args, name) is not None]
+    if pipeline_flags_need_pp and given and mesh.size(MeshAxis.PP) == 1:
+        raise FivedcError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} up a pipeline, but mesh {mesh} has "
+                          "pp=1: there is none, and the flag would change nothing",
+                          hint="drop the flag, or give the mesh a pipeline axis, e.g. --mesh 1x2x1x1x1")
+    return options
+
+
+def _hardware(args):
+    """The GPU profile `--gpu` names (from fivedc/ir/hardware.toml and any `--hardware` files)."""
+    if getattr(args, "gpu", None) is None:
+        if getattr(args, "hardware", None):
+            raise FivedcError("--hardware adds GPU profiles, but no --gpu says which to use", hint="add --gpu NAME")
+        return None
+    from fivedc.ir.hardware import hardware
+
+    return hardware(args.gpu, tuple(args.hardware or ()))
+
+
+def _layout(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise FivedcError(f"--pp-layout {text!r} is not a list of layer counts", hint="e.g. --pp-layout 3,5,5,3") from None
+
+
+def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = ()):
+    """A `.5d` model, or `path/to/file.py:factory` traced with torch.fx (with pipeline
+    chunks beginning at the modules `stage_boundaries` match)."""
+    from fivedc.frontends.python_file import graph_from_spec, is_spec
+
+    if model.endswith(".json"):
+        raise FivedcError(f"{model} is a plan file, and this command takes a model",
+                          hint="compile the model it came from (.5d or file.py:factory); "
+                          "a plan runs with fivedc run PLAN.json and checks with fivedc check PLAN.json")
+    if is_spec(model):
+        return graph_from_spec(model, stage_boundaries=tuple(stage_boundaries))
+    check_no_stage_boundaries(model, stage_boundaries)
+    from fivedc.frontends.dsl_file import load_model
+
+    return load_model(model)
+
+
+def check_no_stage_boundaries(model: str, stage_boundaries) -> None:
+    if stage_boundaries:
+        raise FivedcError(
+            f"--stage-boundary marks modules of a traced file.py:factory model; {model} is a DSL model",
+            hint="mark the DSL instead: `repeat layers @stage(4) { ... }` begins a chunk at layer 4, "
+            "`@stage` after a top-level statement begins one there",
+        )
+
+
+def compile_model(model: str, mesh_text: str, args, *, dtype: str, pipeline_flags_need_pp: bool = True,
+                  proofs: list | None = None, timings: list | None = None):
+    from fivedc.ir.mesh import Mesh
+    from fivedc.pipeline import compile_graph
+
+    mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
+    options = compile_options(args, mesh, dtype=dtype, pipeline_flags_need_pp=pipeline_flags_need_pp)
+    return compile_graph(load_graph(model, args.stage_boundary), options, proofs=proofs, timings=timings)
+
+
+def load_plan_or_compile(model: str, args, *, dtype: str):
+    """A saved plan (.json), or the model compiled with the command line's mesh and options."""
+    from fivedc.cli.plan_check import load_plan
+
+    if model.endswith(".json"):
+        return load_plan(model)
+    return compile_model(model, args.mesh, args, dtype=dtype)

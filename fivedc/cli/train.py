@@ -1,0 +1,224 @@
+"""`fivedc train`: train a model on token files with a plan, and keep what it learns.
+
+`fivedc train MODEL_OR_PLAN --data train.bin [--val val.bin]` compiles the model for
+`--mesh` with the same options as `fivedc run` (or takes a saved plan as it is),
+checks the token files against the model (whole ids, one batch at least, every id
+inside the vocabulary) and which input gets what (`fivedc/runtime/data.input_roles`),
+then trains on the mesh's world of local processes (or as one rank under torchrun):
+`fivedc/runtime/train_loop.py` on each rank. A `file.py:factory` model starts from the
+module's own weights (written once to a temporary safetensors file the ranks read
+their shards from); a DSL model from seeded weights. Rank 0's rows become progress
+lines, the `--log` JSONL file and the `--plot` picture (`fivedc/cli/train_report.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from fivedc.errors import FivedcError
+
+
+def train_args(p) -> None:
+    """The flags of `fivedc train` besides the mesh, plan options and local-run ones."""
+    p.add_argument("--data", required=True, metavar="FILE", help="training tokens: a flat array of token ids "
+                   "(uint16 as nanoGPT writes them; examples/make_data.py makes one)")
+    p.add_argument("--val", default=None, metavar="FILE", help="validation tokens, the same format")
+    p.add_argument("--data-dtype", default="uint16", help="the token files' id type: uint16 (default) or uint32")
+    p.add_argument("--steps", type=int, default=None, help="train to this step (default 100)")
+    p.add_argument("--dtype", default=None, help="fp32 (default), bf16 or fp64, for a model compiled here")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
+    p.add_argument("--min-lr", type=float, default=None, help="the cosine's final learning rate (default lr/10)")
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear warmup (default 0)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
+    p.add_argument("--clip", type=float, default=1.0, help="clip gradients to this global norm (default 1; 0: off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order and of a DSL model's weights")
+    p.add_argument("--val-every", type=int, default=0, metavar="N",
+                   help="validation loss every N steps (always at the last step and at saves)")
+    p.add_argument("--val-batches", type=int, default=8, help="batches per validation (default 8)")
+    p.add_argument("--save-dir", default=None, metavar="DIR", help="write checkpoints here (every rank's shards, "
+                   "one index); with --resume and no --save-dir, the checkpoint's own directory")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="a checkpoint every N steps "
+                   "(and at the last step)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept besides the best (default 3)")
+    p.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint (a save directory: its "
+                   "latest), on any mesh and options; unset training flags take the checkpoint's values")
+    p.add_argument("--until", type=int, default=None, metavar="STEP", help="stop after this step (and save there), "
+                   "the schedule still running to --steps")
+    p.add_argument("--log", default=None, metavar="FILE", help="append one JSON object per step to FILE")
+    p.add_argument("--plot", default=None, metavar="FILE", help="draw the loss curve to FILE (.png, .svg, .pdf)")
+
+
+def run_train(args, *, defaults) -> int:
+    """`defaults`: the train command's arguments as parsed with no flags (which flags were given)."""
+    from fivedc.cli.shared import check_local_run
+    from fivedc.runtime.data import input_roles
+    from fivedc.runtime.train import DTYPES, check_trainable
+    from fivedc.cli.train_report import check_plot, open_log
+    from fivedc.cli.train_resume import resolve_saves
+
+    check_local_run(args)
+    check_plot(args.plot, inputs=(args.data,))
+    plan, module = _plan(args, defaults)
+    check_trainable(plan.graph)
+    if plan.dtype not in DTYPES:
+        raise FivedcError(f"the plan trains in {plan.dtype}; train runs {', '.join(DTYPES)}",
+                          hint="compile with --dtype fp32 (or bf16)")
+    saves = resolve_saves(args, defaults, plan)
+    roles = input_roles(plan.graph)
+    job = _job(args, plan, module, saves)
+    launched = "WORLD_SIZE" in os.environ
+    talk = not launched or os.environ.get("RANK") == "0"
+    if talk:
+        _header(args, job, roles, saves)
+    log = open_log(args.log) if talk else None
+    try:
+        progress = _progress(job, saves.start, log)
+        if launched:
+            _under_launcher(job, progress, timeout_s=args.timeout)
+        else:
+            _local(job, progress, args)
+    finally:
+        if log is not None:
+            log.close()
+    if talk:
+        _finish(progress, args, plan, saves)
+    return 0
+
+
+def _job(args, plan, module, saves):
+    """What every rank runs: the plan, the checked token files, where to start and save;
+    for a traced module its weights (unless resumed) and names."""
+    from fivedc.runtime.export import names_of
+    from fivedc.runtime.data import TokenFile, check_token_file
+    from fivedc.runtime.train_loop import TrainJob
+
+    tokens = check_token_file(args.data, args.data_dtype, graph=plan.graph, what="training")
+    val_tokens = check_token_file(args.val, args.data_dtype, graph=plan.graph, what="validation") if args.val else 0
+    init = names = None
+    if module is not None:
+        module, traced = module
+        names = names_of(traced, module)
+        init = None if saves.resume else traced.to_ir_params(module.state_dict())
+    return TrainJob(plan=plan, config=saves.config, train=TokenFile(args.data, args.data_dtype), train_tokens=tokens,
+                    val=TokenFile(args.val, args.data_dtype) if args.val else None, val_tokens=val_tokens, init=init,
+                    resume=saves.resume, save_dir=saves.save_dir, names=names, until=args.until)
+
+
+def _header(args, job, roles, saves) -> None:
+    from fivedc.runtime.data import token_shape
+
+    plan, config, tokens = job.plan, job.config, job.train_tokens
+    batch, seq = token_shape(plan.graph)
+    for line in saves.notes:
+        print(line)
+    print(f"training {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {plan.dtype}) from step "
+          f"{saves.start} to {job.stop}{f' (of {config.steps})' if job.stop < config.steps else ''}: batches of "
+          f"{batch} x {seq} tokens from {args.data} ({tokens} tokens, {(tokens - 1) // seq // batch} steps per epoch); "
+          f"{_roles_text(roles)}")
+
+
+def _progress(job, start: int, log):
+    from fivedc.cli.train_report import Progress
+
+    return Progress(steps=job.stop, first=start, log=log)
+
+
+def _finish(progress, args, plan, saves) -> None:
+    from fivedc.cli.train_report import draw_losses
+
+    print(progress.summary())
+    if saves.save_dir is not None:
+        print(f"checkpoints in {saves.save_dir} (resume with --resume {saves.save_dir})")
+    if args.plot:
+        draw_losses(progress.rows, args.plot, title=f"{args.model} on {plan.mesh}")
+        print(f"wrote {args.plot}")
+
+
+def _roles_text(roles: dict[str, str]) -> str:
+    what = {"inputs": "the tokens", "targets": "the next tokens", "labels": "the tokens (the model shifts them)"}
+    return ", ".join(f"{name} <- {what[role]}" for name, role in roles.items())
+
+
+def _plan(args, defaults):
+    """The plan (saved, or compiled here) and, for a `file.py:factory` model, (module, its
+    TracedModel): its weights and names; None otherwise."""
+    from fivedc.cli.shared import compile_options
+    from fivedc.frontends.python_file import is_spec, traced_from_spec
+    from fivedc.cli.plan_check import load_plan
+    from fivedc.cli.run import plan_flags_given
+
+    if args.model.endswith(".json"):
+        given = plan_flags_given(args, defaults)
+        if given:
+            raise FivedcError(f"{args.model} is a compiled plan: its mesh and options are fixed, and "
+                              f"{', '.join(given)} would change them",
+                              hint="drop them, or train the model file (.5d or file.py:factory) with the new options")
+        return load_plan(args.model), None
+    if args.mesh is None:
+        raise FivedcError(f"training {args.model} needs a mesh",
+                          hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
+    if not is_spec(args.model):
+        from fivedc.cli.shared import compile_model
+
+        return compile_model(args.model, args.mesh, args, dtype=args.dtype or "fp32"), None
+    from fivedc.ir.mesh import Mesh
+    from fivedc.pipeline import compile_graph
+
+    options = compile_options(args, Mesh.parse(args.mesh, rank_order=args.rank_order), dtype=args.dtype or "fp32")
+    module, _, traced = traced_from_spec(args.model, stage_boundaries=tuple(args.stage_boundary))
+    return compile_graph(traced.graph, options), (module, traced)
+
+
+def _local(job, progress, args) -> None:
+    """The mesh's world of local processes; a factory's weights go through a temporary file."""
+    import dataclasses
+
+    from fivedc.runtime.pool import run_once
+    from fivedc.runtime.resources import check_local_resources
+    from fivedc.runtime.train_loop import train_job
+
+    plan = job.plan
+    check_local_resources(world=plan.mesh.world, bytes_per_rank=plan.memory.total, force=args.force,
+                          what=f"training {args.model} on mesh {plan.mesh}")
+    with tempfile.TemporaryDirectory(prefix="fivedc-train-") as scratch:
+        if isinstance(job.init, dict):
+            job = dataclasses.replace(job, init=_write_init(job.init, Path(scratch) / "init.safetensors"))
+        try:
+            run_once(train_job, world=plan.mesh.world, payload=job, timeout_s=args.timeout, on_progress=progress.line)
+        except FivedcError as error:
+            raise _with_resume_hint(error, job.save_dir) from None
+
+
+def _with_resume_hint(error: FivedcError, save_dir: str | None) -> FivedcError:
+    """A failed run that saved: say where to continue from."""
+    from fivedc.runtime.checkpoint import committed
+
+    found = committed(save_dir) if save_dir is not None else []
+    if found:
+        more = f"the last checkpoint is {found[-1][1]} (step {found[-1][0]}): continue with --resume {save_dir}"
+        error.hint = f"{error.hint}; {more}" if error.hint else more
+    return error
+
+
+def _write_init(tensors: dict, path: Path) -> str:
+    from safetensors.torch import save_file
+
+    save_file({name: t.detach().contiguous().clone() for name, t in tensors.items()}, str(path))
+    return str(path)
+
+
+def _under_launcher(job, progress, *, timeout_s: float) -> None:
+    """One rank of a torchrun job of the mesh's size; rank 0 prints and logs."""
+    import torch.distributed as dist
+
+    from fivedc.runtime.pool import check_world, init_from_env
+    from fivedc.runtime.train_loop import train_rank
+
+    check_world(job.plan.mesh.world, mesh=job.plan.mesh)
+    info = init_from_env(timeout_s=timeout_s)
+    try:
+        train_rank(info, job, on_row=progress.row)
+    finally:
+        dist.destroy_process_group()

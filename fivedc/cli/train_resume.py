@@ -1,0 +1,117 @@
+"""Where `fivedc train` starts and saves: the settings, the checkpoint resumed, the save directory.
+
+Fresh, the training settings are the command line's. With `--resume D` (a save
+directory: its latest committed checkpoint; or one `step-N` folder) they are the
+checkpoint's, except those the command line gives (each one that differs is
+named: the run then does not continue the saved schedule exactly); the
+checkpoint must hold the plan's parameters at their shapes (any mesh and options),
+be short of `--steps`, and without `--save-dir` the run saves where the checkpoint
+is. A save directory that already holds checkpoints is refused unless resumed from:
+one directory, one run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fivedc.errors import FivedcError
+from fivedc.runtime.train_config import TrainConfig
+
+FLAGS = ("steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "seed", "val_every", "val_batches",
+         "save_every", "keep")  # TrainConfig's fields, as flags of `fivedc train`
+DEFAULT_STEPS = 100
+
+
+@dataclass(frozen=True)
+class Saves:
+    config: TrainConfig
+    start: int = 0  # steps done before
+    resume: str | None = None  # the checkpoint folder resumed from
+    save_dir: str | None = None
+    notes: tuple[str, ...] = field(default=())  # lines to print before training
+
+
+def resolve_saves(args, defaults, plan) -> Saves:
+    from fivedc.runtime.checkpoint import committed, find_checkpoint, read_index, step_dir
+
+    if args.until is not None and args.until < 1:
+        raise FivedcError(f"--until {args.until} must be a step >= 1", hint="e.g. --until 100")
+    if args.save_every and args.save_dir is None and args.resume is None:
+        raise FivedcError(f"--save-every {args.save_every} needs a place to save", hint="add --save-dir DIR")
+    if args.resume is None:
+        config = _config(args, defaults, None)
+        if args.save_dir is not None:
+            _check_save_dir(args.save_dir, committed(args.save_dir))
+        return Saves(config, save_dir=args.save_dir)
+    folder = find_checkpoint(args.resume)
+    index = read_index(folder)
+    from fivedc.runtime.resume import check_same_model
+
+    check_same_model(index, plan, where=str(folder))
+    config = _config(args, defaults, index.get("config"))
+    start = index["step"]
+    if start >= config.steps:
+        raise FivedcError(f"the checkpoint {folder} is at step {start}, and the run goes to step {config.steps}: "
+                          "nothing is left to train", hint=f"give --steps above {start}")
+    if args.until is not None and args.until <= start:
+        raise FivedcError(f"--until {args.until} is not after the checkpoint's step {start}")
+    save_dir = args.save_dir if args.save_dir is not None else str(folder.parent)
+    if Path(save_dir).resolve() != folder.parent.resolve():
+        _check_save_dir(save_dir, committed(save_dir))
+    notes = [_resume_line(folder, index, plan)] + _changes(args, defaults, index)
+    if step_dir(save_dir, start).resolve() != folder.resolve() and committed(save_dir):
+        notes.append(f"note: saving into {save_dir}")
+    return Saves(config, start, str(folder), save_dir, tuple(notes))
+
+
+def _config(args, defaults, saved: dict | None) -> TrainConfig:
+    values = {}
+    for name in FLAGS:
+        given = getattr(args, name) != getattr(defaults, name)
+        values[name] = getattr(args, name) if given or saved is None else saved[name]
+    if values["steps"] is None:
+        values["steps"] = DEFAULT_STEPS
+    return TrainConfig(**values)
+
+
+def _changes(args, defaults, index: dict) -> list[str]:
+    """A note per training flag given that differs from the checkpoint's setting."""
+    saved = index.get("config") or {}
+    notes = []
+    for name in FLAGS:
+        value = getattr(args, name)
+        if value != getattr(defaults, name) and name in saved and value != saved[name]:
+            flag = "--" + name.replace("_", "-")
+            notes.append(f"note: {flag} {value} where the checkpoint had {saved[name]}"
+                         + ("" if name in ("save_every", "keep", "val_every", "val_batches", "steps") else
+                            ": the run does not continue the saved schedule exactly"))
+    data = index.get("data", {})
+    if args.data != data.get("train") and data:
+        notes.append(f"note: the training file is {args.data}; the checkpoint's was {data.get('train')}")
+    return notes
+
+
+def _resume_line(folder: Path, index: dict, plan) -> str:
+    from fivedc.runtime.checkpoint import plan_hash
+
+    saved = index["plan"]
+    same = saved["hash"] == plan_hash(plan)
+    how = "the same layout" if same else (
+        f"saved on mesh {saved['mesh']} (ZeRO {saved['zero']}, {saved['dtype']}), now mesh {plan.mesh} (ZeRO "
+        f"{plan.zero}, {plan.dtype}): every rank reads its shards from the saved ones")
+    return f"resuming from {folder} at step {index['step']}: {how}"
+
+
+def _check_save_dir(save_dir: str, found: list) -> None:
+    """A save directory that holds no other run's checkpoints; created here."""
+    path = Path(save_dir)
+    if path.exists() and not path.is_dir():
+        raise FivedcError(f"--save-dir {save_dir} is not a directory", hint="give a directory (it is created)")
+    if found:
+        raise FivedcError(f"--save-dir {save_dir} already holds checkpoints (the latest at step {found[-1][0]})",
+                          hint=f"continue that run with --resume {save_dir}, or give another --save-dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise FivedcError(f"cannot create --save-dir {save_dir}: {error.strerror}") from None

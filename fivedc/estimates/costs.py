@@ -1,0 +1,251 @@
+"""Work and time per op and per pipeline unit, on one rank for one microbatch, on given hardware.
+
+Each op's forward is a roofline: the larger of its FLOPs at the achievable share of
+peak and its memory traffic at the achievable share of HBM bandwidth (`Hardware`).
+
+    linear, matmul   2 x output x contracted FLOPs; backward: as much again for the
+                     input gradient (I) and for the weight gradient (W)
+    attention        4 x batch x heads x sq x sk x head dim (half of it causal), at
+                     the attention efficiency; backward 2.5 x (flash attention)
+    moe              the experts' matmuls on its routed rows (top_k per token) and the
+                     router's; backward 2 x, half of it weight gradients
+    everything else  memory-bound: its inputs and output read and written once
+                     forward, twice backward
+
+Collectives are timed by their algorithm over the group's links (`collective_seconds`):
+ring all-reduce 2(n-1)/n x bytes, all-gather, reduce-scatter and all-to-all (n-1)/n x
+bytes, send/recv the bytes, at NVLink bandwidth when the group sits in one node and
+at the network's otherwise (where the group has g GPUs in each node, g NICs carry it),
+plus a latency per algorithm step. Which ranks share a node follows from the rank
+order (`Mesh.group_ranks`). A unit's collectives are on its critical path unless the
+plan says they overlap (`Collective.overlaps`): ring attention's hops hide behind the
+attention they feed.
+
+`unit_costs` gives the seconds of each unit once; the schedule simulator and the
+step-time model (`fivedc/estimates/step_time.py`) only add them up, so a layout search can
+score many pipeline shapes from one set of unit costs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fivedc.ir.hardware import Hardware
+from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat
+from fivedc.ir.mesh import Mesh
+from fivedc.passes.recompute import recomputes_layer, recomputes_op
+from fivedc.estimates.saved import SaveContext, regathered
+from fivedc.passes.stages import Unit
+
+K = CollectiveKind
+MATMULS = ("linear", "matmul")
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One op's forward on one rank for one microbatch."""
+
+    matmul_flops: float = 0.0
+    attention_flops: float = 0.0
+    bytes: float = 0.0
+    weight_flops: float = 0.0  # of the matmul FLOPs, those whose backward is a weight gradient (W)
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTime:
+    """Seconds of one unit for one microbatch: forward, input-gradient backward (I) and
+    weight-gradient backward (W; B = I + W), with its blocking collectives."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+    comm: float = 0.0  # of the three, seconds in blocking collectives (forward and backward)
+
+    @property
+    def backward(self) -> float:
+        return self.backward_input + self.backward_weight
+
+
+def op_work(c: SaveContext, op: Op) -> Work:
+    if op.kind in MATMULS:
+        x = c.layouts[op.args[0]][0].dims
+        contracted = [d for d in x if d not in op.type.dims]
+        spec = op.arg_specs[0].sharding if op.arg_specs and op.arg_specs[0] else None
+        flops = 2.0 * c.numel(op.type.dims, op.sharding) * c.numel(tuple(contracted), spec)
+        return Work(matmul_flops=flops, weight_flops=flops if op.args[1] in c.params else 0.0)
+    if op.kind == "attention":  # every query row against the whole sequence (ring or gathered K/V)
+        q_rows = c.numel(op.type.dims[:-1], op.sharding)  # batch x seq x heads on this rank
+        keys = c.graph.dim(c.graph.seq_dim)
+        flops = 4.0 * q_rows * keys * c.graph.dim(op.type.dims[-1]) * (0.5 if op.attr("causal", True) else 1.0)
+        return Work(attention_flops=flops, bytes=4.0 * c.value_bytes(op.out))
+    if op.kind == "moe":
+        return _moe_work(c, op)
+    moved = sum(c.value_bytes(a) for a in op.args if isinstance(a, str) and a in c.layouts and a not in c.params)
+    return Work(bytes=float(moved + (c.value_bytes(op.out) if op.type.dims else 0)))
+
+
+def _moe_work(c: SaveContext, op: Op) -> Work:
+    x = op.args[0]
+    hidden = c.layouts[x][0].dims[-1]
+    tokens = c.value_numel(x) // c.graph.dim(hidden)
+    rows = tokens * int(op.attr("top_k", 2))
+    spec = op.arg_specs[2].sharding if op.arg_specs and op.arg_specs[2] else None
+    w_dims = next(p.dims for p in _params(c.graph) if p.name == op.args[2])
+    ffn = next(d for d in w_dims[1:] if d != hidden)
+    ffn_local = c.graph.local_size(ffn, spec, c.mesh) if spec else c.graph.dim(ffn)
+    experts = 2.0 * rows * c.graph.dim(hidden) * ffn_local * (3 if len(op.args) == 5 else 2)
+    router = 2.0 * tokens * c.graph.dim(hidden) * c.graph.dim(next(d for d in _param_dims(c.graph, op.args[1])
+                                                                     if d != hidden))
+    return Work(matmul_flops=experts + router, weight_flops=experts + router,
+                bytes=4.0 * rows * c.graph.dim(hidden) * c.dtype_bytes)
+
+
+def _params(graph: Graph):
+    yield from graph.body.params
+    for item in graph.body.items:
+        if isinstance(item, Repeat):
+            yield from item.body.params
+
+
+def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
+    return next(p.dims for p in _params(graph) if p.name == name)
+
+
+def work_seconds(work: Work, hw: Hardware) -> float:
+    """The roofline time of an op's forward."""
+    compute = work.matmul_flops / (hw.bf16_flops * hw.matmul_efficiency) + \
+        work.attention_flops / (hw.bf16_flops * hw.attention_efficiency)
+    return max(compute, work.bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency))
+
+
+def op_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of one op: a matmul's backward
+    is one matmul per operand needing a gradient (the weight's is W), attention's 2.5 x
+    its forward, memory-bound work twice its traffic."""
+    work = op_work(c, op)
+    forward = work_seconds(work, hw)
+    if op.kind == "attention":
+        return forward, 2.5 * forward, 0.0
+    peak = hw.bf16_flops * hw.matmul_efficiency
+    grads = (2 * work.matmul_flops - work.weight_flops) / peak
+    return forward, max(grads, 2 * work.bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency)), work.weight_flops / peak
+
+
+# ---- collectives ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def node_span(mesh: Mesh, axes: tuple, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes the group of `axes` spans, its members per node), for the group of rank 0:
+    its members are the sums of each axis's coordinate times its stride (what
+    `Mesh.group_ranks(axes, 0)` lists), counted here as an array (a 16384-rank group in
+    microseconds; the layout search asks for many)."""
+    members = np.zeros(1, dtype=np.int64)
+    for axis in axes:
+        members = np.add.outer(members, np.arange(mesh.size(axis), dtype=np.int64) * mesh.stride(axis)).ravel()
+    nodes = int(np.unique(members // gpus_per_node).size)
+    return nodes, max(members.size // nodes, 1)
+
+
+def collective_seconds(kind: CollectiveKind, axes: tuple, nbytes: float, mesh: Mesh, hw: Hardware) -> float:
+    n = mesh.size(*axes)
+    if n == 1 or kind == K.SLICE:
+        return 0.0
+    nodes, per_node = node_span(mesh, axes, hw.gpus_per_node)
+    if nodes == 1:
+        bandwidth, latency = hw.nvlink_bytes_per_s, hw.nvlink_latency_s
+    else:
+        bandwidth, latency = min(hw.nvlink_bytes_per_s, per_node * hw.internode_bytes_per_s), hw.internode_latency_s
+    bandwidth *= hw.link_efficiency
+    if kind == K.ALL_REDUCE:
+        return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+    if kind == K.SEND_RECV:
+        return nbytes / bandwidth + latency
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+def _batched(graph: Graph, node) -> bool:
+    return graph.batch_dim in node.type.dims if node.type else True
+
+
+def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompute: str,
+              again: dict[str, str]) -> UnitTime:
+    """Seconds of one unit for one microbatch, its blocking collectives included."""
+    if unit.layer is None:
+        items, repeat = graph.body.items[unit.start:unit.stop], None
+    else:
+        repeat = graph.body.items[unit.start]
+        items = repeat.body.items
+    fwd = bwd_in = bwd_w = comm = 0.0
+    per = repeat.count if repeat else 1
+    for node in items:
+        if isinstance(node, Redistribute):
+            scale = 1.0 / c.microbatches if _batched(graph, node) else 1.0
+
+            def seconds(steps, only=None) -> float:
+                return sum(collective_seconds(x.kind, x.axes, x.bytes * scale, c.mesh, hw) * x.count / per
+                           for x in steps if only is None or x.kind == only)
+
+            f, i = seconds(node.forward), seconds(node.backward)
+            w = seconds(node.forward, K.ALL_GATHER) if node.out in again else 0.0  # SP: gathered again
+            fwd, bwd_in, bwd_w, comm = fwd + f, bwd_in + i, bwd_w + w, comm + f + i + w
+            continue
+        if not isinstance(node, Op):
+            continue
+        f, i, w = op_times(c, node, hw)
+        extra_f, extra_i = _op_collectives(c, node, hw, f), _op_collectives(c, node, hw, i, backward=True)
+        f, i, comm = f + extra_f, i + extra_i, comm + extra_f + extra_i
+        if recomputes_op(node, repeat, recompute):
+            i += f  # its forward runs again in backward
+        fwd, bwd_in, bwd_w = fwd + f, bwd_in + i, bwd_w + w
+    if repeat is not None and recomputes_layer(repeat, recompute):
+        bwd_in += fwd  # the whole layer's forward again
+    return UnitTime(fwd, bwd_in, bwd_w, comm)
+
+
+def _op_collectives(c: SaveContext, op: Op, hw: Hardware, compute: float, *, backward: bool = False) -> float:
+    """The op's own collectives in one phase: blocking ones add; overlapped ones (ring hops)
+    only beyond the compute they hide behind."""
+    from fivedc.ir.graph import Phase
+
+    phase = Phase.BACKWARD if backward else Phase.FORWARD
+    blocking = hidden = 0.0
+    for x in op.collectives:
+        if x.phase != phase:
+            continue
+        seconds = collective_seconds(x.kind, x.axes, x.bytes / c.microbatches, c.mesh, hw) * x.count
+        if x.overlaps:
+            hidden += seconds
+        else:
+            blocking += seconds
+    return blocking + max(0.0, hidden - compute)
+
+
+def unit_times(c: SaveContext, graph: Graph, units: list[Unit], hw: Hardware, *, recompute: str) -> list[UnitTime]:
+    """Every unit's seconds, a repeat's layers computed once."""
+    again, cache, out = regathered(graph, recompute), {}, []
+    for unit in units:
+        key = graph.body.items[unit.start].name if unit.layer is not None else ("ops", unit.start)
+        if key not in cache:
+            cache[key] = unit_time(c, graph, unit, hw, recompute=recompute, again=again)
+        out.append(cache[key])
+    return out
+
+
+def model_flops(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int) -> float:
+    """FLOPs of one step of the model itself (forward and backward, 3 x the forward's
+    matmuls and attention; recomputation not counted, as MFU counts): from the ops' global
+    sizes, whatever the mesh."""
+    single = Mesh((1, 1, 1, 1, 1))
+    c = SaveContext.of(graph, single, dtype=dtype, dtype_bytes=dtype_bytes)
+    total = 0.0
+    for node in graph.body.items:
+        items = node.body.items if isinstance(node, Repeat) else (node,)
+        layers = node.count if isinstance(node, Repeat) else 1
+        for op in items:
+            if isinstance(op, Op) and op.kind in (*MATMULS, "attention", "moe"):
+                work = op_work(c, op)
+                total += 3.0 * (work.matmul_flops + work.attention_flops) * layers
+    return total if math.isfinite(total) else 0.0

@@ -1,0 +1,159 @@
+"""Transient peaks: buffers a rank holds only for a moment, on top of what it keeps.
+
+The plan's `transient` of a class of ranks is the largest of these, each for one
+microbatch on one rank (they happen at different moments of the step, so the
+largest, not their sum, is added to what the rank keeps):
+
+- recomputed region: a layer (full) or attention (selective) rebuilt while its
+  backward runs (`fivedc/estimates/activations.py`);
+- forward working set: the values a unit computes and does not keep (a partial sum
+  before its reduce-scatter, the gathered input of a linear under SP, a norm's
+  output): the program holds one unit's values until the next unit overwrites them;
+- loss: the logits' gradient beside the kept softmax, and a temporary as large
+  (2 x the logits);
+- ZeRO-3: without a pipeline, gathered by group (the buckets): in forward the groups
+  of the unit running (a layer's, or the top level's) and the next group, prefetched;
+  in backward a group gathered again, its gradients and their reduce-scatter buffer
+  (3 x the group): the larger (`fivedc/runtime/zero3.py`); under a pipeline the whole
+  gathered parameters of the rank's chunks and their gradients for the step (2 x the
+  local parameters);
+- gradient buckets: ZeRO-0/1 copy a bucket's gradients into one flat buffer (the
+  largest bucket); ZeRO-2 lays every bucket out whole before reduce-scattering it,
+  two at a time (2 x the largest);
+- MoE all-to-all: the rows sent to the experts and back ([R, hidden] each way);
+- ring attention: the K/V block in hand and the one arriving, and in backward their
+  gradient accumulators (4 x the packed K/V block at the dtype, 6 x at float32);
+- pipeline sends: one forward and one backward send buffer in flight (2 x the
+  largest boundary).
+
+`transients` gives every part per pp rank, so the summary can say which one it is.
+"""
+
+from __future__ import annotations
+
+from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat, walk_params
+from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.passes.recompute import recomputes_layer, recomputes_op
+from fivedc.estimates.saved import VALUE, SaveContext, op_saves
+from fivedc.estimates.held_params import HeldParams, param_count
+from fivedc.estimates.memo import Memo, memo_for, memo_units, rank_held, save_context
+from fivedc.passes.stages import PipelineSpec, Unit
+
+
+def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
+               recompute: str, regions: list[int], buckets=(), overlap: bool = True,
+               memo: Memo | None = None) -> list[dict[str, int]]:
+    """Per pp rank (one entry without a pipeline): each transient part, in bytes."""
+    memo = memo_for(memo, graph, mesh, dtype)
+    m = pipeline.microbatches if pipeline else 1
+    c = save_context(memo, dtype_bytes, m, recompute)
+    all_units = memo_units(memo)
+    figures = memo.get(("unit transients", dtype_bytes, m, recompute),
+                       lambda: _unit_parts(c, graph, all_units, recompute))
+    ranks = range(mesh.size(MeshAxis.PP)) if pipeline else (None,)
+    out = []
+    for r in ranks:
+        mine = [k for chunk in pipeline.chunks if chunk.rank == r
+                for k in range(chunk.units[0], chunk.units[1])] if pipeline else range(len(all_units))
+        held = rank_held(memo, pipeline, r)
+        parts = {"recomputed region": regions[r or 0]}
+        for index, name in enumerate(UNIT_PARTS):
+            parts[name] = max((figures[k][index] for k in mine), default=0)
+        parts["ZeRO-3 gathers"] = _zero3(graph, mesh, dtype_bytes, zero, pipeline, held, buckets)
+        parts["gradient buckets"] = _buckets(graph, mesh, dtype_bytes, zero, buckets, held)
+        parts["MoE all-to-all"], parts["ring K/V"] = parts.pop("MoE all-to-all"), parts.pop("ring K/V")
+        if pipeline:
+            sent = [chunk for chunk in pipeline.chunks if chunk.rank == r and chunk.sends]
+            parts["pipeline sends"] = 2 * max((sum(c.value_bytes(n) for n in chunk.sends) for chunk in sent), default=0)
+        out.append(parts)
+    return out
+
+
+UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "ring K/V")
+
+
+def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit], recompute: str) -> list[tuple[int, ...]]:
+    """Each unit's parts of `UNIT_PARTS`, a repeat's layers computed once."""
+    cache: dict = {}
+    out = []
+    for unit in all_units:
+        key = ("layer", unit.start) if unit.layer is not None else (unit.start, unit.stop)
+        if key not in cache:
+            cache[key] = (working_set(c, graph, unit, recompute), loss_bytes(c, graph, unit),
+                          _kernel_buffers(c, graph, unit, "moe"), _kernel_buffers(c, graph, unit, "attention"))
+        out.append(cache[key])
+    return out
+
+
+def _items(graph: Graph, unit: Unit):
+    if unit.layer is None:
+        return graph.body.items[unit.start:unit.stop], None
+    repeat = graph.body.items[unit.start]
+    return repeat.body.items, repeat
+
+
+def working_set(c: SaveContext, graph: Graph, unit: Unit, recompute: str) -> int:
+    """Bytes of the values one unit computes and does not keep for backward (all of them
+    in a layer recomputed whole)."""
+    items, repeat = _items(graph, unit)
+    kept: set[str] = set()
+    if repeat is None or not recomputes_layer(repeat, recompute):
+        for op in items:
+            if isinstance(op, Op):
+                saves = c.value_args(op) if recomputes_op(op, repeat, recompute) else op_saves(c, op)
+                kept |= {s.key for s in saves if s.kind == VALUE}
+    return sum(c.value_bytes(node.out) for node in items
+               if isinstance(node, (Op, Redistribute)) and node.out not in kept and node.out != graph.output)
+
+
+def loss_bytes(c: SaveContext, graph: Graph, unit: Unit) -> int:
+    items, _ = _items(graph, unit)
+    return max((2 * c.value_bytes(op.args[0]) for op in items if isinstance(op, Op) and op.kind == "cross_entropy"),
+               default=0)
+
+
+def _kernel_buffers(c: SaveContext, graph: Graph, unit: Unit, kind: str) -> int:
+    items, _ = _items(graph, unit)
+    best = 0
+    for op in items:
+        if not isinstance(op, Op) or op.kind != kind:
+            continue
+        if kind == "moe" and any(col.kind == CollectiveKind.ALL_TO_ALL and c.mesh.size(*col.axes) > 1
+                                 for col in op.collectives):
+            rows = c.value_numel(op.args[0]) // c.graph.dim(c.layouts[op.args[0]][0].dims[-1]) * int(op.attr("top_k", 2))
+            best = max(best, 2 * rows * c.graph.dim(c.layouts[op.args[0]][0].dims[-1]) * c.dtype_bytes)
+        ring = op.annotation("cp") is not None and str(op.annotation("cp").args[0]) == "ring"
+        if kind == "attention" and ring and c.mesh.size(MeshAxis.CP) > 1:
+            kv = 2 * c.value_numel(op.args[1])
+            best = max(best, 4 * kv * c.dtype_bytes + 6 * kv * c.compute_bytes)
+    return best
+
+
+def _zero3(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
+           held: HeldParams | None, buckets) -> int:
+    if zero != 3:
+        return 0
+    if pipeline is not None:
+        return 2 * sum(graph.local_numel(p.dims, p.sharding, mesh) * dtype_bytes * param_count(held, p.name, r)
+                       for p, r in walk_params(graph.body) if mesh.size(*p.grad_partial) > 1)
+    units: dict[str | None, int] = {}  # a layer of a repeat (all alike), or the top level
+    for bucket in buckets:
+        units[bucket.repeat] = units.get(bucket.repeat, 0) + bucket.bytes
+    group = max((b.bytes for b in buckets), default=0)
+    return max(max(units.values(), default=0) + group, 3 * group)
+
+
+def _buckets(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, buckets, held: HeldParams | None) -> int:
+    if zero == 3 or not buckets:
+        return 0
+    mine = [b for b in buckets if held is None or _on_rank(graph, b.params[0], held)]
+    largest = max((b.bytes for b in mine), default=0)
+    return 2 * largest if zero == 2 else largest
+
+
+def _on_rank(graph: Graph, name: str, held: HeldParams) -> bool:
+    """Whether a bucket's parameter (`layers.*.wq`, or a top-level name) is on the rank."""
+    if ".*." not in name:
+        return name in held.top
+    prefix = name.split(".*.", 1)[0]
+    return dict(held.layers).get(prefix, 0) > 0

@@ -1,0 +1,245 @@
+"""The fx frontend's fallback: an op it has no handler for becomes an `aten` op.
+
+Where `fivedc/frontends/fx/ops.py` has no handler for an op, or its handler does not
+understand this use of it (a slice that is not the whole dim, an integer
+comparison), the op is kept as the ATen call it is (`fivedc/ir/aten_call.py`): its
+tensor arguments as IR values with the torch layout the operator saw, every other
+argument written into the call.
+
+Where torch says the operator is pointwise, or it is a reduction, scan or slice
+along some dims (`fivedc.ir.aten_call.local_rule`), it runs on shards: its result's
+dims are its arguments' (broadcast, or those it runs along dropped or new), so the
+sequence and batch dims flow through it and the op keeps their splits. Otherwise it
+runs replicated, and its result is a new tensor whose dims are new atoms (one per
+torch dim of size above 1); later ops unify them with the model's dims as usual, so
+a shifted label tensor `[batch, seq]` meets the logits' batch and sequence at the
+loss.
+
+Only ATen calls can be kept: the export path's nodes carry theirs (`meta["aten"]`,
+`fivedc/frontends/fx/export.py`); a torch-level op of the symbolic path cannot, and the model
+is captured again with torch.export (`fivedc/frontends/fx_module.py`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from fivedc.ir.aten_call import PADS, AtenCallError, bind, dtype_name, encode_call, local_rule, resolve, target_name
+from fivedc.frontends.fx.build import DOp, DValue
+from fivedc.frontends.fx.locs import node_loc, scope
+from fivedc.frontends.fx.values import SIZE_ONE_HINT, Const, Frame, Pending, ParamRef, RepeatedKV, RouterLogits, T, Unrecognised
+from fivedc.ir.graph import DType
+
+if TYPE_CHECKING:
+    from fivedc.frontends.fx.lower import Lowering
+
+
+def aten_call_of(node: fx.Node):
+    """(overload, args, kwargs) of the ATen call this node is, in fx nodes; None when it is none."""
+    target, args, kwargs = node.meta.get("aten") or (node.target, node.args, node.kwargs)
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return target, args, kwargs
+    return None
+
+
+def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T | None:
+    """The replicated `aten` op for `node`; None when its ATen call reads values a pattern
+    rewrote away (the caller reports why the node has no rule)."""
+    overload, call_args, call_kwargs = call
+    used = []
+    fx.node.map_arg((call_args, call_kwargs), used.append)
+    if any(n not in frame.syms for n in used):
+        return None
+    value_args, value_kwargs = fx.node.map_arg((call_args, call_kwargs), frame.traced.values.get)
+    try:
+        target = target_name(overload)
+        resolve(target, value_args, value_kwargs)
+    except AtenCallError as error:
+        raise lw.unsupported(node, f"{error.message} (no sharding rule either: {reason})") from None
+    value = frame.traced.values.get(node)
+    items = list(value) if isinstance(value, (tuple, list)) else [value]
+    if not items or not all(isinstance(v, torch.Tensor) for v in items):
+        raise lw.unsupported(node, f"{target} returning {type(value).__name__} (no sharding rule: {reason})",
+                             "a replicated op must return tensors")
+    syms_args, syms_kwargs = fx.node.map_arg((call_args, call_kwargs), lambda n: frame.syms[n])
+    tensors: list[T] = []
+
+    def slot(obj):  # a tensor argument: the IR value holding it
+        if isinstance(obj, (T, Pending, ParamRef, RepeatedKV, RouterLogits)):
+            tensors.append(lw.tensor(frame, obj, node))
+            return len(tensors) - 1
+        return None
+
+    def unwrap(obj):  # constant tensors as they are: the call holds them (small ones only)
+        if isinstance(obj, Const):
+            return obj.value
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(unwrap(o) for o in obj)
+        return obj
+
+    try:
+        text = encode_call(unwrap(tuple(syms_args)), {k: unwrap(v) for k, v in syms_kwargs.items()}, slot)
+    except AtenCallError as error:
+        raise lw.unsupported(node, f"{target}: {error.message}") from None
+    dtypes = _arg_dtypes(frame, call_args, call_kwargs, tensors)
+    consts = [c.value for c in leaves((syms_args, syms_kwargs)) if isinstance(c, Const)]
+    local = _local(lw, node, overload, value_args, value_kwargs, tensors, consts, items)
+    rule = (("rule", local[0]),) + ((("along", ",".join(map(str, local[1]))),) if local[1] else ()) if local \
+        else (("rule", "replicated"),)
+    outs = []
+    wanted = _items_used(node, len(items))
+    for index, item in enumerate(items):  # an op returning several tensors: one IR op per result used
+        if index not in wanted:
+            outs.append(None)
+            continue
+        # replicated: new dims (a size-1 dim is a broadcast dim, not one of the model's)
+        layout = local[2][index] if local else tuple((lw.dims.new(s),) if s != 1 else () for s in item.shape)
+        atoms = tuple(a for group in layout for a in group)
+        dtype = DType.FLOAT if item.is_floating_point() else DType.INT
+        out = DValue(node.name, atoms, dtype)
+        attrs = (("target", target), ("call", text), ("dtypes", ";".join(dtypes)), ("reason", reason)) + rule
+        attrs += (("item", index),) if isinstance(value, (tuple, list)) else ()
+        frame.block.items.append(DOp(out, "aten", tuple(t.ref for t in tensors), attrs, node_loc(node), scope(node),
+                                     layouts=(tuple(t.layout for t in tensors), layout)))
+        outs.append(T(out, atoms, layout, dtype))
+    return tuple(outs) if isinstance(value, (tuple, list)) else outs[0]
+
+
+def in_memory_order(lw: Lowering, frame: Frame, node: fx.Node, t: T) -> T:
+    """`t` with its IR dims in its torch layout's order: itself where they are, else a
+    pointwise `aten.clone` on shards (the data moved locally, no communication), as
+    `.contiguous()` does after a transpose, for an op that reads the IR order (a linear
+    contracting the last torch dim)."""
+    groups = lw.groups(t)
+    flat = tuple(a for g in groups for a in g)
+    if lw.ir(t) == flat:
+        return t
+    out = DValue(node.name, flat, t.dtype)
+    dtype = "float" if t.dtype == DType.FLOAT else "int64"
+    attrs = (("target", "aten.clone.default"), ("call", '{"args":[{"tensor":0}],"kwargs":{}}'), ("dtypes", dtype),
+             ("reason", "the torch layout's dims in memory order"), ("rule", "pointwise"))
+    frame.block.items.append(DOp(out, "aten", (t.ref,), attrs, node_loc(node), scope(node),
+                                 layouts=((t.layout,), groups)))
+    return T(out, flat, groups, t.dtype)
+
+
+def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T], consts: list, items: list):
+    """(rule, along, result layouts) where the op can run on shards, else None (replicated).
+
+    Pointwise: the result's layout is its tensor arguments' broadcast (their dims unified
+    where torch lines them up); a constant tensor may take part only as one number. Along
+    dims (a reduction, scan or slice): one tensor argument; its `dim` (all dims when it has
+    none) is `along`; each result keeps the other dims, and along those it keeps the dim
+    (softmax, cumsum), or has size 1 (keepdim), none (reduced away, select) or a new dim
+    (topk's k, a slice)."""
+    rule = local_rule(overload)
+    if rule == "replicated" or not tensors or any(c.numel() != 1 for c in consts):
+        return None
+    groups = [lw.groups(t) for t in tensors]
+    try:
+        if rule == "pointwise":
+            layout = groups[0]
+            for other in groups[1:]:
+                layout = broadcast(lw, node, layout, other)
+            layouts = [layout] * len(items)
+            along = ()
+        else:
+            if len(tensors) != 1 or consts:
+                return None
+            along = _reduced_dims(overload, args, kwargs, len(groups[0]))
+            layouts = [_reduced_layout(lw, groups[0], along, tuple(item.shape)) for item in items]
+    except Unrecognised:
+        return None
+    for layout, item in zip(layouts, items):
+        if layout is None or tuple(lw.dims.numel(g) for g in layout) != tuple(item.shape):
+            return None
+    return rule, along, layouts
+
+
+def _reduced_dims(overload, args, kwargs, ndim: int) -> tuple[int, ...]:
+    """The torch dims an op runs along: its `dim` argument, all when it has none; a pad's last
+    len(pad) // 2 dims."""
+    bound = bind(overload._schema, args, kwargs)
+    if overload.overloadpacket.__name__ in PADS:
+        return tuple(range(max(0, ndim - len(bound["pad"]) // 2), ndim))
+    dim = bound.get("dim")
+    if dim is None or dim == []:
+        return tuple(range(ndim))
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    if ndim == 0:
+        return ()
+    return tuple(sorted({int(d) % ndim for d in dims}))
+
+
+def _reduced_layout(lw: Lowering, groups, along: tuple[int, ...], shape: tuple[int, ...]):
+    if not along:
+        return None
+    if len(shape) == len(groups):
+        layout = []
+        for i, (group, size) in enumerate(zip(groups, shape)):
+            if i not in along or lw.dims.numel(group) == size:
+                layout.append(group)  # kept (softmax, cumsum and sort keep the dim they run along)
+            else:
+                layout.append(() if size == 1 else (lw.dims.new(size),))  # keepdim, or topk's k
+        return tuple(layout)
+    if len(shape) == len(groups) - len(along):
+        return tuple(g for i, g in enumerate(groups) if i not in along)
+    return None
+
+
+def broadcast(lw: Lowering, node: fx.Node, ga, gb) -> tuple:
+    """The layout of a result torch broadcasts from operands laid out as `ga` and `gb`,
+    right-aligned: dims both have are unified (`Unrecognised` where they cannot be)."""
+    n = max(len(ga), len(gb))
+    ga, gb = ((),) * (n - len(ga)) + tuple(ga), ((),) * (n - len(gb)) + tuple(gb)
+    out = []
+    for x, y in zip(ga, gb):
+        if x and y:
+            lw.unify(x, y, node, "operands that torch broadcasts together")
+            lx, ly = set(lw.dims.leaves(x)), set(lw.dims.leaves(y))
+            if not (lx <= ly or ly <= lx):  # each holds a size-1 dim the other lacks: [1 head, d] + [batch 1, d]
+                raise lw.unsupported(node, f"operands whose dims of size 1 ({lw.describe(lx ^ ly)}) do not line up",
+                                     SIZE_ONE_HINT)
+            x = x if lx >= ly else y  # the one that keeps a size-1 dim (a head) the other merged away
+        out.append(x or y)
+    return tuple(out)
+
+
+def leaves(obj):
+    """The non-container items of nested tuples, lists and dicts."""
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from leaves(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from leaves(item)
+    else:
+        yield obj
+
+
+def _items_used(node: fx.Node, n: int) -> set[int]:
+    """Which results of a call the graph reads (`values, _ = x.sort()` reads one)."""
+    if all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
+        return {u.args[1] % n for u in node.users}
+    return set(range(n))
+
+
+def _arg_dtypes(frame: Frame, call_args, call_kwargs, tensors: list[T]) -> list[str]:
+    """The example dtypes of the tensor arguments, in order (an integer tensor may be a bool mask)."""
+    found = []
+
+    def visit(a):
+        if isinstance(a, fx.Node):
+            v = frame.traced.values.get(a)
+            if isinstance(v, torch.Tensor) and not isinstance(frame.syms.get(a), Const):
+                found.append(dtype_name(v.dtype))
+        return a
+
+    fx.node.map_aggregate((call_args, call_kwargs), visit)
+    if len(found) == len(tensors):
+        return found
+    return ["float" if t.dtype == DType.FLOAT else "int64" for t in tensors]

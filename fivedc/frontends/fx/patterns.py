@@ -1,0 +1,350 @@
+"""Op patterns the fx frontend rewrites in the fx graph before lowering.
+
+Each pattern becomes one call of an executable marker (`fivedc/frontends/fx/recognise.py`)
+or of a torch function, so the rewritten graph still runs and keeps its values:
+- `x * rsqrt(mean(x^2 | x*x, dim=-1, keepdim=True) + eps) * w` (also `/ sqrt(...)`,
+  casts in between, w a 1-D parameter) -> `rms_norm(x, w, eps)`;
+- `softmax(q @ k.transpose(-2, -1) * scale [masked_fill(mask, -inf)], -1) [dropout] @ v`
+  with scale = 1/sqrt(head_dim) (also `/ sqrt(d)`), the mask checked on its example
+  value to be exactly causal -> `F.scaled_dot_product_attention(q, k, v, is_causal=...,
+  dropout_p=...)` (the lowering warns about an active dropout);
+- `silu(a) * b` (either order, the silu used once) -> `swiglu(a, b)`;
+- `x * cos + rotate_half(x) * sin` with constant tables (from buffers and shapes, as
+  Hugging Face's rotary embeddings compute them), rotate_half(x) = cat(-x2, x1) of
+  x's halves -> `rope(x, theta=, seq_axis=)`, theta read off the tables and the whole
+  checked against fivedc's rope on x's example value;
+- `reshape(expand(unsqueeze(x, d + 1)))` repeating x along d (Hugging Face's
+  `repeat_kv`), checked on the example values -> `x.repeat_interleave(n, dim=d)`;
+- `scaled_dot_product_attention(..., attn_mask=M)` with M a constant equal to the
+  causal mask (bool or additive, checked on its value) -> `is_causal=True`.
+A near miss (another mask, another scale) is left alone, and the lowering then
+reports the softmax or matmul it cannot represent at the user's line.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from fivedc.frontends.fx.recognise import CASTS, op_name, reference_rope, rms_norm, rope, swiglu
+from fivedc.ir.ops import freqs_text
+
+
+# ---- graph patterns -------------------------------------------------------------------
+class _Matcher:
+    def __init__(self, gm: fx.GraphModule, values: dict) -> None:
+        self.gm, self.values = gm, values
+
+    def name(self, node) -> str | None:
+        return op_name(node, self.gm) if isinstance(node, fx.Node) else None
+
+    def strip(self, node, also: frozenset = frozenset()):
+        """Skip casts, copies (and `also`, e.g. dropout) in front of a node."""
+        while isinstance(node, fx.Node) and (self.name(node) in CASTS or self.name(node) in also) and node.args:
+            node = node.args[0]
+        return node
+
+    def value(self, arg) -> object:
+        return self.values.get(arg) if isinstance(arg, fx.Node) else arg
+
+    def number(self, arg) -> float | None:
+        value = self.value(arg)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def operands(self, node, kind: str) -> tuple | None:
+        if self.name(node) == kind and len(node.args) >= 2:
+            return node.args[0], node.args[1]
+        return None
+
+    def param_1d(self, node) -> bool:
+        value = self.value(self.strip(node))
+        return isinstance(value, nn.Parameter) and value.dim() == 1
+
+    def replace(self, node: fx.Node, fn, args: tuple, kwargs: dict) -> None:
+        graph = self.gm.graph
+        with graph.inserting_after(node):
+            new = graph.call_function(fn, args, kwargs)
+        new.meta.update({k: v for k, v in node.meta.items() if k != "aten"})  # no longer that ATen call
+        self.values[new] = self.values.get(node)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+    # -- rms norm --
+    def rms(self, node: fx.Node) -> bool:
+        pair = self.operands(node, "mul")
+        if pair is None:
+            return False
+        for a, w in (pair, pair[::-1]):
+            if isinstance(w, fx.Node) and self.param_1d(w):
+                found = self.normalized(self.strip(a))
+                if found is not None:
+                    self.replace(node, rms_norm, (found[0], self.strip(w)), {"eps": found[1]})
+                    return True
+        return False
+
+    def normalized(self, node) -> tuple[fx.Node, float] | None:
+        """x * rsqrt(mean(x^2) + eps) or x / sqrt(mean(x^2) + eps): (x, eps)."""
+        for kind, root in (("mul", "rsqrt"), ("div", "sqrt")):
+            pair = self.operands(node, kind)
+            for x, r in ((pair, pair[::-1]) if kind == "mul" else (pair,)) if pair else ():
+                if self.name(r) == root and (found := self.mean_square(r.args[0], self.strip(x))) is not None:
+                    return self.strip(x), found
+        return None
+
+    def mean_square(self, node, x) -> float | None:
+        pair = self.operands(node, "add")
+        if pair is None:
+            return None
+        mean, eps = pair if self.number(pair[1]) is not None else pair[::-1]
+        if self.name(mean) != "mean" or self.number(eps) is None:
+            return None
+        dim = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
+        if dim not in (-1, [-1], (-1,)) or not mean.kwargs.get("keepdim", len(mean.args) > 2 and mean.args[2]):
+            return None
+        square = mean.args[0]
+        if self.name(square) == "pow" and self.number(square.args[1]) == 2.0 and self.strip(square.args[0]) is x:
+            return self.number(eps)
+        if self.name(square) == "mul" and self.strip(square.args[0]) is x and self.strip(square.args[1]) is x:
+            return self.number(eps)
+        return None
+
+    # -- attention --
+    def attention(self, node: fx.Node) -> bool:
+        pair = self.operands(node, "matmul")
+        if pair is None:
+            return False
+        probs, v = self.strip(pair[0], frozenset({"dropout"})), pair[1]
+        if self.name(probs) != "softmax" or _softmax_dim(probs) not in (-1, 3):
+            return False
+        scores, causal = probs.args[0], False
+        if self.name(scores) == "masked_fill":
+            if not self._causal_fill(scores):
+                return False
+            scores, causal = scores.args[0], True
+        found = self.scaled(scores)
+        if found is None:
+            return False
+        q, k = found
+        kwargs = {"is_causal": causal, "dropout_p": self.dropout_p(pair[0])}  # the lowering warns about dropout
+        self.replace(node, F.scaled_dot_product_attention, (q, k, v), kwargs)
+        return True
+
+    def dropout_p(self, node) -> float:
+        """The probability of an active dropout among the casts in front of `node`, else 0."""
+        while isinstance(node, fx.Node) and self.name(node) in CASTS | {"dropout"} and node.args:
+            if self.name(node) == "dropout":
+                if node.op == "call_module":
+                    m = self.gm.get_submodule(node.target)
+                    p, training = m.p, m.training
+                else:
+                    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+                    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
+                if p and training:
+                    return float(p)
+            node = node.args[0]
+        return 0.0
+
+    def scaled(self, node) -> tuple | None:
+        for kind in ("mul", "div"):
+            pair = self.operands(node, kind)
+            if pair is None:
+                continue
+            for qk, c in ((pair, pair[::-1]) if kind == "mul" else (pair,)):
+                scale = self.number(c)
+                if scale is None or self.name(qk) != "matmul":
+                    continue
+                scale = scale if kind == "mul" else 1.0 / scale
+                q, kt = qk.args[0], qk.args[1]
+                if self.name(kt) != "transpose" or sorted(_transpose_dims(kt)) not in ([-2, -1], [2, 3]):
+                    continue
+                head_dim = self.values[q].shape[-1]
+                if math.isclose(scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-12):
+                    return q, kt.args[0]
+        return None
+
+    def _causal_fill(self, node: fx.Node) -> bool:
+        mask, fill = self.value(node.args[1]), self.number(node.args[2])
+        scores = self.values.get(node.args[0])
+        if fill is None or fill > -1e4 or not isinstance(mask, torch.Tensor) or scores is None:
+            return False
+        tq, tk = scores.shape[-2:]
+        expected = torch.ones(tq, tk, dtype=torch.bool).triu(1)
+        try:
+            full = mask.to(torch.bool).expand(scores.shape)
+        except RuntimeError:
+            return False
+        return bool((full == expected).all())
+
+    # -- rope from tables --
+    def rope(self, node: fx.Node) -> bool:
+        """`x * cos + rotate_half(x) * sin` (either order), rotate_half(x) = cat(-x2, x1)
+        of x's halves, cos and sin constant tables: rope at the theta their values give,
+        checked against fivedc's rope on x's example value."""
+        pair = self.operands(node, "add")
+        for first, second in (pair, pair[::-1]) if pair else ():
+            a, b = self.operands(first, "mul"), self.operands(second, "mul")
+            for x, cos in (a, a[::-1]) if a else ():
+                for rot, sin in (b, b[::-1]) if b else ():
+                    x = self.strip(x)
+                    if self.rotated_half(rot) is x and self.constant(cos) and self.constant(sin):
+                        found = self.rope_theta(x, self.value(cos), self.value(sin))
+                        if found is not None:
+                            self.replace(node, rope, (x,), {"theta": found[0], "seq_axis": found[1],
+                                                            "freqs": found[2]})
+                            return True
+        return False
+
+    def rotated_half(self, node):
+        """x when `node` is cat((-x[..., h:], x[..., :h]), -1), else None."""
+        if self.name(node) != "cat" or len(node.args[0]) != 2 or node.args[1:] not in ((-1,), ()):
+            return None
+        neg, low = node.args[0]
+        if self.name(neg) != "neg":
+            return None
+        high = neg.args[0]
+        if self.name(high) != "getitem" or self.name(low) != "getitem" or high.args[0] is not low.args[0]:
+            return None
+        x = high.args[0]
+        half = self.values[x].shape[-1] // 2
+        if _last_slice(high.args[1]) != (half, None) or _last_slice(low.args[1]) != (0, half):
+            return None
+        return self.strip(x)
+
+    def constant(self, node) -> bool:
+        """Whether `node` depends on neither the inputs nor a parameter (a table from buffers and shapes)."""
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" or (n.op == "get_attr" and isinstance(self.value(n), nn.Parameter)):
+                return False
+            stack.extend(n.all_input_nodes)
+        return True
+
+    def rope_theta(self, x: fx.Node, cos, sin) -> tuple[float, int, str] | None:
+        """(theta, the sequence axis, the frequencies) for which x * cos + rotate_half(x) * sin is
+        fivedc's rope. The frequencies are the tables' own angles at position 1 ("" when
+        theta ** (-i / half) gives them to float64 precision): a library that computes its
+        `inv_freq` in float32 has frequencies a theta does not reproduce exactly."""
+        value = self.values[x]
+        half = value.shape[-1] // 2
+        if not isinstance(cos, torch.Tensor) or cos.dim() != value.dim() or half < 2:
+            return None
+        seq_axes = [a for a in range(value.dim() - 1) if cos.shape[a] == value.shape[a] > 1]
+        if len(seq_axes) != 1:
+            return None
+        axis = seq_axes[0]
+        at_one = [0] * (value.dim() - 1)
+        at_one[axis] = 1
+        angle = math.atan2(float(sin[(*at_one, 1)]), float(cos[(*at_one, 1)]))  # theta ** (-1 / half)
+        if not 0 < angle < 1:
+            return None
+        theta = angle ** (-half)
+        rotated = torch.cat((-value[..., half:], value[..., :half]), dim=-1)
+        computed = value * cos + rotated * sin
+        row = tuple(1 if a == axis else 0 for a in range(value.dim() - 1))
+        freqs = torch.atan2(sin[row][:half].double(), cos[row][:half].double())
+        exact = theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
+        given = None if torch.allclose(freqs, exact, rtol=1e-13, atol=0) else freqs
+        if torch.allclose(computed, reference_rope(value, axis, theta, given), rtol=1e-5, atol=1e-6):
+            return theta, axis, freqs_text(given.tolist()) if given is not None else ""
+        return None
+
+    # -- a causal attn_mask --
+    def causal_mask(self, node: fx.Node) -> bool:
+        """scaled_dot_product_attention(q, k, v, attn_mask=M) with M a constant that is
+        exactly the causal mask (bool: True where j <= i; or additive: 0 there and
+        -inf or below -1e4 elsewhere), checked on its value -> `is_causal=True`."""
+        if self.name(node) != "sdpa" or node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5]):
+            return False
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        given = dict(zip(names, node.args)) | dict(node.kwargs)
+        mask, q, k = given.get("attn_mask"), self.values.get(node.args[0]), self.values.get(node.args[1])
+        if not isinstance(mask, fx.Node) or not self.constant(mask) or q is None or k is None:
+            return False
+        value = self.values.get(mask)
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        try:
+            attend = value if value.dtype == torch.bool else value == 0
+            if value.dtype != torch.bool and not bool((value[~causal.expand(value.shape)] < -1e4).all()):
+                return False
+            if not bool((attend.expand(*q.shape[:-2], *causal.shape) == causal).all()):
+                return False
+        except (RuntimeError, AttributeError):
+            return False
+        kwargs = {k: v for k, v in given.items() if k not in ("query", "key", "value", "attn_mask")}
+        self.replace(node, F.scaled_dot_product_attention, tuple(node.args[:3]), kwargs | {"is_causal": True})
+        return True
+
+    # -- repeat_kv by expand --
+    def repeat_kv(self, node: fx.Node) -> bool:
+        """reshape(expand(unsqueeze(x, d + 1), ...), ...) that repeats each of x's
+        entries along dim d n times (grouped-query attention's `repeat_kv`, checked on
+        the example values) -> `x.repeat_interleave(n, dim=d)`."""
+        if self.name(node) != "reshape":
+            return False
+        grown = self.strip(node.args[0])
+        if self.name(grown) != "expand" or self.name(grown.args[0]) != "unsqueeze":
+            return False
+        x, axis = grown.args[0].args[0], grown.args[0].args[1]
+        value, out = self.values[x], self.values[node]
+        if not isinstance(axis, int) or not 0 < axis <= value.dim():
+            return False
+        n = out.shape[axis - 1] // value.shape[axis - 1] if value.shape[axis - 1] else 0
+        if n < 1 or not torch.equal(value.repeat_interleave(n, dim=axis - 1), out):
+            return False
+        self.replace(node, torch.repeat_interleave, (x, n), {"dim": axis - 1})
+        return True
+
+    # -- swiglu --
+    def swiglu(self, node: fx.Node) -> bool:
+        pair = self.operands(node, "mul")
+        if pair is None:
+            return False
+        for act, up in (pair, pair[::-1]):
+            if self.name(act) == "silu" and len(act.users) == 1 and not act.kwargs.get("inplace"):
+                self.replace(node, swiglu, (act.args[0], up), {})
+                return True
+        return False
+
+
+def _last_slice(index) -> tuple | None:
+    """(start, stop) of an index that slices only the last dim (step 1), else None."""
+    if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
+        return None
+    if any(i != slice(None) for i in index[:-1]) or index[-1].step not in (None, 1):
+        return None
+    stop = index[-1].stop
+    return (index[-1].start or 0, None if stop is None or stop >= 2**62 else stop)
+
+
+def _softmax_dim(node: fx.Node):
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+
+
+def _transpose_dims(node: fx.Node) -> list:
+    dims = list(node.args[1:3])
+    return dims if len(dims) == 2 else [node.kwargs.get("dim0"), node.kwargs.get("dim1")]
+
+
+def rewrite(gm: fx.GraphModule, values: dict) -> None:
+    """Apply the patterns of this file's docstring to `gm` in place (values follow)."""
+    matcher = _Matcher(gm, values)
+    for pattern in (matcher.rms, matcher.rope, matcher.repeat_kv, matcher.causal_mask, matcher.attention,
+                    matcher.swiglu):
+        for node in list(gm.graph.nodes):
+            if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            try:
+                pattern(node)
+            except (KeyError, IndexError, AttributeError, TypeError, ValueError):
+                continue  # an unusual graph is no match: the lowering then names what it cannot represent
+        gm.graph.eliminate_dead_code()

@@ -1,0 +1,227 @@
+"""The torch.fx frontend: an ordinary `nn.Module` to fivedc's IR, with a parameter map.
+
+`trace_module(module, example_inputs)` traces the module (`fivedc/frontends/fx/trace.py`:
+torch.fx, the layers of a uniform `nn.ModuleList` kept as one `Repeat` traced once,
+shape-only `if`/`assert` decided on the example shapes, torch.export as a fallback
+in `fx/export.py`, user locations from `fx/locs.py`), rewrites known patterns
+(`fx/patterns.py`; single-node recognition in `fx/recognise.py`), lowers every node
+(`fx/lower.py`; handlers in `fx/ops.py` and `fx/layers.py`), names dims,
+parameters and values (`fx/build.py`, dims via `fx/dims.py`) and checks the result
+with the compiler's own shape inference. `TracedModel` holds the `Graph` (compile
+it with `fivedc.pipeline.compile_graph`) and the two-way map between the module's
+`state_dict` and the IR's qualified parameters (`fx/params.py`). Every IR node
+carries the user's file and line (from the fx node's stack trace).
+
+Recognised:
+- modules: `nn.Linear` (weight [out, in] -> IR [in..., out...], bias as an add),
+  `nn.Embedding` (plain lookup), `nn.LayerNorm` (1-D, with weight), `nn.RMSNorm` and
+  modules named like RMSNorm, rotary modules named like Rotary/RoPE (both checked on
+  a probe, see `fx/recognise.py`), MoE blocks (below), `nn.GELU` (none or tanh), `nn.SiLU`, `nn.ReLU`,
+  `nn.Tanh`, `nn.Sigmoid`, `nn.Dropout` and `nn.Identity` (no-ops), `nn.CrossEntropyLoss`;
+- functions and methods: `F.linear`, `x @ W` with a parameter W [in, out],
+  `F.embedding`, `F.layer_norm`, `F.rms_norm`, the activations above, `+ - * /` and
+  `neg` with tensors (broadcast) or numbers, `F.scaled_dot_product_attention`
+  (is_causal or not, no mask, default scale, GQA by `repeat_interleave` of k/v
+  heads or `enable_gqa`), `F.cross_entropy` (mean), views and reshapes, transposes
+  and permutes, size-1 `unsqueeze`/`squeeze`, full slices, casts and copies (no-ops:
+  the plan's dtype decides the precision);
+- patterns: a linear followed by `view(b, s, heads, head_dim)` (one linear with a
+  [hidden, heads, head_dim] weight), a fused projection followed by `split`/`chunk`
+  (one linear per part, `c_attn_q/_k/_v`), `wpe(arange(seq))` (the table as a
+  [seq, hidden] parameter), `x * rsqrt(mean(x^2) + eps) * w`, softmax(q k^T / sqrt(d))
+  v with a causal mask checked on its value, `silu(a) * b` (SwiGLU); and as Hugging
+  Face decoders write them (through torch.export): `x * cos + rotate_half(x) * sin`
+  with constant tables (rope, theta read off the tables, checked by value),
+  `repeat_kv` by `expand` + `reshape`, and SDPA with a constant causal `attn_mask`.
+- MoE blocks, lowered to one IR `moe` op (the block is a leaf: its token loop is never
+  traced; `fx/moe.py`): mark the block's class with `fivedc_moe = True` (or name it with
+  `MoE`/`Moe`, as Hugging Face's `MixtralSparseMoeBlock`); it holds one bias-free
+  `nn.Linear(hidden, experts)` router and SwiGLU experts (gate, up, down), either three
+  parameters of its own stacked over the experts ([experts, out, in] as nn.Linear stores
+  them, or [experts, in, out]) or an `nn.ModuleList` of expert modules with three weights
+  each (`experts.3.w1.weight`: stacked into one IR parameter, each expert a slice); it
+  takes one tensor [..., hidden] and returns the same shape, or `(out, router_logits)`
+  of which only `out` may be used (`out, _ = moe(x)`, `moe(x)[0]`). Which weight is
+  which, `top_k`, softmax or sigmoid scores and renormalised gates or not are read off
+  a random probe; `fivedc_aux_loss = a` on the block gives the op `aux_loss=a`. See
+  `examples/mixtral.py` (`factory`, and `hf_factory` for the Hugging Face layout).
+- dims of size 1 (one head, a batch of one) stay dims of the IR: a view that merges
+  one keeps it with its neighbour (a head with head_dim, the sequence with the batch);
+  a parameter's size-1 dims ([1, seq, hidden]) are broadcast dims and left out.
+Stage marks: a module with `fivedc_stage_boundary = True`, or matching a pattern of
+`trace_module(..., stage_boundaries=("layers.4", "ln_f"))`, begins a pipeline chunk:
+`Repeat.stage_layers` for a layer of a repeated stack, `@stage` on the first top-level
+op traced from any other module (`fx/marks.py`; a mark inside a layer body is an error).
+Not recognised, a `NotSupportedError` at the user's line with a hint: softmax,
+matmul of activations, pow/mean/rsqrt outside those patterns, masks other than
+causal, real slicing and indexing (`logits[:, :-1]`), `cat`/`stack`, interleaved
+(complex) rotary embeddings, an `expand` that does not repeat k/v exactly,
+tied or shared weights, `padding_idx`, data-dependent control flow, class weights
+or label smoothing or non-mean losses, a squeeze of a model dim of size 1, the router
+logits of an MoE block used (the hint: `fivedc_aux_loss`), any other op or module. Approximations are an
+`FxWarning` at the user's line: active dropout dropped, `ignore_index` not
+represented, extra outputs beside the loss dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from fivedc.errors import PassError, ShapeError
+from fivedc.frontends.fx.build import finish
+from fivedc.frontends.fx.locs import node_loc
+from fivedc.frontends.fx.lower import FxWarning, Lowering
+from fivedc.frontends.fx.marks import mark_layers, mark_stages
+from fivedc.frontends.fx.precision import float64_everywhere, is_float64
+from fivedc.frontends.fx.params import ParamMapping, from_ir_params, to_ir_params
+from fivedc.frontends.fx.patterns import rewrite
+from fivedc.frontends.fx.trace import export_trace, trace_graphs
+from fivedc.frontends.fx.values import Unrecognised
+from fivedc.ir.graph import Graph, Op, Repeat, TensorType, walk_ops
+from fivedc.ir.mesh import Mesh
+from fivedc.passes.base import CompileOptions
+from fivedc.passes.shapes import InferShapes
+from fivedc.passes.verify import VerifyIR
+
+__all__ = ["TracedModel", "trace_module", "FxWarning", "ParamMapping"]
+
+
+@dataclass(frozen=True, slots=True)
+class TracedModel:
+    graph: Graph
+    params: tuple[ParamMapping, ...]  # one per IR parameter instance, in graph order
+    warnings: tuple[str, ...] = ()  # what was dropped or approximated, with the user's line
+    exported: bool = False  # traced with torch.export (repeated layers inlined)
+
+    def to_ir_params(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The IR's parameters (`layers.0.c_attn_q`, ...) from the module's state_dict."""
+        return to_ir_params(self.params, state_dict)
+
+    def from_ir_params(self, ir_params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The inverse: state_dict entries (parameters only; buffers stay with the module)."""
+        return from_ir_params(self.params, ir_params)
+
+    def match(self, pattern: str) -> tuple[ParamMapping, ...]:
+        """The IR parameters of the modules matching a path pattern (`transformer.h.*.attn.c_attn`)."""
+        return tuple(m for m in self.params if m.matches(pattern))
+
+    def summary(self) -> str:
+        return _summary(self)
+
+
+def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str | None = None,
+                 stage_boundaries: tuple[str, ...] | list[str] = ()) -> TracedModel:
+    """Trace `module` on `example_inputs` (positional tuple, or keyword dict) into fivedc's IR.
+
+    stage_boundaries: module-path patterns (`"layers.4"`, `"ln_f"`, `*` for one path element) at
+    which a pipeline chunk begins, besides the modules marked `fivedc_stage_boundary = True`
+    (`fivedc/frontends/fx/marks.py`)."""
+    with float64_everywhere(is_float64(module)):  # fivedc/frontends/fx/precision.py
+        trace = trace_graphs(module, example_inputs)
+        try:
+            lowering, draft = _lower(trace, module, name, stage_boundaries)
+        except Unrecognised as error:
+            if trace.exported:
+                raise
+            # an op without a rule: torch.export gives it as an ATen call, which can run replicated
+            trace = export_trace(module, example_inputs, error)
+            lowering, draft = _lower(trace, module, name, stage_boundaries)
+    graph, mappings, expected = finish(draft, share_dims=True)
+    if not _consistent(graph, expected):
+        graph, mappings, expected = finish(draft, share_dims=False)
+        _consistent(graph, expected, strict=True)
+    return TracedModel(graph, mappings, tuple(lowering.warned), trace.exported)
+
+
+def _lower(trace, module: nn.Module, name: str | None, stage_boundaries):
+    for traced in (trace.top, *(r.body for r in trace.repeats)):
+        _no_writes(traced.gm)
+        rewrite(traced.gm, traced.values)
+    lowering = Lowering(trace)
+    draft = lowering.draft(name or type(module).__name__.lower())
+    mark_stages(module, trace, draft, stage_boundaries)
+    mark_layers(module, draft)  # layers inlined into top-level ops still make pipeline units
+    return lowering, draft
+
+
+def _no_writes(gm) -> None:
+    """A symbolic trace does not see that `x.mul_(2)` changes `x` (later reads use the node
+    of `x`, and the write looks unused): an in-place method call is left to torch.export,
+    which records the write (`fivedc/frontends/fx/export.py` rewrites it as a pure op where it can)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+            raise Unrecognised(f"Tensor.{node.target} writes to its tensor in place", loc=node_loc(node))
+
+
+def _consistent(graph: Graph, expected: dict[str, TensorType], *, strict: bool = False) -> bool:
+    """Shape inference agrees with the frontend on every op (shared dim names did no harm)."""
+    options = CompileOptions(mesh=Mesh((1, 1, 1, 1, 1)))
+    try:
+        typed = InferShapes().run(VerifyIR().run(graph, options), options)
+    except (ShapeError, PassError) as error:
+        if strict:
+            raise PassError(f"the fx frontend built an inconsistent graph: {error.message}", loc=error.loc) from None
+        return False
+    for op, _ in walk_ops(typed.body):
+        if isinstance(op, Op) and op.type != expected[op.out]:
+            if strict:
+                raise PassError(f"the fx frontend and shape inference disagree on {op.out}", loc=op.loc)
+            return False
+    return True
+
+
+# ---- summary --------------------------------------------------------------------------
+def _summary(model: TracedModel) -> str:
+    g = model.graph
+    how = "torch.export" if model.exported else "torch.fx"
+    lines = [f"model {g.name} {{  # traced with {how} from {g.loc or g.source}"]
+    lines.append("  dims { " + ", ".join(f"{k} = {v}" for k, v in g.dims) + " }")
+    for item in g.inputs:
+        lines.append(f"  input {item.name}: {item.type.dtype}[{', '.join(item.type.dims)}]")
+    keys = {}
+    for m in model.params:
+        keys.setdefault((m.repeat, m.param), m)
+    _block(g.body, keys, None, lines, "  ")
+    lines.append(f"  return {g.output}")
+    lines.append("}")
+    lines.extend(f"# warning: {text}" for text in model.warnings)
+    return "\n".join(lines)
+
+
+def _block(block, keys, repeat: str | None, lines: list[str], pad: str) -> None:
+    for p in block.params:
+        m = keys.get((repeat, p.name))
+        where = "  # " + ".".join(filter(None, (_source(m), m.key.rpartition(".")[2]))) if m else ""
+        extra = f"rows {m.rows[0]}:{m.rows[1]}" if m and m.rows else ""
+        lines.append(f"{pad}param {p.name}: [{', '.join(p.dims)}]{where} {extra}".rstrip())
+    for item in block.items:
+        if isinstance(item, Repeat):
+            carried = ", ".join(f"{c} as {a}" for c, a in zip(item.carried, item.body.args))
+            stages = f" @stage({', '.join(map(str, item.stage_layers))})" if item.stage_layers else ""
+            lines.append(f"{pad}repeat {item.count} as {item.name}{stages} {{  # carries {carried}")
+            _block(item.body, keys, item.name, lines, pad + "  ")
+            lines.append(f"{pad}}}  # -> {', '.join(item.results)}")
+            continue
+        args = [str(a) for a in item.args] + [f"{k}={_literal(v)}" for k, v in item.attrs]
+        loc = f"  # {item.loc.file.rpartition('/')[2]}:{item.loc.line}" if item.loc else ""
+        notes = "".join(f" {a}" for a in item.annotations)
+        lines.append(f"{pad}{item.out} = {item.kind}({', '.join(args)}){notes}{loc}")
+    if repeat is not None:
+        lines.append(f"{pad}# yields {', '.join(block.yields)}")
+
+
+def _source(m: ParamMapping) -> str:
+    """The module pattern a parameter comes from; separate experts stacked as `experts.{0..3}.w1`."""
+    if m.index is None:
+        return m.pattern
+    head, _, tail = f"{m.pattern}.".rpartition(f".{m.index}.")
+    return f"{head}.{{0..{m.ir_shape[0] - 1}}}.{tail}".rstrip(".")
+
+
+def _literal(value) -> str:
+    """An attribute as the DSL writes it: true, "tanh", 1e-05."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)

@@ -1,0 +1,349 @@
+"""The `aten` op kind: an ATen operator the compiler has no sharding rule for, computed whole.
+
+A frontend that meets an op it does not recognise (a label shift by `F.pad`, a
+`cumsum`, a `where` on a mask) does not refuse the model: it records the ATen call
+as an `aten` op, which runs *replicated*: its arguments are gathered to full
+tensors, every rank computes the same full result, and the consumers cut their
+shards from it. That is always correct, costs the gathers and the redundant compute,
+and is listed in the plan and the summary with its source line and reason, so a
+user sees where parallelism is lost.
+
+An `aten` op's attributes say everything the kernel needs:
+
+- `target`: the operator overload, `aten.constant_pad_nd.default`. Only `aten`
+  operators that neither mutate their arguments nor draw random numbers are allowed
+  (`resolve`): a plan file can name nothing else.
+- `call`: the arguments as JSON, `{"args": [...], "kwargs": {...}}`: numbers, bools,
+  strings, lists and null as they are; `{"tensor": i}` the op's i-th value argument;
+  `{"dtype": "float32"}`, `{"device": null}` (the rank's device), `{"layout":
+  "strided"}`, `{"memory_format": "contiguous_format"}`; a small constant tensor as
+  `{"constant": [...], "dtype": "int64"}`.
+- `layouts`: each value argument as the torch tensor the operator sees, its dims
+  separated by `,` (a dim made of several IR dims joins them with `*`, a broadcast
+  dim of size 1 is `1`), the arguments separated by `;`. The IR keeps named dims
+  in its own order; views and transposes only change this layout.
+- `out`: the result's torch dims in the same notation; the op's IR dims are
+  their IR dims in order.
+- `dtypes`: each value argument's torch dtype at capture (`float` for any floating
+  one: it runs at the plan's dtype; `int64`, `bool`, ...), separated by `;`, for
+  shape inference on meta tensors.
+- `reason`: why the IR has no op of its own for it (the handler that did not follow it).
+- `item` (for an operator that returns several tensors, `topk`): which result this op is.
+- `rule`: how it is sharded. `replicated` (the default): as above. `pointwise`: an
+  operator torch tags pointwise (`torch.Tag.pointwise`), computed on each rank's
+  shards, since every element of its result reads only the same element of its
+  (broadcast) arguments: its arguments keep the splits their producers give, made
+  to agree, with pending sums added. `along`: a reduction, scan or slice along some
+  dims of its one argument (`mean(-1)`, `softmax`, `cumsum`, `topk`, `split`,
+  `x[..., 1:]`), computed on shards split along any other dim; the dims it runs
+  along are gathered whole.
+- `along` (rule `along` only): the torch dims of its argument it runs along,
+  comma separated.
+
+On a full tensor the sequence dim is stored in the cp layout's order
+(`fivedc/runtime/program.shard`); where the operator reads the sequence whole (replicated,
+or an op along it) the kernel puts it back in global order for the call, and
+the result's sequence dim into layout order again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from torch import Tensor
+
+from fivedc.errors import FivedcError, ShapeError
+
+Layout = tuple[tuple[str, ...], ...]  # torch dims, each the IR dims it is made of (empty: a size-1 dim)
+
+MAX_CONSTANT = 4096  # elements of a constant tensor written into a plan
+
+
+class AtenCallError(FivedcError):
+    """An `aten` op whose target or call cannot be used."""
+
+
+def resolve(target: str, args: tuple | list | None = None, kwargs: dict | None = None):
+    """The ATen overload `aten.NAME.OVERLOAD`, if it is one a plan may call (with these
+    arguments, when given: an op that may draw random numbers is fine with dropout 0)."""
+    parts = target.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        raise AtenCallError(f"aten op target {target!r} is not of the form aten.NAME.OVERLOAD")
+    try:
+        overload = getattr(getattr(torch.ops.aten, parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        raise AtenCallError(f"aten op target {target!r} is not an ATen operator of torch {torch.__version__}") from None
+    schema = overload._schema
+    if schema.is_mutable:
+        raise AtenCallError(f"aten op target {target!r} writes to its arguments; only pure operators run replicated")
+    if torch.Tag.nondeterministic_seeded in getattr(overload, "tags", ()) and _draws(schema, args, kwargs):
+        raise AtenCallError(f"aten op target {target!r} draws random numbers; the ranks and the reference would "
+                            "draw different ones")
+    return overload
+
+
+def _draws(schema, args, kwargs) -> bool:
+    """Whether a call of a possibly random operator draws: not with dropout_p/p 0 or train False."""
+    if args is None:
+        return False  # checked again where the arguments are known
+    bound = bind(schema, args, kwargs)
+    if "dropout_p" in bound:
+        return bound["dropout_p"] not in (0, 0.0)
+    if "train" in bound and bound["train"] is False:
+        return False
+    if "p" in bound and bound["p"] in (0, 0.0):
+        return False
+    return True
+
+
+def bind(schema, args, kwargs) -> dict:
+    """An ATen call's arguments by name, defaults filled in."""
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    return bound | dict(zip((a.name for a in schema.arguments), args)) | dict(kwargs or {})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How `dtypes` names an argument's dtype: `float` for every floating one."""
+    return "float" if dtype.is_floating_point else str(dtype).removeprefix("torch.")
+
+
+def target_name(overload) -> str:
+    """`aten.constant_pad_nd.default` for the overload object."""
+    return f"aten.{overload.overloadpacket.__name__}.{overload._overloadname}"
+
+
+# ---- the call as JSON ---------------------------------------------------------------------
+def encode_call(args: tuple, kwargs: dict, tensor_slot) -> str:
+    """JSON of an ATen call; `tensor_slot(obj)` returns the value-argument index of a tensor
+    argument (or None for a value that is not one)."""
+
+    def enc(obj):
+        slot = tensor_slot(obj)
+        if slot is not None:
+            return {"tensor": slot}
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        if isinstance(obj, complex):
+            raise AtenCallError(f"a complex number as an argument ({obj!r}): fivedc's IR is real")
+        if isinstance(obj, (list, tuple)):
+            return [enc(o) for o in obj]
+        if isinstance(obj, torch.dtype):
+            return {"dtype": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"device": None}
+        if isinstance(obj, torch.layout):
+            return {"layout": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.memory_format):
+            return {"memory_format": str(obj).removeprefix("torch.")}
+        if isinstance(obj, Tensor):
+            if obj.is_complex():
+                raise AtenCallError(f"a constant complex tensor as an argument (fivedc's IR is real: "
+                                    f"{str(obj.dtype).removeprefix('torch.')})")
+            if obj.numel() > MAX_CONSTANT:
+                raise AtenCallError(f"a constant tensor of {obj.numel()} elements as an argument "
+                                    f"(at most {MAX_CONSTANT} are written into a plan)")
+            return {"constant": obj.detach().cpu().tolist(), "dtype": str(obj.dtype).removeprefix("torch.")}
+        raise AtenCallError(f"an argument of type {type(obj).__name__} ({obj!r:.60})")
+
+    return json.dumps({"args": [enc(a) for a in args], "kwargs": {k: enc(v) for k, v in kwargs.items()}},
+                      separators=(",", ":"))
+
+
+def decode_call(text: str, tensors: list, device: torch.device) -> tuple[list, dict]:
+    """The call's arguments, with `tensors` (torch-laid-out) in their places."""
+    try:
+        call = json.loads(text)
+        args, kwargs = call["args"], call["kwargs"]
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise TypeError("args must be a list and kwargs an object")
+    except (ValueError, KeyError, TypeError) as error:
+        raise AtenCallError(f"an aten op's call is not valid JSON of args and kwargs ({error})") from None
+
+    def dec(obj):
+        if isinstance(obj, list):
+            return [dec(o) for o in obj]
+        if not isinstance(obj, dict):
+            return obj
+        if set(obj) == {"tensor"} and isinstance(obj["tensor"], int) and 0 <= obj["tensor"] < len(tensors):
+            return tensors[obj["tensor"]]
+        if set(obj) == {"device"}:
+            return device
+        if set(obj) == {"dtype"}:
+            return _torch_attr(obj["dtype"], torch.dtype)
+        if set(obj) == {"layout"}:
+            return _torch_attr(obj["layout"], torch.layout)
+        if set(obj) == {"memory_format"}:
+            return _torch_attr(obj["memory_format"], torch.memory_format)
+        if set(obj) == {"constant", "dtype"}:
+            return torch.tensor(obj["constant"], dtype=_torch_attr(obj["dtype"], torch.dtype), device=device)
+        raise AtenCallError(f"an aten op's call holds an argument fivedc cannot read: {json.dumps(obj)[:80]}")
+
+    return [dec(a) for a in args], {str(k): dec(v) for k, v in kwargs.items()}
+
+
+def _torch_attr(name, kind):
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, kind):
+        raise AtenCallError(f"{name!r} is not a torch {kind.__name__}")
+    return value
+
+
+# ---- layouts -----------------------------------------------------------------------------
+def layout_text(layout: Layout) -> str:
+    return ",".join("*".join(group) or "1" for group in layout)
+
+
+def parse_layout(text: str) -> Layout:
+    if text == "":
+        return ()
+    return tuple(() if group == "1" else tuple(group.split("*")) for group in text.split(","))
+
+
+def arg_layouts(op) -> tuple[Layout, ...]:
+    text = str(op.attr("layouts", ""))
+    layouts = tuple(parse_layout(t) for t in text.split(";")) if op.args else ()
+    if len(layouts) != len(op.args):
+        raise AtenCallError(f"aten op {op.out} has {len(op.args)} arguments and {len(layouts)} layouts")
+    return layouts
+
+
+def out_layout(op) -> Layout:
+    return parse_layout(str(op.attr("out", "")))
+
+
+def to_torch(t: Tensor, dims: tuple[str, ...], layout: Layout) -> Tensor:
+    """A tensor in IR dim order as the torch tensor `layout` describes."""
+    flat = [d for group in layout for d in group]
+    if sorted(flat) != sorted(dims):
+        raise AtenCallError(f"layout {layout_text(layout)} does not hold the dims {', '.join(dims)}")
+    t = t.permute(*[dims.index(d) for d in flat]) if flat else t
+    size = dict(zip(flat, t.shape))
+    return t.reshape([math.prod(size[d] for d in group) for group in layout])
+
+
+def from_torch(t: Tensor, layout: Layout, sizes: dict[str, int]) -> Tensor:
+    """A torch result laid out as `layout` in IR dim order (its dims in order, merged ones split)."""
+    return t.reshape([sizes[d] for group in layout for d in group])
+
+
+# ---- how it is sharded -------------------------------------------------------------------
+RULES = ("replicated", "pointwise", "along")
+# what torch does not tag: scans and slices along a dim, and pointwise ops without the tag
+ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
+                   "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk", "split", "split_with_sizes",
+                   "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd"})
+PADS = frozenset({"pad", "constant_pad_nd"})  # along their last len(pad) // 2 dims
+UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__"})
+
+
+def local_rule(overload) -> str:
+    """The rule an operator may run under on shards: `pointwise`, `along` (its reductions too),
+    or `replicated` (none)."""
+    name = overload.overloadpacket.__name__
+    tags = getattr(overload, "tags", ())
+    if torch.Tag.pointwise in tags or name in UNTAGGED_POINTWISE:
+        return "pointwise"
+    if torch.Tag.reduction in tags or name in ALONG:
+        return "along"
+    return "replicated"
+
+
+def rule_of(op) -> str:
+    rule = str(op.attr("rule") or "replicated")
+    if rule not in RULES:
+        raise AtenCallError(f"aten op {op.out}: rule {rule!r} is not one of {', '.join(RULES)}")
+    return rule
+
+
+def whole_dims(op) -> frozenset[str] | None:
+    """The IR dims the op must see whole: None when it runs replicated (all of them), none
+    for a pointwise op, the dims it runs along."""
+    rule = rule_of(op)
+    if rule == "replicated":
+        return None
+    if rule == "pointwise":
+        return frozenset()
+    arg = arg_layouts(op)[0]
+    return frozenset(d for i in _along(op) for d in arg[i])
+
+
+def _along(op) -> tuple[int, ...]:
+    """An `along` op's torch dims of its one argument."""
+    layouts = arg_layouts(op)
+    try:
+        along = tuple(int(i) for i in str(op.attr("along", "")).split(","))
+    except ValueError:
+        along = ()
+    if len(layouts) != 1 or not along or any(not 0 <= i < len(layouts[0]) for i in along):
+        raise AtenCallError(f"aten op {op.out}: an op along dims takes one tensor and `along` names its torch dims "
+                            f"(got {op.attr('along')!r} for {len(layouts)} tensor arguments)")
+    return along
+
+
+def check_rule(op) -> None:
+    """A plan may run on shards only what allows it: the rule is the operator's own, and the
+    result's torch dims line up with the arguments' (broadcast right-aligned for a pointwise
+    op; for an op along dims its argument's dims with those it runs along kept, reduced to
+    size 1, dropped or new: topk's k, a slice)."""
+    rule = rule_of(op)
+    if rule == "replicated":
+        return
+    if local_rule(resolve(str(op.attr("target", "")))) != rule:
+        raise AtenCallError(f"aten op {op.out}: {op.attr('target')} is not a {rule} operator")
+    layouts, out = arg_layouts(op), out_layout(op)
+    if rule == "pointwise":
+        if all(len(layout) <= len(out) and all(g in ((), o) for g, o in zip(reversed(layout), reversed(out)))
+               for layout in layouts):
+            return
+    else:
+        along, (arg,) = _along(op), layouts
+        kept = [g for i, g in enumerate(arg) if i not in along]
+        if len(out) == len(arg):
+            ok = all(o == g or (i in along and not set(o) & set(d for h in arg for d in h))
+                     for i, (g, o) in enumerate(zip(arg, out)))
+        else:
+            ok = list(out) == kept
+        if ok:
+            return
+    raise AtenCallError(f"aten op {op.out}: its result {layout_text(out)} does not line up with its arguments "
+                        f"{op.attr('layouts')} as a {rule} operator's")
+
+
+def meta_type(op, arg_types: list, dim_size) -> tuple[tuple[int, ...], torch.dtype]:
+    """The result's shape and dtype, by calling the operator on meta tensors of the arguments'
+    shapes (in float64 for float arguments)."""
+    tensors = []
+    dtypes = str(op.attr("dtypes", "")).split(";")
+    for t, layout, name in zip(arg_types, arg_layouts(op), dtypes + [""] * len(arg_types)):
+        shape = [math.prod(dim_size(d) for d in group) for group in layout]
+        tensors.append(torch.empty(shape, dtype=_meta_dtype(name, t.dtype), device="meta"))
+    args, kwargs = decode_call(str(op.attr("call", "")), tensors, torch.device("meta"))
+    overload = resolve(str(op.attr("target", "")), args, kwargs)
+    try:
+        out = overload(*args, **kwargs)
+    except Exception as error:
+        raise ShapeError(f"aten op {op.attr('target')} fails on arguments of these shapes: "
+                         f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", loc=op.loc) from None
+    out = pick(op, out)
+    if not isinstance(out, Tensor):
+        raise ShapeError(f"aten op {op.attr('target')} returns {type(out).__name__}, not one tensor", loc=op.loc)
+    return tuple(out.shape), out.dtype
+
+
+def pick(op, out):
+    """The result the op stands for: the `item`-th of an operator returning several."""
+    item = op.attr("item")
+    if item is None:
+        return out
+    if not isinstance(out, (tuple, list)) or not isinstance(item, int) or not 0 <= item < len(out):
+        raise AtenCallError(f"aten op {op.out}: item {item!r} of a result that is not a tuple that long")
+    return out[item]
+
+
+def _meta_dtype(name: str, ir_dtype: str) -> torch.dtype:
+    """An argument's dtype on meta tensors: the recorded one, float64 for `float`, else by the IR dtype."""
+    if name not in ("", "float"):
+        return _torch_attr(name, torch.dtype)
+    return torch.float64 if ir_dtype == "float" else torch.int64

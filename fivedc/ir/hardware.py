@@ -1,0 +1,102 @@
+"""Hardware profiles for the step-time model: a data file users can extend.
+
+`fivedc/ir/hardware.toml` holds the built-in profiles (H100 SXM, H800, A100, H200); a
+user's file of the same form (`--hardware FILE`) adds profiles or replaces one of the
+same name. `hardware(name, files)` returns one as a frozen `Hardware`, which a plan
+records whole (so a plan compiled with a user's profile still checks without the
+file). A profile missing a field, or with one that is not a positive number, is a
+`HardwareError` naming the file, the profile and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from fivedc.errors import FivedcError
+
+GiB = 2**30
+
+
+class HardwareError(FivedcError):
+    """A hardware profile that is unknown, or a profile file that cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    key: str  # the profile's name: h100, h800, ...
+    name: str  # what it is, for people
+    bf16_flops: float
+    hbm_bytes_per_s: float
+    memory_gib: float
+    reserved_gib: float
+    nvlink_bytes_per_s: float
+    internode_bytes_per_s: float
+    gpus_per_node: int
+    matmul_efficiency: float
+    attention_efficiency: float
+    memory_efficiency: float
+    link_efficiency: float
+    nvlink_latency_s: float
+    internode_latency_s: float
+
+    @property
+    def usable_bytes(self) -> int:
+        """Memory for tensors: the GPU's less what CUDA, NCCL and the allocator take."""
+        return int((self.memory_gib - self.reserved_gib) * GiB)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name"))
+
+
+def builtin_text() -> str:
+    return resources.files("fivedc.ir").joinpath("hardware.toml").read_text()
+
+
+def profiles(files: tuple[str | Path, ...] = ()) -> dict[str, Hardware]:
+    """The built-in profiles, then each file's (a later one replaces an earlier of the same name)."""
+    found = _parse(builtin_text(), "fivedc/ir/hardware.toml")
+    for path in files:
+        try:
+            text = Path(path).read_text()
+        except OSError as error:
+            raise HardwareError(f"cannot read the hardware file {path}: {error.strerror}",
+                                hint="give a TOML file of profiles like fivedc/ir/hardware.toml") from None
+        found.update(_parse(text, str(path)))
+    return found
+
+
+def hardware(name: str, files: tuple[str | Path, ...] = ()) -> Hardware:
+    known = profiles(files)
+    key = name.lower()
+    if key not in known:
+        raise HardwareError(f"unknown GPU {name!r}", hint=f"choose one of {', '.join(sorted(known))}, or add a "
+                            "profile to a file given with --hardware FILE (the form of fivedc/ir/hardware.toml)")
+    return known[key]
+
+
+def _parse(text: str, source: str) -> dict[str, Hardware]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise HardwareError(f"{source} is not a TOML file of hardware profiles: {error}") from None
+    out = {}
+    for key, table in data.items():
+        if not isinstance(table, dict):
+            raise HardwareError(f"{source}: {key} is not a [profile] table")
+        missing = [f for f in FIELDS if f not in table]
+        if missing:
+            raise HardwareError(f"{source}: profile [{key}] has no {', '.join(missing)}",
+                                hint="every profile gives all of: " + ", ".join(FIELDS))
+        for field in FIELDS:
+            value = table[field]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise HardwareError(f"{source}: [{key}] {field} = {value!r} must be a positive number")
+        if table["gpus_per_node"] != int(table["gpus_per_node"]) or table["reserved_gib"] >= table["memory_gib"]:
+            raise HardwareError(f"{source}: [{key}] needs a whole gpus_per_node and reserved_gib below memory_gib")
+        values = {f: (int(table[f]) if f == "gpus_per_node" else float(table[f])) for f in FIELDS}
+        out[key.lower()] = Hardware(key.lower(), str(table.get("name", key)), **values)
+    return out

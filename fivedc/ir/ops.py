@@ -1,0 +1,100 @@
+"""The op vocabulary: every op kind, its arguments and its attributes with defaults.
+
+Frontends check calls against this table (an unknown op or keyword is a DSL error
+at the call's position); shape inference, sharding rules and kernels are tables
+keyed by the same kinds, in `fivedc/passes/shapes.py`, `fivedc/passes/rules.py` and
+`fivedc/runtime/kernels.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivedc.ir.graph import Scalar
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    kind: str
+    args: tuple[str, ...]  # argument names, for messages
+    min_args: int
+    attrs: tuple[tuple[str, Scalar], ...] = ()  # keyword attributes and their defaults
+    doc: str = ""
+    variadic: bool = False  # any number of arguments (aten)
+
+    @property
+    def max_args(self) -> int:
+        return 1 << 16 if self.variadic else len(self.args)
+
+
+def freqs_text(freqs) -> str:
+    """rope's `freqs` attribute: exact decimal reprs, comma separated."""
+    return ",".join(repr(float(f)) for f in freqs)
+
+
+def parse_freqs(text: str) -> tuple[float, ...]:
+    """rope's frequencies from its `freqs` attribute (empty: none given); ValueError when not numbers."""
+    return tuple(float(f) for f in text.split(",")) if text else ()
+
+
+_UNARY = ("x",)
+_BINARY = ("a", "b")
+
+OP_SPECS: dict[str, OpSpec] = {
+    spec.kind: spec
+    for spec in (
+        OpSpec("embedding", ("tokens", "table"), 2, (("padding_idx", 0),),
+               doc="table[vocab, hidden] rows picked by int tokens; padding_idx (when given): that row gets "
+                   "no gradient (torch's F.embedding(padding_idx=))"),
+        OpSpec("linear", ("x", "w"), 2, doc="contract x's trailing dims with w's leading dims (or with its "
+                                            "trailing dims: a weight stored [out, in], a tied embedding table)"),
+        OpSpec("matmul", ("x", "w"), 2, doc="same contraction as linear"),
+        OpSpec("add", _BINARY, 2, doc="elementwise a + b (b broadcast by dim name, or a number)"),
+        OpSpec("sub", _BINARY, 2, doc="elementwise a - b"),
+        OpSpec("mul", _BINARY, 2, doc="elementwise a * b"),
+        OpSpec("div", _BINARY, 2, doc="elementwise a / b"),
+        OpSpec("gelu", _UNARY, 1, (("approximate", "none"),), doc="GELU activation"),
+        OpSpec("silu", _UNARY, 1, doc="SiLU (swish) activation"),
+        OpSpec("relu", _UNARY, 1, doc="ReLU activation"),
+        OpSpec("tanh", _UNARY, 1, doc="tanh activation"),
+        OpSpec("sigmoid", _UNARY, 1, doc="sigmoid activation"),
+        OpSpec("swiglu", ("gate", "up"), 2, doc="silu(gate) * up"),
+        OpSpec("rmsnorm", ("x", "w"), 2, (("eps", 1e-5),), doc="RMS norm over the last dim"),
+        OpSpec("layernorm", ("x", "w", "b"), 2, (("eps", 1e-5),), doc="layer norm over the last dim"),
+        OpSpec("rope", ("x",), 1, (("theta", 10000.0), ("freqs", "")),
+               doc="rotary embedding at global positions: frequencies theta**(-i/half), or freqs "
+                   "(comma-separated, half of the last dim) where a model's own table differs"),
+        OpSpec(
+            "attention",
+            ("q", "k", "v"),
+            3,
+            (("causal", True),),
+            doc="softmax(q k^T / sqrt(d)) v; GQA when k, v have fewer heads; @cp(ring|allgather) under cp",
+        ),
+        OpSpec("cross_entropy", ("logits", "targets"), 2, (("ignore_index", -100),),
+               doc="mean token cross-entropy (scalar); with ignore_index given, targets equal to it are left out "
+                   "and the mean is over the others (as torch's F.cross_entropy); without, every token counts"),
+        OpSpec(
+            "moe",
+            ("x", "router", "w_gate", "w_up", "w_down"),
+            4,
+            (("top_k", 2), ("score", "softmax"), ("capacity_factor", 0.0), ("aux_loss", 0.0),
+             ("bias_update", 0.0), ("normalize", True)),
+            doc="routed experts: router[hidden, experts], w_*[experts, ...]; SwiGLU with 5 args, GELU with 4. "
+                "Each token goes to its top_k experts by score (softmax|sigmoid), gates normalised to sum 1; "
+                "capacity_factor left out: dropless, given (> 0): each expert keeps ceil(factor x tokens per "
+                "sequence x top_k / experts) per sequence; aux_loss: Switch balancing loss coefficient; "
+                "bias_update: DeepSeek-V3 loss-free balancing rate (0: off). See fivedc/passes/experts.py",
+        ),
+        OpSpec(
+            "aten",
+            ("tensors",),
+            0,
+            (("target", ""), ("call", ""), ("layouts", ""), ("out", ""), ("dtypes", ""), ("reason", ""), ("item", 0),
+             ("rule", "replicated"), ("along", "")),
+            doc="an ATen operator: computed whole on every rank (rule=replicated), or on shards where torch says "
+                "it is pointwise or runs along some dims (a reduction, scan, slice): see fivedc/ir/aten_call.py",
+            variadic=True,
+        ),
+    )
+}

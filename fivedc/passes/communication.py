@@ -1,0 +1,220 @@
+"""Communication insertion: reconcile what each producer gives with what each consumer needs.
+
+Wherever an op needs an argument in another sharding than its producer gave (or
+will hand back a partial gradient for it), a `Redistribute` node is inserted
+before the op, with the forward collectives, the backward collectives autograd
+will run for the gradient, and for each a reason naming both sides and the source
+line. Consumers that need the same thing share one node. Per mesh axis:
+
+    producer -> consumer      forward          backward (gradient)
+    partial  -> split d       reduce-scatter   all-gather
+    partial  -> replicated    all-reduce       all-reduce if consumers give partial grads
+    split d  -> replicated    all-gather       reduce-scatter if partial grads, else slice
+    split d  -> split e       all-to-all       all-to-all back
+    replicated -> split d     slice (local)    all-gather
+    replicated -> replicated  -                all-reduce if partial grads (Megatron's f)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from fivedc.errors import NotSupportedError, PassError
+from fivedc.ir.graph import (
+    ArgSpec, Block, Collective, CollectiveKind, Graph, Phase, Redistribute, Repeat, TensorType,
+)
+from fivedc.ir.mesh import MESH_ORDER, Mesh, MeshAxis
+from fivedc.ir.sharding import Sharding
+from fivedc.passes.base import CompileOptions
+
+K = CollectiveKind
+
+
+@dataclass(slots=True)
+class _Where:
+    """What a redistribution connects, for its reasons."""
+
+    tensor: str
+    producer: str
+    consumer: str
+    loc: object
+    count: int
+
+
+Step = tuple[K, MeshAxis, "str | None", "str | None"]  # kind, axis, dim, second dim
+
+
+def plan_steps(
+    src: Sharding, dst: Sharding, grad_partial: tuple[MeshAxis, ...], *, mesh: Mesh
+) -> tuple[list[Step], list[Step]]:
+    """Forward and backward steps per axis, per the table above.
+
+    A dim split over several axes (`seq:cp*tp`) changes only at its inner end: the
+    axes both sides keep must be a common prefix. Forward runs all-reduces first,
+    then gathers innermost axis first, then splits outermost first; the backward
+    steps undo them in reverse.
+    """
+    _check_prefixes(src, dst, mesh)
+    pairs: list[tuple[tuple[int, int], Step | None, Step | None]] = []
+    for axis in MESH_ORDER:
+        if mesh.size(axis) == 1:
+            continue
+        s_dim, d_dim = src.dim_of(axis), dst.dim_of(axis)
+        s_partial, g = axis in src.partial, axis in grad_partial
+        if axis in dst.partial:
+            if not s_partial:
+                raise PassError(f"cannot make a pending sum over {axis} from {src}")
+            continue
+        gather = (1, -src.axes_of(s_dim).index(axis)) if s_dim else (1, 0)
+        split = (2, dst.axes_of(d_dim).index(axis)) if d_dim else (2, 0)
+        if s_partial and d_dim:
+            pairs.append((split, (K.REDUCE_SCATTER, axis, d_dim, None), (K.ALL_GATHER, axis, d_dim, None)))
+        elif s_partial:
+            pairs.append(((0, 0), (K.ALL_REDUCE, axis, None, None), (K.ALL_REDUCE, axis, None, None) if g else None))
+        elif s_dim and d_dim and s_dim != d_dim:
+            _check_all_to_all(src, dst, axis, s_dim, d_dim)
+            pairs.append((gather, (K.ALL_TO_ALL, axis, d_dim, s_dim), (K.ALL_TO_ALL, axis, s_dim, d_dim)))
+        elif s_dim and not d_dim:
+            pairs.append((gather, (K.ALL_GATHER, axis, s_dim, None), (K.REDUCE_SCATTER if g else K.SLICE, axis, s_dim, None)))
+        elif d_dim and not s_dim:
+            pairs.append((split, (K.SLICE, axis, d_dim, None), (K.ALL_GATHER, axis, d_dim, None)))
+        elif g and not s_dim:
+            pairs.append(((0, 0), None, (K.ALL_REDUCE, axis, None, None)))
+    pairs.sort(key=lambda pair: pair[0])
+    forward = [f for _, f, _ in pairs if f is not None]
+    backward = [b for _, _, b in reversed(pairs) if b is not None]
+    return forward, backward
+
+
+def _check_prefixes(src: Sharding, dst: Sharding, mesh: Mesh) -> None:
+    for dim in {d for d, _ in src.split} | {d for d, _ in dst.split}:
+        s_axes = tuple(a for a in src.axes_of(dim) if mesh.size(a) > 1)
+        d_axes = tuple(a for a in dst.axes_of(dim) if mesh.size(a) > 1)
+        kept = tuple(a for a in s_axes if a in d_axes)
+        if s_axes[: len(kept)] != kept or d_axes[: len(kept)] != kept:
+            raise NotSupportedError(
+                f"redistributing {dim} from {'*'.join(s_axes)} to {'*'.join(d_axes)}: "
+                "only the innermost axes of a dim can change ({src} -> {dst})".format(src=src, dst=dst)
+            )
+
+
+def _check_all_to_all(src: Sharding, dst: Sharding, axis: MeshAxis, s_dim: str, d_dim: str) -> None:
+    if src.axes_of(s_dim)[-1] != axis or dst.axes_of(d_dim)[-1] != axis:
+        raise NotSupportedError(
+            f"moving {axis} from {s_dim} to {d_dim} when it is not the innermost axis of both ({src} -> {dst})"
+        )
+
+
+_FORWARD_WHY = {
+    K.ALL_REDUCE: "sum the partial results over {axis}",
+    K.REDUCE_SCATTER: "sum the partial results over {axis} and keep this rank's {dim} chunk",
+    K.ALL_GATHER: "gather the {dim} chunks over {axis}",
+    K.ALL_TO_ALL: "move the {axis} split from {dim2} to {dim}",
+    K.SLICE: "keep this rank's {dim} chunk over {axis} (no communication)",
+}
+_BACKWARD_WHY = {
+    K.ALL_REDUCE: "sum the partial input gradients over {axis}",
+    K.REDUCE_SCATTER: "sum the partial input gradients over {axis} and keep this rank's {dim} chunk",
+    K.ALL_GATHER: "gather the gradient's {dim} chunks over {axis}",
+    K.ALL_TO_ALL: "move the gradient's {axis} split from {dim2} to {dim}",
+    K.SLICE: "keep this rank's {dim} chunk of the gradient over {axis} (no communication)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InsertCommunication:
+    name: ClassVar[str] = "insert-communication"
+    purpose: ClassVar[str] = "redistributions where layouts differ, with their collectives and reasons"
+
+    def run(self, graph: Graph, options: CompileOptions) -> Graph:
+        env: dict[str, tuple[Sharding, str, TensorType]] = {
+            i.name: (i.sharding, f"input {i.name}", i.type) for i in graph.inputs
+        }
+        body = _Inserter(graph, options).block(graph.body, env, count=1)
+        return replace(graph, body=body)
+
+
+class _Inserter:
+    def __init__(self, graph: Graph, options: CompileOptions) -> None:
+        self.graph, self.options, self.mesh = graph, options, options.mesh
+        self.counter: dict[str, int] = {}
+
+    def block(self, block: Block, env: dict, *, count: int) -> Block:
+        for p in block.params:
+            env[p.name] = (p.sharding, f"parameter {p.name}", TensorType(p.dims))
+        cache: dict[tuple, str] = {}
+        items: list = []
+        for item in block.items:
+            if isinstance(item, Repeat):
+                items.extend(self.repeat(item, env, cache, count=count))
+                continue
+            args = list(item.args)
+            for index, (arg, spec) in enumerate(zip(item.args, item.arg_specs)):
+                if spec is None or not isinstance(arg, str):
+                    continue
+                is_param = env[arg][1].startswith("parameter ")
+                need = ArgSpec(spec.sharding, () if is_param else spec.grad_partial)
+                consumer = " ".join([item.kind, *map(str, item.annotations)])
+                where = _Where(arg, env[arg][1], consumer, item.loc, count)
+                args[index] = self.ensure(arg, need, env, cache, items, where)
+            items.append(replace(item, args=tuple(args)))
+            env[item.out] = (item.sharding, f"{item.kind} at {item.loc}", item.type)
+        return replace(block, items=tuple(items))
+
+    def repeat(self, item: Repeat, env: dict, cache: dict, *, count: int) -> list:
+        before: list = []
+        carried = []
+        for value, sharding in zip(item.carried, item.carried_shardings):
+            where = _Where(value, env[value][1], f"repeat {item.name}", item.loc, count)
+            carried.append(self.ensure(value, ArgSpec(sharding), env, cache, before, where))
+        inner_env = dict(env)
+        for arg, value in zip(item.body.args, carried):
+            inner_env[arg] = (env[value][0], f"repeat {item.name} input", env[value][2])
+        body = self.block(item.body, inner_env, count=count * item.count)
+        ends: list = []
+        yields = []
+        body_cache: dict[tuple, str] = {}
+        for value, sharding in zip(body.yields, item.carried_shardings):
+            where = _Where(value, inner_env[value][1], f"the next layer of repeat {item.name}", item.loc, count * item.count)
+            yields.append(self.ensure(value, ArgSpec(sharding), inner_env, body_cache, ends, where))
+        body = replace(body, items=body.items + tuple(ends), yields=tuple(yields))
+        for result, sharding, value in zip(item.results, item.carried_shardings, item.carried):
+            env[result] = (sharding, f"repeat {item.name}", env[value][2])
+        return before + [replace(item, carried=tuple(carried), body=body)]
+
+    def ensure(self, value: str, need: ArgSpec, env: dict, cache: dict, out: list, where: _Where) -> str:
+        have, producer, t = env[value]
+        if have == need.sharding and not need.grad_partial:
+            return value
+        key = (value, need.sharding, need.grad_partial)
+        if key in cache:
+            return cache[key]
+        forward, backward = plan_steps(have, need.sharding, need.grad_partial, mesh=self.mesh)
+        if not forward and not backward:
+            return value
+        n = self.counter[value] = self.counter.get(value, 0) + 1
+        name = f"{value}~{n}"
+        node = Redistribute(
+            out=name, src=value, type=t, src_sharding=have, sharding=need.sharding,
+            grad_partial=need.grad_partial,
+            forward=tuple(self.collective(s, Phase.FORWARD, have, need.sharding, t, where) for s in forward),
+            backward=tuple(self.collective(s, Phase.BACKWARD, have, need.sharding, t, where) for s in backward),
+            loc=where.loc,
+        )
+        out.append(node)
+        env[name] = (need.sharding, producer, t)
+        cache[key] = name
+        return name
+
+    def collective(self, step, phase: Phase, src: Sharding, dst: Sharding, t: TensorType, where: _Where) -> Collective:
+        kind, axis, dim, dim2 = step
+        # bytes: the larger side of the step, as held by this rank (gathered or pre-scatter)
+        full = src if kind == K.ALL_TO_ALL else dst if kind == K.SLICE else src.without_axis(axis)
+        nbytes = 0 if kind == K.SLICE else self.graph.local_numel(t.dims, full, self.mesh) * self.options.dtype_bytes
+        template = (_FORWARD_WHY if phase == Phase.FORWARD else _BACKWARD_WHY)[kind]
+        what = template.format(axis=axis, dim=dim, dim2=dim2)
+        reason = f"{what}: {where.producer} gives [{src}], {where.consumer} needs [{dst}]"
+        if phase == Phase.BACKWARD and kind in (K.ALL_REDUCE, K.REDUCE_SCATTER) and not src.partial:
+            reason += f" and its work is split over {axis}, so each rank holds part of the gradient"
+        return Collective(kind, (axis,), phase, where.tensor, nbytes, reason, dim=dim, count=where.count, loc=where.loc, dim2=dim2)

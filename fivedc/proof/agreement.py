@@ -1,0 +1,242 @@
+"""A proof, before any process starts, that every process group's ranks agree.
+
+A collective completes only when every rank of its group calls it, with the same
+operation and sizes, in the same order as the group's other collectives; a receive
+completes only when its sender sends. A plan that breaks either hangs or corrupts
+memory on a cluster. `prove_agreement` shows that no plan fivedc accepts does:
+
+1. Every class of ranks (`fivedc/proof/comm_program.py`: the ranks of one pp rank run one
+   program) is expanded into the events of one training step.
+2. For every group of ranks that issues a collective, the members' programs,
+   projected on that group, are the same sequence of (operation, elements, dtype).
+   A group whose members all belong to one class agrees by construction (every
+   member runs that class's program, on shards of equal size: each dim divides by
+   its axes); a group that spans classes (its axes include pp: the loss's sum) is
+   compared class against class.
+3. The classes are run against each other: a send never blocks, a receive waits for
+   the matching send (first in, first out per sender, receiver and kind) and must
+   find the sizes it expects, a collective over several classes waits for all of
+   them. Every class must reach its end with nothing left unreceived: no deadlock.
+4. Every parameter gradient that is summed over a group of more than one rank is
+   summed exactly once, by the class that holds the parameter.
+
+It costs a few milliseconds per class (one per pp rank), whatever the world size.
+A failure is a bug in fivedc's compiler (an `AgreementError`, exit 4) naming the
+group, the two classes that disagree and their sequences around the first
+difference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from fivedc.proof.comm_program import class_programs
+from fivedc.proof.events import Event
+from fivedc.errors import PassError
+from fivedc.ir.graph import param_instances
+from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.passes.overlap import expand_buckets
+from fivedc.passes.stages import chunk_param_names
+
+
+class AgreementError(PassError):
+    """The ranks of a group would issue different collectives: the plan would hang or corrupt."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgreementProof:
+    classes: int  # programs (one per pp rank)
+    events: int  # in one step, over all classes
+    groups: int  # kinds of group (axis sets) checked
+    across: int  # of which span several classes
+    transfers: int  # pipeline sends matched with their receives
+    seconds: float
+
+    def __str__(self) -> str:
+        spans = f", {self.across} spanning several" if self.across else ""
+        sends = f", {self.transfers} transfers matched" if self.transfers else ""
+        return (f"every group's ranks issue the same collectives (proved over {self.classes} rank "
+                f"class{'es' * (self.classes != 1)}: {self.events} events per step, {self.groups} kinds of group"
+                f"{spans}{sends}; no deadlock; {self.seconds * 1e3:.0f} ms)")
+
+
+class PpClasses:
+    """Ranks classed by their pp coordinate (what the runtime's program depends on)."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh, self.p = mesh, mesh.size(MeshAxis.PP)
+
+    def member_sets(self, axes: tuple[MeshAxis, ...]) -> list[tuple[object, ...]]:
+        """The classes each group over `axes` spans (one entry per kind of group)."""
+        if MeshAxis.PP in axes:
+            return [tuple(range(self.p))]
+        return [(s,) for s in range(self.p)]
+
+    def describe(self, key) -> str:
+        return f"pp rank {key}"
+
+
+class RankClasses(PpClasses):
+    """Classes given rank by rank (`class_of[rank]`), for small meshes: every group is
+    enumerated. Tests use it to give one rank a program of its own."""
+
+    def __init__(self, mesh: Mesh, class_of: dict[int, object]) -> None:
+        super().__init__(mesh)
+        self.class_of = class_of
+
+    def member_sets(self, axes):
+        seen: dict[tuple, None] = {}
+        for rank in range(self.mesh.world):
+            seen[tuple(sorted({self.class_of[r] for r in self.mesh.group_ranks(axes, rank)}, key=str))] = None
+        return list(seen)
+
+    def describe(self, key) -> str:
+        ranks = [r for r, k in self.class_of.items() if k == key]
+        return f"class {key} (rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks[:8]))})"
+
+
+def prove_agreement(plan, *, programs: dict | None = None, classes: PpClasses | None = None) -> AgreementProof:
+    """Check the plan's programs (or `programs` by class, classed by `classes`); an
+    `AgreementError` names the first disagreement."""
+    start = time.perf_counter()
+    programs = class_programs(plan) if programs is None else programs
+    classes = classes or PpClasses(plan.mesh)
+    kinds = {e.axes for events in programs.values() for e in events if e.op not in ("send", "recv")}
+    across = 0
+    for axes in sorted(kinds):
+        for members in classes.member_sets(axes):
+            across += len(members) > 1
+            _same_sequences(axes, members, programs, classes)
+    transfers = _run_together(programs, classes)
+    _summed_once(plan)
+    return AgreementProof(len(programs), sum(map(len, programs.values())), len(kinds), across, transfers,
+                          time.perf_counter() - start)
+
+
+def _same_sequences(axes, members, programs, classes) -> None:
+    """The projections on `axes` of the member classes' programs are equal."""
+    first = members[0]
+    want = [e for e in programs[first] if e.axes == axes and e.op not in ("send", "recv")]
+    for other in members[1:]:
+        got = [e for e in programs[other] if e.axes == axes and e.op not in ("send", "recv")]
+        index = next((i for i, (a, b) in enumerate(zip(want, got)) if a.signature != b.signature),
+                     None if len(want) == len(got) else min(len(want), len(got)))
+        if index is not None:
+            group = "x".join(axes)
+            raise AgreementError(
+                f"the ranks of a {group} group disagree at its collective #{index + 1}:\n"
+                f"  {classes.describe(first)} issues:\n{_around(want, index)}\n"
+                f"  {classes.describe(other)} issues:\n{_around(got, index)}",
+                hint="a bug in fivedc's compiler or runtime: report the plan (fivedc compile -o) with this message")
+
+
+def _around(events: list[Event], index: int, context: int = 2) -> str:
+    lines = []
+    for i in range(max(0, index - context), min(len(events), index + context + 1)):
+        lines.append(f"    {'>' if i == index else ' '} #{i + 1} {_located(events[i])}")
+    if index >= len(events):
+        lines.append(f"    > #{index + 1} (nothing: its program ends here)")
+    return "\n".join(lines)
+
+
+def _located(event: Event) -> str:
+    return f"{event} (at {event.loc})" if event.loc is not None else str(event)
+
+
+def _run_together(programs: dict, classes: PpClasses) -> int:
+    """Play the classes against each other; the number of transfers matched. A receive
+    waits for its send (FIFO per sender, receiver and kind); a collective that spans
+    classes waits for all of them; everything else completes within a class."""
+    position = {key: 0 for key in programs}
+    channels: dict[tuple, deque[Event]] = {}
+    spanning = {axes: members for axes in {e.axes for ev in programs.values() for e in ev}
+                for members in classes.member_sets(axes) if len(members) > 1}
+    matched = 0
+    while True:
+        moved = False
+        for key, events in programs.items():
+            while position[key] < len(events):
+                e = events[position[key]]
+                if e.op == "send":
+                    channels.setdefault((key, e.peer, e.tag), deque()).append(e)
+                elif e.op == "recv":
+                    queue = channels.get((e.peer, key, e.tag))
+                    if not queue:
+                        break
+                    _same_transfer(queue.popleft(), e, key, classes)
+                    matched += 1
+                elif e.axes in spanning:
+                    if not _all_arrived(e.axes, spanning[e.axes], programs, position):
+                        break
+                    for other in spanning[e.axes]:
+                        if other != key:
+                            position[other] += 1
+                position[key] += 1
+                moved = True
+        if all(position[k] == len(ev) for k, ev in programs.items()):
+            break
+        if not moved:
+            _deadlock(programs, position, classes)
+    left = [(k, q[0]) for k, q in channels.items() if q]
+    if left:
+        (src, dst, _), event = left[0]
+        raise AgreementError(f"{classes.describe(src)} sends {event} that {classes.describe(dst)} never receives",
+                             hint="a bug in fivedc's pipeline schedule or runtime: report the plan")
+    return matched
+
+
+def _all_arrived(axes, members, programs, position) -> bool:
+    """Every member class is at a collective over `axes` (not a transfer, whose group is pp too)."""
+    def at(m) -> bool:
+        e = programs[m][position[m]] if position[m] < len(programs[m]) else None
+        return e is not None and e.axes == axes and e.op not in ("send", "recv")
+
+    return all(at(m) for m in members)
+
+
+def _same_transfer(sent: Event, received: Event, key, classes) -> None:
+    if (sent.numel, sent.dtype) != (received.numel, received.dtype):
+        raise AgreementError(
+            f"{classes.describe(received.peer)} sends {sent.numel} x {sent.dtype} ({sent.what}) where "
+            f"{classes.describe(key)} receives {received.numel} x {received.dtype} ({received.what})",
+            hint="the two sides of a pipeline boundary size its buffer differently: a bug in fivedc")
+
+
+def _deadlock(programs, position, classes) -> None:
+    waiting = [f"  {classes.describe(k)} waits in #{position[k] + 1} {_located(ev[position[k]])}"
+               for k, ev in programs.items() if position[k] < len(ev)]
+    raise AgreementError("the ranks would deadlock: no class can go on\n" + "\n".join(waiting),
+                         hint="a bug in fivedc's pipeline schedule or runtime: report the plan")
+
+
+def _summed_once(plan) -> None:
+    """Each parameter whose gradient is summed over more than one rank is in exactly one
+    gradient bucket of the pp rank that holds it (ZeRO-3 without a pipeline sums each
+    gradient where it is gathered)."""
+    if plan.zero == 3 and plan.pipeline is None:
+        return
+    buckets = expand_buckets(plan.buckets)
+    for pp_rank in range(plan.mesh.size(MeshAxis.PP)):
+        held = chunk_param_names(plan.graph, plan.pipeline, pp_rank=pp_rank) if plan.pipeline else None
+        local = [b for b in buckets if held is None or any(n in held for n in b)]
+        for bucket in local:
+            outside = [n for n in bucket if held is not None and n not in held]
+            if outside:
+                raise AgreementError(f"gradient bucket {', '.join(bucket)} of pp rank {pp_rank} holds "
+                                     f"{', '.join(outside)}, which another pp rank holds: no rank would sum it")
+        counts = {}
+        for name in itertools.chain.from_iterable(local):
+            counts[name] = counts.get(name, 0) + 1
+        for name, param in _summed_params(plan, held):
+            if counts.get(name, 0) != 1:
+                raise AgreementError(f"the gradient of {name} is summed over {'x'.join(param.grad_partial)} "
+                                     f"{counts.get(name, 0)} times on pp rank {pp_rank}, not once")
+
+
+def _summed_params(plan, held):
+    for name, param in param_instances(plan.graph):
+        if (held is None or name in held) and plan.mesh.size(*param.grad_partial) > 1:
+            yield name, param

@@ -1,0 +1,481 @@
+"""What a rank sends on the wire in one training step, expanded from the plan.
+
+The plan is SPMD: every rank runs the same graph, and what a rank issues depends on
+its coordinates only through the pipeline (its pp rank's chunks and schedule
+actions). So the ranks fall into *classes*, one per pp rank, and `class_programs`
+expands each class's step into the collectives and transfers it issues, in the
+runtime's order: the schedule's actions (without a pipeline, one forward and one
+backward of the whole graph); in a forward, each node in program order (a
+redistribution's steps; what a kernel sends inside: vocab-parallel cross-entropy's
+all-reduces, ring attention's hops, MoE's count exchange, dispatch and combine); in a
+backward, the nodes in reverse (a recomputed attention's forward hops first, the
+gradient buckets as their last gradient arrives when overlap is on; under sequence parallelism, at the first backward of a gathered
+linear input's readers, the all-gather that makes it again); pipeline sends and
+receives with their buffers; then the buckets left (ZeRO-1's all of them,
+reduce-scattered), DualPipe's exchange of the two copies' gradients, the loss's
+all-reduce, and ZeRO-1/2's gathers after the update. ZeRO-3 without a pipeline
+gathers and reduce-scatters by group inside forward and backward
+(`fivedc/proof/zero3_program.py`).
+
+An `Event` records what must agree between the ranks of its group: the operation,
+the group's axes, the elements this rank contributes and their dtype (None: sized at
+run time, MoE's rows, whose sizes the count exchange just before agrees). A full
+recomputed layer is placed at its backward's start (the runtime redoes it at the
+first tensor the layer saved: the same collectives of the same class, a little
+later). `fivedc/proof/agreement.py` proves from these programs that every group agrees.
+`tests/test_agreement.py` holds them against what the runtime really calls.
+"""
+
+from __future__ import annotations
+
+from fivedc.ir.graph import DType, Graph, Op, Redistribute, Repeat, param_instances, walk_ops, walk_params
+from fivedc.ir.mesh import MeshAxis
+from fivedc.passes.overlap import expand_buckets
+from fivedc.passes.param_sync import zero_chunk
+from fivedc.passes.recompute import recomputes_layer, recomputes_op
+from fivedc.ir.sharding import Sharding
+from fivedc.plan.sites import Site, sites, trainable
+from fivedc.proof.events import Event
+from fivedc.proof.zero3_program import zero3_step
+from fivedc.passes.stages import chunk_param_names, value_types
+
+TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Kernels whose backward reads nothing they computed from (autograd saves no tensor for
+# them, as for a redistribution): a recomputed layer is redone at the first node from its
+# end that is not one of these.
+SAVES_NOTHING = frozenset({"add", "sub"})
+# Kernels whose backward does not read their parameter: ZeRO-3 does not gather it again.
+KEEPS_NO_PARAMETER = frozenset({"embedding"})
+GATHER_BUCKET_BYTES = 25 * 2**20  # fivedc/runtime/flat_shard.gather_flat's cap for parameters in no bucket
+
+
+def class_programs(plan) -> dict[int, tuple[Event, ...]]:
+    """Per pp rank (a class of ranks), the events of one training step in issue order."""
+    expander = _Expander(plan)
+    return {rank: tuple(expander.program(rank)) for rank in range(plan.mesh.size(MeshAxis.PP))}
+
+
+class _Expander:
+    def __init__(self, plan) -> None:
+        self.plan, self.graph, self.mesh = plan, plan.graph, plan.mesh
+        self.dtype = TORCH_DTYPES[plan.dtype]
+        self.pipeline = plan.pipeline
+        self.m = plan.pipeline.microbatches if plan.pipeline is not None else 1
+        self.dims = _dims(plan.graph)
+        self.sites = sites(plan.graph)
+        self.repeats = {i.name: i for i in plan.graph.body.items if isinstance(i, Repeat)}
+        self.params = dict(param_instances(plan.graph))  # qualified name -> Param
+        self.trainable = trainable(plan.graph)  # what backward reaches
+        self.index = {id(site): i for i, site in enumerate(self.sites)}
+        self.regather_at = _regather_points(plan, self.sites)  # site index -> the redistribution gathered again
+        # per site, computed once: a chunk runs the same events for every microbatch and class
+        self._cache: dict[tuple[str, int], list] = {}
+
+    # ---- one class ----------------------------------------------------------------------------
+    def program(self, pp_rank: int) -> list[Event]:
+        mine = self._held(pp_rank)
+        buckets = _Buckets(self, mine, overlap=self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2))
+        out: list[Event] = []
+        if self.pipeline is None and self.plan.zero == 3:  # gathered and reduce-scattered by group
+            out += zero3_step(self)
+        elif self.pipeline is None:
+            out += [e for site in self.sites for e in self.forward(site)]
+            for site in reversed(self.sites):
+                out += self.backward(site)
+                out += buckets.after(site)
+        else:
+            out += self._pipeline_start(pp_rank, mine)
+            out += self._actions(pp_rank)
+        out += buckets.rest()
+        if self.pipeline is not None and self.plan.zero == 3:
+            out += self._zero3_pipeline_sync(mine)
+        if self.pipeline is not None and self.pipeline.schedule == "dualpipe":
+            out += self._copies(pp_rank, mine)
+        out += self._loss()
+        if self.plan.zero in (1, 2):
+            out += self._gathers(mine, "gather the updated parameters (ZeRO-1/2)")
+        return out
+
+    def _held(self, pp_rank: int) -> list[str]:
+        """The parameter instances this class holds, in the plan's order."""
+        if self.pipeline is None:
+            return list(self.params)
+        names = chunk_param_names(self.graph, self.pipeline, pp_rank=pp_rank)
+        return [n for n in self.params if n in names]
+
+    def _actions(self, pp_rank: int) -> list[Event]:
+        schedule = self.pipeline.build_schedule(self.mesh.size(MeshAxis.PP))
+        chunk_sites = [self._chunk_sites(c) for c in range(len(self.pipeline.chunks))]
+        out: list[Event] = []
+        for action in schedule.ranks[pp_rank]:
+            kind, c = action.kind.value, action.chunk
+            if kind == "F":
+                out += [e for site in chunk_sites[c] for e in self.forward(site)]
+            elif kind in ("B", "I"):
+                out += [e for site in reversed(chunk_sites[c]) for e in self.backward(site)]
+            elif kind in ("SF", "RF", "SB", "RB"):
+                out.append(self._transfer(kind, action, c))
+        return out
+
+    def _chunk_sites(self, c: int) -> list[Site]:
+        first, stop = self.pipeline.chunks[c].units
+        return [s for s in self.sites if first <= s.unit < stop]
+
+    def _transfer(self, kind: str, action, c: int) -> Event:
+        """A pipeline transfer: chunk c's outputs (forward) or the gradients of chunk c-1's
+        (backward). The sender sizes its buffer from what its chunk computed, the receiver
+        from what it expects (the plan's boundary types): the proof compares the two."""
+        producer = c if kind in ("SF", "RF") else c - 1
+        sending = kind in ("SF", "SB")
+        names = self.pipeline.chunks[producer].sends
+        numel = sum(self._computed_numel(n) if sending and kind == "SF" else self._boundary_numel(n) for n in names)
+        what = f"{'activations' if kind[1] == 'F' else 'gradients'} of {', '.join(names)} (microbatch " \
+               f"{action.microbatch}, chunk {producer} -> {producer + 1})"
+        return Event("send" if sending else "recv", (MeshAxis.PP,), numel, self.dtype, what, peer=action.peer,
+                     tag=0 if kind[1] == "F" else 1)
+
+    def _boundary_numel(self, name: str) -> int:
+        t, sharding = value_types(self.graph)[name]
+        return self.numel(t.dims, sharding)
+
+    def _computed_numel(self, name: str) -> int:
+        """A boundary value's size as its producer computed it (a repeat's result: its
+        last layer's yield)."""
+        for item in self.graph.body.items:
+            if isinstance(item, Repeat) and name in item.results:
+                value = item.body.yields[item.results.index(name)]
+                node = next((n for n, _ in walk_ops(item.body) if getattr(n, "out", None) == value), None)
+                if node is not None:
+                    return self.numel(node.type.dims, node.sharding)
+            elif isinstance(item, (Op, Redistribute)) and item.out == name:
+                return self.numel(item.type.dims, item.sharding)
+        return self._boundary_numel(name)
+
+    def _pipeline_start(self, pp_rank: int, mine: list[str]) -> list[Event]:
+        """Before the first microbatch: the loss's target count (on the last chunk's rank,
+        for a loss with ignore_index whose targets are an input), and ZeRO-3's gathers."""
+        out: list[Event] = []
+        schedule = self.pipeline.build_schedule(self.mesh.size(MeshAxis.PP))
+        if any(c.rank == pp_rank for c in self.pipeline.chunks if schedule.next_chunk(c.index) is None):
+            inputs = {i.name for i in self.graph.inputs}
+            for site in self.sites:
+                node = site.node
+                if isinstance(node, Op) and node.kind == "cross_entropy" and node.attr("ignore_index") is not None \
+                        and node.args[1] in inputs:
+                    out += self._count(node)
+        if self.plan.zero == 3:
+            out += self._gathers(mine, "gather every parameter once for the step (ZeRO-3 under a pipeline)")
+        return out
+
+    # ---- one node ------------------------------------------------------------------------------
+    def forward(self, site: Site) -> list[Event]:
+        return self._cached("forward", site, self._forward)
+
+    def backward(self, site: Site) -> list[Event]:
+        return self._cached("backward", site, self._backward)
+
+    def _param_args(self, site: Site) -> list[str]:
+        return self._cached("params", site, self._params_read)
+
+    def _cached(self, what: str, site: Site, compute) -> list:
+        key = (what, self.index[id(site)])
+        if key not in self._cache:
+            self._cache[key] = compute(site)
+        return self._cache[key]
+
+    def _forward(self, site: Site) -> list[Event]:
+        node = site.node
+        if isinstance(node, Redistribute):
+            return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding), f"forward of {site.id}",
+                               node.loc, "int64" if node.type.dtype == DType.INT else self.dtype)
+        return self._kernel_forward(site)
+
+    def _backward(self, site: Site) -> list[Event]:
+        node = site.node
+        if node.out not in self.trainable:  # no gradient flows through it
+            return []
+        if isinstance(node, Redistribute):
+            return self._steps(node.backward, self.numel(node.type.dims, node.sharding), f"backward of {site.id}",
+                               node.loc)
+        return [e for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
+            + self._kernel_backward(site)
+
+    def redone(self, site: Site) -> list[Site]:
+        """The sites whose forward backward redoes at `site`: a recomputed layer's, at its
+        recompute point; a recomputed op's own."""
+        repeat = self.repeats.get(site.repeat) if site.repeat else None
+        if repeat is not None and recomputes_layer(repeat, self.plan.recompute):
+            if site != self._recompute_point(site):
+                return []
+            return [s for s in self.sites if s.repeat == site.repeat and s.layer == site.layer]
+        return [site] if recomputes_op(site.node, repeat, self.plan.recompute) else []
+
+    def saves_params(self, site: Site) -> bool:
+        """Whether autograd keeps the parameters this op reads (its backward reads them), not
+        inside a recomputed layer, where the recomputation reads them again."""
+        if not isinstance(site.node, Op):
+            return False
+        repeat = self.repeats.get(site.repeat) if site.repeat else None
+        whole_layer = repeat is not None and recomputes_layer(repeat, self.plan.recompute)
+        return not whole_layer and site.node.kind not in SAVES_NOTHING | KEEPS_NO_PARAMETER
+
+    def input_again(self, site: Site) -> list[Event]:
+        """SP: the gathered input of its linears, gathered again at the first backward that reads it."""
+        if self.index[id(site)] not in self.regather_at:
+            return []
+        gathered = self.regather_at[self.index[id(site)]]
+        return self._steps([c for c in gathered.node.forward if c.kind == "all_gather"],
+                           self.numel(gathered.node.type.dims, gathered.node.src_sharding),
+                           f"{gathered.id} gathered again for the weight gradients (SP)", gathered.node.loc)
+
+    def _recompute_point(self, site: Site) -> Site | None:
+        """Where backward redoes a recomputed layer: at the first of its nodes, from the
+        end, that saved a tensor (autograd unpacks it then)."""
+        layer = [s for s in self.sites if s.repeat == site.repeat and s.layer == site.layer]
+        return next((s for s in reversed(layer) if isinstance(s.node, Op) and s.node.kind not in SAVES_NOTHING), None)
+
+    def _params_read(self, site: Site) -> list[str]:
+        """The qualified parameters an op reads, in argument order."""
+        node = site.node
+        if not isinstance(node, Op):
+            return []
+        body = {p.name for p in self.repeats[site.repeat].body.params} if site.repeat else set()
+        top = {p.name for p in self.graph.body.params}
+        return [f"{site.repeat}.{site.layer}.{a}" if a in body else a for a in node.value_args if a in body | top]
+
+    def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None) -> list[Event]:
+        out = []
+        for c in collectives:
+            n = self.mesh.size(*c.axes)
+            if n == 1:
+                continue
+            if c.kind != "slice":
+                out.append(Event(str(c.kind), c.axes, numel, dtype or self.dtype, what, loc))
+            numel = numel // n if c.kind in ("slice", "reduce_scatter") else numel * n if c.kind == "all_gather" \
+                else numel
+        return out
+
+    # ---- inside kernels ------------------------------------------------------------------------
+    def _kernel_forward(self, site: Site) -> list[Event]:
+        node = site.node
+        if node.kind == "cross_entropy":
+            return self._cross_entropy(node)
+        if node.kind == "attention":
+            return self._ring(node, backward=False)
+        if node.kind == "moe":
+            return self._moe(node, backward=False)
+        return []
+
+    def _kernel_backward(self, site: Site) -> list[Event]:
+        node = site.node
+        if node.kind == "attention":
+            return self._ring(node, backward=True)
+        if node.kind == "moe":
+            return self._moe(node, backward=True)
+        return []
+
+    def _cross_entropy(self, op: Op) -> list[Event]:
+        logits = op.arg_specs[0].sharding
+        dims = self.dims[op.args[0]]
+        vocab_axes = tuple(a for a in logits.axes_of(dims[-1]))
+        out = []
+        if self.mesh.size(*vocab_axes) > 1:
+            tokens = self.numel(dims[:-1], logits)
+            out += [Event("all_reduce", vocab_axes, tokens, self.dtype, f"vocab-parallel cross-entropy: {what}",
+                          op.loc) for what in ("max of the logits", "sum of exp(logits)", "logit of the target")]
+        counted_up_front = self.pipeline is not None and op.args[1] in {i.name for i in self.graph.inputs}
+        if op.attr("ignore_index") is not None and not counted_up_front:
+            out += self._count(op)
+        return out
+
+    def _count(self, op: Op) -> list[Event]:
+        split = op.arg_specs[1].sharding.split_axes()
+        if self.mesh.size(*split) == 1:
+            return []
+        return [Event("all_reduce", split, 1, "float64", "cross-entropy: the number of counted targets", op.loc)]
+
+    def _ring(self, op: Op, *, backward: bool) -> list[Event]:
+        cp = self.mesh.size(MeshAxis.CP)
+        annotation = op.annotation("cp")
+        if cp == 1 or annotation is None or annotation.args[0] != "ring":
+            return []
+        block = 2 * self.numel(self.dims[op.args[1]], op.arg_specs[1].sharding)  # K and V, packed
+        hop = lambda tag, dtype, what: Event("send_recv", (MeshAxis.CP,), block, dtype, what, op.loc,  # noqa: E731
+                                             tag=tag)
+        if not backward:
+            return [hop(0, self.dtype, "ring attention: the K/V block to the next cp rank")] * (cp - 1)
+        acc = "float32" if self.dtype in ("bfloat16", "float16") else self.dtype
+        out = []
+        for step in range(cp):
+            if step < cp - 1:
+                out.append(hop(0, self.dtype, "ring attention backward: the K/V block again"))
+            out.append(hop(1, acc, "ring attention backward: a K/V block's gradient accumulator"))
+        return out
+
+    def _moe(self, op: Op, *, backward: bool) -> list[Event]:
+        from fivedc.passes.experts import ExpertLayout, MoeSettings, token_axes
+
+        s, mesh = MoeSettings.of(op), self.mesh
+        experts = self.graph.dim(self.dims[op.args[1]][1])
+        ep = mesh.size(MeshAxis.EP)
+        levels = ("",) if ep == 1 or ExpertLayout.of(op, experts, ep).all_to_all == "flat" else ("intra", "inter")
+        a2a = lambda numel, dtype, what, level: Event("all_to_all", (MeshAxis.EP,), numel, dtype, what,  # noqa: E731
+                                                      op.loc, level=level)
+        if backward:
+            return [] if ep == 1 else [a2a(None, self.dtype, "MoE combine's gradient", lv) for lv in levels] + \
+                [a2a(None, self.dtype, "MoE dispatch's gradient", lv) for lv in reversed(levels)]
+        out = []
+        x = op.arg_specs[0].sharding
+        if s.capacity_factor is not None and MeshAxis.CP in x.axes_of(self.graph.seq_dim or "") and \
+                mesh.size(MeshAxis.CP) > 1:
+            c = next(c for c in op.collectives if c.axes == (MeshAxis.CP,) and c.kind == "all_reduce")
+            out.append(Event("all_reduce", (MeshAxis.CP,), c.bytes // 8 // self._batch_parts(op), "int64",
+                             "MoE capacity: assignments per sequence chunk and expert", op.loc))
+        axes = token_axes(mesh)
+        if axes and (s.aux_loss or s.bias_update):
+            out.append(Event("all_reduce", axes, experts, "int64", "MoE: tokens per expert over the batch", op.loc))
+        if ep > 1:
+            out += [a2a(experts, "int64", "MoE: rows per expert (count exchange)", lv) for lv in levels]
+            out += [a2a(None, self.dtype, "MoE dispatch", lv) for lv in levels]
+            out += [a2a(None, self.dtype, "MoE combine", lv) for lv in reversed(levels)]
+        return out
+
+    def _batch_parts(self, op: Op) -> int:
+        return self.m if self.graph.batch_dim in self.dims[op.args[0]] else 1
+
+    # ---- after backward ------------------------------------------------------------------------
+    def _loss(self) -> list[Event]:
+        output = next(n for n, _ in walk_ops(self.graph.body) if getattr(n, "out", None) == self.graph.output)
+        axes = set(output.sharding.partial) | ({MeshAxis.PP} if self.mesh.size(MeshAxis.PP) > 1 else set())
+        axes = tuple(a for a in MeshAxis if a in axes)
+        if self.mesh.size(*axes) == 1:
+            return []
+        dtype = "float64" if self.pipeline is not None else self.dtype
+        return [Event("all_reduce", axes, 1, dtype, "the step's loss, summed over its parts", output.loc)]
+
+    def _gathers(self, held: list[str], what: str) -> list[Event]:
+        """`gather_flat`: one all-gather per bucket (the part of it this class holds), then
+        the parameters in no bucket by group, in name order, closed at 25 MiB."""
+        wanted = [n for n in held if self.mesh.size(*self.params[n].grad_partial) > 1]
+        given = [kept for b in expand_buckets(self.plan.buckets) if (kept := [n for n in b if n in wanted])]
+        covered = {n for b in given for n in b}
+        open_: dict[tuple, tuple[list[str], int]] = {}
+        done: list[list[str]] = []
+        for name in sorted(n for n in wanted if n not in covered):
+            param = self.params[name]
+            n, chunk = self.mesh.size(*param.grad_partial), zero_chunk(self.graph, self.mesh, param)
+            names, filled = open_.get(param.grad_partial, ([], 0))
+            size = n * chunk * self.plan_bytes
+            if names and filled + size > GATHER_BUCKET_BYTES:
+                done.append(names)
+                names, filled = [], 0
+            open_[param.grad_partial] = (names + [name], filled + size)
+        groups = given + sorted(done + [names for names, _ in open_.values()], key=lambda names: names[0])
+        return [Event("all_gather", self.params[g[0]].grad_partial,
+                      sum(zero_chunk(self.graph, self.mesh, self.params[n]) for n in g), self.dtype, what)
+                for g in groups]
+
+    def _zero3_pipeline_sync(self, held: list[str]) -> list[Event]:
+        """ZeRO-3 under a pipeline: each bucket's gradients reduce-scattered after the last
+        microbatch (the rest one by one)."""
+        buckets = [b for b in expand_buckets(self.plan.buckets) if all(n in held for n in b)]
+        out = [self._bucket_event(b, stage=2) for b in buckets]
+        covered = {n for b in buckets for n in b}
+        for name in held:
+            param = self.params[name]
+            n = self.mesh.size(*param.grad_partial)
+            if name not in covered and n > 1:
+                out.append(Event("reduce_scatter", param.grad_partial, n * zero_chunk(self.graph, self.mesh, param),
+                                 self.dtype, f"ZeRO-3 gradient of {name}", param.loc))
+        return out
+
+    def _copies(self, pp_rank: int, held: list[str]) -> list[Event]:
+        """DualPipe: pp ranks r and p-1-r hold the two copies of the same chunks and exchange
+        their summed gradients (ZeRO's chunks), in name order, after the sync."""
+        peer = self.mesh.size(MeshAxis.PP) - 1 - pp_rank
+        numel = sum(zero_chunk(self.graph, self.mesh, self.params[n]) if self.plan.zero else
+                    self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh) for n in held)
+        what = f"DualPipe: the summed gradients of the chunks pp ranks {pp_rank} and {peer} both hold"
+        return [Event("send", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2),
+                Event("recv", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2)]
+
+    def _bucket_event(self, names: tuple[str, ...], *, stage: int) -> Event:
+        axes = self.params[names[0]].grad_partial
+        if stage in (1, 2):
+            n = self.mesh.size(*axes)
+            numel = n * sum(zero_chunk(self.graph, self.mesh, self.params[p]) for p in names)
+            return Event("reduce_scatter", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
+        numel = sum(self.graph.local_numel(self.params[p].dims, self.params[p].sharding, self.mesh) for p in names)
+        return Event("all_reduce", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
+
+    @property
+    def plan_bytes(self) -> int:
+        return {"float64": 8, "float32": 4}.get(self.dtype, 2)
+
+    def numel(self, dims: tuple[str, ...], sharding: Sharding) -> int:
+        total = self.graph.local_numel(dims, sharding, self.mesh)
+        return total // self.m if self.graph.batch_dim in dims else total
+
+
+class _Buckets:
+    """A class's gradient buckets: started from backward as their last gradient arrives
+    (overlap on, no pipeline), each once every earlier one has started; the rest after."""
+
+    def __init__(self, expander: _Expander, held: list[str], *, overlap: bool) -> None:
+        self.x, self.overlap = expander, overlap
+        stage = expander.plan.zero
+        self.buckets = [] if stage == 3 else [b for b in expand_buckets(expander.plan.buckets) if all(n in held for n in b)]
+        self.stage = stage
+        self.started = 0
+        self.ready: set[str] = set()
+        self.remaining = {}  # parameter -> the uses (sites) whose backward has not run yet
+        for site in expander.sites:
+            for p in expander._param_args(site):
+                self.remaining[p] = self.remaining.get(p, 0) + 1
+
+    def after(self, site: Site) -> list[Event]:
+        if not self.overlap:
+            return []
+        for p in self.x._param_args(site):
+            self.remaining[p] -= 1
+            if self.remaining[p] == 0:
+                self.ready.add(p)
+        out = []
+        while self.started < len(self.buckets) and set(self.buckets[self.started]) <= self.ready:
+            out.append(self.x._bucket_event(self.buckets[self.started], stage=self.stage))
+            self.started += 1
+        return out
+
+    def rest(self) -> list[Event]:
+        out = [self.x._bucket_event(b, stage=self.stage) for b in self.buckets[self.started:]]
+        self.started = len(self.buckets)
+        return out
+
+
+def _dims(graph: Graph) -> dict[str, tuple[str, ...]]:
+    """Every value's dims (inputs, parameters, node outputs, a repeat's args and results)."""
+    out = {i.name: i.type.dims for i in graph.inputs} | {p.name: p.dims for p, _ in walk_params(graph.body)}
+    for node, _ in walk_ops(graph.body):
+        if isinstance(node, Repeat):
+            for arg, carried, result in zip(node.body.args, node.carried, node.results):
+                out[arg] = out[result] = out[carried]
+        else:
+            out[node.out] = node.type.dims
+    return out
+
+
+def _regather_points(plan, all_sites: list[Site]) -> dict[int, Site]:
+    """Where backward gathers an SP linear input again (`fivedc.estimates.saved.regathered`): at the
+    backward of the last linear (in program order) reading it, the first whose backward
+    runs; per layer instance. Maps that site's index to the redistribution's site."""
+    from fivedc.estimates.saved import regathered
+
+    again = regathered(plan.graph, plan.recompute)
+    made = {(s.repeat, s.layer, s.node.out): s for s in all_sites if isinstance(s.node, Redistribute)
+            and s.node.out in again}
+    last: dict[tuple, int] = {}
+    for i, s in enumerate(all_sites):
+        if isinstance(s.node, Op) and s.node.args and (s.repeat, s.layer, s.node.args[0]) in made:
+            last[(s.repeat, s.layer, s.node.args[0])] = i
+    return {i: made[key] for key, i in last.items()}
+

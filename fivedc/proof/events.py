@@ -1,0 +1,32 @@
+"""One collective or transfer a rank issues, as the agreement proof compares them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivedc.errors import SourceLoc
+from fivedc.ir.mesh import MeshAxis
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv (a ring hop) | send | recv
+    axes: tuple[MeshAxis, ...]  # the group (send, recv: pp)
+    numel: int | None  # elements this rank puts in; None: sized at run time
+    dtype: str
+    what: str  # where it comes from, for a reader
+    loc: SourceLoc | None = None
+    peer: int | None = None  # send, recv: the other pp rank
+    tag: int = 0  # send, recv: 0 activations, 1 gradients; a ring hop: 0 K/V, 1 their gradients
+    level: str = ""  # a part of the group (a hierarchical all-to-all: intra or inter)
+
+    @property
+    def signature(self) -> tuple:
+        """What the members of a group must agree on."""
+        return (self.op, self.numel, self.dtype, self.tag, self.level)
+
+    def __str__(self) -> str:
+        size = "rows sized at run time" if self.numel is None else f"{self.numel} x {self.dtype}"
+        peer = f" with pp rank {self.peer}" if self.peer is not None else ""
+        level = f" ({self.level})" if self.level else ""
+        return f"{self.op}{level} over {'x'.join(self.axes)}{peer}: {size}, {self.what}"

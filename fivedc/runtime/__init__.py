@@ -1,0 +1,5 @@
+"""The runtime: executes an execution plan with torch.distributed (gloo on CPU, NCCL on GPUs).
+
+Layer 8: may import the frontends, the plan and everything below; never the CLI
+(`fivedc.cli`) or `fivedc.parallel`.
+"""

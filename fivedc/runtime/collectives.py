@@ -1,0 +1,160 @@
+"""Collective steps over mesh axes, and `redistribute`, their autograd-aware form.
+
+The compiler turns every layout change into a list of `Step`s for the forward pass
+and another for the backward pass; `apply_steps` runs a list on one tensor and
+`redistribute` wraps a forward/backward pair in an autograd Function (forward [] /
+backward [all_reduce tp] is Megatron's "f"). Chunks are always taken in
+group-index order (`MeshGroups.index`), steps over a group of one rank are no-ops,
+and the input tensor is never modified. Where a process group's rank order
+differs from group-index order (`MeshGroups.positions`), chunks are reordered.
+gloo gets reduce_scatter as all_reduce + slice; NCCL uses the native op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fivedc.errors import PassError, ShapeError
+from fivedc.ir.mesh import MeshAxis
+from fivedc.runtime.groups import MeshGroups
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "slice", "all_to_all")
+_NEEDS_DIM = {"all_gather", "reduce_scatter", "slice", "all_to_all"}
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One collective over the group of `axes`; `dim` is a tensor dim (all_to_all: split dim)."""
+
+    kind: str
+    axes: tuple[MeshAxis, ...]
+    dim: int | None = None
+    dim2: int | None = None  # all_to_all only: the dim the received chunks are concatenated on
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise PassError(f"unknown collective step {self.kind!r}", hint=f"one of {', '.join(KINDS)}")
+        if self.kind in _NEEDS_DIM and self.dim is None:
+            raise PassError(f"step {self.kind} needs a tensor dim")
+        if (self.kind == "all_to_all") != (self.dim2 is not None):
+            raise PassError(f"step {self.kind}: dim2 is for all_to_all only, and all_to_all needs it")
+
+    def __str__(self) -> str:
+        dims = "" if self.dim is None else f"[{self.dim}]"
+        if self.dim2 is not None:
+            dims = f"[{self.dim}->{self.dim2}]"
+        return f"{self.kind}{dims}({','.join(self.axes)})"
+
+
+def apply_steps(x: Tensor, steps: Sequence[Step], groups: MeshGroups) -> Tensor:
+    """Run `steps` in order on `x` (no autograd); always returns a new tensor."""
+    out = x
+    for step in steps:
+        n = groups.size(step.axes)
+        if n > 1:
+            out = _STEP_FNS[step.kind](out, step, n, groups)
+    return out.clone() if out is x else out
+
+
+def redistribute(
+    x: Tensor, forward: Sequence[Step], backward: Sequence[Step], groups: MeshGroups
+) -> Tensor:
+    """`forward` steps on x; `backward` steps on the gradient flowing back into x."""
+    return _Redistribute.apply(x, tuple(forward), tuple(backward), groups)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, forward: tuple[Step, ...], backward: tuple[Step, ...], groups: MeshGroups
+    ) -> Tensor:
+        ctx.backward_steps = backward
+        ctx.groups = groups
+        return apply_steps(x, forward, groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return apply_steps(grad, ctx.backward_steps, ctx.groups), None, None, None
+
+
+# ---- one function per step kind ---------------------------------------------------
+def _chunk_size(x: Tensor, step: Step, n: int) -> int:
+    assert step.dim is not None
+    size = x.shape[step.dim]
+    if size % n:
+        raise ShapeError(
+            f"{step}: tensor dim {step.dim} has size {size}, which does not divide by the "
+            f"{n} ranks of axes {','.join(step.axes)}",
+            hint="pick a mesh whose axis sizes divide this dim, or pad the dim",
+        )
+    return size // n
+
+
+def _native(x: Tensor, group: Any) -> bool:
+    return x.is_cuda and "nccl" in str(dist.get_backend(group))
+
+
+def _all_reduce(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)  # all_reduce is in place
+    dist.all_reduce(out, group=groups.group(step.axes))
+    return out
+
+
+def _all_gather(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
+    local = x.contiguous()
+    parts = [torch.empty_like(local) for _ in range(n)]
+    dist.all_gather(parts, local, group=groups.group(step.axes))
+    ordered = _to_index_order(parts, groups.positions(step.axes))
+    return torch.cat(ordered, dim=step.dim)  # type: ignore[arg-type]
+
+
+def _slice(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
+    size = _chunk_size(x, step, n)
+    part = x.narrow(step.dim, groups.index(step.axes) * size, size)  # type: ignore[arg-type]
+    return part.clone(memory_format=torch.contiguous_format)
+
+
+def _reduce_scatter(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
+    _chunk_size(x, step, n)
+    group = groups.group(step.axes)
+    if not _native(x, group):  # gloo's reduce_scatter is n all_reduces (torch >= 2.8) or missing
+        return _slice(_all_reduce(x, step, n, groups), step, n, groups)
+    chunks = x.chunk(n, dim=step.dim)  # type: ignore[arg-type]
+    inputs = [chunks[i].contiguous() for i in groups.positions(step.axes)]
+    out = torch.empty_like(inputs[0])
+    dist.reduce_scatter(out, inputs, group=group)
+    return out
+
+
+def _all_to_all(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
+    _chunk_size(x, step, n)
+    chunks = x.chunk(n, dim=step.dim)  # type: ignore[arg-type]
+    positions = groups.positions(step.axes)
+    send = torch.stack([chunks[i] for i in positions])  # row p goes to process-group rank p
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=groups.group(step.axes))
+    ordered = _to_index_order(list(recv.unbind(0)), positions)
+    return torch.cat(ordered, dim=step.dim2)  # type: ignore[arg-type]
+
+
+def _to_index_order(parts: list[Tensor], positions: tuple[int, ...]) -> list[Tensor]:
+    """`parts` come in process-group rank order; put them in group-index order."""
+    ordered = list(parts)
+    for rank, index in enumerate(positions):
+        ordered[index] = parts[rank]
+    return ordered
+
+
+_STEP_FNS = {
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "slice": _slice,
+    "all_to_all": _all_to_all,
+}

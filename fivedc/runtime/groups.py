@@ -1,0 +1,140 @@
+"""Process groups for the axes of a `Mesh`, built on torch's DeviceMesh.
+
+One `MeshGroups` per run: it lays the 5-D mesh out as a DeviceMesh (outermost axis
+first, so its rank numbering matches `Mesh`), takes single-axis groups from it, and
+creates every composite group (e.g. dp x tp) eagerly, because group creation is a
+collective that all ranks must enter in the same order. The contract the
+collectives rely on: group index `index(axes)` orders the members as
+`Mesh.group_ranks(axes, rank)` does (first axis outermost). The process group's
+own rank order matches it, except on a torch whose `new_group` always sorts ranks
+(no `sort_ranks` argument; 2.13 has it): there `positions(axes)` maps
+process-group ranks to group indices and the collectives reorder chunks by it.
+Axes of size 1 are dropped; a group of one rank is `None`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fivedc.errors import MeshError, PassError
+from fivedc.ir.mesh import Mesh, MeshAxis
+
+Axes = tuple[MeshAxis, ...]
+
+# new_group(sort_ranks=False) keeps the caller's rank order (newer torch, e.g. 2.13).
+KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+class MeshGroups:
+    """The process groups of one mesh, as seen by this rank."""
+
+    def __init__(
+        self, mesh: Mesh, *, device_type: str, axis_sets: Iterable[tuple[MeshAxis, ...]] = ()
+    ) -> None:
+        self.mesh = mesh
+        self.device_type = device_type
+        self.rank = dist.get_rank()
+        if dist.get_world_size() != mesh.world:
+            raise MeshError(
+                f"the mesh {mesh} needs {mesh.world} processes but the process group has "
+                f"{dist.get_world_size()}"
+            )
+        self.coords: dict[MeshAxis, int] = mesh.coords(self.rank)
+        shape, names = mesh.device_mesh_layout()
+        self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        self._groups: dict[Axes, ProcessGroup] = {}
+        self._positions: dict[Axes, tuple[int, ...]] = {}
+        for axis in mesh.rank_order:
+            if mesh.size(axis) > 1:
+                self._add((axis,), self.device_mesh[str(axis)].get_group(), exact=True)
+        for axes in axis_sets:
+            key = self._key(axes)
+            if len(key) > 1 and key not in self._groups:
+                self._composite(key)
+
+    # ---- queries ------------------------------------------------------------------
+    def group(self, axes: Iterable[MeshAxis]) -> ProcessGroup | None:
+        """The group over `axes`; None when it has one member."""
+        return self._groups[key] if (key := self._known(axes)) else None
+
+    def size(self, axes: Iterable[MeshAxis]) -> int:
+        return self.mesh.size(*self._key(axes))
+
+    def index(self, axes: Iterable[MeshAxis]) -> int:
+        """This rank's position in the group of `axes` (first axis outermost)."""
+        index = 0
+        for axis in self._key(axes):
+            index = index * self.mesh.size(axis) + self.coords[axis]
+        return index
+
+    def positions(self, axes: Iterable[MeshAxis]) -> tuple[int, ...]:
+        """For each process-group rank, its group index (the identity unless torch sorted the group)."""
+        return self._positions[key] if (key := self._known(axes)) else (0,)
+
+    # ---- construction -------------------------------------------------------------
+    def _key(self, axes: Iterable[MeshAxis]) -> Axes:
+        """Normalise: MeshAxis values, size-1 axes dropped (they do not change the order)."""
+        key = tuple(MeshAxis(a) for a in axes)
+        if len(set(key)) != len(key):
+            raise PassError(f"axes {','.join(key)} name an axis twice")
+        return tuple(a for a in key if self.mesh.size(a) > 1)
+
+    def _known(self, axes: Iterable[MeshAxis]) -> Axes:
+        key = self._key(axes)
+        if key and key not in self._groups:
+            raise PassError(
+                f"no process group for axes {','.join(key)}",
+                hint="composite groups must be listed in MeshGroups(axis_sets=...) on every rank",
+            )
+        return key
+
+    def _add(self, axes: Axes, group: ProcessGroup, *, exact: bool) -> None:
+        members = self.mesh.group_ranks(axes, self.rank)
+        got = tuple(dist.get_process_group_ranks(group))
+        if sorted(got) != sorted(members) or (exact and got != members):
+            raise PassError(
+                f"process group for {','.join(axes)} on rank {self.rank} has ranks {list(got)}, "
+                f"expected {list(members)}"
+            )
+        self._groups[axes] = group
+        self._positions[axes] = tuple(members.index(r) for r in got)
+
+    def _composite(self, axes: Axes) -> None:
+        """A flattened DeviceMesh slice when it has the right order, else `new_group`."""
+        group = self._flattened(axes)
+        members = self.mesh.group_ranks(axes, self.rank)
+        ok = group is not None and tuple(dist.get_process_group_ranks(group)) == members
+        # Every rank must take the same branch below, since new_group is collective.
+        flag = torch.tensor([int(ok)], device=self._flag_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if bool(flag.item()):
+            assert group is not None
+            return self._add(axes, group, exact=True)
+        options = {"sort_ranks": False} if KEEPS_ORDER else {}
+        seen: set[tuple[int, ...]] = set()
+        for rank in range(self.mesh.world):
+            ranks = self.mesh.group_ranks(axes, rank)
+            if ranks not in seen:
+                seen.add(ranks)
+                created = dist.new_group(list(ranks), **options)
+                if self.rank in ranks:
+                    self._add(axes, created, exact=KEEPS_ORDER)
+
+    def _flattened(self, axes: Axes) -> ProcessGroup | None:
+        """DeviceMesh slicing needs the axes in mesh order; `_flatten` is private API."""
+        try:
+            sub = self.device_mesh[tuple(str(a) for a in axes)]
+            return sub._flatten("_".join(axes)).get_group()
+        except (AttributeError, KeyError, RuntimeError, ValueError, TypeError):
+            return None
+
+    def _flag_device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)

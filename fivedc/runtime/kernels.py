@@ -1,0 +1,419 @@
+"""Local kernels: one function per op kind, computing on this rank's shards.
+
+A kernel gets the op (its attrs, argument specs and output sharding), the local
+argument tensors and their dim names, and a `KernelContext` that knows this rank's
+coordinates, groups and the sequence layout (global positions of a local chunk,
+for RoPE and the causal mask). Dims are matched by name: `align` permutes and
+unsqueezes a tensor to another's dim order. The kernels whose sharded form needs
+communication inside (vocab-parallel cross-entropy, ring attention) do it with
+explicit autograd, and the plan lists those collectives on the op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from fivedc.errors import NotSupportedError
+from fivedc.ir.graph import Graph, Op
+from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.ir.ops import parse_freqs
+from fivedc.runtime import weight_grads
+from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
+from fivedc.ir.seq_layout import layout_order
+from fivedc.ir.sharding import Sharding
+
+Dims = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KernelContext:
+    graph: Graph
+    mesh: Mesh
+    coords: dict[MeshAxis, int]
+    groups: object | None = None  # runtime.groups.MeshGroups; None on a single device
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    # cross-entropy op -> its count of targets for the whole step, set by a pipeline before its microbatches
+    step_counts: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def shard_range(self, dim: str, sharding: Sharding, coords: dict[MeshAxis, int] | None = None) -> tuple[int, int]:
+        """Global [start, stop) of this rank's (or `coords`') chunk of `dim` (axes major-first)."""
+        coords = coords or self.coords
+        index = 0
+        axes = sharding.axes_of(dim)
+        for axis in axes:
+            index = index * self.mesh.size(axis) + coords[axis]
+        size = self.graph.local_size(dim, sharding, self.mesh)
+        return index * size, (index + 1) * size
+
+    def group(self, axes: tuple[MeshAxis, ...]):
+        return self.groups.group(axes) if self.groups is not None else None
+
+    # ---- the sequence layout (fivedc/ir/seq_layout.py) ------------------------------------
+    def seq_order(self) -> Tensor | None:
+        """The global position at each index of a layout-ordered sequence; None when
+        the layout is the identity (cp = 1 or contiguous)."""
+        if "order" not in self._cache:
+            seq, cp = self.graph.seq_dim, self.mesh.size(MeshAxis.CP)
+            order = layout_order(self.graph.seq_layout, self.graph.dim(seq), cp) if seq else []
+            identity = order == list(range(len(order)))
+            self._cache["order"] = None if identity else torch.tensor(order)
+        return self._cache["order"]
+
+    def storage_order(self, dim: str, sharding: Sharding) -> Tensor | None:
+        """How a full tensor's `dim` is reordered before its chunks are cut, or None:
+        the sequence in layout order; an experts dim split over ep by the placement
+        (strided or explicit: rank r's experts stored together, in its order)."""
+        if dim == self.graph.seq_dim:
+            return self.seq_order()
+        if MeshAxis.EP in sharding.axes_of(dim):
+            if "experts" not in self._cache:
+                self._cache["experts"] = _expert_orders(self.graph, self.mesh)
+            return self._cache["experts"].get(dim)
+        return None
+
+    def positions(self, dim: str, sharding: Sharding, coords: dict[MeshAxis, int] | None = None) -> Tensor:
+        """Global positions of this rank's chunk of `dim` (the sequence in layout order)."""
+        start, stop = self.shard_range(dim, sharding, coords)
+        order = self.seq_order() if dim == self.graph.seq_dim else None
+        return torch.arange(start, stop) if order is None else order[start:stop]
+
+    def ring(self, sharding: Sharding, device: torch.device) -> Ring:
+        """The cp ring for K/V blocks split like `sharding`: neighbours and block positions."""
+        if "ring" not in self._cache:
+            cp_axes = (MeshAxis.CP,)
+            members = self.mesh.group_ranks(cp_axes, self.mesh.rank_of(self.coords))
+            index, size = self.coords[MeshAxis.CP], len(members)
+            blocks = tuple(
+                self.positions(self.graph.seq_dim, sharding, {**self.coords, MeshAxis.CP: j}).to(device)
+                for j in range(size)
+            )
+            self._cache["ring"] = Ring(
+                group=self.group(cp_axes), index=index, size=size,
+                prev_rank=members[(index - 1) % size], next_rank=members[(index + 1) % size],
+                block_positions=blocks,
+            )
+        return self._cache["ring"]
+
+
+def _expert_orders(graph: Graph, mesh: Mesh) -> dict[str, Tensor]:
+    """Experts dim -> storage order, for MoE ops whose placement is not contiguous."""
+    from fivedc.ir.graph import Repeat, walk_ops
+    from fivedc.passes.experts import ExpertLayout
+
+    ep = mesh.size(MeshAxis.EP)
+    params = {p.name: p for p in graph.body.params}
+    orders: dict[str, list[int]] = {}
+    for node, _ in walk_ops(graph.body):
+        if isinstance(node, Repeat):
+            params.update({p.name: p for p in node.body.params})
+        if not (isinstance(node, Op) and node.kind == "moe" and ep > 1):
+            continue
+        dim = params[node.args[2]].dims[0]
+        layout = ExpertLayout.of(node, graph.dim(dim), ep)
+        order = [e for r in range(ep) for e in layout.local_experts(r)]
+        if orders.setdefault(dim, order) != order:
+            raise NotSupportedError(
+                f"two MoE layers place the experts of dim {dim!r} differently", loc=node.loc,
+                hint="give every layer the same @ep placement, or name their experts dims apart",
+            )
+    return {dim: torch.tensor(order) for dim, order in orders.items() if order != sorted(order)}
+
+
+def align(t: Tensor, dims: Dims, target: Dims) -> Tensor:
+    """View `t` (dims a subset of `target`) in `target`'s dim order, size 1 where absent."""
+    order = [d for d in target if d in dims]
+    t = t.permute(*[dims.index(d) for d in order])
+    shape = [t.shape[order.index(d)] if d in dims else 1 for d in target]
+    return t.reshape(shape)
+
+
+def _arg_sharding(op: Op, index: int) -> Sharding:
+    return op.arg_specs[index].sharding if op.arg_specs and op.arg_specs[index] else Sharding()
+
+
+def _linear(ctx, op, args, dims):
+    x, w = args
+    k = len([d for d in dims[0] if d not in op.type.dims])
+    if tuple(dims[1][:k]) != tuple(dims[0][-k:]):  # stored [out, in] (a tied embedding table): in first
+        w = w.permute(*range(w.dim() - k, w.dim()), *range(w.dim() - k))
+    store = weight_grads.store_of(ctx)  # a zero-bubble pipeline: the weight gradient may wait for W
+    if store is not None and torch.is_grad_enabled() and w.requires_grad:
+        return weight_grads.DeferrableLinear.apply(x, w, k, store)
+    return torch.tensordot(x, w, dims=k)
+
+
+def _embedding(ctx, op, args, dims):
+    """Rows of the table (vocab-parallel: each rank its rows, zeros elsewhere); with padding_idx,
+    that row's tokens give the table no gradient (torch's F.embedding(padding_idx=))."""
+    tokens, table = args
+    vocab = dims[1][0]
+    sharding = _arg_sharding(op, 1)
+    if not sharding.axes_of(vocab):
+        out = F.embedding(tokens, table)
+    else:
+        start, stop = ctx.shard_range(vocab, sharding)
+        inside = (tokens >= start) & (tokens < stop)
+        local = torch.where(inside, tokens - start, torch.zeros_like(tokens))
+        out = F.embedding(local, table) * inside.unsqueeze(-1).to(table.dtype)
+    padding = op.attr("padding_idx")
+    if padding is not None:
+        out = torch.where((tokens == padding).unsqueeze(-1), out.detach(), out)
+    return out
+
+
+def _binary(fn):
+    def kernel(ctx, op, args, dims):
+        a, b = args
+        if not isinstance(b, Tensor):
+            return fn(a, b)
+        if len(dims[0]) >= len(dims[1]):
+            return fn(a, align(b, dims[1], dims[0]))
+        return fn(align(a, dims[0], dims[1]), b)
+
+    return kernel
+
+
+def _unary(fn):
+    return lambda ctx, op, args, dims: fn(args[0])
+
+
+def _gelu(ctx, op, args, dims):
+    return F.gelu(args[0], approximate=str(op.attr("approximate", "none")))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _RMSNorm(torch.autograd.Function):
+    """x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) over the last dim, saving only x
+    and rstd for backward (as the fused norms Megatron uses), not the normalised x:
+    dx = rstd * (dn - n * mean(dn * n)), dn = dy * w, n = x * rstd; dw = sum(dy * n)."""
+
+    @staticmethod
+    def forward(fctx, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        dtype = _compute_dtype(x.dtype)
+        xc = x.to(dtype)
+        rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+        fctx.save_for_backward(x, rstd, w)
+        return (xc * rstd * w.to(dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(fctx, grad: Tensor):
+        x, rstd, w = fctx.saved_tensors
+        dtype = rstd.dtype
+        n = x.to(dtype) * rstd
+        g = grad.to(dtype)
+        grad_x = grad_w = None
+        if fctx.needs_input_grad[0]:
+            dn = g * w.to(dtype)
+            grad_x = (rstd * (dn - n * (dn * n).mean(-1, keepdim=True))).to(x.dtype)
+        if fctx.needs_input_grad[1]:
+            grad_w = (g * n).reshape(-1, n.shape[-1]).sum(0).reshape(w.shape).to(w.dtype)
+        return grad_x, grad_w, None
+
+
+def _rmsnorm(ctx, op, args, dims):
+    x, w = args
+    return _RMSNorm.apply(x, w, float(op.attr("eps", 1e-5)))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, saving only gate and up (silu(gate) is recomputed in backward, as
+    Megatron's fused SwiGLU does): d_up = dy * silu(gate), d_gate = dy * up * s * (1 + gate
+    * (1 - s)) with s = sigmoid(gate)."""
+
+    @staticmethod
+    def forward(fctx, gate: Tensor, up: Tensor) -> Tensor:
+        fctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(fctx, grad: Tensor):
+        gate, up = fctx.saved_tensors
+        s = torch.sigmoid(gate)
+        grad_up = grad * gate * s if fctx.needs_input_grad[1] else None
+        grad_gate = grad * up * s * (1 + gate * (1 - s)) if fctx.needs_input_grad[0] else None
+        return grad_gate, grad_up
+
+
+def _layernorm(ctx, op, args, dims):
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else None
+    return F.layer_norm(x, x.shape[-1:], w, b, float(op.attr("eps", 1e-5)))
+
+
+def _rope(ctx, op, args, dims):
+    (x,), (x_dims,) = args, dims
+    half = x.shape[-1] // 2
+    cos, sin = _rope_table(ctx, op, x, x_dims)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
+    """cos and sin of this rank's global positions times the frequencies, aligned to x;
+    computed once per layout, dtype and device (every layer and step reuses them)."""
+    seq, sharding = ctx.graph.seq_dim, _arg_sharding(op, 0)
+    theta = float(op.attr("theta", 10000.0))
+    given = str(op.attr("freqs", "") or "")
+    key = ("rope", str(sharding), theta, given, x.shape[-1], x_dims, x.dtype, x.device)
+    if key not in ctx._cache:
+        positions = ctx.positions(seq, sharding).to(device=x.device, dtype=x.dtype)
+        half = x.shape[-1] // 2
+        if given:
+            freqs = torch.tensor(parse_freqs(given), dtype=x.dtype, device=x.device)
+        else:
+            freqs = theta ** (-torch.arange(0, half, dtype=x.dtype, device=x.device) / half)
+        angles = positions[:, None] * freqs[None, :]
+        ctx._cache[key] = tuple(align(f(angles), (seq, x_dims[-1]), x_dims) for f in (torch.cos, torch.sin))
+    return ctx._cache[key]
+
+
+def _attention(ctx, op, args, dims):
+    """SDPA on one device; across cp, blockwise attention at global positions: ring
+    attention, or over the gathered K/V (one block per cp rank) for @cp(allgather)."""
+    q, k, v = (t.transpose(1, 2) for t in args)  # [batch, heads, seq, head_dim]
+    causal = bool(op.attr("causal", True))
+    cp = ctx.mesh.size(MeshAxis.CP)
+    if cp == 1:  # grouped-query heads share K/V inside the kernel: no repeated copies are kept
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                              enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+    seq = ctx.graph.seq_dim
+    q_pos = ctx.positions(seq, _arg_sharding(op, 0)).to(q.device)
+    if op.annotation("cp").args[0] == "ring":
+        out = ring_attention(q, k, v, q_pos, ctx.ring(_arg_sharding(op, 1), q.device), causal=causal)
+    else:
+        kv_pos = ctx.positions(seq, _arg_sharding(op, 1)).to(q.device)
+        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp)
+    return out.transpose(1, 2)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Sum over local tokens of (logsumexp - target logit) x counted (0 for an ignored
+    target), with the vocab split over a group: max, sum of exponentials and target
+    logit are all-reduced (3 collectives)."""
+
+    @staticmethod
+    def forward(fctx, logits, targets, counted, start, group):
+        local_max = logits.max(dim=-1).values
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        inside = (targets >= start) & (targets < start + logits.shape[-1])
+        index = torch.where(inside, targets - start, torch.zeros_like(targets))
+        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
+        dist.all_reduce(target_logit, group=group)
+        fctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, inside, counted)
+        return ((sum_exp.log() - target_logit) * counted).sum()
+
+    @staticmethod
+    def backward(fctx, grad):
+        softmax, index, inside, counted = fctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, index.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
+        return grad_logits * (grad * counted).unsqueeze(-1), None, None, None, None
+
+
+def _cross_entropy(ctx, op, args, dims):
+    """The sum over this rank's tokens divided by the global count: every token (no
+    ignore_index), or the targets other than ignore_index, counted over the token
+    shards (an all-reduce, or the count of the whole step a pipeline set beforehand)."""
+    logits, targets = args
+    vocab = dims[0][-1]
+    sharding = _arg_sharding(op, 0)
+    ignore = op.attr("ignore_index")
+    counted = torch.ones_like(targets, dtype=logits.dtype) if ignore is None else (targets != ignore).to(logits.dtype)
+    axes = sharding.axes_of(vocab)
+    if axes and ctx.mesh.size(*axes) > 1:
+        start, _ = ctx.shard_range(vocab, sharding)
+        total = _VocabParallelCrossEntropy.apply(logits, targets, counted, start, ctx.group(axes))
+    else:
+        flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).clamp(min=0), reduction="none")
+        total = (flat * counted.reshape(-1)).sum()
+    if ignore is None:
+        tokens = 1
+        for dim in dims[1]:
+            tokens *= ctx.graph.dim(dim)  # global count: the loss is a mean over all tokens
+        return total / tokens
+    count = ctx.step_counts.get(op.out)
+    if count is None:
+        count = counted_targets(ctx, op, targets)
+    return total / count
+
+
+def counted_targets(ctx, op, targets: Tensor) -> Tensor:
+    """How many targets of a cross-entropy with ignore_index count, over all its token
+    shards (the plan lists the all-reduce)."""
+    count = (targets != op.attr("ignore_index")).sum().to(torch.float64)
+    split = _arg_sharding(op, 1).split_axes()
+    if split and ctx.mesh.size(*split) > 1:
+        dist.all_reduce(count, group=ctx.group(split))
+    return count
+
+
+def _aten(ctx, op, args, dims):
+    """An ATen operator (fivedc/ir/aten_call.py): each argument laid out as the operator saw it
+    at capture, the result back in IR order. Replicated, it gets whole tensors with the
+    sequence in global order; pointwise or along some dims, this rank's shards, the
+    sequence put in global order only where it runs along it (then whole). A result's
+    sequence computed in global order (whole, or new: a slice) goes back to layout order."""
+    from fivedc.ir.aten_call import arg_layouts, decode_call, from_torch, out_layout, pick, resolve, to_torch, whole_dims
+
+    seq, whole = ctx.graph.seq_dim, whole_dims(op)
+    order = ctx.seq_order() if whole is None or seq in whole or all(seq not in d for d in dims) else None
+    sizes = dict(ctx.graph.dims)
+    tensors = []
+    for t, t_dims, layout in zip(args, dims, arg_layouts(op)):
+        sizes.update(zip(t_dims, t.shape))  # shards: the local sizes
+        if order is not None and seq in t_dims:
+            t = t.index_select(t_dims.index(seq), torch.argsort(order).to(t.device))
+        tensors.append(to_torch(t, t_dims, layout))
+    device = args[0].device if args else torch.device("cpu")
+    call_args, call_kwargs = decode_call(str(op.attr("call")), tensors, device)
+    out = pick(op, resolve(str(op.attr("target")))(*call_args, **call_kwargs))
+    out = from_torch(out, out_layout(op), sizes)
+    if order is not None and seq in op.type.dims:
+        out = out.index_select(op.type.dims.index(seq), order.to(out.device))
+    return out
+
+
+def _moe(ctx, op, args, dims):
+    """Routing, dispatch over ep, the local experts as batched matmuls, combine: fivedc/runtime/moe.py."""
+    from fivedc.runtime.moe import moe_kernel
+
+    return moe_kernel(ctx, op, args, dims)
+
+
+Kernel = Callable[[KernelContext, Op, list, list], Tensor]
+
+KERNELS: dict[str, Kernel] = {
+    "embedding": _embedding,
+    "linear": _linear,
+    "matmul": _linear,
+    "add": _binary(torch.add),
+    "sub": _binary(torch.sub),
+    "mul": _binary(torch.mul),
+    "div": _binary(torch.div),
+    "gelu": _gelu,
+    "silu": _unary(F.silu),
+    "relu": _unary(F.relu),
+    "tanh": _unary(torch.tanh),
+    "sigmoid": _unary(torch.sigmoid),
+    "swiglu": lambda ctx, op, args, dims: _SwiGLU.apply(args[0], args[1]),
+    "rmsnorm": _rmsnorm,
+    "layernorm": _layernorm,
+    "rope": _rope,
+    "attention": _attention,
+    "cross_entropy": _cross_entropy,
+    "moe": _moe,
+    "aten": _aten,
+}

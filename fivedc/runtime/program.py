@@ -1,0 +1,239 @@
+"""Executes a plan's program on one rank: kernels, redistributions and repeat blocks.
+
+`Program.loss(params, inputs)` walks the graph in order with this rank's shards.
+A `Redistribute` node runs its forward collectives through the autograd-aware
+`runtime.collectives.redistribute`, whose backward runs the plan's backward
+collectives. A repeat body runs `count` times with `prefix.i.name` parameters.
+Parameters live in a flat dict keyed by qualified name (`layers.3.wq`); this
+module also makes the initial full parameters and inputs (seeded, so every rank
+and the single-device reference start from the same values) and cuts shards.
+
+With activation recomputation (`recompute`, `fivedc/passes/recompute.py`) a layer of a
+repeat (full) or an attention kernel (selective) runs as one region of
+`fivedc/runtime/recompute.run_recomputed`: it keeps its inputs, and backward runs its
+forward again. A recomputed layer computes into an environment of its own, so
+its intermediate values are not kept alive by the program's either.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import Tensor
+
+from fivedc.ir.graph import Block, DType, Graph, Op, Redistribute, Repeat, walk_ops
+from fivedc.ir.graph import param_instances as qualified_params
+from fivedc.passes.recompute import recomputes_layer, recomputes_op
+from fivedc.estimates.saved import regathered
+from fivedc.ir.sharding import Sharding
+from fivedc.runtime.collectives import Step, redistribute
+from fivedc.runtime.kernels import KERNELS, KernelContext
+from fivedc.runtime.recompute import run_recomputed
+from fivedc.runtime.saved import mark_regathered
+
+
+def grad_groups(graph: Graph, ctx: KernelContext) -> dict[str, object | None]:
+    """Each parameter instance's process group over its `grad_partial` axes, where its
+    gradient is summed and ZeRO shards it (None: nothing to sum over)."""
+    return {name: ctx.group(p.grad_partial) if p.grad_partial else None for name, p in qualified_params(graph)}
+
+
+def init_params(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Full, unsharded initial parameters; each seeded by its name, so any rank can
+    make any of them without making the others."""
+    out = {}
+    for name, param in qualified_params(graph):
+        shape = tuple(graph.dim(d) for d in param.dims)
+        if param.init == "ones":
+            out[name] = torch.ones(shape, dtype=dtype)
+        elif param.init == "zeros":
+            out[name] = torch.zeros(shape, dtype=dtype)
+        else:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            out[name] = torch.randn(shape, generator=gen, dtype=dtype) * param.std
+    return out
+
+
+def _int_bound(graph: Graph, name: str) -> int:
+    """Exclusive upper bound for an int input: the vocab of the embedding or loss using it,
+    also through replicated ops that compute from it (a label shift)."""
+    types = {i.name: i.type for i in graph.inputs}
+    users: dict[str, list[Op]] = {}
+    for node, _ in walk_ops(graph.body):
+        if isinstance(node, (Op, Redistribute)):
+            types[node.out] = node.type
+        if isinstance(node, Op):
+            for arg in node.args:
+                if isinstance(arg, str):
+                    users.setdefault(arg, []).append(node)
+        elif isinstance(node, Redistribute):
+            users.setdefault(node.src, []).append(node)
+    seen, todo = set(), [name]
+    while todo:
+        value = todo.pop(0)
+        for node in users.get(value, []):
+            if isinstance(node, Op) and node.kind == "embedding" and node.args[0] == value:
+                return graph.dim(_param_dims(graph, node.args[1])[0])
+            if isinstance(node, Op) and node.kind == "cross_entropy" and node.args[1] == value:
+                return graph.dim(types[node.args[0]].dims[-1])
+            if (isinstance(node, Redistribute) or node.kind == "aten") and node.out not in seen:
+                seen.add(node.out)
+                todo.append(node.out)
+    return 2
+
+
+def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
+    return next(p.dims for _, p in qualified_params(graph) if p.name == name)
+
+
+def make_inputs(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for item in graph.inputs:
+        shape = tuple(graph.dim(d) for d in item.type.dims)
+        if item.type.dtype == DType.INT:
+            out[item.name] = torch.randint(0, _int_bound(graph, item.name), shape, generator=gen)
+        else:
+            out[item.name] = torch.randn(shape, generator=gen, dtype=dtype)
+    return out
+
+
+def shard(full: Tensor, dims: tuple[str, ...], sharding: Sharding, ctx: KernelContext) -> Tensor:
+    """This rank's chunk of a full tensor; a dim with a storage order (the sequence
+    under cp, experts placed other than contiguously) is reordered first."""
+    out = full
+    for index, dim in enumerate(dims):
+        order = ctx.storage_order(dim, sharding)
+        if order is not None:
+            out = out.index_select(index, order.to(out.device))
+        if sharding.axes_of(dim):
+            start, stop = ctx.shard_range(dim, sharding)
+            out = out.narrow(index, start, stop - start)
+    return out.contiguous()
+
+
+class Program:
+    def __init__(self, graph: Graph, ctx: KernelContext, *, recompute: str = "none", tracer=None) -> None:
+        self.graph, self.ctx, self.recompute = graph, ctx, recompute
+        self.tracer = tracer  # fivedc/runtime/trace.ValueTrace: every node's value and gradient (verify's diagnosis)
+        self.param_dims = {name: p.dims for name, p in qualified_params(graph)}
+        self.regathered = regathered(graph, recompute)
+        self.steps = {
+            node.out: (_steps(node, node.forward), _steps(node, node.backward))
+            for node, _ in walk_ops(graph.body)
+            if isinstance(node, Redistribute)
+        }
+
+    def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
+        env: dict[str, Tensor] = dict(inputs)
+        dims = {i.name: i.type.dims for i in self.graph.inputs}
+        scope = {p.name: p.name for p in self.graph.body.params}
+        self._block(self.graph.body, env, dims, params, scope)
+        return env[self.graph.output]
+
+    def losses_ignoring(self) -> list[Op]:
+        """The cross-entropy ops with ignore_index (their mean divides by a count of targets)."""
+        return [op for op, _ in walk_ops(self.graph.body)
+                if isinstance(op, Op) and op.kind == "cross_entropy" and op.attr("ignore_index") is not None]
+
+    def run_units(self, units, params, env: dict[str, Tensor], dims: dict[str, tuple[str, ...]]) -> None:
+        """Run a pipeline chunk: top-level item ranges and single layers of repeats
+        (`fivedc.passes.stages.Unit`), reading and extending `env` and `dims`."""
+        scope = {p.name: p.name for p in self.graph.body.params}
+        items = self.graph.body.items
+        for unit in units:
+            if unit.layer is None:
+                self._block(Block(items=items[unit.start:unit.stop]), env, dims, params, scope)
+            else:
+                self._layer(items[unit.start], unit.layer, env, dims, params, scope)
+
+    def _block(self, block: Block, env: dict, dims: dict, params: dict, scope: dict,
+               repeat: Repeat | None = None, layer: int | None = None) -> None:
+        for item in block.items:
+            if isinstance(item, Repeat):
+                for index in range(item.count):
+                    self._layer(item, index, env, dims, params, scope)
+            elif isinstance(item, Redistribute):
+                forward, backward = self.steps[item.out]
+                out = self._traced(item.out, layer, redistribute(env[item.src], forward, backward, self.ctx.groups))
+                if item.out in self.regathered:  # sequence parallelism: backward gathers it again
+                    # (marked after tracing: an injected fault's perturbed copy is gathered again too,
+                    # so every rank issues the same collectives; backward sees the unperturbed value)
+                    mark_regathered(out, env[item.src], forward, self.ctx.groups)
+                env[item.out] = out
+                dims[item.out] = item.type.dims
+            else:
+                args, arg_dims = [], []
+                for arg in item.args:
+                    if not isinstance(arg, str):
+                        args.append(arg)
+                        arg_dims.append(None)
+                    elif arg in scope:
+                        args.append(params[scope[arg]])
+                        arg_dims.append(self.param_dims[scope[arg]])
+                    else:
+                        args.append(env[arg])
+                        arg_dims.append(dims[arg])
+                if recomputes_op(item, repeat, self.recompute):
+                    out = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
+                else:
+                    out = KERNELS[item.kind](self.ctx, item, args, arg_dims)
+                env[item.out] = self._traced(item.out, layer, out)
+                dims[item.out] = item.type.dims
+
+    def _traced(self, name: str, layer: int | None, out: Tensor) -> Tensor:
+        return out if self.tracer is None else self.tracer.record(name, layer, out)
+
+    def _layer(self, item: Repeat, layer: int, env: dict, dims: dict, params: dict, scope: dict) -> None:
+        """One iteration: the carried values enter (layer 0) or the previous layer's,
+        kept under the results' names, and the body's yields become the results."""
+        sources = item.carried if layer == 0 else item.results
+        for arg, source in zip(item.body.args, sources):
+            env[arg] = env[source]
+            dims[arg] = dims[source]
+        inner = {**scope, **{p.name: f"{item.name}.{layer}.{p.name}" for p in item.body.params}}
+        if recomputes_layer(item, self.recompute):
+            self._recomputed_layer(item, layer, env, dims, params, inner)
+        else:
+            self._block(item.body, env, dims, params, inner, item, layer)
+        for result, value, source in zip(item.results, item.body.yields, sources):
+            env[result] = env[value]
+            dims[result] = dims[source]
+
+    def _recomputed_layer(self, item: Repeat, index: int, env: dict, dims: dict, params: dict, scope: dict) -> None:
+        """One layer as a recomputed region: it reads only the values it takes from outside
+        (bound now: `env` moves on to the next layer), computes in an environment of its
+        own and hands back its yields; `dims` gets the body's dims (they are the same for
+        every run)."""
+        taken = {name: env[name] for name in _outer_reads(item.body) if name in env}
+
+        def layer() -> tuple:
+            local, local_dims = dict(taken), dict(dims)
+            self._block(item.body, local, local_dims, params, scope, item, index)
+            dims.update(local_dims)
+            return tuple(local[name] for name in item.body.yields)
+
+        for name, value in zip(item.body.yields, run_recomputed(self.ctx, layer, holding=tuple(taken.values()))):
+            env[name] = value
+
+
+def _outer_reads(block: Block) -> set[str]:
+    """The names a repeat body reads and does not define: its args and outer values (a
+    name that is neither, such as a parameter, is simply not found in the environment)."""
+    read: set[str] = set()
+    for node, _ in walk_ops(block):
+        if isinstance(node, Op):
+            read.update(a for a in node.args if isinstance(a, str))
+        elif isinstance(node, Redistribute):
+            read.add(node.src)
+    return read - {node.out for node, _ in walk_ops(block) if isinstance(node, (Op, Redistribute))}
+
+
+def _steps(node: Redistribute, collectives) -> tuple[Step, ...]:
+    """The runtime steps of a redistribution: dim names become indices of its tensor."""
+    index = node.type.dims.index
+    return tuple(
+        Step(str(c.kind), c.axes, None if c.dim is None else index(c.dim), None if c.dim2 is None else index(c.dim2))
+        for c in collectives
+    )

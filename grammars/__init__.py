@@ -1,1 +1,0 @@
-"""The DSL grammar, shipped as package data of `fivedc.grammars`."""

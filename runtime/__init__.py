@@ -1,1 +1,0 @@
-"""The runtime: executes an execution plan with torch.distributed (gloo on CPU, NCCL on GPUs)."""
