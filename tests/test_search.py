@@ -175,3 +175,19 @@ def test_the_search_runs_every_planning_pass_of_compile() -> None:
 
     assert PER_PIPELINE + PER_MODE + TIMING == PLANNING_PASSES[:-1]  # all but prove-agreement, in order
     assert PLANNING_PASSES[-1].name == "prove-agreement"
+
+
+def test_the_memo_changes_no_figure(tiny_result) -> None:
+    # the planning passes on a draft without a memo (each figure computed where it is used)
+    # give what compile (a memo per plan) and the search (one memo per sharded graph) give
+    from fivedc.pipeline import GRAPH_PASSES, PLANNING_PASSES, run_passes
+    from fivedc.plan.planning import Draft
+
+    graph = parse_model(TINY)
+    for scored in _picks(tiny_result.ranked)[:4]:
+        options = scored.candidate.options(dtype="bf16", hardware=H100)
+        draft = run_passes(Draft(graph), options, GRAPH_PASSES)
+        for planning_pass in PLANNING_PASSES[:-1]:
+            draft = planning_pass.plan(draft, options)
+        assert draft.memo is None
+        assert draft.memory == scored.memory and draft.time == scored.time, scored.candidate.flags()
