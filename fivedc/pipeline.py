@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, replace
 
 from fivedc.errors import FivedcError, PassError
+from fivedc.estimates.memo import Memo
 from fivedc.ir.graph import Graph
 from fivedc.passes.base import CompileOptions, Pass
 from fivedc.passes.communication import InsertCommunication
@@ -80,11 +81,21 @@ class PassTiming:
 def run_pipeline(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None) -> Draft:
     """Every pass of `PIPELINE` in order; a pass that fails other than with a user's error
     is a compiler bug, named with the passes that ran before it."""
-    draft, done = Draft(graph), []
-    for compiler_pass in PIPELINE:
+    return run_passes(Draft(graph), options, PIPELINE, timings=timings)
+
+
+def run_passes(draft: Draft, options: CompileOptions, passes: tuple[Pass | PlanningPass, ...], *,
+               timings: list[PassTiming] | None = None) -> Draft:
+    """`passes` (a part of `PIPELINE`, in its order) on `draft`. The planning passes get
+    a `Memo` of the graph's per-layer figures (`fivedc/estimates/memo.py`) when the draft
+    has none; the layout search hands its own, shared by every candidate of the graph."""
+    done: list[str] = []
+    for compiler_pass in passes:
         start = time.perf_counter()
         try:
             if isinstance(compiler_pass, PlanningPass):
+                if draft.memo is None:
+                    draft = replace(draft, memo=Memo(draft.graph, options.mesh, options.dtype))
                 draft = compiler_pass.plan(draft, options)
             else:
                 draft = replace(draft, graph=compiler_pass.run(draft.graph, options))
@@ -99,6 +110,10 @@ def run_pipeline(graph: Graph, options: CompileOptions, *, timings: list[PassTim
         if timings is not None:
             timings.append(PassTiming(compiler_pass.name, compiler_pass.purpose, time.perf_counter() - start))
     return draft
+
+
+GRAPH_PASSES = tuple(p for p in PIPELINE if not isinstance(p, PlanningPass))
+PLANNING_PASSES = tuple(p for p in PIPELINE if isinstance(p, PlanningPass))
 
 
 def compile_graph(graph: Graph, options: CompileOptions, *, timings: list[PassTiming] | None = None,

@@ -28,6 +28,7 @@ LAYERS = (  # bottom to top
     ("fivedc.plan",),
     ("fivedc.proof",),
     ("fivedc.pipeline",),
+    ("fivedc.search",),
     ("fivedc.frontends",),
     ("fivedc.runtime",),
     ("fivedc.parallel",),

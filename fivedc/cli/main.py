@@ -32,6 +32,7 @@ COMMANDS = {
     "export": "consolidate a checkpoint into one .safetensors file with the model's own parameter names",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
     "check": "check a saved plan: exactly what this fivedc compiles, and every group's ranks agree on its collectives",
+    "search": "find the fastest layout (mesh and options) of a model on N GPUs: ranked, and the best plan written",
 }
 
 
@@ -159,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallel for model@mesh")
     _plan_option_args(d)
     d.add_argument("--json", action="store_true", help="machine-readable output")
+    from fivedc.cli.search import search_args
+
+    search_args(sub.add_parser("search", help=COMMANDS["search"], description=COMMANDS["search"]))
     k = sub.add_parser("check", help=COMMANDS["check"], description=COMMANDS["check"])
     k.add_argument("plan", help="a plan .json written by fivedc compile")
     k.add_argument("--collectives", action="store_true",
@@ -295,6 +299,12 @@ def cmd_diff(args) -> int:
     return 0
 
 
+def cmd_search(args) -> int:
+    from fivedc.cli.search import run_search
+
+    return run_search(args, _console(wide=True))
+
+
 def cmd_check(args) -> int:
     from fivedc.cli.plan_check import load_plan
 
@@ -324,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "train": cmd_train, "export": cmd_export,
-               "show": cmd_show, "diff": cmd_diff, "check": cmd_check}[args.command]
+               "show": cmd_show, "diff": cmd_diff, "check": cmd_check, "search": cmd_search}[args.command]
     try:
         return handler(args)
     except FivedcError as error:

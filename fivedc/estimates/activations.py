@@ -171,8 +171,11 @@ def chunk_deferred(c: SaveContext, graph: Graph, chunk_units: list[Unit]) -> int
     """What one microbatch keeps between its input-gradient pass (I) and its weight pass
     (W) under a split backward (`fivedc/runtime/weight_grads.py`): each linear with a parameter
     weight keeps its input (as backward unpacked it: gathered) and its output's gradient."""
-    total = 0
+    total, layers = 0, {}
     for unit in chunk_units:
+        if unit.layer is not None and unit.start in layers:  # every layer of a repeat keeps the same
+            total += layers[unit.start]
+            continue
         items = graph.body.items[unit.start].body.items if unit.layer is not None else \
             graph.body.items[unit.start:unit.stop]
         kept: dict[str, int] = {}
@@ -183,4 +186,6 @@ def chunk_deferred(c: SaveContext, graph: Graph, chunk_units: list[Unit]) -> int
                     kept[x] = c.value_bytes(x)
                 kept[op.out] = c.value_bytes(op.out)
         total += sum(kept.values())
+        if unit.layer is not None:
+            layers[unit.start] = sum(kept.values())
     return total

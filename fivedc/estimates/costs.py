@@ -28,8 +28,11 @@ score many pipeline shapes from one set of unit costs.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat
@@ -133,11 +136,17 @@ def op_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]
 
 
 # ---- collectives ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
 def node_span(mesh: Mesh, axes: tuple, gpus_per_node: int) -> tuple[int, int]:
-    """(nodes the group of `axes` spans, its members per node), for the group of rank 0."""
-    members = mesh.group_ranks(tuple(axes), 0)
-    nodes = len({r // gpus_per_node for r in members})
-    return nodes, max(len(members) // nodes, 1)
+    """(nodes the group of `axes` spans, its members per node), for the group of rank 0:
+    its members are the sums of each axis's coordinate times its stride (what
+    `Mesh.group_ranks(axes, 0)` lists), counted here as an array (a 16384-rank group in
+    microseconds; the layout search asks for many)."""
+    members = np.zeros(1, dtype=np.int64)
+    for axis in axes:
+        members = np.add.outer(members, np.arange(mesh.size(axis), dtype=np.int64) * mesh.stride(axis)).ravel()
+    nodes = int(np.unique(members // gpus_per_node).size)
+    return nodes, max(members.size // nodes, 1)
 
 
 def collective_seconds(kind: CollectiveKind, axes: tuple, nbytes: float, mesh: Mesh, hw: Hardware) -> float:

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 
 from fivedc.estimates.activations import chunk_activations, chunk_deferred
 from fivedc.errors import PlanError
-from fivedc.ir.graph import Graph, Repeat, walk_params
+from fivedc.ir.graph import Graph, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.passes.param_sync import zero_chunk
 from fivedc.estimates.saved import SaveContext
-from fivedc.passes.stages import PipelineSpec, chunk_param_names, units
+from fivedc.estimates.held_params import HeldParams, param_count
+from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
+from fivedc.passes.stages import PipelineSpec, units
 from fivedc.estimates.transient import transients
 
 # Bytes per parameter element of AdamW's state: in 16-bit training an fp32 master copy and
@@ -110,28 +111,32 @@ class MemoryEstimate:
 
 def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0,
                     pipeline: PipelineSpec | None = None, recompute: str = "none", buckets=(),
-                    overlap: bool = True) -> MemoryEstimate:
-    """Bytes per class of ranks; the transient is the largest part `fivedc/estimates/transient.py` finds."""
+                    overlap: bool = True, memo: Memo | None = None) -> MemoryEstimate:
+    """Bytes per class of ranks; the transient is the largest part `fivedc/estimates/transient.py` finds.
+    The per-layer figures come from `memo` (`fivedc/estimates/memo.py`), computed once per graph."""
+    memo = memo_for(memo, graph, mesh, dtype)
     pp = mesh.size(MeshAxis.PP)
-    held = [_held(graph, mesh, dtype, dtype_bytes, zero, pipeline, r) for r in (range(pp) if pipeline else (None,))]
+    held = [_held(param_sizes(memo), dtype, dtype_bytes, zero, rank_held(memo, pipeline, r))
+            for r in (range(pp) if pipeline else (None,))]
     activations, regions = rank_activations(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline,
-                                            recompute=recompute)
+                                            recompute=recompute, memo=memo)
     parts = transients(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
-                       recompute=recompute, regions=regions, buckets=buckets, overlap=overlap)
+                       recompute=recompute, regions=regions, buckets=buckets, overlap=overlap, memo=memo)
     rows = [(params, grads, optimizer, activations[r], max(parts[r].values()))
             for r, (params, grads, optimizer) in enumerate(held)]
     return MemoryEstimate(_classes(rows, pipeline is not None))
 
 
 def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, pipeline: PipelineSpec | None,
-                     recompute: str) -> tuple[list[int], list[int]]:
+                     recompute: str, memo: Memo | None = None) -> tuple[list[int], list[int]]:
     """Per pp rank (one entry without a pipeline): the activations at its schedule's peak
     (with its constants), and the largest recomputed region of one microbatch."""
     from fivedc.passes.stage_plan import activations_in_flight
 
+    memo = memo_for(memo, graph, mesh, dtype)
     m = pipeline.microbatches if pipeline else 1
-    c = SaveContext.of(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, microbatches=m, recompute=recompute)
-    all_units, cache = units(graph), {}
+    c = save_context(memo, dtype_bytes, m, recompute)
+    all_units, cache = memo_units(memo), memo.get(("unit saves", dtype_bytes, m, recompute), dict)
     if pipeline is None:
         kept, region, constants = chunk_activations(c, graph, all_units, recompute=recompute, cache=cache)
         return [kept + sum(constants.values())], [region]
@@ -145,31 +150,22 @@ def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, 
         kept, region, const = chunk_activations(c, graph, chunk_units, received=received, sends=sends,
                                                 recompute=recompute, cache=cache)
         per_chunk.append(kept)
-        deferred.append(chunk_deferred(c, graph, chunk_units))
+        deferred.append(memo.get(("deferred", dtype_bytes, m, recompute, chunk.units),
+                                 lambda: chunk_deferred(c, graph, chunk_units)))
         regions[chunk.rank] = max(regions[chunk.rank], region)
         constants[chunk.rank].update(const)
     split = any(a.kind == "W" for acts in schedule.ranks for a in acts)
-    in_flight = activations_in_flight(pipeline, pp, per_chunk, deferred if split else None)
+    key = ("in flight", pipeline.schedule, m, pipeline.virtual, tuple(per_chunk), tuple(deferred) if split else None)
+    in_flight = memo.get(key, lambda: activations_in_flight(pipeline, pp, per_chunk, deferred if split else None))
     return [in_flight[r] + sum(constants[r].values()) for r in range(pp)], regions
 
 
-def _held(graph: Graph, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
-          pp_rank: int | None) -> tuple[int, int, int]:
+def _held(sizes: list[tuple], dtype: str, dtype_bytes: int, zero: int,
+          held: HeldParams | None) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one pp rank (every rank without a pipeline)."""
-    local = chunk_param_names(graph, pipeline, pp_rank=pp_rank) if pipeline else None
-
-    def instances(name: str, repeat: Repeat | None) -> int:
-        if repeat is None:
-            return 1 if local is None or name in local else 0
-        if local is None:
-            return repeat.count
-        return sum(f"{repeat.name}.{i}.{name}" in local for i in range(repeat.count))
-
     params = grads = optimizer = 0
-    for param, repeat in walk_params(graph.body):
-        n = instances(param.name, repeat)
-        local_numel = graph.local_numel(param.dims, param.sharding, mesh)
-        chunk = zero_chunk(graph, mesh, param)
+    for param, repeat, local_numel, chunk, _ in sizes:
+        n = param_count(held, param.name, repeat)
         params += (chunk if zero >= 3 else local_numel) * n
         grads += (chunk if zero >= 2 else local_numel) * n
         optimizer += (chunk if zero >= 1 else local_numel) * n

@@ -31,9 +31,10 @@ from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import CollectiveKind, Graph, walk_params
 from fivedc.estimates.memory import OPTIMIZER_BYTES
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.passes.param_sync import sync_bytes, zero_chunk
 from fivedc.estimates.saved import SaveContext
-from fivedc.passes.stages import PipelineSpec, chunk_param_names, units
+from fivedc.estimates.held_params import HeldParams, param_count
+from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
+from fivedc.passes.stages import PipelineSpec
 
 K = CollectiveKind
 
@@ -57,33 +58,36 @@ class TimeEstimate:
 
 
 def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int, overlap: bool,
-                  buckets, pipeline: PipelineSpec | None, recompute: str, hardware: Hardware) -> TimeEstimate:
+                  buckets, pipeline: PipelineSpec | None, recompute: str, hardware: Hardware,
+                  memo: Memo | None = None) -> TimeEstimate:
+    """The step on `hardware`, from per-layer seconds computed once per graph (`memo`)."""
+    memo = memo_for(memo, graph, mesh, dtype)
     hw, m = hardware, pipeline.microbatches if pipeline else 1
-    c = SaveContext.of(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, microbatches=m, recompute=recompute)
-    all_units = units(graph)
-    times = unit_times(c, graph, all_units, hw, recompute=recompute)
+    c = save_context(memo, dtype_bytes, m, recompute)
+    times = memo.get(("unit times", hw, dtype_bytes, m, recompute),
+                     lambda: unit_times(c, graph, memo_units(memo), hw, recompute=recompute))
     if pipeline is None:
         makespan, bubble = sum(t.forward + t.backward for t in times), 0.0
         backward, last = sum(t.backward for t in times), times[0].backward if times else 0.0
         comm = [sum(t.comm for t in times)]
     else:
-        makespan, bubble, comm = _pipelined(c, pipeline, mesh, hw, times)
+        makespan, bubble, comm = _pipelined(c, pipeline, mesh, hw, times, memo)
         backward = last = 0.0
-    tail = max(_after_backward(graph, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, r, hw,
-                               backward, last, makespan)
+    tail = max(_after_backward(param_sizes(memo), mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline,
+                               rank_held(memo, pipeline, r), hw, backward, last, makespan)
                for r in (range(mesh.size(MeshAxis.PP)) if pipeline else (None,)))
     sync, gathers, optimizer = tail
     step = makespan + sync + gathers + optimizer
-    flops = model_flops(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes)
+    flops = memo.get(("model flops", dtype_bytes), lambda: model_flops(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes))
     tokens = graph.dim(graph.batch_dim) * (graph.dim(graph.seq_dim) if graph.seq_dim else 1)
     per_gpu = flops / step / mesh.world if step else 0.0
     return TimeEstimate(hw, step, makespan, bubble, max(comm), sync, gathers, optimizer, tokens / step if step else 0.0,
                         flops, per_gpu / 1e12, per_gpu / hw.bf16_flops)
 
 
-def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware, times) -> tuple[float, float, list]:
+def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware, times,
+               memo: Memo) -> tuple[float, float, list]:
     """The schedule played with each chunk's seconds per microbatch."""
-    from fivedc.schedule import simulate
 
     per = {"F": [], "B": [], "I": [], "W": []}
     travel = []
@@ -96,26 +100,33 @@ def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware,
         nbytes = sum(c.value_bytes(n) for n in chunk.sends)
         travel.append(collective_seconds(K.SEND_RECV, (MeshAxis.PP,), nbytes, mesh, hw) if nbytes else 0.0)
     delays = {"RF": travel, "RB": [0.0] + travel[:-1]}
-    schedule = pipeline.build_schedule(mesh.size(MeshAxis.PP))
-    result = simulate(schedule, check=False, chunk_costs=per, delays=delays)
+    key = ("played", pipeline.schedule, pipeline.microbatches, pipeline.virtual,
+           *(tuple(v) for v in per.values()), tuple(travel))
+    makespan, bubble = memo.get(key, lambda: _play(pipeline.build_schedule(mesh.size(MeshAxis.PP)), per, delays))
     comm = [0.0] * mesh.size(MeshAxis.PP)
     for chunk in pipeline.chunks:
         comm[chunk.rank] += pipeline.microbatches * sum(t.comm for t in times[chunk.units[0]:chunk.units[1]])
-    return result.makespan, result.bubble_fraction, comm
+    return makespan, bubble, comm
 
 
-def _after_backward(graph, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, pp_rank, hw: Hardware,
-                    backward: float, last: float, makespan: float) -> tuple[float, float, float]:
+def _play(schedule, per: dict, delays: dict) -> tuple[float, float]:
+    from fivedc.schedule import simulate
+
+    result = simulate(schedule, check=False, chunk_costs=per, delays=delays)
+    return result.makespan, result.bubble_fraction
+
+
+def _after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,
+                    hw: Hardware, backward: float, last: float, makespan: float) -> tuple[float, float, float]:
     """(gradient sync, ZeRO gathers, optimizer) seconds one pp rank spends beyond the schedule."""
     groups: dict[tuple, int] = {}
     owned = 0
-    local = chunk_param_names(graph, pipeline, pp_rank=pp_rank) if pipeline else None
-    for param, repeat in walk_params(graph.body):
-        n = _instances(param, repeat, local)
-        owned += (zero_chunk(graph, mesh, param) if zero else graph.local_numel(param.dims, param.sharding, mesh)) * n
-        if n and mesh.size(*param.grad_partial) > 1:
-            groups[param.grad_partial] = groups.get(param.grad_partial, 0) + sync_bytes(graph, mesh, param,
-                                                                                        dtype_bytes, zero) * n
+    for param, repeat, local, chunk, group in sizes:
+        n = param_count(held, param.name, repeat)
+        owned += (chunk if zero else local) * n
+        if n and group > 1:  # the gradient's bytes as its sum moves (`param_sync.sync_bytes`)
+            groups[param.grad_partial] = groups.get(param.grad_partial, 0) + \
+                (chunk * group if zero else local) * dtype_bytes * n
     reduce = K.REDUCE_SCATTER if zero >= 1 else K.ALL_REDUCE
     sync = sum(collective_seconds(reduce, axes, b, mesh, hw) for axes, b in groups.items())
     gather = sum(collective_seconds(K.ALL_GATHER, axes, b, mesh, hw) for axes, b in groups.items())
@@ -131,14 +142,6 @@ def _after_backward(graph, mesh, dtype, dtype_bytes, zero, overlap, buckets, pip
     if pipeline is not None and pipeline.schedule == "dualpipe":  # the two copies add their gradients
         exposed_sync += collective_seconds(K.SEND_RECV, (MeshAxis.PP,), owned * dtype_bytes, mesh, hw)
     return exposed_sync, gathers, optimizer
-
-
-def _instances(param, repeat, local) -> int:
-    if repeat is None:
-        return 1 if local is None or param.name in local else 0
-    if local is None:
-        return repeat.count
-    return sum(f"{repeat.name}.{i}.{param.name}" in local for i in range(repeat.count))
 
 
 def closed_form_makespan(schedule: str, p: int, m: int, v: int, forward: float, backward: float) -> float | None:

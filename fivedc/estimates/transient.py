@@ -35,32 +35,53 @@ from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat, wal
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import VALUE, SaveContext, op_saves
-from fivedc.passes.stages import PipelineSpec, Unit, chunk_param_names, units
+from fivedc.estimates.held_params import HeldParams, param_count
+from fivedc.estimates.memo import Memo, memo_for, memo_units, rank_held, save_context
+from fivedc.passes.stages import PipelineSpec, Unit
 
 
 def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
-               recompute: str, regions: list[int], buckets=(), overlap: bool = True) -> list[dict[str, int]]:
+               recompute: str, regions: list[int], buckets=(), overlap: bool = True,
+               memo: Memo | None = None) -> list[dict[str, int]]:
     """Per pp rank (one entry without a pipeline): each transient part, in bytes."""
+    memo = memo_for(memo, graph, mesh, dtype)
     m = pipeline.microbatches if pipeline else 1
-    c = SaveContext.of(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, microbatches=m, recompute=recompute)
-    all_units = units(graph)
+    c = save_context(memo, dtype_bytes, m, recompute)
+    all_units = memo_units(memo)
+    figures = memo.get(("unit transients", dtype_bytes, m, recompute),
+                       lambda: _unit_parts(c, graph, all_units, recompute))
     ranks = range(mesh.size(MeshAxis.PP)) if pipeline else (None,)
     out = []
     for r in ranks:
-        mine = [u for chunk in pipeline.chunks if chunk.rank == r
-                for u in all_units[chunk.units[0]:chunk.units[1]]] if pipeline else all_units
-        local = chunk_param_names(graph, pipeline, pp_rank=r) if pipeline else None
+        mine = [k for chunk in pipeline.chunks if chunk.rank == r
+                for k in range(chunk.units[0], chunk.units[1])] if pipeline else range(len(all_units))
+        held = rank_held(memo, pipeline, r)
         parts = {"recomputed region": regions[r or 0]}
-        parts["forward working set"] = max((working_set(c, graph, u, recompute) for u in mine), default=0)
-        parts["loss"] = max((loss_bytes(c, graph, u) for u in mine), default=0)
-        parts["ZeRO-3 gathers"] = _zero3(graph, mesh, dtype_bytes, zero, pipeline, local, buckets)
-        parts["gradient buckets"] = _buckets(graph, mesh, dtype_bytes, zero, buckets, local)
-        parts["MoE all-to-all"] = max((_kernel_buffers(c, graph, u, "moe") for u in mine), default=0)
-        parts["ring K/V"] = max((_kernel_buffers(c, graph, u, "attention") for u in mine), default=0)
+        for index, name in enumerate(UNIT_PARTS):
+            parts[name] = max((figures[k][index] for k in mine), default=0)
+        parts["ZeRO-3 gathers"] = _zero3(graph, mesh, dtype_bytes, zero, pipeline, held, buckets)
+        parts["gradient buckets"] = _buckets(graph, mesh, dtype_bytes, zero, buckets, held)
+        parts["MoE all-to-all"], parts["ring K/V"] = parts.pop("MoE all-to-all"), parts.pop("ring K/V")
         if pipeline:
             sent = [chunk for chunk in pipeline.chunks if chunk.rank == r and chunk.sends]
             parts["pipeline sends"] = 2 * max((sum(c.value_bytes(n) for n in chunk.sends) for chunk in sent), default=0)
         out.append(parts)
+    return out
+
+
+UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "ring K/V")
+
+
+def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit], recompute: str) -> list[tuple[int, ...]]:
+    """Each unit's parts of `UNIT_PARTS`, a repeat's layers computed once."""
+    cache: dict = {}
+    out = []
+    for unit in all_units:
+        key = ("layer", unit.start) if unit.layer is not None else (unit.start, unit.stop)
+        if key not in cache:
+            cache[key] = (working_set(c, graph, unit, recompute), loss_bytes(c, graph, unit),
+                          _kernel_buffers(c, graph, unit, "moe"), _kernel_buffers(c, graph, unit, "attention"))
+        out.append(cache[key])
     return out
 
 
@@ -109,11 +130,11 @@ def _kernel_buffers(c: SaveContext, graph: Graph, unit: Unit, kind: str) -> int:
 
 
 def _zero3(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
-           local: set[str] | None, buckets) -> int:
+           held: HeldParams | None, buckets) -> int:
     if zero != 3:
         return 0
     if pipeline is not None:
-        return 2 * sum(graph.local_numel(p.dims, p.sharding, mesh) * dtype_bytes * _instances(p, r, local)
+        return 2 * sum(graph.local_numel(p.dims, p.sharding, mesh) * dtype_bytes * param_count(held, p.name, r)
                        for p, r in walk_params(graph.body) if mesh.size(*p.grad_partial) > 1)
     units: dict[str | None, int] = {}  # a layer of a repeat (all alike), or the top level
     for bucket in buckets:
@@ -122,25 +143,17 @@ def _zero3(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, pipeline: Pipe
     return max(max(units.values(), default=0) + group, 3 * group)
 
 
-def _instances(param, repeat: Repeat | None, local: set[str] | None) -> int:
-    if repeat is None:
-        return 1 if local is None or param.name in local else 0
-    if local is None:
-        return repeat.count
-    return sum(f"{repeat.name}.{i}.{param.name}" in local for i in range(repeat.count))
-
-
-def _buckets(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, buckets, local: set[str] | None) -> int:
+def _buckets(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, buckets, held: HeldParams | None) -> int:
     if zero == 3 or not buckets:
         return 0
-    mine = [b for b in buckets if local is None or _on_rank(b.params[0], local)]
+    mine = [b for b in buckets if held is None or _on_rank(graph, b.params[0], held)]
     largest = max((b.bytes for b in mine), default=0)
     return 2 * largest if zero == 2 else largest
 
 
-def _on_rank(name: str, local: set[str]) -> bool:
+def _on_rank(graph: Graph, name: str, held: HeldParams) -> bool:
+    """Whether a bucket's parameter (`layers.*.wq`, or a top-level name) is on the rank."""
     if ".*." not in name:
-        return name in local
-    prefix, rest = name.split(".*.", 1)
-    return any(n.startswith(prefix + ".") and n.endswith("." + rest) for n in local)
-
+        return name in held.top
+    prefix = name.split(".*.", 1)[0]
+    return dict(held.layers).get(prefix, 0) > 0

@@ -78,6 +78,7 @@ class ParallelizeOptions:
     stage_boundaries: tuple[str, ...] = ()  # module-path patterns where a pipeline chunk begins
     device: torch.device | str | None = None
     sync_module_states: bool = True
+    auto: tuple[int, str] | None = None  # mesh="auto": (gpus, gpu) for the layout search (fivedc/search/search.py)
 
 
 def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, example_inputs=None,
@@ -85,7 +86,8 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
                 cp_attention: str | None = None, cp_layout: str | None = None, overlap: bool = True,
                 bucket_mb: float = DEFAULT_BUCKET_MB, schedule: str = "1f1b", microbatches: int | None = None,
                 virtual: int | None = None, pp_layout: tuple[int, ...] | None = None, recompute: str | None = None,
-                stage_boundaries: tuple[str, ...] = (), device: torch.device | str | None = None, sync_module_states: bool = True):
+                stage_boundaries: tuple[str, ...] = (), device: torch.device | str | None = None, sync_module_states: bool = True,
+                gpus: int | None = None, gpu: str | None = None):
     """Parallelize an `nn.Module` instance, or, as a decorator, an `nn.Module` class.
 
     mesh: "dp x pp x tp x cp x ep" (`"2x1x2x1x1"`) or `dp=2,tp=2`, or a `Mesh`.
@@ -103,12 +105,20 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     (`"layers.4"`) where a pipeline chunk begins, as do modules with
     `fivedc_stage_boundary = True`; the marks then decide the chunks. device: where the shards live (default: the current CUDA device with
     NCCL, else the module's). sync_module_states: start from rank 0's weights.
+    mesh="auto": `fivedc search` picks the mesh and the plan options (the ones given here
+    are then not used) for `gpus` GPUs (default: the job's world size) of kind `gpu` (h100, ...).
     """
+    auto = None
+    if isinstance(mesh, str) and mesh == "auto":
+        auto, mesh = _auto(gpus, gpu), Mesh((1, 1, 1, 1, 1))
+    elif gpus is not None or gpu is not None:
+        raise FivedcError("gpus= and gpu= are for mesh=\"auto\" (the layout search)",
+                          hint="drop them, or pass mesh=\"auto\"")
     options = ParallelizeOptions(
         mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh), example_inputs, sequence_parallel,
         dict(shardings or {}), zero, cp_attention, cp_layout, overlap, bucket_mb, schedule, microbatches, virtual,
         tuple(pp_layout) if pp_layout is not None else None, recompute, tuple(stage_boundaries), device,
-        sync_module_states,
+        sync_module_states, auto,
     )
     if module is None:
         return lambda target: _apply(target, options)
@@ -131,6 +141,31 @@ def compile_module(module: nn.Module, example_inputs, *, mesh: Mesh | None = Non
         options = CompileOptions(mesh=mesh, **fields)
     traced = trace_module(module, example_inputs, stage_boundaries=stage_boundaries)
     return traced, compile_graph(pin_shardings(traced, shardings), options)
+
+
+def search_module(module: nn.Module, example_inputs, *, gpus: int, gpu: str,
+                  shardings: Mapping[str, str] | None = None,
+                  stage_boundaries: tuple[str, ...] = ()) -> tuple[TracedModel, ExecutionPlan]:
+    """Trace `module` and compile it at the fastest layout `fivedc search` finds on `gpus` x `gpu`."""
+    from fivedc.ir.hardware import hardware
+    from fivedc.search.search import search
+
+    traced = trace_module(module, example_inputs, stage_boundaries=stage_boundaries)
+    result = search(pin_shardings(traced, shardings), gpus=gpus, hardware=hardware(gpu), dtype=module_dtype(module))
+    return traced, result.plan
+
+
+def _auto(gpus: int | None, gpu: str | None) -> tuple[int, str]:
+    if gpu is None:
+        raise FivedcError("mesh=\"auto\" needs gpu= (h100, h800, a100, h200): the search scores layouts on it",
+                          hint="e.g. fivedc.parallelize(model, mesh=\"auto\", gpus=8, gpu=\"h100\")")
+    if gpus is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise FivedcError("mesh=\"auto\" needs gpus= outside a torch.distributed job", hint="e.g. gpus=8")
+        gpus = dist.get_world_size()
+    return gpus, gpu
 
 
 def module_dtype(module: nn.Module) -> str:
@@ -158,6 +193,12 @@ def _build(module: nn.Module, options: ParallelizeOptions):
     from fivedc.parallel.module import ParallelModule
 
     example = _example_inputs(module, options.example_inputs)
+    if options.auto is not None:
+        traced, plan = search_module(module, example, gpus=options.auto[0], gpu=options.auto[1],
+                                     shardings=options.shardings, stage_boundaries=options.stage_boundaries)
+        _check_world(plan.mesh)
+        return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
+                              sync_module_states=options.sync_module_states)
     _check_world(options.mesh)
     traced, plan = compile_module(
         module, example, mesh=options.mesh, shardings=options.shardings, stage_boundaries=options.stage_boundaries,

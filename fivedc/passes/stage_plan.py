@@ -15,10 +15,10 @@ from fivedc.ir.aten_call import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir.graph import Collective, CollectiveKind, DType, Graph, Op, Phase, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.schedule import SCHEDULES, Schedule, make_schedule, min_microbatches, peak_live_weighted
+from fivedc.schedule import SCHEDULES, Schedule, min_microbatches, peak_live_weighted
 from fivedc.passes.stages import (
-    Chunk, PipelineSpec, Unit, check_enough, boundary_values, has_marks, layout_ranges, marked_ranges, partition,
-    unit_costs, units, value_types,
+    Chunk, PipelineSpec, Unit, all_boundary_values, cached_schedule, check_enough, has_marks, layout_ranges,
+    marked_ranges, partition, unit_costs, units, value_types,
 )
 
 
@@ -53,10 +53,11 @@ RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
 
 
 def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
-                    layout: tuple[int, ...] | None) -> Schedule | None:
+                    layout: tuple[int, ...] | None, memo=None) -> Schedule | None:
     """The pipeline schedule for pp > 1 (None for pp = 1): its microbatches (given, or
     max(pp, the schedule's least) that split the batch) and chunks per rank, after
-    checking that the model has the layers, marks and batch it needs."""
+    checking that the model has the layers, marks and batch it needs. `memo` (optional:
+    anything with `get(key, compute)`, as `fivedc/estimates/memo.py`'s) keeps the units."""
     p = mesh.size(MeshAxis.PP)
     if p == 1:
         return None
@@ -64,24 +65,27 @@ def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: in
         virtual = 2
     per_rank = virtual if schedule == "interleaved" else 2 if schedule == "dualpipev" else 1
     _check_mark_places(graph)
+    all_units = _cached(memo, "units", lambda: units(graph))
     if has_marks(graph):  # before the batch is checked: the marks decide the chunks
-        _check_marks(graph, units(graph), layout, schedule, p, per_rank)
+        _check_marks(graph, all_units, layout, schedule, p, per_rank)
     elif layout is None:
-        check_enough(len(units(graph)), p * per_rank, "layers and op groups")
+        check_enough(len(all_units), p * per_rank, "layers and op groups")
     m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
     _check_microbatches(graph, mesh, m)
     _check_per_microbatch(graph, m)
-    return make_schedule(schedule, p, m, virtual)
+    return cached_schedule(schedule, p, m, virtual)
 
 
 def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple[int, ...] | None,
-                     dtype_bytes: int) -> PipelineSpec:
+                     dtype_bytes: int, memo=None) -> PipelineSpec:
     """The model cut into the schedule's chunks (at the model's marks, a given layout, or
     balanced by cost), each placed on the pp rank the schedule runs it on, with its
-    layers, cost, parameter bytes and the values it sends on."""
-    p, all_units = sched.p, units(graph)
+    layers, cost, parameter bytes and the values it sends on. Unit costs, boundaries and
+    the balanced cut are kept in `memo` when one is given (the layout search shares one
+    across candidates); without one they are computed, to the same figures."""
+    p, all_units = sched.p, _cached(memo, "units", lambda: units(graph))
     n_chunks = p * sched.v // sched.pipelines  # the model's chunks (DualPipe runs each on two ranks)
-    costs, sizes = unit_costs(graph, mesh, dtype_bytes)
+    costs, sizes = _cached(memo, ("unit costs", dtype_bytes), lambda: unit_costs(graph, mesh, dtype_bytes))
     if has_marks(graph):
         ranges, cut = marked_ranges(all_units), "marks"
     elif layout is not None:
@@ -90,14 +94,15 @@ def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple
                             hint=f"give {n_chunks} layer counts, one per chunk ({n_chunks // p} per pp rank)")
         ranges, cut = layout_ranges(layout, graph), "layout"
     else:
-        ranges, cut = partition(costs, n_chunks, what="layers and op groups"), "cost"
-        if sched.name == "dualpipev":
-            ranges = balance_v(costs, ranges)
+        v_shape = sched.name == "dualpipev"
+        ranges, cut = _cached(memo, ("partition", dtype_bytes, n_chunks, v_shape),
+                              lambda: _balanced(costs, n_chunks, v_shape)), "cost"
     chunks = []
     for k in range(p * sched.v):  # DualPipe: chunk n_chunks + s is the second copy's chunk s
         a, b = ranges[k % n_chunks]
         what = _describe(graph, all_units[a:b]) + (" (second copy)" if k >= n_chunks else "")
-        sends = boundary_values(graph, b) if k % n_chunks < n_chunks - 1 else ()
+        boundaries = _cached(memo, "boundaries", lambda: all_boundary_values(graph))
+        sends = boundaries[b] if k % n_chunks < n_chunks - 1 else ()
         _check_sends(graph, sends, k % n_chunks)
         chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
     return PipelineSpec(sched.name, sched.m, sched.v, tuple(chunks), cut)
@@ -114,6 +119,19 @@ def _check_sends(graph: Graph, sends: tuple[str, ...], chunk: int) -> None:
                 "on floating-point activations only", loc=op.loc,
                 hint="compute it from the inputs only (each chunk then computes what it uses), move the pipeline "
                 "cut (--pp-layout, or a stage mark) so that one chunk computes and uses it, or use pp=1")
+
+
+def _cached(memo, key, compute):
+    """`memo.get(key, compute)`, or `compute()` without a memo (passes do not import the
+    estimates' `Memo`, so it is taken by its one method)."""
+    return compute() if memo is None else memo.get(key, compute)
+
+
+def _balanced(costs: list[float], n_chunks: int, v_shape: bool) -> list[tuple[int, int]]:
+    ranges = partition(costs, n_chunks, what="layers and op groups")
+    return balance_v(costs, ranges) if v_shape else ranges
+
+
 def balance_v(costs: list[float], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """DualPipeV's rank r runs chunks r and 2p-1-r: move units across chunk boundaries
     while that lowers the ranks' pair costs, largest first (compared as sorted lists, so

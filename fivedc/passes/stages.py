@@ -21,6 +21,7 @@ size; attention: queries x keys x head dim, twice), else its output elements.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from fivedc.errors import PlanError
@@ -83,8 +84,15 @@ class PipelineSpec:
 
     def build_schedule(self, pp: int) -> Schedule:
         """The schedule as data (`fivedc/schedule/`), regenerated from its name."""
-        return make_schedule(self.schedule, pp, self.microbatches,
-                             self.virtual if self.schedule == "interleaved" else None)
+        return cached_schedule(self.schedule, pp, self.microbatches,
+                               self.virtual if self.schedule == "interleaved" else None)
+
+
+@functools.lru_cache(maxsize=64)
+def cached_schedule(name: str, p: int, m: int, v: int | None) -> Schedule:
+    """`make_schedule`, kept for reuse: a schedule is immutable data, and the plan's
+    memory, its time and the layout search each play the same one."""
+    return make_schedule(name, p, m, v)
 
 
 def units(graph: Graph) -> list[Unit]:
@@ -160,12 +168,14 @@ def unit_costs(graph: Graph, mesh: Mesh, dtype_bytes: int) -> tuple[list[float],
         return sum(graph.local_numel(p.dims, p.sharding, mesh) for p in params) * dtype_bytes
 
     used = _top_level_param_users(graph)
-    costs, sizes = [], []
+    costs, sizes, layers = [], [], {}
     for unit in units(graph):
-        if unit.layer is not None:
-            body = graph.body.items[unit.start].body
-            costs.append(block_cost(body.items))
-            sizes.append(params_bytes(body.params))
+        if unit.layer is not None:  # every layer of a repeat costs the same
+            if unit.start not in layers:
+                body = graph.body.items[unit.start].body
+                layers[unit.start] = (block_cost(body.items), params_bytes(body.params))
+            costs.append(layers[unit.start][0])
+            sizes.append(layers[unit.start][1])
         else:
             costs.append(block_cost(graph.body.items[unit.start:unit.stop]))
             mine = [p for p in graph.body.params if used.get(p.name) == unit.start]
@@ -286,6 +296,22 @@ def unit_uses_defs(graph: Graph, unit: Unit) -> tuple[set[str], set[str]]:
     return carried | inner, set(repeat.results)
 
 
+def all_boundary_values(graph: Graph) -> list[tuple[str, ...]]:
+    """`boundary_values(graph, cut)` for every cut 0..len(units), in one sweep."""
+    all_units = units(graph)
+    inputs = {i.name for i in graph.inputs}
+    pairs = [unit_uses_defs(graph, unit) for unit in all_units]
+    used_from: list[set[str]] = [set() for _ in range(len(pairs) + 1)]
+    for k in range(len(pairs) - 1, -1, -1):
+        used_from[k] = used_from[k + 1] | pairs[k][0]
+    out, defined = [], set()
+    for k in range(len(pairs) + 1):
+        out.append(tuple(sorted((defined & used_from[k]) - inputs)))
+        if k < len(pairs):
+            defined |= pairs[k][1]
+    return out
+
+
 def boundary_values(graph: Graph, cut: int) -> tuple[str, ...]:
     """Values defined before unit `cut` and read from it on (inputs excluded), sorted."""
     all_units = units(graph)
@@ -328,11 +354,12 @@ def chunk_param_names(graph: Graph, spec: PipelineSpec, *, pp_rank: int | None =
             else:
                 repeat = items[unit.start]
                 names |= {f"{repeat.name}.{unit.layer}.{p.name}" for p in repeat.body.params}
-                names |= _outer_params(repeat, top)
+                names |= outer_params(repeat, top)
     return names
 
 
-def _outer_params(repeat: Repeat, top: set[str]) -> set[str]:
+def outer_params(repeat: Repeat, top: set[str]) -> set[str]:
+    """Top-level parameters the ops of a repeat's body read."""
     used = set()
     for node, _ in walk_ops(repeat.body):
         if isinstance(node, Op):

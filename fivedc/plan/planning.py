@@ -7,7 +7,10 @@ recomputes in backward, the gradient buckets and their overlap, ZeRO's gathers b
 those buckets, the memory per rank and the step time. Each reads the options and the
 `Draft` (what the passes before it decided) and returns the draft with its own
 fields filled; it decides nothing else. `assemble` makes the `ExecutionPlan` of a
-finished draft, deciding nothing.
+finished draft, deciding nothing. A draft may carry a `Memo` (`fivedc/estimates/memo.py`)
+of the graph's per-layer figures: `run_pipeline` gives one to each compile, and the
+layout search (`fivedc/search/`) one to all the candidates of a sharded graph, so its
+scores are these passes' figures; without one they are computed, to the same values.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
+from fivedc.estimates.memo import Memo
 from fivedc.estimates.memory import MemoryEstimate, estimate_memory
 from fivedc.estimates.saved import regather_collectives
 from fivedc.estimates.step_time import TimeEstimate, estimate_time
@@ -37,6 +41,7 @@ class Draft:
     """What the passes have decided so far (each field's comment names the pass that fills it)."""
 
     graph: Graph  # the graph passes
+    memo: Memo | None = None  # per-layer figures of `graph` on the mesh, shared (optional)
     schedule: Schedule | None = None  # schedule (pp > 1)
     pipeline: PipelineSpec | None = None  # stage-partition (pp > 1)
     transfers: tuple[Collective, ...] = ()  # stage-partition: activations and gradients between chunks
@@ -69,7 +74,7 @@ class ChooseSchedule(PlanningPass):
     def plan(self, draft: Draft, options: CompileOptions) -> Draft:
         return replace(draft, schedule=choose_schedule(
             draft.graph, options.mesh, schedule=options.schedule, microbatches=options.microbatches,
-            virtual=options.virtual, layout=options.pp_layout))
+            virtual=options.virtual, layout=options.pp_layout, memo=draft.memo))
 
 
 class PartitionStages(PlanningPass):
@@ -80,7 +85,7 @@ class PartitionStages(PlanningPass):
         if draft.schedule is None:
             return draft
         pipeline = partition_stages(draft.graph, options.mesh, draft.schedule, layout=options.pp_layout,
-                                    dtype_bytes=options.dtype_bytes)
+                                    dtype_bytes=options.dtype_bytes, memo=draft.memo)
         transfers = pipeline_collectives(draft.graph, options.mesh, pipeline, options.dtype_bytes)
         return replace(draft, pipeline=pipeline, transfers=tuple(transfers))
 
@@ -101,9 +106,13 @@ class BucketGradients(PlanningPass):
 
     def plan(self, draft: Draft, options: CompileOptions) -> Draft:
         graph, mesh, zero = draft.graph, options.mesh, options.zero
-        buckets = plan_buckets(graph, mesh, bucket_bytes=options.bucket_bytes,
-                               param_bytes=lambda p: sync_bytes(graph, mesh, p, options.dtype_bytes, zero),
-                               cuts=chunk_starts(graph, draft.pipeline))
+        cuts = chunk_starts(graph, draft.pipeline)
+
+        def buckets_of() -> tuple[Bucket, ...]:
+            return plan_buckets(graph, mesh, bucket_bytes=options.bucket_bytes, cuts=cuts,
+                                param_bytes=lambda p: sync_bytes(graph, mesh, p, options.dtype_bytes, zero))
+        key = ("buckets", options.dtype_bytes, zero, options.bucket_bytes, cuts)
+        buckets = buckets_of() if draft.memo is None else draft.memo.get(key, buckets_of)
         sums = sum_collectives(buckets, mesh, zero=zero, overlap=options.overlap, pipelined=draft.pipeline is not None)
         return replace(draft, buckets=buckets, sums=tuple(sums),
                        copy_sync=tuple(copy_sync_collectives(graph, mesh, draft.pipeline, options.dtype_bytes, zero)))
@@ -127,7 +136,8 @@ class EstimateMemory(PlanningPass):
     def plan(self, draft: Draft, options: CompileOptions) -> Draft:
         return replace(draft, memory=estimate_memory(
             draft.graph, mesh=options.mesh, dtype=options.dtype, dtype_bytes=options.dtype_bytes, zero=options.zero,
-            pipeline=draft.pipeline, recompute=draft.recompute, buckets=draft.buckets, overlap=options.overlap))
+            pipeline=draft.pipeline, recompute=draft.recompute, buckets=draft.buckets, overlap=options.overlap,
+            memo=draft.memo))
 
 
 class EstimateTime(PlanningPass):
@@ -140,7 +150,7 @@ class EstimateTime(PlanningPass):
         return replace(draft, time=estimate_time(
             draft.graph, mesh=options.mesh, dtype=options.dtype, dtype_bytes=options.dtype_bytes, zero=options.zero,
             overlap=options.overlap, buckets=draft.buckets, pipeline=draft.pipeline, recompute=draft.recompute,
-            hardware=options.hardware))
+            hardware=options.hardware, memo=draft.memo))
 
 
 def assemble(draft: Draft, options: CompileOptions) -> ExecutionPlan:

@@ -1,0 +1,131 @@
+"""`fivedc search MODEL --gpus N --gpu NAME`: the command line of the layout search (fivedc/search/search.py).
+
+Prints the top `--top` layouts (mesh, options, memory of the busiest rank, bubble,
+step time, tokens/s, MFU, communication share) and the `fivedc compile` flags of
+the best; `-o` writes the best plan (compiled for real, with its agreement proof),
+`--json` every ranked candidate, best first, and `--explain` the rejected candidates
+counted by reason. A rich progress bar runs on stderr while the meshes are scored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+from fivedc.errors import FivedcError
+
+
+def search_args(p) -> None:
+    p.add_argument("model", help="a .5d model file, or path/to/file.py:factory")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster (the mesh's world size)")
+    p.add_argument("--gpu", required=True, metavar="NAME", help="the GPU (h100, h800, a100, h200, or from --hardware)")
+    p.add_argument("--hardware", action="append", default=[], metavar="FILE", help="a TOML file of GPU profiles")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the profile's)")
+    p.add_argument("--global-batch", type=int, default=None, metavar="B", help="sequences per step (default: the model's)")
+    p.add_argument("--seq", type=int, default=None, metavar="S", help="tokens per sequence (default: the model's)")
+    p.add_argument("--dtype", default="bf16", help="training precision (default bf16)")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="layouts printed (default 5)")
+    p.add_argument("-o", "--output", default=None, help="write the best plan here")
+    p.add_argument("--json", default=None, metavar="ALL.json", help="write every ranked candidate, best first")
+    p.add_argument("--explain", action="store_true", help="count the rejected candidates by reason")
+
+
+def run_search(args, console) -> int:
+    from fivedc.cli.shared import load_graph
+    from fivedc.files import check_output, write_output
+    from fivedc.frontends.python_file import parse_spec
+    from fivedc.ir.hardware import hardware
+    from fivedc.search.search import SearchError, search
+
+    if args.top < 1:
+        raise SearchError(f"--top {args.top} must be at least 1", hint="e.g. --top 5")
+    model_file = parse_spec(args.model)[0]
+    for out in (args.output, args.json):
+        if out is not None:
+            check_output(out, inputs=(model_file,))
+    hw = hardware(args.gpu, tuple(args.hardware))
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node < 1:
+            raise SearchError(f"--gpus-per-node {args.gpus_per_node} must be at least 1", hint="e.g. --gpus-per-node 8")
+        hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
+    graph = with_shape(load_graph(args.model), batch=args.global_batch, seq=args.seq)
+    start = time.perf_counter()
+    with _Progress() as progress:
+        result = search(graph, gpus=args.gpus, hardware=hw, dtype=args.dtype, progress=progress)
+    seconds = time.perf_counter() - start
+    _print_top(result, args.top, console, graph, args.gpus, hw, seconds)
+    if args.explain:
+        _print_rejected(result, console)
+    if args.json is not None:
+        text = json.dumps({"candidates": [s.as_json() for s in result.ranked]}, indent=1) + "\n"
+        write_output(args.json, text, inputs=(model_file,), what="search results")
+        print(f"wrote {args.json} ({len(result.ranked)} candidates)")
+    if args.output is not None:
+        result.plan.save(args.output, inputs=(model_file,))
+        print(f"wrote {args.output}: the best plan, compiled ({result.proof})")
+    return 0
+
+
+def with_shape(graph, *, batch: int | None, seq: int | None):
+    """The model at another global batch or sequence length (its batch and sequence dims)."""
+    changes = {}
+    for what, dim, value in (("--global-batch", graph.batch_dim, batch), ("--seq", graph.seq_dim, seq)):
+        if value is None:
+            continue
+        if value < 1:
+            raise FivedcError(f"{what} {value} must be at least 1")
+        if dim is None:
+            raise FivedcError(f"{what}: the model {graph.name} has no sequence dim", hint=f"drop {what}")
+        changes[dim] = value
+    if not changes:
+        return graph
+    return dataclasses.replace(graph, dims=tuple((k, changes.get(k, v)) for k, v in graph.dims))
+
+
+class _Progress:
+    """A rich progress bar on stderr over the meshes scored."""
+
+    def __enter__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("scoring meshes"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             console=Console(file=sys.stderr), transient=True)
+        self._bar.__enter__()
+        return self
+
+    def start(self, total: int) -> None:
+        self._task = self._bar.add_task("search", total=total)
+
+    def advance(self) -> None:
+        self._bar.advance(self._task)
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+
+def _print_top(result, top: int, console, graph, gpus: int, hw, seconds: float) -> None:
+    from rich.table import Table
+
+    from fivedc.plan.summary import format_bytes
+
+    table = Table(title=f"best layouts of {graph.name} on {gpus} x {hw.name}", title_justify="left")
+    for name in ("#", "mesh", "options", "memory", "bubble", "step", "tokens/s", "MFU", "comm"):
+        table.add_column(name, justify="left" if name in ("mesh", "options") else "right")
+    for rank, s in enumerate(result.ranked[:top], start=1):
+        t = s.time
+        table.add_row(str(rank), str(s.candidate.mesh), s.candidate.short(), format_bytes(s.memory.total),
+                      f"{t.bubble:.1%}", f"{t.step_seconds:.3g} s", f"{t.tokens_per_second:,.0f}", f"{t.mfu:.1%}",
+                      f"{s.comm_share:.0%}")
+    console.print(table)
+    rejected = sum(result.rejected.values())
+    print(f"{len(result.ranked)} layouts ranked, {rejected} rejected, over {result.meshes} meshes in {seconds:.1f} s")
+    print(f"best: fivedc compile {graph.source or graph.name} {result.best.candidate.flags()} --gpu {hw.key}")
+
+
+def _print_rejected(result, console) -> None:
+    print("rejected, by reason:")
+    for reason, count in sorted(result.rejected.items(), key=lambda item: (-item[1], item[0])):
+        print(f"  {count:>8}  {reason}")

@@ -1,0 +1,193 @@
+"""The layout search (fivedc/search/search.py): its scores are compile's, it never proposes what compile
+refuses or what does not fit, it finds the one layout that fits, and it is deterministic.
+
+Plan-level, no processes, small models (a search over 8 GPUs takes about a second).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from fivedc.cli.main import main
+from fivedc.frontends.dsl_file import parse_model
+from fivedc.ir.hardware import GiB, hardware
+from fivedc.ir.mesh import Mesh
+from fivedc.pipeline import compile_graph
+from fivedc.search.search import SearchError, search
+from fivedc.search.space import Candidate
+
+H100 = hardware("h100")
+
+TINY = """
+model tiny {
+  dims { batch = 8  seq = 2048  hidden = 32  heads = 4  head_dim = hidden / heads  ffn = 64  vocab = 64  layers = 4 }
+  input tokens: int[batch, seq]
+  input targets: int[batch, seq]
+  param wte: [vocab, hidden]
+  x = embedding(tokens, wte)
+  repeat layers {
+    param ln: [hidden] = ones
+    param wq: [hidden, heads, head_dim]
+    param wk: [hidden, heads, head_dim]
+    param wv: [hidden, heads, head_dim]
+    param wo: [heads, head_dim, hidden]
+    h = rmsnorm(x, ln)
+    a = attention(linear(h, wq), linear(h, wk), linear(h, wv), causal=true)
+    x = add(x, linear(a, wo))
+    param w1: [hidden, ffn]
+    param w2: [ffn, hidden]
+    x = add(x, linear(gelu(linear(x, w1)), w2))
+  }
+  param head: [hidden, vocab]
+  loss = cross_entropy(linear(x, head), targets)
+  return loss
+}
+"""
+
+# an MLP with odd dims (no tp), one op run (no pp), no attention (no cp): on 2 GPUs only dp=2
+ODD = """
+model odd {
+  dims { batch = 2  hidden = 33  ffn = 99  vocab = 33 }
+  input x: float[batch, hidden]
+  input targets: int[batch]
+  param w1: [hidden, ffn]
+  param w2: [ffn, vocab]
+  y = linear(gelu(linear(x, w1)), w2)
+  loss = cross_entropy(y, targets)
+  return loss
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_result():
+    return search(parse_model(TINY), gpus=8, hardware=H100, compile_best=False)
+
+
+def _picks(ranked) -> list:
+    """Candidates of different kinds: the best, and the best with each of several features."""
+    wanted = [lambda c: True, lambda c: c.mesh.sizes[3] > 1, lambda c: c.schedule == "interleaved",
+              lambda c: c.schedule == "zb-h1", lambda c: c.schedule == "dualpipe", lambda c: c.zero == 3,
+              lambda c: c.recompute != "none", lambda c: c.sp, lambda c: c.cp_attention == "allgather"]
+    out = []
+    for want in wanted:
+        found = next((s for s in ranked if want(s.candidate)), None)
+        if found is not None and found not in out:
+            out.append(found)
+    return out
+
+
+def test_scores_are_what_compile_prints(tiny_result) -> None:
+    graph = parse_model(TINY)
+    picks = _picks(tiny_result.ranked)
+    assert len(picks) >= 6  # several pipelines, CP, ZeRO-3, SP were ranked
+    for scored in picks:
+        plan = compile_graph(graph, scored.candidate.options(dtype="bf16", hardware=H100))
+        assert plan.time.step_seconds == pytest.approx(scored.time.step_seconds, rel=1e-12), scored.candidate.flags()
+        assert plan.time.mfu == pytest.approx(scored.time.mfu, rel=1e-12)
+        assert plan.memory.total == scored.memory.total
+        assert plan.memory.total <= H100.usable_bytes  # never a layout that does not fit
+
+
+def test_ranked_best_first_and_deterministic(tiny_result) -> None:
+    steps = [s.time.step_seconds for s in tiny_result.ranked]
+    assert steps == sorted(steps)
+    again = search(parse_model(TINY), gpus=8, hardware=H100, compile_best=False)
+    assert [s.candidate for s in again.ranked] == [s.candidate for s in tiny_result.ranked]
+    assert again.rejected == tiny_result.rejected
+    assert sum(tiny_result.rejected.values()) > 0  # heads=4 refuses tp=8, 6 units refuse pp=8
+
+
+def test_the_one_layout_that_fits() -> None:
+    # dp=2 is the only mesh; of its ZeRO stages one needs the least memory (ZeRO-1 here: ZeRO-2
+    # lays out its bucket twice, ZeRO-3 holds its one group gathered 3x in backward), and a GPU
+    # sized between it and the next leaves it the only layout
+    graph = parse_model(ODD)
+    totals = {z: compile_graph(graph, Candidate(Mesh((2, 1, 1, 1, 1)), zero=z).options(dtype="bf16")).memory.total
+              for z in (0, 1, 2, 3)}
+    least, second = sorted(totals.values())[:2]
+    assert least < second
+    fits = next(z for z, total in totals.items() if total == least)
+    small = dataclasses.replace(H100, memory_gib=1.0 + (least + second) / 2 / GiB, reserved_gib=1.0)
+    result = search(graph, gpus=2, hardware=small)
+    assert [s.candidate for s in result.ranked] == [Candidate(Mesh((2, 1, 1, 1, 1)), zero=fits)]
+    assert result.plan.memory.total == least  # the best, compiled for real
+    assert result.rejected["does not fit in the GPU's memory"] == 3
+
+
+def test_cli_search_writes_the_best_plan_and_every_candidate(tmp_path, capsys) -> None:
+    model = tmp_path / "tiny.5d"
+    model.write_text(TINY)
+    best, every = tmp_path / "best.plan.json", tmp_path / "all.json"
+    assert main(["search", str(model), "--gpus", "8", "--gpu", "h100", "--top", "3", "--explain",
+                 "-o", str(best), "--json", str(every)]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(every.read_text())["candidates"]
+    assert set(data[0]) == {"mesh", "options", "step_seconds", "memory_bytes", "mfu"}
+    assert [c["step_seconds"] for c in data] == sorted(c["step_seconds"] for c in data)
+    plan = json.loads(best.read_text())
+    assert plan["time"]["step_seconds"] == data[0]["step_seconds"]
+    assert "rejected, by reason" in out and "ShapeError: heads=N is not divisible by tp=N" in out
+    assert f"best: fivedc compile {model}" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpus", "12"], ["not a whole number of 8-GPU nodes", "--gpus 8 or 16"]),
+    (["--gpus", "0"], ["must be a whole number of GPUs >= 1"]),
+    (["--gpus", "8", "--gpu", "h1000"], ["unknown GPU 'h1000'", "choose one of"]),
+    (["--gpus", "64", "--global-batch", "3"], ["no layout of tiny on 64 x h100", "global batch does not split"]),
+])
+def test_bad_input_exits_2_with_the_fix(tmp_path, capsys, argv, words) -> None:
+    model = tmp_path / "tiny.5d"
+    model.write_text(TINY)
+    args = ["search", str(model), *argv] + ([] if "--gpu" in argv else ["--gpu", "h100"])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+    assert "Traceback" not in err
+
+
+def test_a_model_that_fits_nowhere(tmp_path, capsys) -> None:
+    graph = parse_model(TINY)
+    tiny_gpu = dataclasses.replace(H100, memory_gib=1.001, reserved_gib=1.0)
+    with pytest.raises(SearchError) as error:
+        search(graph, gpus=8, hardware=tiny_gpu)
+    assert "does not fit in the GPU's memory" in error.value.message and "more GPUs" in error.value.hint
+
+
+def test_parallelize_auto_compiles_the_searched_layout() -> None:
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.parallel.parallelize import search_module
+
+    module, example = load_factory("examples/nanogpt.py:factory")
+    traced, plan = search_module(module, example, gpus=2, gpu="h100")
+    best = search(traced.graph, gpus=2, hardware=H100, dtype="fp64", compile_best=False).best
+    assert plan.mesh.world == 2 and plan.mesh == best.candidate.mesh
+    assert plan.time.step_seconds == best.time.step_seconds
+
+
+def test_the_search_runs_every_planning_pass_of_compile() -> None:
+    from fivedc.pipeline import PLANNING_PASSES
+    from fivedc.search.search import PER_MODE, PER_PIPELINE, TIMING
+
+    assert PER_PIPELINE + PER_MODE + TIMING == PLANNING_PASSES[:-1]  # all but prove-agreement, in order
+    assert PLANNING_PASSES[-1].name == "prove-agreement"
+
+
+def test_the_memo_changes_no_figure(tiny_result) -> None:
+    # the planning passes on a draft without a memo (each figure computed where it is used)
+    # give what compile (a memo per plan) and the search (one memo per sharded graph) give
+    from fivedc.pipeline import GRAPH_PASSES, PLANNING_PASSES, run_passes
+    from fivedc.plan.planning import Draft
+
+    graph = parse_model(TINY)
+    for scored in _picks(tiny_result.ranked)[:4]:
+        options = scored.candidate.options(dtype="bf16", hardware=H100)
+        draft = run_passes(Draft(graph), options, GRAPH_PASSES)
+        for planning_pass in PLANNING_PASSES[:-1]:
+            draft = planning_pass.plan(draft, options)
+        assert draft.memo is None
+        assert draft.memory == scored.memory and draft.time == scored.time, scored.candidate.flags()
