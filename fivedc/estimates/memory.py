@@ -28,12 +28,11 @@ from dataclasses import dataclass
 
 from fivedc.estimates.activations import chunk_activations, chunk_deferred
 from fivedc.errors import PlanError
-from fivedc.ir.graph import Graph, walk_params
+from fivedc.ir.graph import Graph
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.estimates.saved import SaveContext
 from fivedc.estimates.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
-from fivedc.passes.stages import PipelineSpec, units
+from fivedc.passes.stages import PipelineSpec
 from fivedc.estimates.transient import transients
 
 # Bytes per parameter element of AdamW's state: in 16-bit training an fp32 master copy and

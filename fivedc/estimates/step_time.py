@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from fivedc.estimates.costs import collective_seconds, model_flops, unit_times
 from fivedc.ir.hardware import Hardware
-from fivedc.ir.graph import CollectiveKind, Graph, walk_params
+from fivedc.ir.graph import CollectiveKind, Graph
 from fivedc.estimates.memory import OPTIMIZER_BYTES
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.estimates.saved import SaveContext

@@ -31,7 +31,7 @@ largest, not their sum, is added to what the rank keeps):
 
 from __future__ import annotations
 
-from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat, walk_params
+from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import VALUE, SaveContext, op_saves

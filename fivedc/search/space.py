@@ -28,7 +28,6 @@ estimates (`fivedc/search/search.py`), so the space above can be wide.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 from fivedc.ir.graph import Graph, Op, walk_ops
@@ -119,7 +118,6 @@ def model_traits(graph: Graph) -> tuple[bool, bool]:
 def mesh_sizes(graph: Graph, *, gpus: int, gpus_per_node: int, units: int) -> list[tuple[int, ...]]:
     """dp x pp x tp x cp x ep sizes of the space (before rank orders), in a fixed order."""
     attention, moe = model_traits(graph)
-    batch = graph.dim(graph.batch_dim)
     seq = graph.dim(graph.seq_dim) if graph.seq_dim else 1
     out = []
     for tp in (t for t in divisors(gpus_per_node) if gpus % t == 0):
