@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivedc.ir.graph import Graph, Op, Repeat
-from fivedc.passes.stages import PipelineSpec, Unit, outer_params, units
+from fivedc.ir.graph import Graph, Repeat
+from fivedc.passes.stages import PipelineSpec, Unit, outer_params, unit_top_params, units
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,7 @@ def held_params(graph: Graph, spec: PipelineSpec, *, pp_rank: int, all_units: li
             continue
         for unit in all_units[spec_chunk.units[0]:spec_chunk.units[1]]:
             if unit.layer is None:
-                for item in items[unit.start:unit.stop]:
-                    if isinstance(item, Op):
-                        names |= {a for a in item.args if isinstance(a, str) and a in top}
+                names |= unit_top_params(items, unit, top)
             else:
                 repeat = items[unit.start]
                 layers[repeat.name] = layers.get(repeat.name, 0) + 1

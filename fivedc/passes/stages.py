@@ -348,14 +348,18 @@ def chunk_param_names(graph: Graph, spec: PipelineSpec, *, pp_rank: int | None =
         chunk_units = all_units[spec_chunk.units[0]:spec_chunk.units[1]]
         for unit in chunk_units:
             if unit.layer is None:
-                for item in items[unit.start:unit.stop]:
-                    if isinstance(item, Op):
-                        names |= {a for a in item.args if isinstance(a, str) and a in top}
+                names |= unit_top_params(items, unit, top)
             else:
                 repeat = items[unit.start]
                 names |= {f"{repeat.name}.{unit.layer}.{p.name}" for p in repeat.body.params}
                 names |= outer_params(repeat, top)
     return names
+
+
+def unit_top_params(items, unit: Unit, top: set[str]) -> set[str]:
+    """The top-level parameters the ops of a unit outside any repeat read."""
+    return {a for item in items[unit.start:unit.stop] if isinstance(item, Op)
+            for a in item.args if isinstance(a, str) and a in top}
 
 
 def outer_params(repeat: Repeat, top: set[str]) -> set[str]:
