@@ -19,21 +19,13 @@ import argparse
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fivedc.frontends.python_file import import_file
+from parallelize_zero import build  # the same Llama as benchmarks/parallelize_zero.py
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 WORLD = 2
-
-
-def build():
-    m = import_file(EXAMPLES / "llama.py")
-    args = m.ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, ffn_dim=688, max_seq_len=128)
-    return m.factory(batch=8, args=args, dtype=torch.float32)
 
 
 def fsdp2(module):
