@@ -195,7 +195,7 @@ def check(graph, case: Case, pool) -> None:
     assert report.losses[1] != report.losses[0]
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=draw_cp_case())
 def test_random_cp_models_match_single_device(case: Case, worker_pool) -> None:
     check(parse_model(case.text, filename="<random>"), case, worker_pool)

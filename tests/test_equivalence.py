@@ -29,7 +29,7 @@ def check(graph, mesh: str, sp: bool, pool) -> None:
     assert len(report.losses) == 2 and report.losses[1] != report.losses[0]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=draw_case())
 def test_random_models_match_single_device(case: Case, worker_pool) -> None:
     check(parse_model(case.text, filename="<random>"), case.mesh, case.sp, worker_pool)

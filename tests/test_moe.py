@@ -65,20 +65,20 @@ def moe_ops(plan) -> list[Op]:
 SLOW = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
-@settings(SLOW, max_examples=12)
+@settings(SLOW, max_examples=8)
 @given(case=draw_moe_case())
 def test_random_moe_models_match_single_device(case: Case, worker_pool) -> None:
     verify(parse_model(case.text, filename="<random moe>"), case.mesh, worker_pool, sp=case.sp)
 
 
-@settings(SLOW, max_examples=6)
+@settings(SLOW, max_examples=4)
 @given(case=draw_moe_case(capacity=True))
 def test_random_moe_models_with_a_capacity_that_drops(case: Case, worker_pool) -> None:
     report = verify(parse_model(case.text, filename="<random moe>"), case.mesh, worker_pool, sp=case.sp)
     assert sum(sum(load.dropped) for step in report.expert_load for load in step.values()) > 0
 
 
-@settings(SLOW, max_examples=5)
+@settings(SLOW, max_examples=4)
 @given(case=draw_moe_case(), zero=st.sampled_from([1, 2, 3]))
 def test_random_moe_models_with_zero(case: Case, zero: int, worker_pool) -> None:
     verify(parse_model(case.text, filename="<random moe>"), case.mesh, worker_pool, sp=case.sp, zero=zero)

@@ -162,7 +162,7 @@ def pipeline_case(draw):
     return text, f"{dp}x{pp}x{tp}x1x1", schedule, m, zero
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=7, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=pipeline_case())
 def test_random_pipelines_match_single_device(case, worker_pool) -> None:
     text, mesh, schedule, m, zero = case

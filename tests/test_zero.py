@@ -172,7 +172,7 @@ def test_bytes_each_rank_holds_match_the_plan(zero: int, worker_pool) -> None:
             assert abs(held[kind] - value) <= 0.05 * value, (rank, kind, held[kind], value)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=st.one_of(draw_case(), draw_cp_case()), zero=st.sampled_from([1, 2, 3]))
 def test_random_models_with_zero_match_single_device(case: Case, zero: int, worker_pool) -> None:
     graph = parse_model(case.text, filename="<random>")

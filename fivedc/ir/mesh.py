@@ -95,7 +95,7 @@ class Mesh:
     # ---- sizes --------------------------------------------------------------------
     def size(self, *axes: MeshAxis) -> int:
         """Product of the sizes of `axes` (1 for none)."""
-        return math.prod(self.sizes[MESH_ORDER.index(a)] for a in axes)
+        return math.prod([self.sizes[MESH_ORDER.index(a)] for a in axes])
 
     @property
     def world(self) -> int:

@@ -31,6 +31,7 @@ from fivedc.frontends.fx.precision import float64_everywhere, without_dropout
 from fivedc.runtime.compare import check_reference, compare_runs
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -66,15 +67,19 @@ class ModuleCheck:
 
 
 def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: float = 1e-2,
-                 weight_decay: float = 0.1, on_step=None) -> ModuleRun:
+                 weight_decay: float = 0.1, autocast: str | None = None, on_step=None) -> ModuleRun:
+    """autocast ("bf16", "fp16"): each forward under `torch.autocast` in that dtype, the parameters
+    (master weights) in theirs (fivedc/runtime/precision.py)."""
     from fivedc.parallel.module import ParallelModule
 
     parallel = isinstance(model, ParallelModule)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+    device = next(model.parameters()).device.type
     run = ModuleRun()
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+        with torch.autocast(device, dtype=AUTOCAST_DTYPES[autocast or "bf16"], enabled=autocast is not None):
+            loss = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
         loss.backward()
         run.losses.append(loss.item())
         grads = model.full_grads() if parallel else {n: p.grad for n, p in model.named_parameters()}
@@ -107,10 +112,12 @@ def rank_job(info, payload) -> ModuleRun | None:
 
 def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2, lr: float = 1e-2,
                  weight_decay: float = 0.1, dtype: str | None = None, seed: int | None = None, pool=None,
-                 timeout_s: float | None = None, on_progress=None, **options) -> ModuleCheck | None:
+                 timeout_s: float | None = None, on_progress=None, autocast: str | None = None,
+                 **options) -> ModuleCheck | None:
     """Train the plain module here and `parallelize(module, mesh=mesh, **options)` on `mesh.world`
     processes (mesh: a `Mesh` or its text), and compare. dtype ("fp64", "fp32"): cast the module
-    (default: as built); seed: `torch.manual_seed` before the factory runs. Inside a torch.distributed job (torchrun) this
+    (default: as built); autocast ("bf16", "fp16"): both runs' forwards under `torch.autocast`
+    (mixed precision: compare with a 16-bit tolerance); seed: `torch.manual_seed` before the factory runs. Inside a torch.distributed job (torchrun) this
     process is one rank: every rank must call it, and rank 0 gets the result, the others None."""
     import torch.distributed as dist
 
@@ -124,7 +131,7 @@ def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2,
     if not any(p.requires_grad for p in module.parameters()):
         raise FivedcError(f"{spec} builds a module with no trainable parameters: there is nothing to verify",
                           hint="return the model that holds the weights from the factory")
-    settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay}
+    settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay, "autocast": autocast}
     dtype, state, inputs, reference, note = _reference(spec, module, inputs, dtype, settings)
     payload = (spec, kwargs, dtype, state, inputs, {"mesh": mesh, **options}, settings)
     world = (mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)).world

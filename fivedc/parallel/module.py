@@ -45,7 +45,7 @@ class ParallelModule(nn.Module):
     """One rank's part of a module parallelized by fivedc (see `fivedc.parallelize`)."""
 
     def __init__(self, module: nn.Module, traced: TracedModel, plan: ExecutionPlan, *, example_inputs,
-                 device: torch.device, sync_module_states: bool = True) -> None:
+                 device: torch.device, sync_module_states: bool = True, compile: bool | str = False) -> None:
         super().__init__()
         self.fivedc_plan = plan
         self.fivedc_traced = traced
@@ -56,7 +56,7 @@ class ParallelModule(nn.Module):
         self._fivedc_groups = _mesh_groups(plan, device)
         rank = dist.get_rank() if self._fivedc_groups is not None else 0
         self._fivedc_ctx = KernelContext(plan.graph, plan.mesh, plan.mesh.coords(rank), self._fivedc_groups)
-        self._fivedc_program = Program(plan.graph, self._fivedc_ctx, recompute=plan.recompute)
+        self._fivedc_program = Program(plan.graph, self._fivedc_ctx, recompute=plan.recompute, compile=compile)
         self._fivedc_specs: dict[str, Param] = dict(qualified_params(plan.graph))
         state = module.state_dict()
         keys = {m.key for m in traced.params}

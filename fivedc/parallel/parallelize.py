@@ -79,6 +79,7 @@ class ParallelizeOptions:
     device: torch.device | str | None = None
     sync_module_states: bool = True
     auto: tuple[int, str] | None = None  # mesh="auto": (gpus, gpu) for the layout search (fivedc/search/search.py)
+    compile: bool | str = False  # each repeat's layer one torch.compile region (fivedc/runtime/regions.py)
 
 
 def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, example_inputs=None,
@@ -87,7 +88,7 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
                 bucket_mb: float = DEFAULT_BUCKET_MB, schedule: str = "1f1b", microbatches: int | None = None,
                 virtual: int | None = None, pp_layout: tuple[int, ...] | None = None, recompute: str | None = None,
                 stage_boundaries: tuple[str, ...] = (), device: torch.device | str | None = None, sync_module_states: bool = True,
-                gpus: int | None = None, gpu: str | None = None):
+                gpus: int | None = None, gpu: str | None = None, compile: bool | str = False):
     """Parallelize an `nn.Module` instance, or, as a decorator, an `nn.Module` class.
 
     mesh: "dp x pp x tp x cp x ep" (`"2x1x2x1x1"`) or `dp=2,tp=2`, or a `Mesh`.
@@ -107,6 +108,9 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     NCCL, else the module's). sync_module_states: start from rank 0's weights.
     mesh="auto": `fivedc search` picks the mesh and the plan options (the ones given here
     are then not used) for `gpus` GPUs (default: the job's world size) of kind `gpu` (h100, ...).
+    compile: run each layer of a repeated block as one `torch.compile` region (compiled once
+    for all the layers; collectives between ranks stay outside the compiled graphs); a string
+    names torch.compile's backend (default "inductor").
     """
     auto = None
     if isinstance(mesh, str) and mesh == "auto":
@@ -118,7 +122,7 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
         mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh), example_inputs, sequence_parallel,
         dict(shardings or {}), zero, cp_attention, cp_layout, overlap, bucket_mb, schedule, microbatches, virtual,
         tuple(pp_layout) if pp_layout is not None else None, recompute, tuple(stage_boundaries), device,
-        sync_module_states, auto,
+        sync_module_states, auto, compile,
     )
     if module is None:
         return lambda target: _apply(target, options)
@@ -198,7 +202,7 @@ def _build(module: nn.Module, options: ParallelizeOptions):
                                      shardings=options.shardings, stage_boundaries=options.stage_boundaries)
         _check_world(plan.mesh)
         return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
-                              sync_module_states=options.sync_module_states)
+                              sync_module_states=options.sync_module_states, compile=options.compile)
     _check_world(options.mesh)
     traced, plan = compile_module(
         module, example, mesh=options.mesh, shardings=options.shardings, stage_boundaries=options.stage_boundaries,
@@ -208,7 +212,7 @@ def _build(module: nn.Module, options: ParallelizeOptions):
         pp_layout=options.pp_layout, recompute=options.recompute,
     )
     return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
-                          sync_module_states=options.sync_module_states)
+                          sync_module_states=options.sync_module_states, compile=options.compile)
 
 
 def _decorate(cls: type, options: ParallelizeOptions) -> type:

@@ -25,6 +25,7 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.ir.ops import parse_freqs
 from fivedc.runtime import weight_grads
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
+from fivedc.runtime.precision import compute_dtype, for_matmul
 from fivedc.ir.seq_layout import layout_order
 from fivedc.ir.sharding import Sharding
 
@@ -144,8 +145,8 @@ def _linear(ctx, op, args, dims):
         w = w.permute(*range(w.dim() - k, w.dim()), *range(w.dim() - k))
     store = weight_grads.store_of(ctx)  # a zero-bubble pipeline: the weight gradient may wait for W
     if store is not None and torch.is_grad_enabled() and w.requires_grad:
-        return weight_grads.DeferrableLinear.apply(x, w, k, store)
-    return torch.tensordot(x, w, dims=k)
+        return weight_grads.DeferrableLinear.apply(*for_matmul(x), w, k, store)  # casts the leaf w itself
+    return torch.tensordot(*for_matmul(x, w), dims=k)
 
 
 def _embedding(ctx, op, args, dims):
@@ -187,10 +188,6 @@ def _gelu(ctx, op, args, dims):
     return F.gelu(args[0], approximate=str(op.attr("approximate", "none")))
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 class _RMSNorm(torch.autograd.Function):
     """x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) over the last dim, saving only x
     and rstd for backward (as the fused norms Megatron uses), not the normalised x:
@@ -198,7 +195,7 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x: Tensor, w: Tensor, eps: float) -> Tensor:
-        dtype = _compute_dtype(x.dtype)
+        dtype = compute_dtype(x.dtype)
         xc = x.to(dtype)
         rstd = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
         fctx.save_for_backward(x, rstd, w)
@@ -253,8 +250,9 @@ def _rope(ctx, op, args, dims):
     (x,), (x_dims,) = args, dims
     half = x.shape[-1] // 2
     cos, sin = _rope_table(ctx, op, x, x_dims)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    xc = x.to(cos.dtype)  # rotated in float32 at least, rounded once at the end (as a float32 table does)
+    x1, x2 = xc[..., :half], xc[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
@@ -263,14 +261,15 @@ def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
     seq, sharding = ctx.graph.seq_dim, _arg_sharding(op, 0)
     theta = float(op.attr("theta", 10000.0))
     given = str(op.attr("freqs", "") or "")
-    key = ("rope", str(sharding), theta, given, x.shape[-1], x_dims, x.dtype, x.device)
-    if key not in ctx._cache:
-        positions = ctx.positions(seq, sharding).to(device=x.device, dtype=x.dtype)
+    key = ("rope", str(sharding), theta, given, x.shape[-1], x_dims, compute_dtype(x.dtype), x.device)
+    if key not in ctx._cache:  # angles in float32 at least: bfloat16 cannot count positions past 256
+        dtype = compute_dtype(x.dtype)
+        positions = ctx.positions(seq, sharding).to(device=x.device, dtype=dtype)
         half = x.shape[-1] // 2
         if given:
-            freqs = torch.tensor(parse_freqs(given), dtype=x.dtype, device=x.device)
+            freqs = torch.tensor(parse_freqs(given), dtype=dtype, device=x.device)
         else:
-            freqs = theta ** (-torch.arange(0, half, dtype=x.dtype, device=x.device) / half)
+            freqs = theta ** (-torch.arange(0, half, dtype=dtype, device=x.device) / half)
         angles = positions[:, None] * freqs[None, :]
         ctx._cache[key] = tuple(align(f(angles), (seq, x_dims[-1]), x_dims) for f in (torch.cos, torch.sin))
     return ctx._cache[key]
@@ -280,7 +279,7 @@ def _attention(ctx, op, args, dims):
     """SDPA on one device; across cp, blockwise attention at global positions: ring
     attention, or over the gathered K/V (one block per cp rank) for @cp(allgather).
     Scores capped by a `softcap` (which SDPA has not) take the blockwise kernel on one device too."""
-    q, k, v = (t.transpose(1, 2) for t in args)  # [batch, heads, seq, head_dim]
+    q, k, v = [t.transpose(1, 2) for t in for_matmul(*args)]  # [batch, heads, seq, head_dim]
     causal, softcap = bool(op.attr("causal", True)), float(op.attr("softcap", 0.0) or 0.0)
     cp = ctx.mesh.size(MeshAxis.CP)
     if cp == 1 and softcap:
@@ -332,6 +331,7 @@ def _cross_entropy(ctx, op, args, dims):
     ignore_index), or the targets other than ignore_index, counted over the token
     shards (an all-reduce, or the count of the whole step a pipeline set beforehand)."""
     logits, targets = args
+    logits = logits.to(compute_dtype(logits.dtype))  # as autocast runs cross_entropy: float32 at least
     vocab = dims[0][-1]
     sharding = _arg_sharding(op, 0)
     ignore = op.attr("ignore_index")
@@ -351,7 +351,7 @@ def _cross_entropy(ctx, op, args, dims):
     count = ctx.step_counts.get(op.out)
     if count is None:
         count = counted_targets(ctx, op, targets)
-    return total / count
+    return total / count.to(total.dtype)  # counted in float64 (exact), the loss in the logits' dtype
 
 
 def counted_targets(ctx, op, targets: Tensor) -> Tensor:

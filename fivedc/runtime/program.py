@@ -30,6 +30,7 @@ from fivedc.ir.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.kernels import KERNELS, KernelContext
 from fivedc.runtime.recompute import run_recomputed
+from fivedc.runtime.regions import CompiledLayers, outer_reads
 from fivedc.runtime.saved import mark_regathered
 
 
@@ -114,9 +115,14 @@ def shard(full: Tensor, dims: tuple[str, ...], sharding: Sharding, ctx: KernelCo
 
 
 class Program:
-    def __init__(self, graph: Graph, ctx: KernelContext, *, recompute: str = "none", tracer=None) -> None:
+    def __init__(self, graph: Graph, ctx: KernelContext, *, recompute: str = "none", tracer=None,
+                 compile: bool | str = False) -> None:
         self.graph, self.ctx, self.recompute = graph, ctx, recompute
         self.tracer = tracer  # fivedc/runtime/trace.ValueTrace: every node's value and gradient (verify's diagnosis)
+        # each repeat's layer as one torch.compile region (fivedc/runtime/regions.py); not while tracing
+        self.regions = None
+        if compile and tracer is None:
+            self.regions = CompiledLayers(self, "inductor" if compile is True else compile)
         self.param_dims = {name: p.dims for name, p in qualified_params(graph)}
         self.regathered = regathered(graph, recompute)
         self.steps = {
@@ -195,6 +201,8 @@ class Program:
         inner = {**scope, **{p.name: f"{item.name}.{layer}.{p.name}" for p in item.body.params}}
         if recomputes_layer(item, self.recompute):
             self._recomputed_layer(item, layer, env, dims, params, inner)
+        elif self.regions is not None:
+            self.regions.run(item, env, dims, params, scope, inner)
         else:
             self._block(item.body, env, dims, params, inner, item, layer)
         for result, value, source in zip(item.results, item.body.yields, sources):
@@ -206,7 +214,7 @@ class Program:
         (bound now: `env` moves on to the next layer), computes in an environment of its
         own and hands back its yields; `dims` gets the body's dims (they are the same for
         every run)."""
-        taken = {name: env[name] for name in _outer_reads(item.body) if name in env}
+        taken = {name: env[name] for name in outer_reads(item.body) if name in env}
 
         def layer() -> tuple:
             local, local_dims = dict(taken), dict(dims)
@@ -216,18 +224,6 @@ class Program:
 
         for name, value in zip(item.body.yields, run_recomputed(self.ctx, layer, holding=tuple(taken.values()))):
             env[name] = value
-
-
-def _outer_reads(block: Block) -> set[str]:
-    """The names a repeat body reads and does not define: its args and outer values (a
-    name that is neither, such as a parameter, is simply not found in the environment)."""
-    read: set[str] = set()
-    for node, _ in walk_ops(block):
-        if isinstance(node, Op):
-            read.update(a for a in node.args if isinstance(a, str))
-        elif isinstance(node, Redistribute):
-            read.add(node.src)
-    return read - {node.out for node, _ in walk_ops(block) if isinstance(node, (Op, Redistribute))}
 
 
 def _steps(node: Redistribute, collectives) -> tuple[Step, ...]:

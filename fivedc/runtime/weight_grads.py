@@ -39,7 +39,7 @@ class DeferredGrad:
 
     def run(self) -> None:
         dims = list(range(self.lead))
-        grad = torch.tensordot(self.x, self.grad_out, dims=(dims, dims))
+        grad = torch.tensordot(self.x, self.grad_out, dims=(dims, dims)).to(self.weight.dtype)
         torch.autograd.backward([self.weight], [grad])  # accumulates, and runs the weight's hooks
 
 
@@ -76,9 +76,10 @@ class DeferrableLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x: Tensor, w: Tensor, k: int, store: WeightGradStore) -> Tensor:
-        fctx.save_for_backward(x, w)
-        fctx.k, fctx.store = k, store
+        fctx.k, fctx.store, fctx.weight_dtype = k, store, w.dtype
         fctx.weight = w if w.is_leaf else None  # only a leaf's gradient can wait (autograd owns the rest)
+        w = w.to(x.dtype)  # autocast: x is in its dtype already (fivedc/runtime/precision.py)
+        fctx.save_for_backward(x, w)
         return torch.tensordot(x, w, dims=k)
 
     @staticmethod
@@ -93,5 +94,5 @@ class DeferrableLinear(torch.autograd.Function):
                 fctx.store.pending.append(DeferredGrad(fctx.weight, x, grad_out, lead))
             else:
                 dims = list(range(lead))
-                grad_w = torch.tensordot(x, grad_out, dims=(dims, dims))
+                grad_w = torch.tensordot(x, grad_out, dims=(dims, dims)).to(fctx.weight_dtype)
         return grad_x, grad_w, None, None
