@@ -40,13 +40,16 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PEAK_BF16 = 989.4e12  # H100 SXM dense bf16 (fivedc/ir/hardware.toml: h100)
 
 
+LAYERS = 22
+
+
 def build(tiny: bool, device: str):
     m = import_file(EXAMPLES / "llama.py")
     if tiny:
         args, batch = m.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=172,
                                   max_seq_len=32), 2
     else:
-        args, batch = m.ModelArgs(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000, ffn_dim=5632,
+        args, batch = m.ModelArgs(dim=2048, n_layers=LAYERS, n_heads=32, n_kv_heads=4, vocab_size=32000, ffn_dim=5632,
                                   max_seq_len=2048), 4
     module, (tokens, targets) = m.factory(batch=batch, args=args, dtype=torch.float32)
     return module.to(device), (tokens.to(device), targets.to(device)), args
@@ -127,6 +130,30 @@ def measure(name: str, *, steps: int, warmup: int, tiny: bool, device: str) -> d
     return out
 
 
+def check_grads(names: list[str], *, tiny: bool, device: str) -> None:
+    """One step's loss and gradients of each variant against eager's (bf16 autocast, the
+    module's names): the worst relative error (to the largest magnitude) and where."""
+    from fivedc.parallel.check import compare, train_module
+
+    runs = {}
+    for name in ["eager", *names]:
+        model, inputs, _, _ = variant(name, tiny, device)
+        run = train_module(model, inputs, steps=1, autocast="bf16")
+        run.grads = [{k.replace("_orig_mod.", ""): v for k, v in g.items()} for g in run.grads]
+        run.params = {k.replace("_orig_mod.", ""): v for k, v in run.params.items()}
+        runs[name] = run
+        del model
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for name in names:
+        report = compare(runs["eager"], runs[name])
+        worst = sorted(((float((g - runs["eager"].grads[0][k]).abs().max() / runs["eager"].grads[0][k].abs().max()), k)
+                        for k, g in runs[name].grads[0].items()), reverse=True)[:4]
+        print(f"{name:15s} vs eager: loss {report.loss_error:.2e}, gradients {report.grad_error:.2e}; worst "
+              + ", ".join(f"{k} {e:.2e}" for e, k in worst), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -134,8 +161,14 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,compile,fivedc,fivedc+compile")
     parser.add_argument("--tiny", action="store_true", help="a small model on the CPU (smoke test)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--check-grads", action="store_true",
+                        help="one step's gradients of each variant against eager's, instead of timings")
     args = parser.parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    globals()["LAYERS"] = args.layers
+    if args.check_grads:
+        return check_grads([n for n in args.variants.split(",") if n != "eager"], tiny=args.tiny, device=device)
     if device == "cuda":
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     results = []

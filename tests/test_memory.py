@@ -78,9 +78,10 @@ def test_zero3_transient_is_a_unit_of_groups_and_the_next_group() -> None:
 
 def test_the_loss_transient_is_twice_the_logits() -> None:
     """The logits' gradient in backward beside the kept softmax, and one temporary: 2 x
-    batch x seq x vocab/t at the dtype."""
+    batch x seq x vocab/t in float32 (bf16 logits: the loss computes in float32)."""
     plan = compile_text("2x1x2x1x1", sequence_parallel=True)
-    assert parts_of(plan)[0]["loss"] == 2 * (8 // 2) * 32 * (512 // 2) * 2
+    assert plan.dtype == "bf16"
+    assert parts_of(plan)[0]["loss"] == 2 * (8 // 2) * 32 * (512 // 2) * 4
 
 
 def test_zero2_keeps_two_whole_buckets_in_flight() -> None:

@@ -199,7 +199,8 @@ def _attention(c: SaveContext, op: Op) -> list[Saved]:
 
 
 def _cross_entropy(c: SaveContext, op: Op) -> list[Saved]:
-    """The (log-)softmax, as large as the logits; per token the targets (int64; clamped,
+    """The (log-)softmax, as large as the logits in float32 at least (the loss of 16-bit logits is
+    computed in float32, as autocast and Megatron do); per token the targets (int64; clamped,
     or the local index), the counted mask; vocab-parallel also the in-range mask; the
     local loss keeps nll's total weight, a scalar."""
     logits, targets = op.args[0], op.args[1]
@@ -207,8 +208,8 @@ def _cross_entropy(c: SaveContext, op: Op) -> list[Saved]:
     vocab = c.layouts[logits][0].dims[-1]
     split = op.arg_specs and op.arg_specs[0] and op.arg_specs[0].sharding.axes_of(vocab) and \
         c.mesh.size(*op.arg_specs[0].sharding.axes_of(vocab)) > 1
-    saved = [c.own(op, "softmax", c.value_numel(logits) * c.dtype_bytes),
-             c.own(op, "targets", tokens * INDEX_BYTES), c.own(op, "counted", tokens * c.dtype_bytes)]
+    saved = [c.own(op, "softmax", c.value_numel(logits) * c.compute_bytes),  # 16-bit logits: in float32
+             c.own(op, "targets", tokens * INDEX_BYTES), c.own(op, "counted", tokens * c.compute_bytes)]
     return saved + [c.own(op, "in range", tokens) if split else c.own(op, "total weight", c.dtype_bytes)]
 
 

@@ -108,8 +108,9 @@ def working_set(c: SaveContext, graph: Graph, unit: Unit, recompute: str) -> int
 
 def loss_bytes(c: SaveContext, graph: Graph, unit: Unit) -> int:
     items, _ = _items(graph, unit)
-    return max((2 * c.value_bytes(op.args[0]) for op in items if isinstance(op, Op) and op.kind == "cross_entropy"),
-               default=0)
+    # two logits-sized tensors at once (16-bit logits: computed in float32, fivedc/runtime/precision.py)
+    return max((2 * c.value_numel(op.args[0]) * c.compute_bytes for op in items
+                if isinstance(op, Op) and op.kind == "cross_entropy"), default=0)
 
 
 def _kernel_buffers(c: SaveContext, graph: Graph, unit: Unit, kind: str) -> int:

@@ -218,7 +218,17 @@ class _RMSNorm(torch.autograd.Function):
 
 def _rmsnorm(ctx, op, args, dims):
     x, w = args
-    return _RMSNorm.apply(x, w, float(op.attr("eps", 1e-5)))
+    eps = float(op.attr("eps", 1e-5))
+    if torch.compiler.is_compiling():  # a compiled region (fivedc/runtime/regions.py): plain ops, which
+        xc = x.to(compute_dtype(x.dtype))  # the compiler fuses and differentiates itself
+        return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * w.to(xc.dtype)).to(x.dtype)
+    return _RMSNorm.apply(x, w, eps)
+
+
+def _swiglu(ctx, op, args, dims):
+    if torch.compiler.is_compiling():
+        return F.silu(args[0]) * args[1]
+    return _SwiGLU.apply(args[0], args[1])
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -412,7 +422,7 @@ KERNELS: dict[str, Kernel] = {
     "relu": _unary(F.relu),
     "tanh": _unary(torch.tanh),
     "sigmoid": _unary(torch.sigmoid),
-    "swiglu": lambda ctx, op, args, dims: _SwiGLU.apply(args[0], args[1]),
+    "swiglu": _swiglu,
     "rmsnorm": _rmsnorm,
     "layernorm": _layernorm,
     "rope": _rope,

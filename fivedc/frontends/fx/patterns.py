@@ -36,6 +36,24 @@ from fivedc.frontends.fx.recognise import CASTS, capped_attention, op_name, refe
 from fivedc.ir.ops import freqs_text
 
 
+def _table_freqs(cos: torch.Tensor, sin: torch.Tensor, axis: int, half: int) -> torch.Tensor:
+    """The rotary frequencies of cos/sin tables along `axis`: read at position 1, then refined at
+    the last position P (its angle unwrapped by the first estimate: P times more digits, which
+    a long float32 table needs, its position-1 row holding only float32's)."""
+    def row(position: int) -> tuple:
+        return tuple(position if a == axis else 0 for a in range(cos.dim() - 1))
+
+    freqs = torch.atan2(sin[row(1)][:half].double(), cos[row(1)][:half].double())
+    last = cos.shape[axis] - 1
+    if last > 1:
+        seen = torch.atan2(sin[row(last)][:half].double(), cos[row(last)][:half].double())
+        turns = torch.round((last * freqs - seen) / (2 * math.pi))
+        refined = (seen + 2 * math.pi * turns) / last
+        # only where the first estimate's error, times P, cannot skip a turn
+        freqs = torch.where((refined - freqs).abs() * last < 1.0, refined, freqs)
+    return freqs
+
+
 # ---- graph patterns -------------------------------------------------------------------
 class _Matcher:
     def __init__(self, gm: fx.GraphModule, values: dict) -> None:
@@ -285,6 +303,7 @@ class _Matcher:
         half = value.shape[-1] // 2
         if not isinstance(cos, torch.Tensor) or cos.dim() != value.dim() or half < 2:
             return None
+        value, cos, sin = value.detach().cpu(), cos.detach().cpu(), sin.detach().cpu()  # (traced on a GPU)
         seq_axes = [a for a in range(value.dim() - 1) if cos.shape[a] == value.shape[a] > 1]
         if len(seq_axes) != 1:
             return None
@@ -301,11 +320,16 @@ class _Matcher:
         theta = angle ** (-half)
         rotated = torch.cat((-value[..., half:], value[..., :half]), dim=-1)
         computed = value * cos + rotated * sin
-        row = tuple(1 if a == axis else 0 for a in range(value.dim() - 1))
-        freqs = torch.atan2(sin[row][:half].double(), cos[row][:half].double())
+        freqs = _table_freqs(cos, sin, axis, half)
         exact = theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
-        given = None if torch.allclose(freqs, exact, rtol=1e-13, atol=0) else freqs
-        if torch.allclose(computed, reference_rope(value, axis, theta, given), rtol=1e-5, atol=1e-6):
+        eps = torch.finfo(cos.dtype).eps if cos.is_floating_point() else 0.0
+        # a float32 table rounds its angles: equal to theta's frequencies up to that rounding is theta's
+        close = 1e-13 if cos.dtype == torch.float64 else 4 * eps
+        given = None if torch.allclose(freqs, exact, rtol=close, atol=0) else freqs
+        # the tables' own rounding grows with the angle (position x frequency): allowed, no more
+        largest = (cos.shape[axis] - 1) * float(freqs.max())
+        atol = 1e-6 + 4 * eps * largest * float(value.abs().max())
+        if torch.allclose(computed, reference_rope(value, axis, theta, given), rtol=1e-5, atol=atol):
             return theta, axis, freqs_text(given.tolist()) if given is not None else ""
         return None
 

@@ -165,7 +165,7 @@ def rope_theta(m: nn.Module, x: torch.Tensor, seq_axis: int) -> float | None:
         candidates.append(float(inv_freq[1].double() ** (-half)))
     candidates += [10000.0, 500000.0]
     gen = torch.Generator().manual_seed(0)
-    probe = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    probe = torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device)
     try:
         with torch.no_grad():
             out = m(probe)
@@ -173,8 +173,10 @@ def rope_theta(m: nn.Module, x: torch.Tensor, seq_axis: int) -> float | None:
         return None
     if not isinstance(out, torch.Tensor) or out.shape != probe.shape:
         return None
+    # a table in x's dtype rounds its angles (up to the last position, frequency 1): allowed, no more
+    atol = 1e-6 + 4 * torch.finfo(x.dtype).eps * (x.shape[seq_axis] - 1) * float(probe.abs().max())
     for theta in candidates:
-        if torch.allclose(out, reference_rope(probe, seq_axis, theta), rtol=1e-5, atol=1e-6):
+        if torch.allclose(out, reference_rope(probe, seq_axis, theta), rtol=1e-5, atol=atol):
             return theta
     return None
 
@@ -185,7 +187,8 @@ def reference_rope(x: torch.Tensor, seq_axis: int, theta: float, freqs: torch.Te
     half = x.shape[-1] // 2
     if freqs is None:
         freqs = theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
-    angles = torch.arange(x.shape[seq_axis], dtype=torch.float64)[:, None] * freqs[None, :]
+    freqs = freqs.to(x.device)  # a model traced on a GPU checks its tables there
+    angles = torch.arange(x.shape[seq_axis], dtype=torch.float64, device=x.device)[:, None] * freqs[None, :]
     shape = [1] * x.dim()
     shape[seq_axis], shape[-1] = x.shape[seq_axis], half
     cos, sin = angles.cos().to(x.dtype).reshape(shape), angles.sin().to(x.dtype).reshape(shape)
