@@ -32,7 +32,7 @@ from fivedc.passes.param_sync import (
 from fivedc.passes.recompute import recompute_notes
 from fivedc.passes.stage_plan import choose_schedule, partition_stages, pipeline_collectives
 from fivedc.passes.stages import PipelineSpec, chunk_starts
-from fivedc.passes.tied import tied_groups
+from fivedc.passes.tied import TiedGroup, tied_groups
 from fivedc.plan.execution_plan import PLAN_VERSION, ExecutionPlan, graph_collectives, groups_of
 from fivedc.schedule import Schedule
 
@@ -54,6 +54,7 @@ class Draft:
     buckets: tuple[Bucket, ...] = ()  # buckets
     sums: tuple[Collective, ...] = ()  # buckets: each bucket's gradient sum
     copy_sync: tuple[Collective, ...] = ()  # buckets: DualPipe's two copies add their gradients
+    tied: tuple[TiedGroup, ...] = ()  # buckets: top-level parameters several pp ranks hold copies of
     tied_sync: tuple[Collective, ...] = ()  # buckets: pp ranks holding a tied parameter sum its gradient
     gathers: tuple[Collective, ...] = ()  # zero: ZeRO's gathers by the buckets
     notes: tuple[str, ...] = ()  # recompute, zero
@@ -123,7 +124,7 @@ class BucketGradients(PlanningPass):
         sums = sum_collectives(buckets, mesh, zero=zero, overlap=options.overlap, pipelined=draft.pipeline is not None)
         copies = copy_sync_collectives(graph, mesh, draft.pipeline, options.dtype_bytes, zero,
                                        tied=frozenset(n for g in tied for n in g.names))
-        return replace(draft, buckets=buckets, sums=tuple(sums), copy_sync=tuple(copies),
+        return replace(draft, buckets=buckets, sums=tuple(sums), copy_sync=tuple(copies), tied=tied,
                        tied_sync=tuple(tied_sync_collectives(graph, mesh, tied, options.dtype_bytes)))
 
 
@@ -146,7 +147,7 @@ class EstimateMemory(PlanningPass):
         return replace(draft, memory=estimate_memory(
             draft.graph, mesh=options.mesh, dtype=options.dtype, dtype_bytes=options.dtype_bytes, zero=options.zero,
             pipeline=draft.pipeline, recompute=draft.recompute, buckets=draft.buckets, overlap=options.overlap,
-            memo=draft.memo))
+            memo=draft.memo, tied=draft.tied))
 
 
 class EstimateTime(PlanningPass):
@@ -159,7 +160,7 @@ class EstimateTime(PlanningPass):
         return replace(draft, time=estimate_time(
             draft.graph, mesh=options.mesh, dtype=options.dtype, dtype_bytes=options.dtype_bytes, zero=options.zero,
             overlap=options.overlap, buckets=draft.buckets, pipeline=draft.pipeline, recompute=draft.recompute,
-            hardware=options.hardware, memo=draft.memo))
+            hardware=options.hardware, memo=draft.memo, tied=draft.tied))
 
 
 def assemble(draft: Draft, options: CompileOptions) -> ExecutionPlan:
