@@ -136,7 +136,8 @@ def tied_sync_collectives(graph: Graph, mesh: Mesh, groups, dtype_bytes: int) ->
             nbytes, f"tied weights: pipeline chunks on pp ranks {ranks} each use and hold a copy of "
             f"{', '.join(group.names)}; each copy's gradient has only its own uses: sum them over the pp ranks "
             "that hold it (a group of those ranks for each coordinate of the other axes), so the copies take the "
-            "same update", loc=loc, overlaps="nothing (after the last microbatch's backward, before the gradient sync)"))
+            "same update", loc=loc,
+            overlaps="nothing (after the last microbatch's backward, before the gradient sync)"))
     return out
 
 
