@@ -114,7 +114,8 @@ def _covers(writes: list[_Write], shape: tuple[int, ...]) -> bool:
 
 def _rewrite(graph: fx.Graph, base: fx.Node, writes: list[_Write]) -> None:
     shape = _shape(base)
-    with graph.inserting_after(writes[-1].copy):
+    readers = [u for u in base.users if u not in {w.view for w in writes}]  # before the new nodes read it
+    with graph.inserting_before(writes[-1].copy.next):  # in order, after the last write
         values = [_as_slice(graph, w) for w in writes]
         if _covers(writes, shape):
             result = graph.call_function(aten.cat.default, (values, writes[0].dim))
@@ -122,7 +123,7 @@ def _rewrite(graph: fx.Graph, base: fx.Node, writes: list[_Write]) -> None:
             result = _scattered(graph, base, writes, values)
     result.meta = {k: v for k, v in base.meta.items() if k != "val"} | {"val": base.meta.get("val")}
     result.meta["stack_trace"] = writes[-1].copy.meta.get("stack_trace", base.meta.get("stack_trace", ""))
-    for reader in [u for u in base.users if u not in {w.view for w in writes}]:
+    for reader in readers:
         reader.replace_input_with(base, result)
     for w in writes:
         graph.erase_node(w.copy)
