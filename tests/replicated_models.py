@@ -160,6 +160,49 @@ def tied_lm(seed: int = 0):
     return TiedLM().double(), (torch.randint(0, 32, (4, 8)),)
 
 
+class TiedTargets(TiedLM):
+    """TiedLM with its targets given (no replicated label shift), so a pipeline can run it in
+    microbatches; `fivedc_stage_boundary` on its head: the head's chunk reads the table again."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        b, s, _ = h.shape
+        q = self.q(h).view(b, s, 2, 8).transpose(1, 2)
+        k = self.k(h).view(b, s, 2, 8).transpose(1, 2)
+        v = self.v(h).view(b, s, 2, 8).transpose(1, 2)
+        h = h + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 16))
+        h = h + self.down(F.gelu(self.up(h)))
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def tied_targets(seed: int = 0):
+    torch.manual_seed(seed)
+    return TiedTargets().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
+class FilledSlices(RunningSum):
+    """A tensor allocated, then written slice by slice (as DeepSeek-V3's `expand_kv` builds its
+    keys): covering the last dim in order (`new_empty`), and part of it over zeros (`new_zeros`)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        b, s, _ = h.shape
+        both = h.new_empty(b, s, 32)
+        both[..., :16].copy_(h)
+        both[..., 16:].copy_(torch.tanh(h[..., :1]))  # broadcast along the slice, as copy_ does
+        middle = h.new_zeros(b, s, 32)
+        middle[..., 8:24].copy_(h * 2.0)
+        h = h + self.down(F.gelu(self.up(h)) + both + middle)
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def filled_slices(seed: int = 0):
+    torch.manual_seed(seed)
+    return FilledSlices().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
 class Transposed(RunningSum):
     """A linear over a transposed view whose dims the IR holds in another order (the result of an
     op without a rule, viewed back as torch's [batch, seq, hidden] without .contiguous())."""

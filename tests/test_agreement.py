@@ -28,8 +28,8 @@ from fivedc.runtime.train import TrainSettings
 from wire_log import by_group, expected_calls, record_step, same_call
 
 
-def compiled(model: str, mesh: str, **options):
-    graph = load_model(model) if model.endswith(".5d") else load_graph(model)
+def compiled(model: str, mesh: str, stage_boundaries: tuple[str, ...] = (), **options):
+    graph = load_model(model) if model.endswith(".5d") else load_graph(model, stage_boundaries)
     return compile_graph(graph, CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64", **options))
 
 
@@ -44,6 +44,8 @@ def compiled(model: str, mesh: str, **options):
     ("examples/tiny_llama.5d", "1x2x1x1x1", dict(schedule="dualpipe", microbatches=4, zero=1)),  # two copies
     # the library's loss: its shifted labels (pad, slice along the sequence under cp) counted for the step up front
     ("examples/hf_models.py:llama", "1x2x1x2x1", dict(schedule="1f1b", microbatches=2)),
+    # a tied table on both stages: its copies' gradients summed over pp, then each stage's ZeRO-1 buckets over dp
+    ("tests/replicated_models.py:tied_targets", "2x2x1x1x1", dict(stage_boundaries=("head",), microbatches=2, zero=1)),
 ])
 def test_the_programs_are_what_the_runtime_calls(model, mesh, options, worker_pool) -> None:
     plan = compiled(model, mesh, **options)

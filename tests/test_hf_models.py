@@ -17,9 +17,9 @@ from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E4
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
                  "deepseek_v3")
-# compiled and verified in parallel by the tests below (llama, gpt2, gemma, qwen3_moe), or as a logits-loss
+# compiled and verified in parallel by the tests below (llama, gpt2, gemma, qwen3_moe, deepseek_v3), or as a logits-loss
 # model in tests/test_fx_hf_patterns.py (qwen3): not traced again here; all: the matrix
-COVERED_BELOW = ("llama", "gpt2", "gemma", "qwen3_moe", "qwen3")
+COVERED_BELOW = ("llama", "gpt2", "gemma", "qwen3_moe", "qwen3", "deepseek_v3")
 # compiled where their own paths meet other ranks, so that the agreement proof runs on those plans:
 # softcap attention on the cp ring, Mixtral's MoE blocks from the library over ep
 MESHES = {"gemma2": "1x1x1x2x1", "mixtral": "1x1x1x1x2"}
@@ -46,6 +46,9 @@ def test_the_examples_list_every_architecture() -> None:
     ("gpt2", "1x1x1x2x1", {}),  # Conv1D as addmm, tanh GELU on shards, tied table
     ("gemma", "1x1x1x2x1", {}),  # its RMSNorm (1 + w) on shards, scaled embedding, tied table
     ("llama_logits", "1x2x1x1x1", {"microbatches": 2}),  # pipeline stages at the inlined layers
+    # multi-head latent attention: keys written slice by slice into new_empty (as cat), q and k made
+    # [batch, heads, seq, head_dim] by cat (moved into the IR attention's order on shards); its MoE
+    ("deepseek_v3", "2x1x2x1x1", {}),
 ])
 def test_library_models_train_in_parallel(worker_pool, arch: str, mesh: str, options: dict) -> None:
     """Each with what it brought: the run equals the module's in float64 (dropout off in both: the IR

@@ -86,14 +86,18 @@ def test_plan_lists_the_p2p_transfers_and_memory_per_stage() -> None:
     assert plan.memory.params < whole.memory.params  # each rank holds only its chunks' parameters
 
 
-def test_shared_parameter_across_stages_is_refused() -> None:
+def test_a_parameter_used_on_two_stages_is_held_by_both_and_summed_over_them() -> None:
+    """The first and the last chunk read wte2: each pp rank holds a copy, and the plan sums their
+    gradients over pp (the tied weights of fivedc/passes/tied.py; tests/test_tied_weights.py trains them)."""
     text = small(layers=2).replace("linear(rmsnorm(x, lnf), w_head)", "linear(rmsnorm(x, lnf), wte2)") \
         .replace("param w_head: [hidden, vocab] = normal(0.3)", "")
     text = text.replace("param wte: [vocab, hidden] = normal(0.5)",
                         "param wte: [vocab, hidden] = normal(0.5)\n  param wte2: [hidden, vocab]")
     text = text.replace("x = embedding(tokens, wte)", "x = embedding(tokens, wte)\n  y = linear(x, wte2)")
-    with pytest.raises(PlanError, match="used in two places"):
-        compile_text(text, "1x2x1x1x1")
+    plan = compile_text(text, "1x2x1x1x1")
+    assert all("wte2" in chunk_param_names(plan.graph, plan.pipeline, pp_rank=r) for r in (0, 1))
+    sums = [c for c in plan.collectives if c.axes == (MeshAxis.PP,) and c.kind == CollectiveKind.ALL_REDUCE]
+    assert [(c.phase, c.tensor) for c in sums] == [(Phase.GRAD_SYNC, "tied wte2 (pp ranks 0, 1)")]
 
 
 # ---- bad input ------------------------------------------------------------------------------

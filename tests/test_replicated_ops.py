@@ -241,6 +241,22 @@ def test_writes_in_place_on_a_tensor_of_its_own_become_pure_ops(worker_pool) -> 
     assert info.value.loc.line == line_of(WritesThroughAView.forward, "first.mul_")
 
 
+def test_a_tensor_written_slice_by_slice_becomes_cat_or_slice_scatter(worker_pool) -> None:
+    """`new_empty` then `copy_` into slices covering a dim in order is the `cat` of what was copied;
+    `new_zeros` written in part is a `slice_scatter` into zeros (fx/fill_writes.py): no write is left,
+    the captured graph computes the module's loss and gradients, and dp2·tp2 trains as one device."""
+    from replicated_models import filled_slices
+
+    module, inputs = filled_slices()
+    tm = trace_module(module, inputs)
+    targets = [str(op.attr("target")) for op in _islands(tm.graph)]
+    assert "aten.cat.default" in targets and "aten.slice_scatter.default" in targets
+    assert not [t for t in targets if "copy_" in t or "empty" in t]
+    assert_same_as_module(tm, module, inputs)
+    report = check_module(f"{MODELS}:filled_slices", mesh="2x1x2x1x1", steps=2, dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+
+
 def test_a_linear_over_a_transposed_view_moves_it_into_memory_order_first(worker_pool) -> None:
     """Where the IR holds a tensor's dims in another order than the torch view a linear reads, a
     pointwise `aten.clone` on shards puts them in memory order (`.contiguous()`), not a refusal."""

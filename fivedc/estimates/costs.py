@@ -149,8 +149,10 @@ def node_span(mesh: Mesh, axes: tuple, gpus_per_node: int) -> tuple[int, int]:
     return nodes, max(members.size // nodes, 1)
 
 
-def collective_seconds(kind: CollectiveKind, axes: tuple, nbytes: float, mesh: Mesh, hw: Hardware) -> float:
-    n = mesh.size(*axes)
+def collective_seconds(kind: CollectiveKind, axes: tuple, nbytes: float, mesh: Mesh, hw: Hardware,
+                       members: int | None = None) -> float:
+    """`members`: the group has only that many of the axes' ranks (a tied weight's pp holders)."""
+    n = mesh.size(*axes) if members is None else members
     if n == 1 or kind == K.SLICE:
         return 0.0
     nodes, per_node = node_span(mesh, axes, hw.gpus_per_node)

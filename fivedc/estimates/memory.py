@@ -110,9 +110,11 @@ class MemoryEstimate:
 
 def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int = 0,
                     pipeline: PipelineSpec | None = None, recompute: str = "none", buckets=(),
-                    overlap: bool = True, memo: Memo | None = None) -> MemoryEstimate:
+                    overlap: bool = True, memo: Memo | None = None, tied=()) -> MemoryEstimate:
     """Bytes per class of ranks; the transient is the largest part `fivedc/estimates/transient.py` finds.
-    The per-layer figures come from `memo` (`fivedc/estimates/memo.py`), computed once per graph."""
+    The per-layer figures come from `memo` (`fivedc/estimates/memo.py`), computed once per graph.
+    A tied parameter is held (with its gradient and optimizer state) by every pp rank whose
+    chunks use it; `tied`: the groups whose gradients those ranks sum (`fivedc/passes/tied.py`)."""
     memo = memo_for(memo, graph, mesh, dtype)
     pp = mesh.size(MeshAxis.PP)
     held = [_held(param_sizes(memo), dtype, dtype_bytes, zero, rank_held(memo, pipeline, r))
@@ -120,7 +122,7 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
     activations, regions = rank_activations(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline,
                                             recompute=recompute, memo=memo)
     parts = transients(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
-                       recompute=recompute, regions=regions, buckets=buckets, overlap=overlap, memo=memo)
+                       recompute=recompute, regions=regions, buckets=buckets, overlap=overlap, memo=memo, tied=tied)
     rows = [(params, grads, optimizer, activations[r], max(parts[r].values()))
             for r, (params, grads, optimizer) in enumerate(held)]
     return MemoryEstimate(_classes(rows, pipeline is not None))

@@ -59,8 +59,9 @@ class TimeEstimate:
 
 def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zero: int, overlap: bool,
                   buckets, pipeline: PipelineSpec | None, recompute: str, hardware: Hardware,
-                  memo: Memo | None = None) -> TimeEstimate:
-    """The step on `hardware`, from per-layer seconds computed once per graph (`memo`)."""
+                  memo: Memo | None = None, tied=()) -> TimeEstimate:
+    """The step on `hardware`, from per-layer seconds computed once per graph (`memo`);
+    `tied`: the groups of tied parameters the pp ranks holding them sum (`fivedc/passes/tied.py`)."""
     memo = memo_for(memo, graph, mesh, dtype)
     hw, m = hardware, pipeline.microbatches if pipeline else 1
     c = save_context(memo, dtype_bytes, m, recompute)
@@ -73,9 +74,13 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
     else:
         makespan, bubble, comm = _pipelined(c, pipeline, mesh, hw, times, memo)
         backward = last = 0.0
-    tail = max(_after_backward(param_sizes(memo), mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline,
-                               rank_held(memo, pipeline, r), hw, backward, last, makespan)
-               for r in (range(mesh.size(MeshAxis.PP)) if pipeline else (None,)))
+    def after(r: int | None) -> tuple[float, float, float]:
+        sync, gathers, optimizer = _after_backward(param_sizes(memo), mesh, dtype, dtype_bytes, zero, overlap,
+                                                   buckets, pipeline, rank_held(memo, pipeline, r), hw, backward,
+                                                   last, makespan)
+        return sync + _tied_seconds(param_sizes(memo), tied, r, mesh, dtype_bytes, hw), gathers, optimizer
+
+    tail = max(after(r) for r in (range(mesh.size(MeshAxis.PP)) if pipeline else (None,)))
     sync, gathers, optimizer = tail
     step = makespan + sync + gathers + optimizer
     flops = memo.get(("model flops", dtype_bytes), lambda: model_flops(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes))
@@ -142,6 +147,13 @@ def _after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pip
     if pipeline is not None and pipeline.schedule == "dualpipe":  # the two copies add their gradients
         exposed_sync += collective_seconds(K.SEND_RECV, (MeshAxis.PP,), owned * dtype_bytes, mesh, hw)
     return exposed_sync, gathers, optimizer
+
+
+def _tied_seconds(sizes, tied, pp_rank: int | None, mesh: Mesh, dtype_bytes: int, hw: Hardware) -> float:
+    """The all-reduces of the tied groups pp rank `pp_rank` holds (before its gradient sync)."""
+    local = {param.name: size for param, repeat, size, _, _ in sizes if repeat is None}
+    return sum(collective_seconds(K.ALL_REDUCE, (MeshAxis.PP,), sum(local[n] for n in g.names) * dtype_bytes,
+                                  mesh, hw, members=len(g.pp_ranks)) for g in tied if pp_rank in g.pp_ranks)
 
 
 def closed_form_makespan(schedule: str, p: int, m: int, v: int, forward: float, backward: float) -> float | None:

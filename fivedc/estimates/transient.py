@@ -24,7 +24,9 @@ largest, not their sum, is added to what the rank keeps):
 - ring attention: the K/V block in hand and the one arriving, and in backward their
   gradient accumulators (4 x the packed K/V block at the dtype, 6 x at float32);
 - pipeline sends: one forward and one backward send buffer in flight (2 x the
-  largest boundary).
+  largest boundary);
+- tied parameters: the flat buffer their holders all-reduce their gradients in (the
+  largest group the rank holds), beside the gradients it is made of.
 
 `transients` gives every part per pp rank, so the summary can say which one it is.
 """
@@ -42,7 +44,7 @@ from fivedc.passes.stages import PipelineSpec, Unit
 
 def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
                recompute: str, regions: list[int], buckets=(), overlap: bool = True,
-               memo: Memo | None = None) -> list[dict[str, int]]:
+               memo: Memo | None = None, tied=()) -> list[dict[str, int]]:
     """Per pp rank (one entry without a pipeline): each transient part, in bytes."""
     memo = memo_for(memo, graph, mesh, dtype)
     m = pipeline.microbatches if pipeline else 1
@@ -65,6 +67,10 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
         if pipeline:
             sent = [chunk for chunk in pipeline.chunks if chunk.rank == r and chunk.sends]
             parts["pipeline sends"] = 2 * max((sum(c.value_bytes(n) for n in chunk.sends) for chunk in sent), default=0)
+            params = {p.name: p for p in graph.body.params}
+            parts["tied gradient sum"] = max((sum(graph.local_numel(params[n].dims, params[n].sharding, mesh)
+                                                  for n in g.names) * dtype_bytes for g in tied if r in g.pp_ranks),
+                                             default=0)
         out.append(parts)
     return out
 

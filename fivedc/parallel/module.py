@@ -30,9 +30,11 @@ from torch import Tensor, nn
 from fivedc.errors import FivedcError
 from fivedc.frontends.fx_module import TracedModel
 from fivedc.ir.graph import Param
+from fivedc.ir.mesh import MeshAxis
 from fivedc.parallel.grads import GradSync
 from fivedc.parallel.pipeline import PipelineLoss
 from fivedc.parallel.weights import make_weights
+from fivedc.passes.tied import holder_sets
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.collectives import Step, apply_steps, redistribute
 from fivedc.runtime.kernels import KernelContext
@@ -229,7 +231,8 @@ def _mesh_groups(plan: ExecutionPlan, device: torch.device):
     axis_sets |= {p.grad_partial for _, p in qualified_params(plan.graph) if p.grad_partial}
     axis_sets |= {p.sharding.axes_of(d) for _, p in qualified_params(plan.graph) for d in p.dims}
     axis_sets |= {loss_axes_of(plan.graph, plan.mesh)}
-    return MeshGroups(plan.mesh, device_type=device.type, axis_sets=sorted(a for a in axis_sets if a))
+    return MeshGroups(plan.mesh, device_type=device.type, axis_sets=sorted(a for a in axis_sets if a),
+                      pp_subsets=holder_sets(plan.graph, plan.pipeline, plan.mesh.size(MeshAxis.PP)))
 
 
 def _broadcast(full: dict[str, Tensor], device: torch.device) -> None:

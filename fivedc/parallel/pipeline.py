@@ -14,9 +14,10 @@ accumulates them and the parameters' hooks sum them over dp (`GradSync`).
 Without grad (`torch.no_grad()`), the forward runs the chunks alone
 (`PipelineRunner.forward_only`).
 
-A rank holds only its chunks' parameters (`mine`). `share` completes a gather of
-full tensors (state dicts, gradients) across pp: each pp rank broadcasts those it
-holds.
+A rank holds only its chunks' parameters (`mine`; a tied parameter used on several
+pp ranks has a copy on each, their gradients summed by the runner). `share` completes
+a gather of full tensors (state dicts, gradients) across pp: each pp rank broadcasts
+those it is the first to hold.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class PipelineLoss:
         self.dtype = DTYPES[plan.dtype]
         self.runner = PipelineRunner(program, plan.pipeline, dtype=self.dtype, device=device)
         self.pp_rank = self.ctx.coords[MeshAxis.PP]
-        self.owners = {name: r for r in range(plan.mesh.size(MeshAxis.PP))
-                       for name in chunk_param_names(plan.graph, plan.pipeline, pp_rank=r)}
-        self.mine = {name for name, r in self.owners.items() if r == self.pp_rank}
+        self.owners: dict[str, int] = {}  # the first pp rank holding each (a tied one has copies on several)
+        for r in reversed(range(plan.mesh.size(MeshAxis.PP))):
+            self.owners.update((name, r) for name in chunk_param_names(plan.graph, plan.pipeline, pp_rank=r))
+        self.mine = chunk_param_names(plan.graph, plan.pipeline, pp_rank=self.pp_rank)
         self.loss_group = self.ctx.group(loss_axes_of(plan.graph, plan.mesh))
 
     def loss(self, view: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:

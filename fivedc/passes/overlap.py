@@ -42,12 +42,16 @@ class Bucket:
 
 
 def plan_buckets(graph: Graph, mesh: Mesh, *, param_bytes, bucket_bytes: int,
-                 cuts: frozenset[int] = frozenset()) -> tuple[Bucket, ...]:
+                 cuts: frozenset[int] = frozenset(), apart: tuple[tuple[str, ...], ...] = ()) -> tuple[Bucket, ...]:
     """Buckets in backward order. `param_bytes(param)` is what one parameter adds; `cuts`
     are the top-level items where a pipeline chunk begins (a bucket never spans one:
-    each pp rank syncs the gradients of its own chunks)."""
+    each pp rank syncs the gradients of its own chunks); `apart`: groups of top-level
+    parameters that several pp ranks hold (tied weights, `fivedc/passes/tied.py`), each
+    bucketed on its own, last, so that every bucket is held whole by the ranks that run it."""
     buckets: list[Bucket] = []
-    for segment, repeat in reversed(_segments(graph.body, cuts)):
+    params = {p.name: p for p in graph.body.params}
+    separate = [([params[n] for n in names], None) for names in apart]
+    for segment, repeat in reversed(separate + _segments(graph.body, cuts, {n for g in apart for n in g})):
         open_: dict[tuple, list[Param]] = {}
         for param in reversed(segment):
             if mesh.size(*param.grad_partial) == 1:
@@ -67,11 +71,11 @@ def _bucket(index: int, params: list[Param], repeat: Repeat | None, param_bytes)
                   repeat.count if repeat else 1)
 
 
-def _segments(body: Block, cuts: frozenset[int]) -> list[tuple[list[Param], Repeat | None]]:
-    """The parameters in order of first use, cut at repeat boundaries and at `cuts`."""
+def _segments(body: Block, cuts: frozenset[int], apart: set[str]) -> list[tuple[list[Param], Repeat | None]]:
+    """The parameters in order of first use (but those `apart`), cut at repeat boundaries and at `cuts`."""
     params = {p.name: p for p in body.params}
     segments: list[tuple[list[Param], Repeat | None]] = [([], None)]
-    seen: set[str] = set()
+    seen: set[str] = set(apart)
     for index, item in enumerate(body.items):
         if index in cuts:
             segments.append(([], None))

@@ -121,10 +121,32 @@ def _bucket_gather(bucket: Bucket, mesh: Mesh, zero: int) -> Collective:
                       count=bucket.count, overlaps="nothing (after the optimizer step)")
 
 
-def copy_sync_collectives(graph: Graph, mesh: Mesh, pipeline, dtype_bytes: int, zero: int) -> list[Collective]:
+def tied_sync_collectives(graph: Graph, mesh: Mesh, groups, dtype_bytes: int) -> list[Collective]:
+    """Per group of tied parameters (`fivedc/passes/tied.py`): after the last microbatch's
+    backward, before the gradient sync, the pp ranks that hold them sum their gradients of
+    the parameters' uses on their chunks (their local tensors, one flat buffer)."""
+    out = []
+    params = {p.name: p for p in graph.body.params}
+    for group in groups:
+        nbytes = sum(graph.local_numel(params[n].dims, params[n].sharding, mesh) for n in group.names) * dtype_bytes
+        ranks = ", ".join(map(str, group.pp_ranks))
+        loc = next((params[n].loc for n in group.names if params[n].loc is not None), None)
+        out.append(Collective(
+            K.ALL_REDUCE, (MeshAxis.PP,), Phase.GRAD_SYNC, f"tied {', '.join(group.names)} (pp ranks {ranks})",
+            nbytes, f"tied weights: pipeline chunks on pp ranks {ranks} each use and hold a copy of "
+            f"{', '.join(group.names)}; each copy's gradient has only its own uses: sum them over the pp ranks "
+            "that hold it (a group of those ranks for each coordinate of the other axes), so the copies take the "
+            "same update", loc=loc,
+            overlaps="nothing (after the last microbatch's backward, before the gradient sync)"))
+    return out
+
+
+def copy_sync_collectives(graph: Graph, mesh: Mesh, pipeline, dtype_bytes: int, zero: int,
+                          tied: frozenset[str] = frozenset()) -> list[Collective]:
     """DualPipe keeps two copies of the model: pp ranks r and p-1-r hold the same chunks
     (one of each copy), each copy sees half the microbatches, so after the gradient sync
-    the two exchange their summed gradients (the chunk ZeRO keeps) and add them."""
+    the two exchange their summed gradients (the chunk ZeRO keeps) and add them; but the
+    `tied` parameters, which more ranks hold and which are summed over all of them before."""
     if pipeline is None or pipeline.schedule != "dualpipe":
         return []
     from fivedc.passes.stages import chunk_param_names
@@ -134,7 +156,8 @@ def copy_sync_collectives(graph: Graph, mesh: Mesh, pipeline, dtype_bytes: int, 
         local = chunk_param_names(graph, pipeline, pp_rank=r)
         nbytes = 0
         for param, repeat in walk_params(graph.body):
-            n = (param.name in local) if repeat is None else sum(f"{repeat.name}.{i}.{param.name}" in local
+            n = (param.name in local and param.name not in tied) if repeat is None else sum(
+                f"{repeat.name}.{i}.{param.name}" in local
                                                                   for i in range(repeat.count))
             each = zero_chunk(graph, mesh, param) if zero else graph.local_numel(param.dims, param.sharding, mesh)
             nbytes += each * n * dtype_bytes

@@ -85,7 +85,8 @@ def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple
     across candidates); without one they are computed, to the same figures."""
     p, all_units = sched.p, _cached(memo, "units", lambda: units(graph))
     n_chunks = p * sched.v // sched.pipelines  # the model's chunks (DualPipe runs each on two ranks)
-    costs, sizes = _cached(memo, ("unit costs", dtype_bytes), lambda: unit_costs(graph, mesh, dtype_bytes))
+    unit_cost = _cached(memo, ("unit costs", dtype_bytes), lambda: unit_costs(graph, mesh, dtype_bytes))
+    costs = list(unit_cost.costs)
     if has_marks(graph):
         ranges, cut = marked_ranges(all_units), "marks"
     elif layout is not None:
@@ -104,7 +105,8 @@ def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple
         boundaries = _cached(memo, "boundaries", lambda: all_boundary_values(graph))
         sends = boundaries[b] if k % n_chunks < n_chunks - 1 else ()
         _check_sends(graph, sends, k % n_chunks)
-        chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
+        chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), unit_cost.chunk_param_bytes(a, b),
+                            sends))
     return PipelineSpec(sched.name, sched.m, sched.v, tuple(chunks), cut)
 
 

@@ -12,7 +12,8 @@ in layers says (`layout_ranges`), or by `partition`, so the most expensive chunk
 as cheap as it can be.
 The schedule's placement puts chunk c on a pp rank. Values live across a cut are
 what one chunk sends the next (`boundary_values`); inputs are on every rank, and
-parameters are not sent: each lives on the rank of the one chunk that uses it.
+parameters are not sent: each lives on the ranks of the chunks that use it (a tied
+table used by the first and the last chunk on both: `fivedc/passes/tied.py`).
 `fivedc/passes/stage_plan.py` turns these into the plan's `PipelineSpec`.
 
 Cost of an op: its multiply-adds on one rank (linear: output elements x contracted
@@ -152,7 +153,23 @@ def op_cost(graph: Graph, op: Op, mesh: Mesh, types: dict) -> float:
     return float(out)
 
 
-def unit_costs(graph: Graph, mesh: Mesh, dtype_bytes: int) -> tuple[list[float], list[int]]:
+@dataclass(frozen=True, slots=True)
+class UnitCosts:
+    """Per unit: its cost, the bytes of its own parameters (a layer's), and the top-level
+    parameters it reads (a tied table is read by two units: a chunk counts it once,
+    `chunk_param_bytes`); the bytes of each top-level parameter."""
+
+    costs: tuple[float, ...]
+    own_bytes: tuple[int, ...]
+    reads: tuple[frozenset[str], ...]
+    top_bytes: dict[str, int]
+
+    def chunk_param_bytes(self, first: int, stop: int) -> int:
+        read = frozenset().union(*self.reads[first:stop])
+        return sum(self.own_bytes[first:stop]) + sum(self.top_bytes[n] for n in read)
+
+
+def unit_costs(graph: Graph, mesh: Mesh, dtype_bytes: int) -> UnitCosts:
     """Cost and parameter bytes of every unit."""
     types = {}
     for node, _ in walk_ops(graph.body):
@@ -167,37 +184,23 @@ def unit_costs(graph: Graph, mesh: Mesh, dtype_bytes: int) -> tuple[list[float],
     def params_bytes(params) -> int:
         return sum(graph.local_numel(p.dims, p.sharding, mesh) for p in params) * dtype_bytes
 
-    used = _top_level_param_users(graph)
-    costs, sizes, layers = [], [], {}
+    items, top = graph.body.items, {p.name for p in graph.body.params}
+    costs, sizes, reads, layers = [], [], [], {}
     for unit in units(graph):
         if unit.layer is not None:  # every layer of a repeat costs the same
             if unit.start not in layers:
-                body = graph.body.items[unit.start].body
-                layers[unit.start] = (block_cost(body.items), params_bytes(body.params))
-            costs.append(layers[unit.start][0])
-            sizes.append(layers[unit.start][1])
+                body = items[unit.start].body
+                layers[unit.start] = (block_cost(body.items), params_bytes(body.params),
+                                      frozenset(outer_params(items[unit.start], top)))
+            cost, size, read = layers[unit.start]
         else:
-            costs.append(block_cost(graph.body.items[unit.start:unit.stop]))
-            mine = [p for p in graph.body.params if used.get(p.name) == unit.start]
-            sizes.append(params_bytes(mine))
-    return costs, sizes
-
-
-def _top_level_param_users(graph: Graph) -> dict[str, int]:
-    """Top-level parameter -> the start item of the unit using it (refusing two units)."""
-    top = {p.name for p in graph.body.params}
-    owner: dict[str, int] = {}
-    for unit in units(graph):
-        items = graph.body.items[unit.start:unit.stop]
-        for name in _names_read(Block(items=tuple(items))) & top:
-            previous = owner.setdefault(name, unit.start)
-            if previous != unit.start:
-                raise PlanError(
-                    f"parameter {name} is used in two places along the model (items {previous} and {unit.start}); "
-                    "pipeline stages cannot share a parameter",
-                    hint="untie it (give each use its own parameter) or use pp=1",
-                )
-    return owner
+            cost, size = block_cost(items[unit.start:unit.stop]), 0
+            read = frozenset(unit_top_params(items, unit, top))
+        costs.append(cost)
+        sizes.append(size)
+        reads.append(read)
+    top_bytes = {p.name: params_bytes((p,)) for p in graph.body.params}
+    return UnitCosts(tuple(costs), tuple(sizes), tuple(reads), top_bytes)
 
 
 def partition(costs: list[float], parts: int, *, what: str = "units") -> list[tuple[int, int]]:

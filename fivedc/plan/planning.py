@@ -23,12 +23,16 @@ from fivedc.estimates.memory import MemoryEstimate, estimate_memory
 from fivedc.estimates.saved import regather_collectives
 from fivedc.estimates.step_time import TimeEstimate, estimate_time
 from fivedc.ir.graph import Collective, Graph
+from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.passes.overlap import Bucket, plan_buckets
-from fivedc.passes.param_sync import copy_sync_collectives, sum_collectives, sync_bytes, zero_gathers, zero_notes
+from fivedc.passes.param_sync import (
+    copy_sync_collectives, sum_collectives, sync_bytes, tied_sync_collectives, zero_gathers, zero_notes,
+)
 from fivedc.passes.recompute import recompute_notes
 from fivedc.passes.stage_plan import choose_schedule, partition_stages, pipeline_collectives
 from fivedc.passes.stages import PipelineSpec, chunk_starts
+from fivedc.passes.tied import TiedGroup, tied_groups
 from fivedc.plan.execution_plan import PLAN_VERSION, ExecutionPlan, graph_collectives, groups_of
 from fivedc.schedule import Schedule
 
@@ -50,6 +54,8 @@ class Draft:
     buckets: tuple[Bucket, ...] = ()  # buckets
     sums: tuple[Collective, ...] = ()  # buckets: each bucket's gradient sum
     copy_sync: tuple[Collective, ...] = ()  # buckets: DualPipe's two copies add their gradients
+    tied: tuple[TiedGroup, ...] = ()  # buckets: top-level parameters several pp ranks hold copies of
+    tied_sync: tuple[Collective, ...] = ()  # buckets: pp ranks holding a tied parameter sum its gradient
     gathers: tuple[Collective, ...] = ()  # zero: ZeRO's gathers by the buckets
     notes: tuple[str, ...] = ()  # recompute, zero
     memory: MemoryEstimate | None = None  # memory
@@ -107,15 +113,19 @@ class BucketGradients(PlanningPass):
     def plan(self, draft: Draft, options: CompileOptions) -> Draft:
         graph, mesh, zero = draft.graph, options.mesh, options.zero
         cuts = chunk_starts(graph, draft.pipeline)
+        tied = tied_groups(graph, draft.pipeline, mesh.size(MeshAxis.PP))
+        apart = tuple(group.names for group in tied)
 
         def buckets_of() -> tuple[Bucket, ...]:
-            return plan_buckets(graph, mesh, bucket_bytes=options.bucket_bytes, cuts=cuts,
+            return plan_buckets(graph, mesh, bucket_bytes=options.bucket_bytes, cuts=cuts, apart=apart,
                                 param_bytes=lambda p: sync_bytes(graph, mesh, p, options.dtype_bytes, zero))
-        key = ("buckets", options.dtype_bytes, zero, options.bucket_bytes, cuts)
+        key = ("buckets", options.dtype_bytes, zero, options.bucket_bytes, cuts, apart)
         buckets = buckets_of() if draft.memo is None else draft.memo.get(key, buckets_of)
         sums = sum_collectives(buckets, mesh, zero=zero, overlap=options.overlap, pipelined=draft.pipeline is not None)
-        return replace(draft, buckets=buckets, sums=tuple(sums),
-                       copy_sync=tuple(copy_sync_collectives(graph, mesh, draft.pipeline, options.dtype_bytes, zero)))
+        copies = copy_sync_collectives(graph, mesh, draft.pipeline, options.dtype_bytes, zero,
+                                       tied=frozenset(n for g in tied for n in g.names))
+        return replace(draft, buckets=buckets, sums=tuple(sums), copy_sync=tuple(copies), tied=tied,
+                       tied_sync=tuple(tied_sync_collectives(graph, mesh, tied, options.dtype_bytes)))
 
 
 class ShardZero(PlanningPass):
@@ -137,7 +147,7 @@ class EstimateMemory(PlanningPass):
         return replace(draft, memory=estimate_memory(
             draft.graph, mesh=options.mesh, dtype=options.dtype, dtype_bytes=options.dtype_bytes, zero=options.zero,
             pipeline=draft.pipeline, recompute=draft.recompute, buckets=draft.buckets, overlap=options.overlap,
-            memo=draft.memo))
+            memo=draft.memo, tied=draft.tied))
 
 
 class EstimateTime(PlanningPass):
@@ -150,16 +160,16 @@ class EstimateTime(PlanningPass):
         return replace(draft, time=estimate_time(
             draft.graph, mesh=options.mesh, dtype=options.dtype, dtype_bytes=options.dtype_bytes, zero=options.zero,
             overlap=options.overlap, buckets=draft.buckets, pipeline=draft.pipeline, recompute=draft.recompute,
-            hardware=options.hardware, memo=draft.memo))
+            hardware=options.hardware, memo=draft.memo, tied=draft.tied))
 
 
 def assemble(draft: Draft, options: CompileOptions) -> ExecutionPlan:
     """The plan of a finished draft: the collectives in a fixed order (the graph's, the
-    gradient sums, ZeRO's gathers, SP's gathers again, the pipeline's, DualPipe's) and
-    the groups they use."""
+    gradient sums, ZeRO's gathers, SP's gathers again, the pipeline's, the tied parameters'
+    sums, DualPipe's) and the groups they use."""
     graph, mesh = draft.graph, options.mesh
     collectives = (graph_collectives(graph) + draft.sums + draft.gathers + draft.regathers + draft.transfers
-                   + draft.copy_sync)
+                   + draft.tied_sync + draft.copy_sync)
     return ExecutionPlan(PLAN_VERSION, graph, mesh, options.sp_enabled(graph), options.dtype,
                          groups_of(mesh, collectives), collectives, draft.memory, options.zero, options.overlap,
                          options.bucket_bytes, draft.buckets, draft.pipeline, draft.notes, draft.recompute, draft.time)

@@ -69,8 +69,11 @@ class PpClasses:
     def __init__(self, mesh: Mesh) -> None:
         self.mesh, self.p = mesh, mesh.size(MeshAxis.PP)
 
-    def member_sets(self, axes: tuple[MeshAxis, ...]) -> list[tuple[object, ...]]:
-        """The classes each group over `axes` spans (one entry per kind of group)."""
+    def member_sets(self, axes: tuple[MeshAxis, ...], pp_ranks: tuple[int, ...] = ()) -> list[tuple[object, ...]]:
+        """The classes each group over `axes` spans (one entry per kind of group); a group of
+        only some pp ranks (`pp_ranks`: a tied weight's holders) spans those."""
+        if pp_ranks:
+            return [pp_ranks]
         if MeshAxis.PP in axes:
             return [tuple(range(self.p))]
         return [(s,) for s in range(self.p)]
@@ -87,10 +90,14 @@ class RankClasses(PpClasses):
         super().__init__(mesh)
         self.class_of = class_of
 
-    def member_sets(self, axes):
+    def member_sets(self, axes, pp_ranks: tuple[int, ...] = ()):
         seen: dict[tuple, None] = {}
         for rank in range(self.mesh.world):
-            seen[tuple(sorted({self.class_of[r] for r in self.mesh.group_ranks(axes, rank)}, key=str))] = None
+            if pp_ranks and self.mesh.coords(rank)[MeshAxis.PP] not in pp_ranks:
+                continue
+            members = [r for r in self.mesh.group_ranks(axes, rank)
+                       if not pp_ranks or self.mesh.coords(r)[MeshAxis.PP] in pp_ranks]
+            seen[tuple(sorted({self.class_of[r] for r in members}, key=str))] = None
         return list(seen)
 
     def describe(self, key) -> str:
@@ -104,30 +111,30 @@ def prove_agreement(plan, *, programs: dict | None = None, classes: PpClasses | 
     start = time.perf_counter()
     programs = class_programs(plan) if programs is None else programs
     classes = classes or PpClasses(plan.mesh)
-    kinds = {e.axes for events in programs.values() for e in events if e.op not in ("send", "recv")}
+    kinds = {e.group for events in programs.values() for e in events if e.op not in ("send", "recv")}
     across = 0
-    for axes in sorted(kinds):
-        for members in classes.member_sets(axes):
+    for group in sorted(kinds):
+        for members in classes.member_sets(*group):
             across += len(members) > 1
-            _same_sequences(axes, members, programs, classes)
+            _same_sequences(group, members, programs, classes)
     transfers = _run_together(programs, classes)
     _summed_once(plan)
     return AgreementProof(len(programs), sum(map(len, programs.values())), len(kinds), across, transfers,
                           time.perf_counter() - start)
 
 
-def _same_sequences(axes, members, programs, classes) -> None:
-    """The projections on `axes` of the member classes' programs are equal."""
-    first = members[0]
-    want = [e for e in programs[first] if e.axes == axes and e.op not in ("send", "recv")]
+def _same_sequences(group, members, programs, classes) -> None:
+    """The projections on `group` (axes, pp ranks) of the member classes' programs are equal."""
+    first, (axes, pp_ranks) = members[0], group
+    want = [e for e in programs[first] if e.group == group and e.op not in ("send", "recv")]
     for other in members[1:]:
-        got = [e for e in programs[other] if e.axes == axes and e.op not in ("send", "recv")]
+        got = [e for e in programs[other] if e.group == group and e.op not in ("send", "recv")]
         index = next((i for i, (a, b) in enumerate(zip(want, got)) if a.signature != b.signature),
                      None if len(want) == len(got) else min(len(want), len(got)))
         if index is not None:
-            group = "x".join(axes)
+            name = "x".join(axes) + (f" (pp ranks {', '.join(map(str, pp_ranks))})" if pp_ranks else "")
             raise AgreementError(
-                f"the ranks of a {group} group disagree at its collective #{index + 1}:\n"
+                f"the ranks of a {name} group disagree at its collective #{index + 1}:\n"
                 f"  {classes.describe(first)} issues:\n{_around(want, index)}\n"
                 f"  {classes.describe(other)} issues:\n{_around(got, index)}",
                 hint="a bug in fivedc's compiler or runtime: report the plan (fivedc compile -o) with this message")
@@ -152,8 +159,8 @@ def _run_together(programs: dict, classes: PpClasses) -> int:
     classes waits for all of them; everything else completes within a class."""
     position = {key: 0 for key in programs}
     channels: dict[tuple, deque[Event]] = {}
-    spanning = {axes: members for axes in {e.axes for ev in programs.values() for e in ev}
-                for members in classes.member_sets(axes) if len(members) > 1}
+    spanning = {group: members for group in {e.group for ev in programs.values() for e in ev}
+                for members in classes.member_sets(*group) if len(members) > 1}
     matched = 0
     while True:
         moved = False
@@ -168,10 +175,10 @@ def _run_together(programs: dict, classes: PpClasses) -> int:
                         break
                     _same_transfer(queue.popleft(), e, key, classes)
                     matched += 1
-                elif e.axes in spanning:
-                    if not _all_arrived(e.axes, spanning[e.axes], programs, position):
+                elif e.group in spanning:
+                    if not _all_arrived(e.group, spanning[e.group], programs, position):
                         break
-                    for other in spanning[e.axes]:
+                    for other in spanning[e.group]:
                         if other != key:
                             position[other] += 1
                 position[key] += 1
@@ -188,11 +195,11 @@ def _run_together(programs: dict, classes: PpClasses) -> int:
     return matched
 
 
-def _all_arrived(axes, members, programs, position) -> bool:
-    """Every member class is at a collective over `axes` (not a transfer, whose group is pp too)."""
+def _all_arrived(group, members, programs, position) -> bool:
+    """Every member class is at a collective over `group` (not a transfer, whose group is pp too)."""
     def at(m) -> bool:
         e = programs[m][position[m]] if position[m] < len(programs[m]) else None
-        return e is not None and e.axes == axes and e.op not in ("send", "recv")
+        return e is not None and e.group == group and e.op not in ("send", "recv")
 
     return all(at(m) for m in members)
 

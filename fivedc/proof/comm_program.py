@@ -11,8 +11,8 @@ all-reduces, ring attention's hops, MoE's count exchange, dispatch and combine);
 backward, the nodes in reverse (a recomputed attention's forward hops first, the
 gradient buckets as their last gradient arrives when overlap is on; under sequence parallelism, at the first backward of a gathered
 linear input's readers, the all-gather that makes it again); pipeline sends and
-receives with their buffers; then the buckets left (ZeRO-1's all of them,
-reduce-scattered), DualPipe's exchange of the two copies' gradients, the loss's
+receives with their buffers; the tied parameters' sums over the pp ranks holding
+them; then the buckets left (ZeRO-1's all of them, reduce-scattered), DualPipe's exchange of the two copies' gradients, the loss's
 all-reduce, and ZeRO-1/2's gathers after the update. ZeRO-3 without a pipeline
 gathers and reduce-scatters by group inside forward and backward
 (`fivedc/proof/zero3_program.py`).
@@ -39,6 +39,7 @@ from fivedc.passes.stage_plan import input_only_items
 from fivedc.proof.events import Event
 from fivedc.proof.zero3_program import zero3_step
 from fivedc.passes.stages import chunk_param_names, value_types
+from fivedc.passes.tied import tied_groups
 
 TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Kernels whose backward reads nothing they computed from (autograd saves no tensor for
@@ -69,6 +70,7 @@ class _Expander:
         self.trainable = trainable(plan.graph)  # what backward reaches
         self.index = {id(site): i for i, site in enumerate(self.sites)}
         self.regather_at = _regather_points(plan, self.sites)  # site index -> the redistribution gathered again
+        self.tied = tied_groups(plan.graph, plan.pipeline, plan.mesh.size(MeshAxis.PP))
         # per site, computed once: a chunk runs the same events for every microbatch and class
         self._cache: dict[tuple[str, int], list] = {}
 
@@ -87,6 +89,7 @@ class _Expander:
         else:
             out += self._pipeline_start(pp_rank, mine)
             out += self._actions(pp_rank)
+            out += self._tied(pp_rank)
         out += buckets.rest()
         if self.pipeline is not None and self.plan.zero == 3:
             out += self._zero3_pipeline_sync(mine)
@@ -411,9 +414,26 @@ class _Expander:
                                  self.dtype, f"ZeRO-3 gradient of {name}", param.loc))
         return out
 
+    def _tied(self, pp_rank: int) -> list[Event]:
+        """Tied parameters (`fivedc/passes/tied.py`): after the last microbatch, the pp ranks that
+        hold copies of them sum their local gradients, one all-reduce per holder set."""
+        out = []
+        for group in self.tied:
+            if pp_rank not in group.pp_ranks:
+                continue
+            numel = sum(self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh)
+                        for n in group.names)
+            some = group.pp_ranks if len(group.pp_ranks) < self.mesh.size(MeshAxis.PP) else ()
+            out.append(Event("all_reduce", (MeshAxis.PP,), numel, self.dtype,
+                             f"tied {', '.join(group.names)}: the gradients of the copies, summed", pp_ranks=some))
+        return out
+
     def _copies(self, pp_rank: int, held: list[str]) -> list[Event]:
         """DualPipe: pp ranks r and p-1-r hold the two copies of the same chunks and exchange
-        their summed gradients (ZeRO's chunks), in name order, after the sync."""
+        their summed gradients (ZeRO's chunks), in name order, after the sync (but the tied
+        parameters', summed over all their holders before)."""
+        tied = {n for g in self.tied for n in g.names}
+        held = [n for n in held if n not in tied]
         peer = self.mesh.size(MeshAxis.PP) - 1 - pp_rank
         numel = sum(zero_chunk(self.graph, self.mesh, self.params[n]) if self.plan.zero else
                     self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh) for n in held)

@@ -19,6 +19,12 @@ class Event:
     peer: int | None = None  # send, recv: the other pp rank
     tag: int = 0  # send, recv: 0 activations, 1 gradients; a ring hop: 0 K/V, 1 their gradients
     level: str = ""  # a part of the group (a hierarchical all-to-all: intra or inter)
+    pp_ranks: tuple[int, ...] = ()  # a group over pp of only these pp ranks (a tied weight's holders); (): all
+
+    @property
+    def group(self) -> tuple:
+        """Which kind of group it runs on: its axes, and the pp ranks when only some form it."""
+        return (self.axes, self.pp_ranks)
 
     @property
     def signature(self) -> tuple:
@@ -29,4 +35,5 @@ class Event:
         size = "rows sized at run time" if self.numel is None else f"{self.numel} x {self.dtype}"
         peer = f" with pp rank {self.peer}" if self.peer is not None else ""
         level = f" ({self.level})" if self.level else ""
-        return f"{self.op}{level} over {'x'.join(self.axes)}{peer}: {size}, {self.what}"
+        some = f" (pp ranks {', '.join(map(str, self.pp_ranks))})" if self.pp_ranks else ""
+        return f"{self.op}{level} over {'x'.join(self.axes)}{some}{peer}: {size}, {self.what}"

@@ -9,8 +9,8 @@ What a rank writes: for each parameter it holds, its value and AdamW's two momen
 (and the fp32 master in 16-bit training) as pieces: the rank's whole block of the
 tensor (the global indices of each dim it holds: `fivedc/runtime/reshard.py`), or under
 ZeRO its flat chunk of that block. A piece held alike by several ranks (replicas
-over dp, over tp for a norm weight, ...) is written by the first of them only
-(`first_holder`); a MoE layer's balancing bias likewise; each rank's RNG state is
+over dp, over tp for a norm weight, a tied weight's copies on several pp ranks, ...)
+is written by the first of them only (`first_holder`); a MoE layer's balancing bias likewise; each rank's RNG state is
 its own. The safetensors header lists the rank's pieces.
 
 Commit: every rank writes into `.tmp-step-N/` and fsyncs its file; after a barrier
@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from fivedc.errors import FivedcError
 from fivedc.ir.mesh import MeshAxis
+from fivedc.passes.tied import shared_instances
 from fivedc.runtime.moe import moe_state
 from fivedc.runtime.reshard import as_block, block_of, block_text, first_holder, shape_of, whole
 
@@ -96,10 +97,11 @@ def plan_hash(plan) -> str:
 def rank_pieces(run) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """This rank's tensors to write (key -> tensor) and the piece each is (key -> block, flat)."""
     optimizer, ctx = run.trainer.optimizer, run.program.ctx
+    shared = shared_instances(run.plan.graph, run.plan.pipeline)  # copies on several pp ranks: the first writes
     tensors, pieces = {}, {}
 
-    def put(key, value, block, flat, chunked, param):
-        if first_holder(param, ctx, chunked=chunked):
+    def put(key, value, block, flat, chunked, name):
+        if first_holder(run.named[name], ctx, chunked=chunked, pp_ranks=shared.get(name, ())):
             tensors[key] = value.detach().contiguous().cpu()
             pieces[key] = {"block": block_text(block), "flat": flat, "dtype": str(value.dtype).removeprefix("torch.")}
 
@@ -109,17 +111,17 @@ def rank_pieces(run) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         shape, chunk = shape_of(block), spec.n > 1
         flat = [spec.index * spec.chunk, spec.index * spec.chunk + spec.owned_length] if chunk else None
         if optimizer.stage == 3 and chunk:
-            put(f"param/{name}", p[:spec.owned_length], block, flat, True, param)
+            put(f"param/{name}", p[:spec.owned_length], block, flat, True, name)
         else:
-            put(f"param/{name}", p.view(shape), block, None, False, param)
+            put(f"param/{name}", p.view(shape), block, None, False, name)
         for kind in STATES:
             value = getattr(state, kind)
             if value is None:
                 continue
             if optimizer.stage >= 1 and chunk:
-                put(f"{kind}/{name}", value[:spec.owned_length], block, flat, True, param)
+                put(f"{kind}/{name}", value[:spec.owned_length], block, flat, True, name)
             else:
-                put(f"{kind}/{name}", value[:spec.numel].view(shape), block, None, False, param)
+                put(f"{kind}/{name}", value[:spec.numel].view(shape), block, None, False, name)
     if all(c == 0 for a, c in ctx.coords.items() if a != MeshAxis.PP):  # a MoE bias is the same on every rank
         for name, bias in moe_state(ctx).bias.items():
             tensors[f"moe_bias/{name}"] = bias.detach().cpu().clone()

@@ -7,7 +7,8 @@ nor (under ZeRO, where each rank keeps only its chunk of the summed gradient: Ze
 reduce-scatter it)
 chunk it. A rank counts its local gradient in the sum of squares only where its
 coordinate on each such axis is 0, so every element counts exactly once; pp ranks
-hold different parameters, and count their own. One all-reduce over the world
+hold different parameters, and count their own, but for a parameter several hold (a
+tied weight's copies, summed alike): the first of them counts it. One all-reduce over the world
 sums the counted squares; every rank then scales all of its gradients by torch's
 factor, min(1, max_norm / (norm + 1e-6)) (`torch.nn.utils.clip_grad_norm_`), so
 every shard of a gradient is scaled alike.
@@ -22,11 +23,15 @@ from fivedc.ir.graph import Param
 from fivedc.runtime.reshard import first_holder
 
 
-def counted_params(named: dict[str, Param], names, *, ctx, zero: int, specs) -> set[str]:
+def counted_params(named: dict[str, Param], names, *, ctx, zero: int, specs,
+                   shared: dict[str, tuple[int, ...]] | None = None) -> set[str]:
     """The parameters (of `names`, those this rank holds) whose local summed gradient this
     rank adds to the global norm: it is the first holder of that piece of the gradient
-    (ZeRO-1, -2 and -3 keep a chunk of it per rank of the parameter's group)."""
-    return {name for name in names if first_holder(named[name], ctx, chunked=zero >= 1 and specs[name].n > 1)}
+    (ZeRO-1, -2 and -3 keep a chunk of it per rank of the parameter's group; `shared`: the
+    pp ranks holding copies of a parameter, a tied one's, whose gradients are equal)."""
+    shared = shared or {}
+    return {name for name in names
+            if first_holder(named[name], ctx, chunked=zero >= 1 and specs[name].n > 1, pp_ranks=shared.get(name, ()))}
 
 
 def clip_grad_norm(optimizer, counted: set[str], max_norm: float) -> float:

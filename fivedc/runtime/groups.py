@@ -35,7 +35,8 @@ class MeshGroups:
     """The process groups of one mesh, as seen by this rank."""
 
     def __init__(
-        self, mesh: Mesh, *, device_type: str, axis_sets: Iterable[tuple[MeshAxis, ...]] = ()
+        self, mesh: Mesh, *, device_type: str, axis_sets: Iterable[tuple[MeshAxis, ...]] = (),
+        pp_subsets: Iterable[tuple[int, ...]] = (),
     ) -> None:
         self.mesh = mesh
         self.device_type = device_type
@@ -57,11 +58,24 @@ class MeshGroups:
             key = self._key(axes)
             if len(key) > 1 and key not in self._groups:
                 self._composite(key)
+        self._pp_subsets: dict[tuple[int, ...], ProcessGroup | None] = {}
+        for pp_ranks in sorted(set(pp_subsets)):
+            self._pp_subset(pp_ranks)
 
     # ---- queries ------------------------------------------------------------------
     def group(self, axes: Iterable[MeshAxis]) -> ProcessGroup | None:
         """The group over `axes`; None when it has one member."""
         return self._groups[key] if (key := self._known(axes)) else None
+
+    def pp_group(self, pp_ranks: tuple[int, ...]) -> ProcessGroup | None:
+        """The group of this rank's pp group members at pp coordinates `pp_ranks` (the pp group
+        itself when they are all of them): the ranks holding a tied parameter. This rank is one."""
+        if len(pp_ranks) == self.mesh.size(MeshAxis.PP):
+            return self.group((MeshAxis.PP,))
+        if pp_ranks not in self._pp_subsets:
+            raise PassError(f"no process group for pp ranks {list(pp_ranks)}",
+                            hint="list them in MeshGroups(pp_subsets=...) on every rank")
+        return self._pp_subsets[pp_ranks]
 
     def size(self, axes: Iterable[MeshAxis]) -> int:
         return self.mesh.size(*self._key(axes))
@@ -125,6 +139,21 @@ class MeshGroups:
                 created = dist.new_group(list(ranks), **options)
                 if self.rank in ranks:
                     self._add(axes, created, exact=KEEPS_ORDER)
+
+    def _pp_subset(self, pp_ranks: tuple[int, ...]) -> None:
+        """`new_group` for the members at `pp_ranks` of every pp group (collective: every rank
+        creates them all, in the same order); this rank keeps its own when it is a member."""
+        options = {"sort_ranks": False} if KEEPS_ORDER else {}
+        seen: set[tuple[int, ...]] = set()
+        for rank in range(self.mesh.world):
+            line = self.mesh.group_ranks((MeshAxis.PP,), rank)  # ordered by pp coordinate
+            ranks = tuple(line[r] for r in pp_ranks)
+            if ranks in seen:
+                continue
+            seen.add(ranks)
+            created = dist.new_group(list(ranks), **options) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                self._pp_subsets[pp_ranks] = created
 
     def _flattened(self, axes: Axes) -> ProcessGroup | None:
         """DeviceMesh slicing needs the axes in mesh order; `_flatten` is private API."""

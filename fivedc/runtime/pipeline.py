@@ -35,6 +35,7 @@ from fivedc.runtime.weight_grads import DeferredGrad
 from fivedc.runtime.weight_grads import enable as enable_deferred_weight_grads
 from fivedc.passes.stage_plan import input_only_items
 from fivedc.passes.stages import PipelineSpec, Unit, units, value_types
+from fivedc.passes.tied import tied_groups
 
 K = ActionKind
 TAGS = {K.SEND_FORWARD: 0, K.RECV_FORWARD: 0, K.SEND_BACKWARD: 1, K.RECV_BACKWARD: 1}
@@ -67,6 +68,7 @@ class PipelineRunner:
         copy = len(spec.chunks) // self.schedule.pipelines  # DualPipe runs two copies of the model's chunks
         self.loss_chunks = {c for c in range(len(spec.chunks)) if self.schedule.next_chunk(c) is None}
         self.last_chunk = copy - 1  # the first copy's loss chunk (forward_only runs that copy)
+        self.tied = [g for g in tied_groups(graph, spec, ctx.mesh.size(MeshAxis.PP)) if pp_rank in g.pp_ranks]
         split = any(a.kind == K.BACKWARD_WEIGHT for a in self.actions)
         self.weight_grads = enable_deferred_weight_grads(ctx) if split else None
         self.meter = None  # a `runtime.saved.LiveMeter` measuring what the step keeps for backward
@@ -123,6 +125,7 @@ class PipelineRunner:
                 target.grads_in = self._recv(action.peer, TAGS[kind], action.chunk - 1)
         for _, work in sends:  # the buffer stays referenced until its send is done
             work.wait()
+        self._sum_tied(params)
         return total
 
     def forward_only(self, params, inputs: dict[str, Tensor]) -> Tensor:
@@ -234,16 +237,33 @@ class PipelineRunner:
             torch.autograd.backward(outs, gs)
         micro.grads_out = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
+    # ---- tied parameters: held by several pp ranks ----------------------------------------------
+    def _sum_tied(self, params) -> None:
+        """A tied parameter (`fivedc/passes/tied.py`) has a copy on each pp rank whose chunks
+        use it, and each copy's gradient holds only those uses: after the last microbatch,
+        before the gradient sync, the holders sum them (one all-reduce per holder set, its
+        parameters in name order as one flat buffer), so every copy gets the same update."""
+        for group in self.tied:
+            names = [n for n in group.names if params[n].requires_grad]  # frozen alike on every rank
+            if not names:
+                continue
+            grads = [params[n].grad if params[n].grad is not None else torch.zeros_like(params[n]) for n in names]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.ctx.groups.pp_group(group.pp_ranks))
+            for name, part in zip(names, flat.split([g.numel() for g in grads])):
+                params[name].grad = part.view_as(params[name])
+
     # ---- DualPipe: two copies of each chunk ----------------------------------------------------
     def sum_copies(self, grads: dict[str, Tensor]) -> None:
         """DualPipe keeps two copies of the model (pp rank r holds chunk r of one and chunk
         p-1-r of the other): each copy saw half the microbatches, so the two ranks holding
         the copies of a chunk (pp ranks r and p-1-r hold the same parameters) exchange
         their summed gradients, in name order, and add them (a + b = b + a: both updates
-        stay equal)."""
-        if self.schedule.pipelines == 1 or not grads:
+        stay equal). Tied parameters that more ranks hold were summed over all of them."""
+        tied = {n for g in self.tied for n in g.names}  # summed over all their holders already
+        names = sorted(n for n in grads if n not in tied)
+        if self.schedule.pipelines == 1 or not names:
             return
-        names = sorted(grads)
         mine = torch.cat([grads[n].reshape(-1) for n in names])
         theirs = torch.empty_like(mine)
         peer = self._peer(self.ctx.mesh.size(MeshAxis.PP) - 1 - self.ctx.coords[MeshAxis.PP])

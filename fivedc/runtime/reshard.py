@@ -46,13 +46,17 @@ def block_of(dims: tuple[str, ...], sharding: Sharding | None, ctx) -> Block:
     return tuple(out)
 
 
-def first_holder(param, ctx, *, chunked: bool) -> bool:
+def first_holder(param, ctx, *, chunked: bool, pp_ranks: tuple[int, ...] = ()) -> bool:
     """Whether this rank is the first of the ranks that hold the same piece of `param`
     (a `Param`): coordinate 0 on every axis that neither splits its dims nor, when
     `chunked` (ZeRO keeps a chunk per rank of its `grad_partial` group), chunks it.
-    pp ranks hold different parameters: each is the holder of its own."""
+    pp ranks hold different parameters, each the holder of its own, but for one held by
+    several (`pp_ranks`: a tied weight's copies, DualPipe's two copies), where the first
+    of them holds it (`fivedc/passes/tied.shared_instances`)."""
     skip = set(param.sharding.split_axes()) if param.sharding is not None else set()
     skip |= set(param.grad_partial) if chunked else set()
+    if pp_ranks and ctx.coords[MeshAxis.PP] != pp_ranks[0]:
+        return False
     return all(c == 0 for a, c in ctx.coords.items() if a not in skip and a != MeshAxis.PP)
 
 

@@ -36,6 +36,7 @@ from fivedc.runtime.program import Program, init_params, qualified_params, shard
 from fivedc.runtime.resume import check_same_model, local_params, restore_state
 from fivedc.runtime.train import Trainer, TrainSettings, loss_axes_of, synchronize
 from fivedc.passes.stages import chunk_param_names
+from fivedc.passes.tied import holder_sets, shared_instances
 from fivedc.runtime.train_config import TrainConfig
 
 
@@ -174,7 +175,8 @@ def setup(info, job: TrainJob) -> RankRun:
         val = None
         if job.val is not None:
             val = RankBatches(job.val, Sampler(job.val_tokens, seq, batch, 0, shuffle=False), graph, ctx, device)
-        counted = counted_params(named, params, ctx=ctx, zero=plan.zero, specs=trainer.optimizer.specs)
+        counted = counted_params(named, params, ctx=ctx, zero=plan.zero, specs=trainer.optimizer.specs,
+                                 shared=shared_instances(graph, plan.pipeline))
         run = RankRun(plan, program, trainer, named, batches, val, counted, device)
         if reader is not None:
             restore_state(reader, run, rank=info.rank)
@@ -234,4 +236,5 @@ def _groups(plan: ExecutionPlan, info):
     axis_sets = {c.axes for c in plan.collectives}
     axis_sets |= {p.grad_partial for _, p in qualified_params(plan.graph) if p.grad_partial}
     axis_sets.add(loss_axes_of(plan.graph, plan.mesh))
-    return MeshGroups(plan.mesh, device_type=info.device.split(":")[0], axis_sets=sorted(a for a in axis_sets if a))
+    return MeshGroups(plan.mesh, device_type=info.device.split(":")[0], axis_sets=sorted(a for a in axis_sets if a),
+                      pp_subsets=holder_sets(plan.graph, plan.pipeline, plan.mesh.size(MeshAxis.PP)))

@@ -28,6 +28,7 @@ from fivedc.runtime.moe import ExpertLoad
 from fivedc.runtime.program import Program, init_params, make_inputs, qualified_params, shard
 from fivedc.runtime.trace import Fault, ValueTrace
 from fivedc.passes.stages import chunk_param_names
+from fivedc.passes.tied import holder_sets
 from fivedc.runtime.train import TrainRecord, TrainSettings, loss_axes_of, train
 
 
@@ -83,7 +84,8 @@ def setup_rank(plan: ExecutionPlan, info, settings: TrainSettings) -> tuple[Prog
     graph, mesh = plan.graph, plan.mesh
     axis_sets = {c.axes for c in plan.collectives} | {p.grad_partial for _, p in qualified_params(graph) if p.grad_partial}
     axis_sets.add(loss_axes_of(graph, mesh))
-    groups = MeshGroups(mesh, device_type=info.device.split(":")[0], axis_sets=sorted(a for a in axis_sets if a))
+    groups = MeshGroups(mesh, device_type=info.device.split(":")[0], axis_sets=sorted(a for a in axis_sets if a),
+                        pp_subsets=holder_sets(graph, plan.pipeline, mesh.size(MeshAxis.PP)))
     ctx = KernelContext(graph, mesh, mesh.coords(info.rank), groups)
     device = torch.device(info.device)
     full = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype)

@@ -23,6 +23,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from fivedc.frontends.fx.fill_writes import fill_writes
+
 aten = torch.ops.aten
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
@@ -55,6 +57,7 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     sig = ep.graph_signature
     _inline_wrappers(ep.graph_module, trainable={s.arg.name for s in sig.input_specs
                                                  if s.kind in (InputKind.PARAMETER, InputKind.USER_INPUT)})
+    fill_writes(ep.graph)  # a fresh tensor written slice by slice (DeepSeek-V3's expand_kv): cat, slice_scatter
     _functional(ep.graph)
     canonical = {id(p): name for name, p in module.named_parameters()}  # a tied weight by its first name
     state = {s.arg.name: canonical.get(id(_fetch(module, s.target)), s.target) for s in sig.input_specs

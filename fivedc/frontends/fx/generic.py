@@ -115,17 +115,26 @@ def in_memory_order(lw: Lowering, frame: Frame, node: fx.Node, t: T) -> T:
     pointwise `aten.clone` on shards (the data moved locally, no communication), as
     `.contiguous()` does after a transpose, for an op that reads the IR order (a linear
     contracting the last torch dim)."""
-    groups = lw.groups(t)
+    return in_ir_order(lw, frame, node, t, lw.groups(t), "the torch layout's dims in memory order")
+
+
+def in_ir_order(lw: Lowering, frame: Frame, node: fx.Node, t: T, groups: tuple[tuple[int, ...], ...],
+                reason: str) -> T:
+    """`t` with its IR dims in the order of `groups` (its atoms, regrouped as a torch view of
+    it would be), the torch layout unchanged: itself where they are, else a pointwise
+    `aten.clone` on shards of that view (attention's q, k and v made by an op whose result
+    is [batch, heads, seq, head_dim] in memory, where the IR's attention reads
+    [batch, seq, heads, head_dim]: the data moved locally, no communication)."""
     flat = tuple(a for g in groups for a in g)
     if lw.ir(t) == flat:
         return t
     out = DValue(node.name, flat, t.dtype)
     dtype = "float" if t.dtype == DType.FLOAT else "int64"
     attrs = (("target", "aten.clone.default"), ("call", '{"args":[{"tensor":0}],"kwargs":{}}'), ("dtypes", dtype),
-             ("reason", "the torch layout's dims in memory order"), ("rule", "pointwise"))
+             ("reason", reason), ("rule", "pointwise"))
     frame.block.items.append(DOp(out, "aten", (t.ref,), attrs, node_loc(node), scope(node),
-                                 layouts=((t.layout,), groups)))
-    return T(out, flat, groups, t.dtype)
+                                 layouts=((groups,), groups)))
+    return T(out, flat, t.layout, t.dtype)
 
 
 def sliced_rows(lw: Lowering, frame: Frame, node: fx.Node, table: T, atom: int, n: int) -> T:

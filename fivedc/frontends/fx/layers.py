@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fivedc.frontends.fx.build import DParam
-from fivedc.frontends.fx.generic import in_memory_order, sliced_rows
+from fivedc.frontends.fx.generic import in_ir_order, in_memory_order, sliced_rows
 from fivedc.frontends.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, T
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
@@ -312,6 +312,8 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     b, h, s, d = _bhsd(lw, node, q, "query")
     kb, kh, ks, kd = _bhsd(lw, node, k, "key")
     vb, vh, vs, vd = _bhsd(lw, node, v, "value")
+    q, k, v = (_bshd(lw, frame, node, t, atoms) for t, atoms in ((q, (b, h, s, d)), (k, (kb, kh, ks, kd)),
+                                                                   (v, (vb, vh, vs, vd))))
     for x, y in ((b, kb), (b, vb), (s, ks), (s, vs), (kh, vh), (d, kd)):
         lw.unify((x,), (y,), node, "attention: q, k and v disagree")
     if lw.dims.size(vd) == lw.dims.size(d):
@@ -347,11 +349,16 @@ def _bhsd(lw: Lowering, node: fx.Node, t: T, what: str) -> tuple[int, int, int, 
             groups = (groups[0], (head,), groups[2], (rest,))
     if len(groups) != 4 or any(len(g) != 1 for g in groups):
         raise lw.unsupported(node, f"attention {what} that is not [batch, heads, seq, head_dim]")
-    b, h, s, d = (g[0] for g in groups)
-    if lw.ir(t) != (b, s, h, d):
-        raise lw.unsupported(node, f"attention {what} that was not [batch, seq, heads, head_dim] before a transpose(1, 2)",
-                             "project to [batch, seq, heads*head_dim], view as [batch, seq, heads, head_dim], then transpose(1, 2)")
-    return b, h, s, d
+    return tuple(g[0] for g in groups)
+
+
+def _bshd(lw: Lowering, frame: Frame, node: fx.Node, t: T, atoms: tuple[int, int, int, int]) -> T:
+    """An attention input as the IR's attention reads it, [batch, seq, heads, head_dim]: as it
+    is when it was that before a transpose(1, 2) (a projection viewed into heads), else moved
+    into that order on shards (a tensor made [batch, heads, seq, head_dim], as DeepSeek-V3's
+    query and key are, by a `cat` of two parts along head_dim)."""
+    b, h, s, d = atoms
+    return in_ir_order(lw, frame, node, t, ((b,), (s,), (h,), (d,)), "attention reads [batch, seq, heads, head_dim]")
 
 
 def repeat_interleave(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> RepeatedKV:
