@@ -176,6 +176,13 @@ def test_settings_that_mean_nothing_are_refused(flags, message, tmp_path, capsys
     assert message in err and "Traceback" not in err and not out.exists()
 
 
+def test_run_cannot_measure_inside_compiled_regions(tmp_path, capsys) -> None:
+    out = tmp_path / "report.json"
+    assert main(["run", "examples/gpt.5d", "--mesh", "1x1x1x1x1", "--compile", "--report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "compiled regions hide" in err and "Traceback" not in err and not out.exists()
+
+
 def test_a_world_the_machine_cannot_run_is_refused_before_any_process(tmp_path, capsys) -> None:
     import multiprocessing
 

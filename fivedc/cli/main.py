@@ -84,6 +84,8 @@ def _local_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="start the local processes even when the mesh or the plan's memory estimate "
                    "exceeds this machine")
+    p.add_argument("--compile", action="store_true",
+                   help="run each layer of a repeat as one torch.compile region (compiled once for every layer)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -57,7 +57,7 @@ def run_verify(args) -> int:
     # the reference recomputes nothing the option or the model's @recompute would (a repeat's own
     # @recompute stays: on one device it computes the same numbers)
     reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype, recompute="none"))
-    settings = TrainSettings(steps=args.steps, seed=args.seed, dtype=args.dtype)
+    settings = TrainSettings(steps=args.steps, seed=args.seed, dtype=args.dtype, compile=args.compile)
     diagnosis = _diagnosis(args, plan, tol)
     if "WORLD_SIZE" in os.environ:
         report = _under_launcher(plan, reference, settings, diagnosis)
@@ -112,7 +112,7 @@ def _module_options(args, mesh) -> dict:
                 cp_layout=given.cp_layout, overlap=given.overlap, bucket_mb=given.bucket_mb, zero=given.zero,
                 schedule=given.schedule, microbatches=given.microbatches, virtual=given.virtual,
                 pp_layout=given.pp_layout, recompute=given.recompute,
-                stage_boundaries=tuple(args.stage_boundary))
+                stage_boundaries=tuple(args.stage_boundary), compile=args.compile)
 
 
 def _module_check(args, mesh):

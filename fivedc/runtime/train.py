@@ -50,6 +50,7 @@ class TrainSettings:
     dtype: str = "fp64"
     keep_grads: bool = True  # record every step's gradients (the equivalence checks read them)
     measure: bool = False  # record the peak of what each step keeps for backward (`fivedc/runtime/saved.LiveMeter`)
+    compile: bool = False  # each repeat's layer one torch.compile region (fivedc/runtime/regions.py)
 
     @property
     def torch_dtype(self) -> torch.dtype:

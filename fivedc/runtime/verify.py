@@ -98,7 +98,7 @@ def setup_rank(plan: ExecutionPlan, info, settings: TrainSettings) -> tuple[Prog
         i.name: shard(t, i.type.dims, i.sharding, ctx).to(device)
         for i, t in zip(graph.inputs, make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype).values())
     }
-    return Program(graph, ctx, recompute=plan.recompute), params, inputs, named
+    return Program(graph, ctx, recompute=plan.recompute, compile=settings.compile), params, inputs, named
 
 
 def train_plan(plan: ExecutionPlan, program: Program, params: dict, inputs: dict, settings: TrainSettings,
