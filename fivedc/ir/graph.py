@@ -152,6 +152,11 @@ class Op:
     def annotation(self, kind: str) -> Annotation | None:
         return next((a for a in self.annotations if a.kind == kind), None)
 
+    def arg_sharding(self, index: int) -> Sharding:
+        """How argument `index` is laid out where the op reads it (replicated when unset)."""
+        spec = self.arg_specs[index] if self.arg_specs else None
+        return spec.sharding if spec else Sharding()
+
     @property
     def value_args(self) -> tuple[str, ...]:
         return tuple(a for a in self.args if isinstance(a, str))

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -25,6 +24,7 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.ir.ops import parse_freqs
 from fivedc.runtime import weight_grads
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
+from fivedc.runtime.loss import cross_entropy
 from fivedc.runtime.precision import compute_dtype, for_matmul
 from fivedc.ir.seq_layout import layout_order
 from fivedc.ir.sharding import Sharding
@@ -134,10 +134,6 @@ def align(t: Tensor, dims: Dims, target: Dims) -> Tensor:
     return t.reshape(shape)
 
 
-def _arg_sharding(op: Op, index: int) -> Sharding:
-    return op.arg_specs[index].sharding if op.arg_specs and op.arg_specs[index] else Sharding()
-
-
 def _linear(ctx, op, args, dims):
     x, w = args
     k = len([d for d in dims[0] if d not in op.type.dims])
@@ -154,7 +150,7 @@ def _embedding(ctx, op, args, dims):
     that row's tokens give the table no gradient (torch's F.embedding(padding_idx=))."""
     tokens, table = args
     vocab = dims[1][0]
-    sharding = _arg_sharding(op, 1)
+    sharding = op.arg_sharding(1)
     if not sharding.axes_of(vocab):
         out = F.embedding(tokens, table)
     else:
@@ -268,7 +264,7 @@ def _rope(ctx, op, args, dims):
 def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
     """cos and sin of this rank's global positions times the frequencies, aligned to x;
     computed once per layout, dtype and device (every layer and step reuses them)."""
-    seq, sharding = ctx.graph.seq_dim, _arg_sharding(op, 0)
+    seq, sharding = ctx.graph.seq_dim, op.arg_sharding(0)
     theta = float(op.attr("theta", 10000.0))
     given = str(op.attr("freqs", "") or "")
     key = ("rope", str(sharding), theta, given, x.shape[-1], x_dims, compute_dtype(x.dtype), x.device)
@@ -299,79 +295,13 @@ def _attention(ctx, op, args, dims):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                               enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
     seq = ctx.graph.seq_dim
-    q_pos = ctx.positions(seq, _arg_sharding(op, 0)).to(q.device)
+    q_pos = ctx.positions(seq, op.arg_sharding(0)).to(q.device)
     if op.annotation("cp").args[0] == "ring":
-        out = ring_attention(q, k, v, q_pos, ctx.ring(_arg_sharding(op, 1), q.device), causal=causal, softcap=softcap)
+        out = ring_attention(q, k, v, q_pos, ctx.ring(op.arg_sharding(1), q.device), causal=causal, softcap=softcap)
     else:
-        kv_pos = ctx.positions(seq, _arg_sharding(op, 1)).to(q.device)
+        kv_pos = ctx.positions(seq, op.arg_sharding(1)).to(q.device)
         out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap)
     return out.transpose(1, 2)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Sum over local tokens of (logsumexp - target logit) x counted (0 for an ignored
-    target), with the vocab split over a group: max, sum of exponentials and target
-    logit are all-reduced (3 collectives)."""
-
-    @staticmethod
-    def forward(fctx, logits, targets, counted, start, group):
-        local_max = logits.max(dim=-1).values
-        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - local_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
-        inside = (targets >= start) & (targets < start + logits.shape[-1])
-        index = torch.where(inside, targets - start, torch.zeros_like(targets))
-        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
-        dist.all_reduce(target_logit, group=group)
-        fctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, inside, counted)
-        return ((sum_exp.log() - target_logit) * counted).sum()
-
-    @staticmethod
-    def backward(fctx, grad):
-        softmax, index, inside, counted = fctx.saved_tensors
-        grad_logits = softmax.clone()
-        grad_logits.scatter_add_(-1, index.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
-        return grad_logits * (grad * counted).unsqueeze(-1), None, None, None, None
-
-
-def _cross_entropy(ctx, op, args, dims):
-    """The sum over this rank's tokens divided by the global count: every token (no
-    ignore_index), or the targets other than ignore_index, counted over the token
-    shards (an all-reduce, or the count of the whole step a pipeline set beforehand)."""
-    logits, targets = args
-    logits = logits.to(compute_dtype(logits.dtype))  # as autocast runs cross_entropy: float32 at least
-    vocab = dims[0][-1]
-    sharding = _arg_sharding(op, 0)
-    ignore = op.attr("ignore_index")
-    counted = torch.ones_like(targets, dtype=logits.dtype) if ignore is None else (targets != ignore).to(logits.dtype)
-    axes = sharding.axes_of(vocab)
-    if axes and ctx.mesh.size(*axes) > 1:
-        start, _ = ctx.shard_range(vocab, sharding)
-        total = _VocabParallelCrossEntropy.apply(logits, targets, counted, start, ctx.group(axes))
-    else:
-        flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).clamp(min=0), reduction="none")
-        total = (flat * counted.reshape(-1)).sum()
-    if ignore is None:
-        tokens = 1
-        for dim in dims[1]:
-            tokens *= ctx.graph.dim(dim)  # global count: the loss is a mean over all tokens
-        return total / tokens
-    count = ctx.step_counts.get(op.out)
-    if count is None:
-        count = counted_targets(ctx, op, targets)
-    return total / count.to(total.dtype)  # counted in float64 (exact), the loss in the logits' dtype
-
-
-def counted_targets(ctx, op, targets: Tensor) -> Tensor:
-    """How many targets of a cross-entropy with ignore_index count, over all its token
-    shards (the plan lists the all-reduce)."""
-    count = (targets != op.attr("ignore_index")).sum().to(torch.float64)
-    split = _arg_sharding(op, 1).split_axes()
-    if split and ctx.mesh.size(*split) > 1:
-        dist.all_reduce(count, group=ctx.group(split))
-    return count
 
 
 def _aten(ctx, op, args, dims):
@@ -427,7 +357,7 @@ KERNELS: dict[str, Kernel] = {
     "layernorm": _layernorm,
     "rope": _rope,
     "attention": _attention,
-    "cross_entropy": _cross_entropy,
+    "cross_entropy": cross_entropy,
     "moe": _moe,
     "aten": _aten,
 }

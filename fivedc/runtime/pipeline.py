@@ -29,7 +29,7 @@ from torch import Tensor
 
 from fivedc.ir.mesh import MeshAxis
 from fivedc.schedule import ActionKind
-from fivedc.runtime.kernels import counted_targets
+from fivedc.runtime.loss import counted_targets
 from fivedc.runtime.saved import held
 from fivedc.runtime.weight_grads import DeferredGrad
 from fivedc.runtime.weight_grads import enable as enable_deferred_weight_grads

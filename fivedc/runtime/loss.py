@@ -1,0 +1,82 @@
+"""The cross-entropy kernel: mean over the global token count, vocab-parallel under tp.
+
+Logits of a 16-bit dtype are computed in float32 (as autocast and Megatron do; the
+memory estimate counts it: fivedc/estimates/saved._cross_entropy). With the vocab split,
+max, sum of exponentials and target logit are all-reduced; with ignore_index the count
+of targets is all-reduced over the token shards (or set for the whole step by a pipeline).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from fivedc.runtime.precision import compute_dtype
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Sum over local tokens of (logsumexp - target logit) x counted (0 for an ignored
+    target), with the vocab split over a group: max, sum of exponentials and target
+    logit are all-reduced (3 collectives)."""
+
+    @staticmethod
+    def forward(fctx, logits, targets, counted, start, group):
+        local_max = logits.max(dim=-1).values
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        inside = (targets >= start) & (targets < start + logits.shape[-1])
+        index = torch.where(inside, targets - start, torch.zeros_like(targets))
+        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
+        dist.all_reduce(target_logit, group=group)
+        fctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, inside, counted)
+        return ((sum_exp.log() - target_logit) * counted).sum()
+
+    @staticmethod
+    def backward(fctx, grad):
+        softmax, index, inside, counted = fctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, index.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
+        return grad_logits * (grad * counted).unsqueeze(-1), None, None, None, None
+
+
+def cross_entropy(ctx, op, args, dims):
+    """The sum over this rank's tokens divided by the global count: every token (no
+    ignore_index), or the targets other than ignore_index, counted over the token
+    shards (an all-reduce, or the count of the whole step a pipeline set beforehand)."""
+    logits, targets = args
+    logits = logits.to(compute_dtype(logits.dtype))  # as autocast runs cross_entropy: float32 at least
+    vocab = dims[0][-1]
+    sharding = op.arg_sharding(0)
+    ignore = op.attr("ignore_index")
+    counted = torch.ones_like(targets, dtype=logits.dtype) if ignore is None else (targets != ignore).to(logits.dtype)
+    axes = sharding.axes_of(vocab)
+    if axes and ctx.mesh.size(*axes) > 1:
+        start, _ = ctx.shard_range(vocab, sharding)
+        total = _VocabParallelCrossEntropy.apply(logits, targets, counted, start, ctx.group(axes))
+    else:
+        flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).clamp(min=0), reduction="none")
+        total = (flat * counted.reshape(-1)).sum()
+    if ignore is None:
+        tokens = 1
+        for dim in dims[1]:
+            tokens *= ctx.graph.dim(dim)  # global count: the loss is a mean over all tokens
+        return total / tokens
+    count = ctx.step_counts.get(op.out)
+    if count is None:
+        count = counted_targets(ctx, op, targets)
+    return total / count.to(total.dtype)  # counted in float64 (exact), the loss in the logits' dtype
+
+
+def counted_targets(ctx, op, targets: Tensor) -> Tensor:
+    """How many targets of a cross-entropy with ignore_index count, over all its token
+    shards (the plan lists the all-reduce)."""
+    count = (targets != op.attr("ignore_index")).sum().to(torch.float64)
+    split = op.arg_sharding(1).split_axes()
+    if split and ctx.mesh.size(*split) > 1:
+        dist.all_reduce(count, group=ctx.group(split))
+    return count
