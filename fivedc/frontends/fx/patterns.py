@@ -36,6 +36,11 @@ from fivedc.frontends.fx.recognise import CASTS, capped_attention, op_name, refe
 from fivedc.ir.ops import freqs_text
 
 
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU, where the checks run (a meta tensor, without values, stays one)."""
+    return t.detach() if t.device.type in ("cpu", "meta") else t.detach().cpu()
+
+
 def _table_freqs(cos: torch.Tensor, sin: torch.Tensor, axis: int, half: int) -> torch.Tensor:
     """The rotary frequencies of cos/sin tables along `axis`: read at position 1, then refined at
     the last position P (its angle unwrapped by the first estimate: P times more digits, which
@@ -303,7 +308,7 @@ class _Matcher:
         half = value.shape[-1] // 2
         if not isinstance(cos, torch.Tensor) or cos.dim() != value.dim() or half < 2:
             return None
-        value, cos, sin = value.detach().cpu(), cos.detach().cpu(), sin.detach().cpu()  # (traced on a GPU)
+        value, cos, sin = (_on_cpu(t) for t in (value, cos, sin))  # a model traced on a GPU
         seq_axes = [a for a in range(value.dim() - 1) if cos.shape[a] == value.shape[a] > 1]
         if len(seq_axes) != 1:
             return None
