@@ -165,7 +165,8 @@ def rope_theta(m: nn.Module, x: torch.Tensor, seq_axis: int) -> float | None:
         candidates.append(float(inv_freq[1].double() ** (-half)))
     candidates += [10000.0, 500000.0]
     gen = torch.Generator().manual_seed(0)
-    probe = torch.randn(x.shape, generator=gen, dtype=x.dtype).to(x.device)
+    device = x.device if x.device.type != "meta" else "cpu"  # without weights, the tables are real ones
+    probe = torch.randn(x.shape, generator=gen, dtype=x.dtype).to(device)
     try:
         with torch.no_grad():
             out = m(probe)
