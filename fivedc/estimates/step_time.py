@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from fivedc.estimates.costs import collective_seconds, model_flops, unit_times
 from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import CollectiveKind, Graph
@@ -110,10 +112,18 @@ def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware,
 
 
 def _play(schedule, per: dict, delays: dict) -> tuple[float, float]:
-    from fivedc.schedule import simulate
+    """`simulate(schedule, chunk_costs=per, delays=delays)`'s makespan and bubble, to the
+    last bit, from the schedule compiled once (`fivedc/schedule/batched.py`)."""
+    from fivedc.schedule.batched import makespan_and_bubble, play, program
 
-    result = simulate(schedule, check=False, chunk_costs=per, delays=delays)
-    return result.makespan, result.bubble_fraction
+    prog = program(schedule)
+    makespans, bubbles = makespan_and_bubble(*play(prog, np.array([cost_row(per, delays)])))
+    return makespans[0], bubbles[0]
+
+
+def cost_row(per: dict, delays: dict) -> list[float]:
+    """One row of a schedule program's cost table: F, B, I, W per chunk, RF and RB delays, a zero."""
+    return [*per["F"], *per["B"], *per["I"], *per["W"], *delays["RF"], *delays["RB"], 0.0]
 
 
 def _after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,

@@ -11,11 +11,14 @@ transfers for the plan. Marks on a pp=1 mesh are not used (the summary says so).
 
 from __future__ import annotations
 
+import numpy as np
+
 from fivedc.ir.aten_call import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir.graph import Collective, CollectiveKind, DType, Graph, Op, Phase, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.schedule import SCHEDULES, Schedule, min_microbatches, peak_live_weighted
+from fivedc.schedule import SCHEDULES, Schedule, min_microbatches
+from fivedc.schedule.batched import peaks, program
 from fivedc.passes.stages import (
     Chunk, PipelineSpec, Unit, all_boundary_values, cached_schedule, check_enough, has_marks, layout_ranges,
     marked_ranges, partition, unit_costs, units, value_types,
@@ -339,5 +342,6 @@ def activations_in_flight(pipeline: PipelineSpec, pp: int, per_chunk, deferred=N
     GPipe, p - rank under 1F1B, (p - rank - 1) x 2 + (v - 1) x p + 1 chunk-microbatches
     under interleaved, and so on for ZB-H1, DualPipeV and DualPipe. Under a split backward
     (I, then W) a microbatch keeps only `deferred[c]` between its I and its W."""
-    return tuple(int(round(peak)) for peak in peak_live_weighted(
-        pipeline.build_schedule(pp), list(per_chunk), None if deferred is None else list(deferred)))
+    prog = program(pipeline.build_schedule(pp))
+    split = None if deferred is None else np.array([deferred], dtype=np.int64)
+    return tuple(int(x) for x in peaks(prog, np.array([per_chunk], dtype=np.int64), split)[0])
