@@ -66,8 +66,7 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
     memo = memo_for(memo, graph, mesh, dtype)
     hw, m = hardware, pipeline.microbatches if pipeline else 1
     c = save_context(memo, dtype_bytes, m, recompute)
-    times = memo.get(("unit times", hw, dtype_bytes, m, recompute),
-                     lambda: unit_times(c, graph, memo_units(memo), hw, recompute=recompute))
+    times = memo_unit_times(memo, hw, dtype_bytes, m, recompute)
     if pipeline is None:
         makespan, bubble = sum(t.forward + t.backward for t in times), 0.0
         backward, last = sum(t.backward for t in times), times[0].backward if times else 0.0
@@ -85,6 +84,13 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
     per_gpu = flops / step / mesh.world if step else 0.0
     return TimeEstimate(hw, step, makespan, bubble, max(comm), sync, gathers, optimizer, tokens / step if step else 0.0,
                         flops, per_gpu / 1e12, per_gpu / hw.bf16_flops)
+
+
+def memo_unit_times(memo: Memo, hw: Hardware, dtype_bytes: int, microbatches: int, recompute: str) -> list:
+    """Each unit's seconds for one of `microbatches` microbatches on `hw` (`costs.unit_times`), kept in `memo`."""
+    return memo.get(("unit times", hw, dtype_bytes, microbatches, recompute), lambda: unit_times(
+        save_context(memo, dtype_bytes, microbatches, recompute), memo.graph, memo_units(memo), hw,
+        recompute=recompute))
 
 
 def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware, times,

@@ -89,17 +89,8 @@ def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple
     p, all_units = sched.p, _cached(memo, "units", lambda: units(graph))
     n_chunks = p * sched.v // sched.pipelines  # the model's chunks (DualPipe runs each on two ranks)
     costs, sizes = _cached(memo, ("unit costs", dtype_bytes), lambda: unit_costs(graph, mesh, dtype_bytes))
-    if has_marks(graph):
-        ranges, cut = marked_ranges(all_units), "marks"
-    elif layout is not None:
-        if len(layout) != n_chunks:
-            raise PlanError(f"the layout gives {len(layout)} chunks; {sched.name} on pp={p} runs {n_chunks}",
-                            hint=f"give {n_chunks} layer counts, one per chunk ({n_chunks // p} per pp rank)")
-        ranges, cut = layout_ranges(layout, graph), "layout"
-    else:
-        v_shape = sched.name == "dualpipev"
-        ranges, cut = _cached(memo, ("partition", dtype_bytes, n_chunks, v_shape),
-                              lambda: _balanced(costs, n_chunks, v_shape)), "cost"
+    ranges, cut = chunk_ranges(graph, mesh, schedule=sched.name, n_chunks=n_chunks, p=p, layout=layout,
+                               dtype_bytes=dtype_bytes, memo=memo)
     chunks = []
     for k in range(p * sched.v):  # DualPipe: chunk n_chunks + s is the second copy's chunk s
         a, b = ranges[k % n_chunks]
@@ -109,6 +100,23 @@ def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple
         _check_sends(graph, sends, k % n_chunks)
         chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), sum(sizes[a:b]), sends))
     return PipelineSpec(sched.name, sched.m, sched.v, tuple(chunks), cut)
+
+
+def chunk_ranges(graph: Graph, mesh: Mesh, *, schedule: str, n_chunks: int, p: int,
+                 layout: tuple[int, ...] | None, dtype_bytes: int, memo=None) -> tuple[list[tuple[int, int]], str]:
+    """(unit range of each of the model's `n_chunks` chunks, how they were cut): at the
+    model's marks, by a given layout, or balanced by cost (DualPipeV: rank pairs balanced)."""
+    if has_marks(graph):
+        return marked_ranges(_cached(memo, "units", lambda: units(graph))), "marks"
+    if layout is not None:
+        if len(layout) != n_chunks:
+            raise PlanError(f"the layout gives {len(layout)} chunks; {schedule} on pp={p} runs {n_chunks}",
+                            hint=f"give {n_chunks} layer counts, one per chunk ({n_chunks // p} per pp rank)")
+        return layout_ranges(layout, graph), "layout"
+    costs, _ = _cached(memo, ("unit costs", dtype_bytes), lambda: unit_costs(graph, mesh, dtype_bytes))
+    v_shape = schedule == "dualpipev"
+    return _cached(memo, ("partition", dtype_bytes, n_chunks, v_shape),
+                   lambda: _balanced(costs, n_chunks, v_shape)), "cost"
 
 
 def _check_sends(graph: Graph, sends: tuple[str, ...], chunk: int) -> None:

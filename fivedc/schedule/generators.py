@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 
 from fivedc.schedule.actions import Action, ActionKind as K, Schedule, ScheduleError
-from fivedc.schedule.dualpipe import dualpipe, dualpipev
+from fivedc.schedule.dualpipe import _v_placement, dualpipe, dualpipev
 from fivedc.schedule.p2p import add_p2p
 
 F, B, I, W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
@@ -104,6 +104,20 @@ _BUILDERS: dict[str, tuple[Callable[[int, int, int], Schedule], int | None]] = {
     "dualpipe": (lambda p, m, v: dualpipe(p, m), 2),
 }
 SCHEDULES = tuple(_BUILDERS)
+
+
+SPLIT_BACKWARD = frozenset({"zb-h1", "dualpipev", "dualpipe"})  # schedules that split B into I and W
+
+
+def placement(name: str, p: int, v: int | None = None) -> tuple[tuple[int, ...], int]:
+    """(chunk -> pp rank, pipelines) of `make_schedule(name, p, m, v)` for any m: where the
+    chunks run, without generating the actions (the layout search bounds a pipeline's
+    time from it before building its schedule)."""
+    if name == "interleaved":
+        return tuple(c % p for c in range(p * (v or 2))), 1
+    if name in ("dualpipev", "dualpipe"):
+        return _v_placement(p), 2 if name == "dualpipe" else 1
+    return tuple(range(p)), 1
 
 
 def min_microbatches(name: str, p: int) -> int:
