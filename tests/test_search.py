@@ -233,3 +233,19 @@ def test_every_bound_is_below_the_plans_step_time(model: str, gpus: int) -> None
         assert case.mesh_bound("none") <= case.mesh_bound(c.recompute) <= step, c.flags()
         assert case.pipeline_bound(pipeline, c.recompute) <= step, c.flags()
     assert len(cases) > 10
+
+
+@pytest.mark.parametrize("model, sizes", [(TINY, (2, 1, 2, 2, 1)), (MOE, (2, 1, 1, 1, 4)), (MOE, (2, 1, 2, 1, 2))])
+def test_the_graph_passes_do_not_depend_on_the_rank_order(model: str, sizes: tuple) -> None:
+    # the search runs them once per mesh size and shares the graph among its rank orders
+    from fivedc.frontends.dsl_file import load_model
+    from fivedc.pipeline import GRAPH_PASSES, run_passes
+    from fivedc.plan.planning import Draft
+    from fivedc.search.space import rank_orders
+
+    graph = load_model(model) if model.endswith(".5d") else parse_model(model)
+    orders = rank_orders(sizes)
+    assert len(orders) > 1
+    graphs = [run_passes(Draft(graph), Candidate(Mesh(sizes, o), sp=True).options(dtype="bf16"), GRAPH_PASSES).graph
+              for o in orders]
+    assert all(g == graphs[0] for g in graphs[1:])
