@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 from fivedc.errors import PassError
-from fivedc.estimates.held_params import HeldParams, held_params
+from fivedc.passes.held_params import HeldParams, held_params
 from fivedc.ir.graph import walk_params
 from fivedc.estimates.saved import SaveContext
 from fivedc.passes.stages import PipelineSpec, units

@@ -34,7 +34,7 @@ from fivedc.ir.graph import CollectiveKind, Graph
 from fivedc.estimates.memory import OPTIMIZER_BYTES
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.estimates.saved import SaveContext
-from fivedc.estimates.held_params import HeldParams, param_count
+from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec
 

@@ -26,7 +26,6 @@ F, B, I and W seconds per chunk, then the RF and RB delays per chunk, then a zer
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,9 +59,24 @@ def columns(program: ScheduleProgram) -> int:
     return 6 * program.chunks + 1
 
 
-@functools.lru_cache(maxsize=128)
+_PROGRAMS: dict[int, tuple[Schedule, ScheduleProgram]] = {}  # by the schedule's id (hashing one walks its actions)
+_KEPT = 128
+
+
 def program(schedule: Schedule) -> ScheduleProgram:
-    """`schedule` compiled to index arrays (kept: schedules are immutable and few)."""
+    """`schedule` compiled to index arrays, kept for the schedule object (immutable, and the
+    plan passes share one per (name, p, m, v): `stages.cached_schedule`)."""
+    kept = _PROGRAMS.get(id(schedule))
+    if kept is not None and kept[0] is schedule:
+        return kept[1]
+    if len(_PROGRAMS) >= _KEPT:
+        del _PROGRAMS[next(iter(_PROGRAMS))]
+    compiled = _compile(schedule)
+    _PROGRAMS[id(schedule)] = (schedule, compiled)
+    return compiled
+
+
+def _compile(schedule: Schedule) -> ScheduleProgram:
     ranks, c = schedule.ranks, schedule.num_chunks
     lengths = [len(acts) for acts in ranks]
     offsets = np.cumsum([0] + lengths)
