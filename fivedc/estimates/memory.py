@@ -115,8 +115,7 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
     The per-layer figures come from `memo` (`fivedc/estimates/memo.py`), computed once per graph."""
     memo = memo_for(memo, graph, mesh, dtype)
     pp = mesh.size(MeshAxis.PP)
-    held = [memo.get(("held bytes", dtype_bytes, zero, _rank_units(pipeline, r)), lambda: _held(
-        param_sizes(memo), dtype, dtype_bytes, zero, rank_held(memo, pipeline, r))) for r in (range(pp) if pipeline else (None,))]
+    held = [held_bytes(memo, dtype_bytes, zero, pipeline, r) for r in (range(pp) if pipeline else (None,))]
     activations, regions = memo.get(("rank activations", dtype_bytes, recompute, pipeline), lambda: rank_activations(
         graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline, recompute=recompute, memo=memo))
     parts = transients(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
@@ -157,6 +156,13 @@ def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, 
     key = ("in flight", pipeline.schedule, m, pipeline.virtual, tuple(per_chunk), tuple(deferred) if split else None)
     in_flight = memo.get(key, lambda: activations_in_flight(pipeline, pp, per_chunk, deferred if split else None))
     return [in_flight[r] + sum(constants[r].values()) for r in range(pp)], regions
+
+
+def held_bytes(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
+               pp_rank: int | None) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of one pp rank (every rank without a pipeline), kept in `memo`."""
+    return memo.get(("held bytes", dtype_bytes, zero, _rank_units(pipeline, pp_rank)), lambda: _held(
+        param_sizes(memo), memo.dtype, dtype_bytes, zero, rank_held(memo, pipeline, pp_rank)))
 
 
 def _rank_units(pipeline: PipelineSpec | None, pp_rank: int | None) -> tuple | None:

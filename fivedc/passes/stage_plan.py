@@ -19,6 +19,7 @@ from fivedc.ir.graph import Collective, CollectiveKind, DType, Graph, Op, Phase,
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.schedule import SCHEDULES, Schedule, min_microbatches
 from fivedc.schedule.batched import peaks, program
+from fivedc.schedule.generators import check_request, placement
 from fivedc.passes.stages import (
     Chunk, PipelineSpec, Unit, all_boundary_values, cached_schedule, check_enough, has_marks, layout_ranges,
     marked_ranges, partition, unit_costs, units, value_types,
@@ -56,11 +57,12 @@ RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
 
 
 def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
-                    layout: tuple[int, ...] | None, memo=None) -> Schedule | None:
+                    layout: tuple[int, ...] | None, memo=None, build: bool = True) -> Schedule | None:
     """The pipeline schedule for pp > 1 (None for pp = 1): its microbatches (given, or
     max(pp, the schedule's least) that split the batch) and chunks per rank, after
     checking that the model has the layers, marks and batch it needs. `memo` (optional:
-    anything with `get(key, compute)`, as `fivedc/estimates/memo.py`'s) keeps the units."""
+    anything with `get(key, compute)`, as `fivedc/estimates/memo.py`'s) keeps the units.
+    With `build=False` only the checks (and `make_schedule`'s) run: None, or their error."""
     p = mesh.size(MeshAxis.PP)
     if p == 1:
         return None
@@ -76,7 +78,26 @@ def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: in
     m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
     _check_microbatches(graph, mesh, m)
     _check_per_microbatch(graph, m)
+    if not build:
+        return check_request(schedule, p, m, virtual)
     return cached_schedule(schedule, p, m, virtual)
+
+
+def check_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int, virtual: int | None,
+                   dtype_bytes: int, memo=None) -> None:
+    """Raise what the schedule and stage-partition passes raise for this pipeline (cut by
+    cost), in their order, without building its schedule (the layout search checks a
+    candidate before bounding its memory)."""
+    choose_schedule(graph, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual, layout=None,
+                    memo=memo, build=False)
+    p = mesh.size(MeshAxis.PP)
+    chunk_place, copies = placement(schedule, p, virtual)
+    n_chunks = len(chunk_place) // copies
+    ranges, _ = chunk_ranges(graph, mesh, schedule=schedule, n_chunks=n_chunks, p=p, layout=None,
+                             dtype_bytes=dtype_bytes, memo=memo)
+    boundaries = _cached(memo, "boundaries", lambda: all_boundary_values(graph))
+    for k in range(n_chunks - 1):
+        _check_sends(graph, boundaries[ranges[k][1]], k)
 
 
 def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple[int, ...] | None,

@@ -190,3 +190,19 @@ def peaks(prog: ScheduleProgram, weights: np.ndarray, deferred: np.ndarray | Non
     delta[:, prog.n] = 0
     live = np.cumsum(delta[:, prog.padded], axis=2)
     return np.maximum(live.max(axis=2, initial=0), 0)
+
+
+def kept_before_backward(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the chunks of the forwards it runs before its first backward (B or I): what
+    it keeps at that moment, since nothing is freed before a backward (`peak_live_weighted`'s
+    live bytes then, a lower bound of its peak)."""
+    out = []
+    for acts in schedule.ranks:
+        chunks = []
+        for a in acts:
+            if a.kind in (K.BACKWARD, K.BACKWARD_INPUT):
+                break
+            if a.kind == K.FORWARD:
+                chunks.append(a.chunk)
+        out.append(tuple(chunks))
+    return tuple(out)

@@ -127,9 +127,16 @@ def min_microbatches(name: str, p: int) -> int:
 
 def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     """The schedule `name` for p pp ranks, m microbatches and (interleaved only) v chunks per rank."""
+    check_request(name, p, m, v)
+    build, fixed_v = _BUILDERS[name]
+    return build(p, m, fixed_v or v)
+
+
+def check_request(name: str, p: int, m: int, v: int | None = None) -> None:
+    """Raise the `ScheduleError` `make_schedule(name, p, m, v)` raises, without building it."""
     if name not in _BUILDERS:
         raise ScheduleError(f"unknown pipeline schedule {name!r}", hint=f"choose one of {', '.join(SCHEDULES)}")
-    build, fixed_v = _BUILDERS[name]
+    fixed_v = _BUILDERS[name][1]
     for what, value in (("p", p), ("m", m), ("v", v)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ScheduleError(f"{name}: {what}={value!r} must be a positive integer",
@@ -151,7 +158,6 @@ def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     if name == "dualpipe" and m % 2:
         raise ScheduleError(f"dualpipe splits the microbatches evenly over two directions; m={m} is odd",
                             hint=f"use m={m + 1}")
-    return build(p, m, fixed_v or v)
 
 
 def _check_interleaved(p: int, m: int, v: int | None) -> None:

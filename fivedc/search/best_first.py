@@ -91,8 +91,11 @@ class BestFirst:
         except FivedcError as error:
             self.rejected[reason(error)] += count(graph, base.mesh) * len(orders)
             return
+        first = None
         for order in orders:
-            case = GraphCase(replace(base, mesh=Mesh(sizes, order)), sharded, dtype=self.dtype, hw=self.hw)
+            case = GraphCase(replace(base, mesh=Mesh(sizes, order)), sharded, dtype=self.dtype, hw=self.hw,
+                             sharing=first)
+            first = first or case
             self._push(case.mesh_bound("none"), case.count(), ("case", case))
 
     def _push(self, bound: float, candidates: int, entry: tuple) -> None:
@@ -136,9 +139,9 @@ class BestFirst:
     def _score(self, case: GraphCase, pipeline, rc: str, zero: int) -> None:
         """One candidate by the planning passes: refused, dominated, too large, or ranked."""
         self._advance(1)
-        laid = case.laid_out(pipeline)
-        if isinstance(laid, FivedcError):
-            self.rejected[reason(laid)] += 1
+        refused = case.refusal(pipeline)
+        if refused is not None:
+            self.rejected[reason(refused)] += 1
             return
         lesser = RECOMPUTE[:RECOMPUTE.index(rc)]
         if any(case.fits(pipeline, r, zero) for r in lesser if (r, zero) in case.modes):

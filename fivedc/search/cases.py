@@ -21,11 +21,11 @@ from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.base import DTYPE_BYTES
 from fivedc.passes.param_sync import zero_notes
 from fivedc.passes.recompute import recomputed_regions
-from fivedc.passes.stage_plan import chunk_ranges
+from fivedc.passes.stage_plan import check_pipeline, chunk_ranges
 from fivedc.pipeline import PLANNING_PASSES, run_passes
 from fivedc.plan.planning import Draft
 from fivedc.schedule.generators import placement
-from fivedc.search.bounds import mesh_bound, pipeline_bound
+from fivedc.search.bounds import held_rows, kept_rows, mesh_bound, pipeline_bound
 from fivedc.search.space import RECOMPUTE, ZERO_STAGES, Candidate, pipelines
 
 
@@ -48,15 +48,19 @@ Pipeline = tuple  # (schedule, microbatches, virtual); (None, None, None) withou
 class GraphCase:
     """The candidates of one sharded graph on one mesh (search state: filled as they are scored)."""
 
-    __slots__ = ("base", "dtype", "hw", "draft", "pipelines", "modes", "_laid", "_planned")
+    __slots__ = ("base", "dtype", "hw", "draft", "pipelines", "modes", "_laid", "_planned", "_bounds")
 
-    def __init__(self, base: Candidate, sharded: Graph, *, dtype: str, hw: Hardware) -> None:
+    def __init__(self, base: Candidate, sharded: Graph, *, dtype: str, hw: Hardware, sharing: GraphCase | None = None):
+        """`sharing`: the case of the same graph on another rank order, whose memo's figures
+        that do not depend on the order this one shares (`memo.ORDER_FREE`)."""
         self.base, self.dtype, self.hw = base, dtype, hw
-        self.draft = Draft(sharded, memo=Memo(sharded, base.mesh, dtype))
+        memo = Memo(sharded, base.mesh, dtype) if sharing is None else sharing.draft.memo.sharing(base.mesh)
+        self.draft = Draft(sharded, memo=memo)
         self.pipelines: list[Pipeline] = pipelines(sharded, base.mesh.sizes)
         self.modes = modes(sharded, base.mesh)
         self._laid: dict = {}
         self._planned: dict = {}
+        self._bounds: dict = {} if sharing is None else sharing._bounds  # cuts, memory bounds' rows: order-free
 
     def count(self) -> int:
         return len(self.pipelines) * len(self.modes)
@@ -77,18 +81,66 @@ class GraphCase:
                           pp=self.base.mesh.size(MeshAxis.PP))
 
     def pipeline_bound(self, pipeline: Pipeline, recompute: str) -> float:
-        name, m, v = pipeline
-        if name is None:
+        shape = self._shape(pipeline)
+        if shape is None:
             return self.mesh_bound(recompute)
-        p, graph = self.base.mesh.size(MeshAxis.PP), self.draft.graph
+        ranges, chunk_place, copies = shape
+        return pipeline_bound(self.draft.memo, self.hw, dtype_bytes=DTYPE_BYTES[self.dtype], recompute=recompute,
+                              schedule=pipeline[0], microbatches=pipeline[1], ranges=ranges, placement=chunk_place,
+                              pipelines=copies)
+
+    def memory_bound(self, pipeline: Pipeline, recompute: str, zero: int) -> int:
+        """At most the busiest rank's bytes (0 when unknown: a pipeline the passes refuse)."""
+        shape = self._shape(pipeline)
+        if shape is None:
+            return 0
+        ranges, chunk_place, _ = shape
+        name, m, v = pipeline
+        held_key, kept_key = ("held rows", name, v, zero), ("kept rows", pipeline, recompute)
+        if held_key not in self._bounds:
+            self._bounds[held_key] = held_rows(self.draft.memo, dtype_bytes=DTYPE_BYTES[self.dtype], zero=zero,
+                                               schedule=name, virtual=v, ranges=ranges, placement=chunk_place)
+        if kept_key not in self._bounds:
+            self._bounds[kept_key] = kept_rows(self.draft.memo, dtype_bytes=DTYPE_BYTES[self.dtype],
+                                               recompute=recompute, schedule=name, microbatches=m, virtual=v,
+                                               ranges=ranges, placement=chunk_place)
+        return max(h + k for h, k in zip(self._bounds[held_key], self._bounds[kept_key]))
+
+    def _shape(self, pipeline: Pipeline) -> tuple | None:
+        """(units per model chunk, each schedule chunk's pp rank, model copies) of a pipeline cut
+        by cost; None without a pipeline or when the cut is refused (too few units)."""
+        name, _, v = pipeline
+        if name is None:
+            return None
+        key = ("shape", name, v)
+        if key not in self._bounds:
+            self._bounds[key] = self._cut(name, v)
+        return self._bounds[key]
+
+    def _cut(self, name: str, v: int | None) -> tuple | None:
+        p = self.base.mesh.size(MeshAxis.PP)
         chunk_place, copies = placement(name, p, v)
         try:
-            ranges, _ = chunk_ranges(graph, self.base.mesh, schedule=name, n_chunks=len(chunk_place) // copies, p=p,
-                                     layout=None, dtype_bytes=DTYPE_BYTES[self.dtype], memo=self.draft.memo)
-        except FivedcError:  # too few units: the schedule pass says so when the candidate is scored
-            return self.mesh_bound(recompute)
-        return pipeline_bound(self.draft.memo, self.hw, dtype_bytes=DTYPE_BYTES[self.dtype], recompute=recompute,
-                              schedule=name, microbatches=m, ranges=ranges, placement=chunk_place, pipelines=copies)
+            ranges, _ = chunk_ranges(self.draft.graph, self.base.mesh, schedule=name, n_chunks=len(chunk_place) // copies,
+                                     p=p, layout=None, dtype_bytes=DTYPE_BYTES[self.dtype], memo=self.draft.memo)
+        except FivedcError:  # the schedule pass says so when the candidate is scored
+            return None
+        return ranges, chunk_place, copies
+
+    def refusal(self, pipeline: Pipeline) -> FivedcError | None:
+        """What the schedule and stage-partition passes would refuse this pipeline with, if anything
+        (checked without building the schedule)."""
+        key = ("refusal", pipeline)
+        if key not in self._laid:
+            name, m, v = pipeline
+            self._laid[key] = None
+            if name is not None:
+                try:
+                    check_pipeline(self.draft.graph, self.base.mesh, schedule=name, microbatches=m, virtual=v,
+                                   dtype_bytes=DTYPE_BYTES[self.dtype], memo=self.draft.memo)
+                except FivedcError as error:
+                    self._laid[key] = error
+        return self._laid[key]
 
     # ---- scores -----------------------------------------------------------------------------
     def laid_out(self, pipeline: Pipeline) -> Draft | FivedcError:
@@ -106,10 +158,16 @@ class GraphCase:
         key = (pipeline, recompute, zero)
         if key not in self._planned:
             options = self.candidate(pipeline, recompute, zero).options(dtype=self.dtype, hardware=self.hw)
-            self._planned[key] = run_passes(self.laid_out(pipeline), options, PER_MODE)
+            laid = self.laid_out(pipeline)
+            if isinstance(laid, FivedcError):  # `refusal` found nothing: a bug, reported as the passes' error
+                raise laid
+            self._planned[key] = run_passes(laid, options, PER_MODE)
         return self._planned[key]
 
     def fits(self, pipeline: Pipeline, recompute: str, zero: int) -> bool:
+        """Whether the busiest rank fits: first by the bound, then by the memory pass."""
+        if self.memory_bound(pipeline, recompute, zero) > self.hw.usable_bytes:
+            return False
         return self.planned(pipeline, recompute, zero).memory.total <= self.hw.usable_bytes
 
     def timed(self, pipeline: Pipeline, recompute: str, zero: int) -> Draft:
