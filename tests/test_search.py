@@ -64,7 +64,7 @@ model odd {
 
 @pytest.fixture(scope="module")
 def tiny_result():
-    return search(parse_model(TINY), gpus=8, hardware=H100, compile_best=False)
+    return search(parse_model(TINY), gpus=8, hardware=H100, compile_best=False)  # every layout (keep=None)
 
 
 def _picks(ranked) -> list:
@@ -171,7 +171,7 @@ def test_parallelize_auto_compiles_the_searched_layout() -> None:
 
 def test_the_search_runs_every_planning_pass_of_compile() -> None:
     from fivedc.pipeline import PLANNING_PASSES
-    from fivedc.search.search import PER_MODE, PER_PIPELINE, TIMING
+    from fivedc.search.cases import PER_MODE, PER_PIPELINE, TIMING
 
     assert PER_PIPELINE + PER_MODE + TIMING == PLANNING_PASSES[:-1]  # all but prove-agreement, in order
     assert PLANNING_PASSES[-1].name == "prove-agreement"
@@ -191,3 +191,61 @@ def test_the_memo_changes_no_figure(tiny_result) -> None:
             draft = planning_pass.plan(draft, options)
         assert draft.memo is None
         assert draft.memory == scored.memory and draft.time == scored.time, scored.candidate.flags()
+
+
+MOE = "examples/moe.5d"
+
+
+@pytest.mark.parametrize("model, gpus, keep", [(TINY, 8, 1), (TINY, 8, 5), (TINY, 16, 3), (MOE, 8, 4)])
+def test_the_k_best_are_those_of_scoring_every_layout(model: str, gpus: int, keep: int) -> None:
+    # best first with pruning by bounds: the same K best, figures and order, as scoring everything
+    from fivedc.frontends.dsl_file import load_model
+    from fivedc.search.search import PRUNED
+
+    graph = load_model(model) if model.endswith(".5d") else parse_model(model)
+    every = search(graph, gpus=gpus, hardware=H100, compile_best=False)
+    best = search(graph, gpus=gpus, hardware=H100, compile_best=False, keep=keep)
+    assert best.ranked[:keep] == every.ranked[:keep]
+    assert best.rejected[PRUNED] > 0 and PRUNED not in every.rejected
+    assert sum(best.rejected.values()) + len(best.ranked) == sum(every.rejected.values()) + len(every.ranked)
+
+
+@pytest.mark.parametrize("model, gpus", [(TINY, 8), (MOE, 8)])
+def test_every_bound_is_below_the_plans_step_time(model: str, gpus: int) -> None:
+    # the bounds the search prunes by (fivedc/search/bounds.py), on every ranked layout
+    from fivedc.frontends.dsl_file import load_model
+    from fivedc.pipeline import GRAPH_PASSES, run_passes
+    from fivedc.plan.planning import Draft
+    from fivedc.search.cases import GraphCase
+
+    graph = load_model(model) if model.endswith(".5d") else parse_model(model)
+    ranked = search(graph, gpus=gpus, hardware=H100, compile_best=False).ranked
+    cases: dict = {}
+    for scored in ranked:
+        c = scored.candidate
+        key = (c.mesh, c.sp, c.cp_attention)
+        if key not in cases:
+            base = dataclasses.replace(c, schedule=None, microbatches=None, virtual=None, zero=0, recompute="none")
+            sharded = run_passes(Draft(graph), base.options(dtype="bf16"), GRAPH_PASSES).graph
+            cases[key] = GraphCase(base, sharded, dtype="bf16", hw=H100)
+        case, step = cases[key], scored.time.step_seconds
+        pipeline = (c.schedule, c.microbatches, c.virtual)
+        assert case.mesh_bound("none") <= case.mesh_bound(c.recompute) <= step, c.flags()
+        assert case.pipeline_bound(pipeline, c.recompute) <= step, c.flags()
+    assert len(cases) > 10
+
+
+@pytest.mark.parametrize("model, sizes", [(TINY, (2, 1, 2, 2, 1)), (MOE, (2, 1, 1, 1, 4)), (MOE, (2, 1, 2, 1, 2))])
+def test_the_graph_passes_do_not_depend_on_the_rank_order(model: str, sizes: tuple) -> None:
+    # the search runs them once per mesh size and shares the graph among its rank orders
+    from fivedc.frontends.dsl_file import load_model
+    from fivedc.pipeline import GRAPH_PASSES, run_passes
+    from fivedc.plan.planning import Draft
+    from fivedc.search.space import rank_orders
+
+    graph = load_model(model) if model.endswith(".5d") else parse_model(model)
+    orders = rank_orders(sizes)
+    assert len(orders) > 1
+    graphs = [run_passes(Draft(graph), Candidate(Mesh(sizes, o), sp=True).options(dtype="bf16"), GRAPH_PASSES).graph
+              for o in orders]
+    assert all(g == graphs[0] for g in graphs[1:])

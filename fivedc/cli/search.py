@@ -4,7 +4,9 @@ Prints the top `--top` layouts (mesh, options, memory of the busiest rank, bubbl
 step time, tokens/s, MFU, communication share) and the `fivedc compile` flags of
 the best; `-o` writes the best plan (compiled for real, with its agreement proof),
 `--json` every ranked candidate, best first, and `--explain` the rejected candidates
-counted by reason. A rich progress bar runs on stderr while the meshes are scored.
+counted by reason. A rich progress bar runs on stderr while the meshes are sharded and the
+layouts scored. Without `--json` the search scores only what can still be among the `--top`
+best (fivedc/search/best_first.py); with it, every layout.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def run_search(args, console) -> int:
         hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
     graph = with_shape(load_graph(args.model), batch=args.global_batch, seq=args.seq)
     start = time.perf_counter()
-    with _Progress() as progress:
-        result = search(graph, gpus=args.gpus, hardware=hw, dtype=args.dtype, progress=progress)
+    with _Progress() as progress:  # --json lists every layout that fits; else the --top best are enough
+        result = search(graph, gpus=args.gpus, hardware=hw, dtype=args.dtype, progress=progress,
+                        compile_best=args.output is not None, keep=None if args.json is not None else args.top)
     seconds = time.perf_counter() - start
     _print_top(result, args.top, console, graph, args.gpus, hw, seconds)
     if args.explain:
@@ -91,16 +94,16 @@ class _Progress:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._bar = Progress(TextColumn("scoring meshes"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                              console=Console(file=sys.stderr), transient=True)
         self._bar.__enter__()
         return self
 
-    def start(self, total: int) -> None:
-        self._task = self._bar.add_task("search", total=total)
+    def start(self, total: int, what: str) -> None:
+        self._task = self._bar.add_task(what, total=total)
 
-    def advance(self) -> None:
-        self._bar.advance(self._task)
+    def advance(self, n: int = 1) -> None:
+        self._bar.advance(self._task, n)
 
     def __exit__(self, *exc) -> None:
         self._bar.__exit__(*exc)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 from fivedc.errors import PassError
-from fivedc.estimates.held_params import HeldParams, held_params
+from fivedc.passes.held_params import HeldParams, held_params
 from fivedc.ir.graph import walk_params
 from fivedc.estimates.saved import SaveContext
 from fivedc.passes.stages import PipelineSpec, units
@@ -30,20 +30,41 @@ from fivedc.passes.stages import PipelineSpec, units
 T = TypeVar("T")
 
 
+# Figures that follow from the mesh's sizes, not from its rank order (which only places
+# ranks on nodes, so it changes collectives' seconds): the memos of one graph on the rank
+# orders of one mesh may share them (`Memo.sharing`; the layout search does).
+ORDER_FREE = frozenset({
+    "units", "boundaries", "unit costs", "partition", "param sizes", "held", "held bytes", "buckets",
+    "model flops", "unit saves", "unit own bytes", "deferred", "in flight", "rank activations", "unit transients",
+    "kept transients", "zero transients",
+})
+
+
 class Memo:
     """Values by key, computed on first use; for one graph, mesh and dtype."""
 
-    __slots__ = ("graph", "mesh", "dtype", "_values")
+    __slots__ = ("graph", "mesh", "dtype", "_values", "_shared")
 
     def __init__(self, graph, mesh, dtype: str) -> None:
         self.graph, self.mesh, self.dtype = graph, mesh, dtype
         self._values: dict[Hashable, object] = {}
+        self._shared = self._values
+
+    def sharing(self, mesh) -> Memo:
+        """A memo for the same graph on `mesh`, another rank order of the same sizes, sharing
+        this one's `ORDER_FREE` figures."""
+        if mesh.sizes != self.mesh.sizes:
+            raise PassError(f"a memo for mesh {self.mesh} cannot share figures with mesh {mesh}: a bug in fivedc")
+        other = Memo(self.graph, mesh, self.dtype)
+        other._shared = self._shared
+        return other
 
     def get(self, key: Hashable, compute: Callable[[], T]) -> T:
+        values = self._shared if (key if isinstance(key, str) else key[0]) in ORDER_FREE else self._values
         try:
-            return self._values[key]  # type: ignore[return-value]
+            return values[key]  # type: ignore[return-value]
         except KeyError:
-            value = self._values[key] = compute()
+            value = values[key] = compute()
             return value
 
 

@@ -30,7 +30,7 @@ from fivedc.estimates.activations import chunk_activations, chunk_deferred
 from fivedc.errors import PlanError
 from fivedc.ir.graph import Graph
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.estimates.held_params import HeldParams, param_count
+from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec
 from fivedc.estimates.transient import transients
@@ -117,10 +117,9 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
     chunks use it; `tied`: the groups whose gradients those ranks sum (`fivedc/passes/tied.py`)."""
     memo = memo_for(memo, graph, mesh, dtype)
     pp = mesh.size(MeshAxis.PP)
-    held = [_held(param_sizes(memo), dtype, dtype_bytes, zero, rank_held(memo, pipeline, r))
-            for r in (range(pp) if pipeline else (None,))]
-    activations, regions = rank_activations(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline,
-                                            recompute=recompute, memo=memo)
+    held = [held_bytes(memo, dtype_bytes, zero, pipeline, r) for r in (range(pp) if pipeline else (None,))]
+    activations, regions = memo.get(("rank activations", dtype_bytes, recompute, pipeline), lambda: rank_activations(
+        graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline, recompute=recompute, memo=memo))
     parts = transients(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
                        recompute=recompute, regions=regions, buckets=buckets, overlap=overlap, memo=memo, tied=tied)
     rows = [(params, grads, optimizer, activations[r], max(parts[r].values()))
@@ -159,6 +158,18 @@ def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, 
     key = ("in flight", pipeline.schedule, m, pipeline.virtual, tuple(per_chunk), tuple(deferred) if split else None)
     in_flight = memo.get(key, lambda: activations_in_flight(pipeline, pp, per_chunk, deferred if split else None))
     return [in_flight[r] + sum(constants[r].values()) for r in range(pp)], regions
+
+
+def held_bytes(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
+               pp_rank: int | None) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of one pp rank (every rank without a pipeline), kept in `memo`."""
+    return memo.get(("held bytes", dtype_bytes, zero, _rank_units(pipeline, pp_rank)), lambda: _held(
+        param_sizes(memo), memo.dtype, dtype_bytes, zero, rank_held(memo, pipeline, pp_rank)))
+
+
+def _rank_units(pipeline: PipelineSpec | None, pp_rank: int | None) -> tuple | None:
+    """The unit ranges a pp rank runs (what its parameters follow from); None: every unit."""
+    return None if pipeline is None else tuple(c.units for c in pipeline.chunks if c.rank == pp_rank)
 
 
 def _held(sizes: list[tuple], dtype: str, dtype_bytes: int, zero: int,

@@ -68,6 +68,7 @@ class SaveContext:
     params: frozenset[str] = frozenset()
     inputs: frozenset[str] = frozenset()
     regathered: dict = field(default_factory=dict)  # a gathered value -> the shard kept instead
+    _sizes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # numel by (dims, sharding)
 
     @staticmethod
     def of(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, microbatches: int = 1,
@@ -84,8 +85,13 @@ class SaveContext:
 
     def numel(self, dims: tuple[str, ...], sharding: Sharding | None) -> int:
         """Elements on one rank for one microbatch (the batch dim divided by the microbatches)."""
-        n = self.graph.local_numel(dims, sharding or Sharding(), self.mesh)
-        return n // self.microbatches if self.graph.batch_dim in dims else n
+        key = (dims, sharding)
+        try:
+            return self._sizes[key]
+        except KeyError:
+            n = self.graph.local_numel(dims, sharding or Sharding(), self.mesh)
+            n = self._sizes[key] = n // self.microbatches if self.graph.batch_dim in dims else n
+            return n
 
     def value_numel(self, name: str) -> int:
         t, sharding = self.layouts[name]

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from fivedc.estimates.costs import collective_seconds, model_flops, unit_times
 from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import CollectiveKind, Graph
 from fivedc.estimates.memory import OPTIMIZER_BYTES
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.estimates.saved import SaveContext
-from fivedc.estimates.held_params import HeldParams, param_count
+from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec
 
@@ -65,8 +67,7 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
     memo = memo_for(memo, graph, mesh, dtype)
     hw, m = hardware, pipeline.microbatches if pipeline else 1
     c = save_context(memo, dtype_bytes, m, recompute)
-    times = memo.get(("unit times", hw, dtype_bytes, m, recompute),
-                     lambda: unit_times(c, graph, memo_units(memo), hw, recompute=recompute))
+    times = memo_unit_times(memo, hw, dtype_bytes, m, recompute)
     if pipeline is None:
         makespan, bubble = sum(t.forward + t.backward for t in times), 0.0
         backward, last = sum(t.backward for t in times), times[0].backward if times else 0.0
@@ -88,6 +89,13 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
     per_gpu = flops / step / mesh.world if step else 0.0
     return TimeEstimate(hw, step, makespan, bubble, max(comm), sync, gathers, optimizer, tokens / step if step else 0.0,
                         flops, per_gpu / 1e12, per_gpu / hw.bf16_flops)
+
+
+def memo_unit_times(memo: Memo, hw: Hardware, dtype_bytes: int, microbatches: int, recompute: str) -> list:
+    """Each unit's seconds for one of `microbatches` microbatches on `hw` (`costs.unit_times`), kept in `memo`."""
+    return memo.get(("unit times", hw, dtype_bytes, microbatches, recompute), lambda: unit_times(
+        save_context(memo, dtype_bytes, microbatches, recompute), memo.graph, memo_units(memo), hw,
+        recompute=recompute))
 
 
 def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware, times,
@@ -115,10 +123,18 @@ def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware,
 
 
 def _play(schedule, per: dict, delays: dict) -> tuple[float, float]:
-    from fivedc.schedule import simulate
+    """`simulate(schedule, chunk_costs=per, delays=delays)`'s makespan and bubble, to the
+    last bit, from the schedule compiled once (`fivedc/schedule/batched.py`)."""
+    from fivedc.schedule.batched import makespan_and_bubble, play, program
 
-    result = simulate(schedule, check=False, chunk_costs=per, delays=delays)
-    return result.makespan, result.bubble_fraction
+    prog = program(schedule)
+    makespans, bubbles = makespan_and_bubble(*play(prog, np.array([cost_row(per, delays)])))
+    return makespans[0], bubbles[0]
+
+
+def cost_row(per: dict, delays: dict) -> list[float]:
+    """One row of a schedule program's cost table: F, B, I, W per chunk, RF and RB delays, a zero."""
+    return [*per["F"], *per["B"], *per["I"], *per["W"], *delays["RF"], *delays["RB"], 0.0]
 
 
 def _after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,

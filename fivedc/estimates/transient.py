@@ -37,7 +37,7 @@ from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import VALUE, SaveContext, op_saves
-from fivedc.estimates.held_params import HeldParams, param_count
+from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec, Unit
 
@@ -45,25 +45,39 @@ from fivedc.passes.stages import PipelineSpec, Unit
 def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
                recompute: str, regions: list[int], buckets=(), overlap: bool = True,
                memo: Memo | None = None, tied=()) -> list[dict[str, int]]:
-    """Per pp rank (one entry without a pipeline): each transient part, in bytes."""
+    """Per pp rank (one entry without a pipeline): each transient part, in bytes. The parts
+    that depend on the recomputation and those that depend on ZeRO are kept in `memo` apart
+    (a layout search asks for every pairing of the two)."""
     memo = memo_for(memo, graph, mesh, dtype)
-    m = pipeline.microbatches if pipeline else 1
+    kept = memo.get(("kept transients", dtype_bytes, recompute, pipeline, tuple(regions), tuple(tied)),
+                    lambda: _kept_parts(memo, dtype_bytes, pipeline, recompute, regions, tied))
+    zero_parts = memo.get(("zero transients", dtype_bytes, zero, pipeline, buckets),
+                          lambda: _zero_parts(memo, dtype_bytes, zero, pipeline, buckets))
+    out = []
+    for mine, theirs in zip(kept, zero_parts):
+        parts = {name: mine[name] for name in ("recomputed region", *UNIT_PARTS[:2])}
+        parts |= theirs
+        parts |= {name: mine[name] for name in (*UNIT_PARTS[2:], "pipeline sends", "tied gradient sum")
+                  if name in mine}
+        out.append(parts)
+    return out
+
+
+def _kept_parts(memo: Memo, dtype_bytes: int, pipeline: PipelineSpec | None, recompute: str,
+                regions: list[int], tied=()) -> list[dict[str, int]]:
+    """Per pp rank, the parts that follow from what the rank runs and keeps (not from ZeRO)."""
+    graph, mesh, m = memo.graph, memo.mesh, pipeline.microbatches if pipeline else 1
     c = save_context(memo, dtype_bytes, m, recompute)
     all_units = memo_units(memo)
     figures = memo.get(("unit transients", dtype_bytes, m, recompute),
                        lambda: _unit_parts(c, graph, all_units, recompute))
-    ranks = range(mesh.size(MeshAxis.PP)) if pipeline else (None,)
     out = []
-    for r in ranks:
+    for r in range(memo.mesh.size(MeshAxis.PP)) if pipeline else (None,):
         mine = [k for chunk in pipeline.chunks if chunk.rank == r
                 for k in range(chunk.units[0], chunk.units[1])] if pipeline else range(len(all_units))
-        held = rank_held(memo, pipeline, r)
         parts = {"recomputed region": regions[r or 0]}
         for index, name in enumerate(UNIT_PARTS):
             parts[name] = max((figures[k][index] for k in mine), default=0)
-        parts["ZeRO-3 gathers"] = _zero3(graph, mesh, dtype_bytes, zero, pipeline, held, buckets)
-        parts["gradient buckets"] = _buckets(graph, mesh, dtype_bytes, zero, buckets, held)
-        parts["MoE all-to-all"], parts["ring K/V"] = parts.pop("MoE all-to-all"), parts.pop("ring K/V")
         if pipeline:
             sent = [chunk for chunk in pipeline.chunks if chunk.rank == r and chunk.sends]
             parts["pipeline sends"] = 2 * max((sum(c.value_bytes(n) for n in chunk.sends) for chunk in sent), default=0)
@@ -72,6 +86,18 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
                                                   for n in g.names) * dtype_bytes for g in tied if r in g.pp_ranks),
                                              default=0)
         out.append(parts)
+    return out
+
+
+def _zero_parts(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
+                buckets) -> list[dict[str, int]]:
+    """Per pp rank, ZeRO-3's gathers and the gradient buckets."""
+    graph, mesh = memo.graph, memo.mesh
+    out = []
+    for r in range(mesh.size(MeshAxis.PP)) if pipeline else (None,):
+        held = rank_held(memo, pipeline, r)
+        out.append({"ZeRO-3 gathers": _zero3(graph, mesh, dtype_bytes, zero, pipeline, held, buckets),
+                    "gradient buckets": _buckets(graph, mesh, dtype_bytes, zero, buckets, held)})
     return out
 
 

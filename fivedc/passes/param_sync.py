@@ -149,16 +149,15 @@ def copy_sync_collectives(graph: Graph, mesh: Mesh, pipeline, dtype_bytes: int, 
     `tied` parameters, which more ranks hold and which are summed over all of them before."""
     if pipeline is None or pipeline.schedule != "dualpipe":
         return []
-    from fivedc.passes.stages import chunk_param_names
+    from fivedc.passes.held_params import held_params, param_count
 
     p, out = mesh.size(MeshAxis.PP), []
     for r in range(p // 2):
-        local = chunk_param_names(graph, pipeline, pp_rank=r)
+        held = held_params(graph, pipeline, pp_rank=r)
         nbytes = 0
         for param, repeat in walk_params(graph.body):
-            n = (param.name in local and param.name not in tied) if repeat is None else sum(
-                f"{repeat.name}.{i}.{param.name}" in local
-                                                                  for i in range(repeat.count))
+            tied_here = repeat is None and param.name in tied  # summed over all its holders before
+            n = 0 if tied_here else param_count(held, param.name, repeat)
             each = zero_chunk(graph, mesh, param) if zero else graph.local_numel(param.dims, param.sharding, mesh)
             nbytes += each * n * dtype_bytes
         out.append(Collective(

@@ -11,11 +11,15 @@ transfers for the plan. Marks on a pp=1 mesh are not used (the summary says so).
 
 from __future__ import annotations
 
+import numpy as np
+
 from fivedc.ir.aten_call import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir.graph import Collective, CollectiveKind, DType, Graph, Op, Phase, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.schedule import SCHEDULES, Schedule, min_microbatches, peak_live_weighted
+from fivedc.schedule import SCHEDULES, Schedule, min_microbatches
+from fivedc.schedule.batched import peaks, program
+from fivedc.schedule.generators import check_request, placement
 from fivedc.passes.stages import (
     Chunk, PipelineSpec, Unit, all_boundary_values, cached_schedule, check_enough, has_marks, layout_ranges,
     marked_ranges, partition, unit_costs, units, value_types,
@@ -53,11 +57,12 @@ RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
 
 
 def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
-                    layout: tuple[int, ...] | None, memo=None) -> Schedule | None:
+                    layout: tuple[int, ...] | None, memo=None, build: bool = True) -> Schedule | None:
     """The pipeline schedule for pp > 1 (None for pp = 1): its microbatches (given, or
     max(pp, the schedule's least) that split the batch) and chunks per rank, after
     checking that the model has the layers, marks and batch it needs. `memo` (optional:
-    anything with `get(key, compute)`, as `fivedc/estimates/memo.py`'s) keeps the units."""
+    anything with `get(key, compute)`, as `fivedc/estimates/memo.py`'s) keeps the units.
+    With `build=False` only the checks (and `make_schedule`'s) run: None, or their error."""
     p = mesh.size(MeshAxis.PP)
     if p == 1:
         return None
@@ -73,7 +78,26 @@ def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: in
     m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
     _check_microbatches(graph, mesh, m)
     _check_per_microbatch(graph, m)
+    if not build:
+        return check_request(schedule, p, m, virtual)
     return cached_schedule(schedule, p, m, virtual)
+
+
+def check_pipeline(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int, virtual: int | None,
+                   dtype_bytes: int, memo=None) -> None:
+    """Raise what the schedule and stage-partition passes raise for this pipeline (cut by
+    cost), in their order, without building its schedule (the layout search checks a
+    candidate before bounding its memory)."""
+    choose_schedule(graph, mesh, schedule=schedule, microbatches=microbatches, virtual=virtual, layout=None,
+                    memo=memo, build=False)
+    p = mesh.size(MeshAxis.PP)
+    chunk_place, copies = placement(schedule, p, virtual)
+    n_chunks = len(chunk_place) // copies
+    ranges, _ = chunk_ranges(graph, mesh, schedule=schedule, n_chunks=n_chunks, p=p, layout=None,
+                             dtype_bytes=dtype_bytes, memo=memo)
+    boundaries = _cached(memo, "boundaries", lambda: all_boundary_values(graph))
+    for k in range(n_chunks - 1):
+        _check_sends(graph, boundaries[ranges[k][1]], k)
 
 
 def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple[int, ...] | None,
@@ -87,17 +111,8 @@ def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple
     n_chunks = p * sched.v // sched.pipelines  # the model's chunks (DualPipe runs each on two ranks)
     unit_cost = _cached(memo, ("unit costs", dtype_bytes), lambda: unit_costs(graph, mesh, dtype_bytes))
     costs = list(unit_cost.costs)
-    if has_marks(graph):
-        ranges, cut = marked_ranges(all_units), "marks"
-    elif layout is not None:
-        if len(layout) != n_chunks:
-            raise PlanError(f"the layout gives {len(layout)} chunks; {sched.name} on pp={p} runs {n_chunks}",
-                            hint=f"give {n_chunks} layer counts, one per chunk ({n_chunks // p} per pp rank)")
-        ranges, cut = layout_ranges(layout, graph), "layout"
-    else:
-        v_shape = sched.name == "dualpipev"
-        ranges, cut = _cached(memo, ("partition", dtype_bytes, n_chunks, v_shape),
-                              lambda: _balanced(costs, n_chunks, v_shape)), "cost"
+    ranges, cut = chunk_ranges(graph, mesh, schedule=sched.name, n_chunks=n_chunks, p=p, layout=layout,
+                               dtype_bytes=dtype_bytes, memo=memo)
     chunks = []
     for k in range(p * sched.v):  # DualPipe: chunk n_chunks + s is the second copy's chunk s
         a, b = ranges[k % n_chunks]
@@ -108,6 +123,23 @@ def partition_stages(graph: Graph, mesh: Mesh, sched: Schedule, *, layout: tuple
         chunks.append(Chunk(k, sched.placement[k], (a, b), what, sum(costs[a:b]), unit_cost.chunk_param_bytes(a, b),
                             sends))
     return PipelineSpec(sched.name, sched.m, sched.v, tuple(chunks), cut)
+
+
+def chunk_ranges(graph: Graph, mesh: Mesh, *, schedule: str, n_chunks: int, p: int,
+                 layout: tuple[int, ...] | None, dtype_bytes: int, memo=None) -> tuple[list[tuple[int, int]], str]:
+    """(unit range of each of the model's `n_chunks` chunks, how they were cut): at the
+    model's marks, by a given layout, or balanced by cost (DualPipeV: rank pairs balanced)."""
+    if has_marks(graph):
+        return marked_ranges(_cached(memo, "units", lambda: units(graph))), "marks"
+    if layout is not None:
+        if len(layout) != n_chunks:
+            raise PlanError(f"the layout gives {len(layout)} chunks; {schedule} on pp={p} runs {n_chunks}",
+                            hint=f"give {n_chunks} layer counts, one per chunk ({n_chunks // p} per pp rank)")
+        return layout_ranges(layout, graph), "layout"
+    costs = list(_cached(memo, ("unit costs", dtype_bytes), lambda: unit_costs(graph, mesh, dtype_bytes)).costs)
+    v_shape = schedule == "dualpipev"
+    return _cached(memo, ("partition", dtype_bytes, n_chunks, v_shape),
+                   lambda: _balanced(costs, n_chunks, v_shape)), "cost"
 
 
 def _check_sends(graph: Graph, sends: tuple[str, ...], chunk: int) -> None:
@@ -341,5 +373,6 @@ def activations_in_flight(pipeline: PipelineSpec, pp: int, per_chunk, deferred=N
     GPipe, p - rank under 1F1B, (p - rank - 1) x 2 + (v - 1) x p + 1 chunk-microbatches
     under interleaved, and so on for ZB-H1, DualPipeV and DualPipe. Under a split backward
     (I, then W) a microbatch keeps only `deferred[c]` between its I and its W."""
-    return tuple(int(round(peak)) for peak in peak_live_weighted(
-        pipeline.build_schedule(pp), list(per_chunk), None if deferred is None else list(deferred)))
+    prog = program(pipeline.build_schedule(pp))
+    split = None if deferred is None else np.array([deferred], dtype=np.int64)
+    return tuple(int(x) for x in peaks(prog, np.array([per_chunk], dtype=np.int64), split)[0])

@@ -89,7 +89,7 @@ class PipelineSpec:
                                self.virtual if self.schedule == "interleaved" else None)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def cached_schedule(name: str, p: int, m: int, v: int | None) -> Schedule:
     """`make_schedule`, kept for reuse: a schedule is immutable data, and the plan's
     memory, its time and the layout search each play the same one."""

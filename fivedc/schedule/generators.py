@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 
 from fivedc.schedule.actions import Action, ActionKind as K, Schedule, ScheduleError
-from fivedc.schedule.dualpipe import dualpipe, dualpipev
+from fivedc.schedule.dualpipe import _v_placement, dualpipe, dualpipev
 from fivedc.schedule.p2p import add_p2p
 
 F, B, I, W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
@@ -106,6 +106,20 @@ _BUILDERS: dict[str, tuple[Callable[[int, int, int], Schedule], int | None]] = {
 SCHEDULES = tuple(_BUILDERS)
 
 
+SPLIT_BACKWARD = frozenset({"zb-h1", "dualpipev", "dualpipe"})  # schedules that split B into I and W
+
+
+def placement(name: str, p: int, v: int | None = None) -> tuple[tuple[int, ...], int]:
+    """(chunk -> pp rank, pipelines) of `make_schedule(name, p, m, v)` for any m: where the
+    chunks run, without generating the actions (the layout search bounds a pipeline's
+    time from it before building its schedule)."""
+    if name == "interleaved":
+        return tuple(c % p for c in range(p * (v or 2))), 1
+    if name in ("dualpipev", "dualpipe"):
+        return _v_placement(p), 2 if name == "dualpipe" else 1
+    return tuple(range(p)), 1
+
+
 def min_microbatches(name: str, p: int) -> int:
     """The fewest microbatches `name` accepts for p ranks."""
     return {"interleaved": p, "dualpipev": 2 * p, "dualpipe": 2 * p}.get(name, 1)
@@ -113,9 +127,16 @@ def min_microbatches(name: str, p: int) -> int:
 
 def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     """The schedule `name` for p pp ranks, m microbatches and (interleaved only) v chunks per rank."""
+    check_request(name, p, m, v)
+    build, fixed_v = _BUILDERS[name]
+    return build(p, m, fixed_v or v)
+
+
+def check_request(name: str, p: int, m: int, v: int | None = None) -> None:
+    """Raise the `ScheduleError` `make_schedule(name, p, m, v)` raises, without building it."""
     if name not in _BUILDERS:
         raise ScheduleError(f"unknown pipeline schedule {name!r}", hint=f"choose one of {', '.join(SCHEDULES)}")
-    build, fixed_v = _BUILDERS[name]
+    fixed_v = _BUILDERS[name][1]
     for what, value in (("p", p), ("m", m), ("v", v)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ScheduleError(f"{name}: {what}={value!r} must be a positive integer",
@@ -137,7 +158,6 @@ def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     if name == "dualpipe" and m % 2:
         raise ScheduleError(f"dualpipe splits the microbatches evenly over two directions; m={m} is odd",
                             hint=f"use m={m + 1}")
-    return build(p, m, fixed_v or v)
 
 
 def _check_interleaved(p: int, m: int, v: int | None) -> None:

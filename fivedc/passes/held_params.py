@@ -1,4 +1,4 @@
-"""The parameters each pp rank holds, counted: what the memory and time estimates sum over.
+"""The parameters each pp rank holds, counted: what the memory and time estimates and DualPipe's copy sync sum over.
 
 `chunk_param_names` (fivedc/passes/stages.py) names every parameter instance a pp rank's
 chunks use (`layers.17.wq`), which the runtime needs; the estimates need only how
@@ -43,9 +43,10 @@ def held_params(graph: Graph, spec: PipelineSpec, *, pp_rank: int, all_units: li
             if unit.layer is None:
                 names |= unit_top_params(items, unit, top)
             else:
-                repeat = items[unit.start]
-                layers[repeat.name] = layers.get(repeat.name, 0) + 1
-                names |= outer_params(repeat, top)
+                name = items[unit.start].name
+                layers[name] = layers.get(name, 0) + 1
+    for name in layers:  # what a repeat's body reads of the top level, once per repeat
+        names |= outer_params(next(i for i in items if isinstance(i, Repeat) and i.name == name), top)
     return HeldParams(tuple(sorted(layers.items())), frozenset(names))
 
 

@@ -1,0 +1,140 @@
+"""Lower bounds of a candidate's step time, from per-layer seconds computed once per sharded graph.
+
+The search (`search.py`) takes candidates in the order of these bounds and scores a
+candidate in full (the planning passes) only while its bound does not exceed the K-th
+best step time scored so far: a layout whose bound is larger cannot be among the K
+best. Each bound is at most the plan's step time (`fivedc/estimates/step_time.py`)
+for these reasons (tests/test_search.py holds every bound below the plan's figure on
+every candidate of small models):
+
+- a unit's seconds for one of m microbatches are at least its seconds for the whole
+  local batch (one microbatch) divided by m: FLOPs and bytes of batched values divide
+  by m exactly (the microbatches divide the local batch; a roofline max of two
+  quantities divided by m is their max divided by m), a collective's latency and the
+  bytes of unbatched values do not shrink;
+- a pp rank runs its actions one at a time from time 0, so the schedule's makespan is
+  at least, on every rank: its busy time (its chunks' forward and backward for every
+  microbatch through them), plus the forwards of the chunks before its first chunk
+  (microbatch 0 crosses them before the rank can start), plus, where the backward is
+  not split (its last action is a backward, whose gradient still has to cross the
+  chunks before), the backwards of those chunks;
+- the busiest rank is busy at least the average: before the cut is known, the units'
+  total seconds over pp;
+- the gradient sync, ZeRO's gathers and the optimizer add seconds, never remove them.
+
+And a lower bound of the busiest rank's memory (`memory_bound`), to reject a layout that
+cannot fit before its schedule is built: a rank holds its parameters, gradients and
+optimizer state (exactly the plan's, `memory.held_bytes`), and, just before its first
+backward, every forward it ran before it (nothing is freed before a backward), each
+keeping at least its units' own saved bytes for the whole local batch divided by m
+(`chunk_activations` adds what chunks share, transients come on top). Which forwards
+run before the first backward is read from the schedule itself at m, or at 2p
+microbatches when m is larger: a larger m runs the same ones or more
+(tests/test_schedule_program.py).
+
+Sums taken in another order than the plan's may round up: every bound is lowered by
+`MARGIN` (a relative 1e-9), far above rounding and far below any real difference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fivedc.estimates.activations import unit_saves
+from fivedc.estimates.memo import Memo, memo_units, save_context
+from fivedc.estimates.memory import held_bytes
+from fivedc.estimates.step_time import memo_unit_times
+from fivedc.ir.hardware import Hardware
+from fivedc.passes.stages import Chunk, PipelineSpec, cached_schedule
+from fivedc.schedule.batched import kept_before_backward
+from fivedc.schedule.generators import SPLIT_BACKWARD
+
+MARGIN = 1 - 1e-9
+
+
+def mesh_bound(memo: Memo, hw: Hardware, *, dtype_bytes: int, recompute: str, pp: int) -> float:
+    """Any pipeline of this sharded graph: the units' forward and backward seconds over pp
+    (without a pipeline: its compute exactly, the step less its gradient sync and optimizer)."""
+    times = memo_unit_times(memo, hw, dtype_bytes, 1, recompute)
+    return sum(t.forward + t.backward for t in times) / pp * MARGIN
+
+
+def pipeline_bound(memo: Memo, hw: Hardware, *, dtype_bytes: int, recompute: str, schedule: str,
+                   microbatches: int, ranges: list[tuple[int, int]], placement: tuple[int, ...],
+                   pipelines: int) -> float:
+    """One pipeline: the busiest rank's bound (the module docstring), from the model's chunks
+    (`ranges`, units per chunk), where each of the schedule's chunks runs (`placement`) and
+    how many copies of the model the schedule runs (`pipelines`)."""
+    times = memo_unit_times(memo, hw, dtype_bytes, 1, recompute)
+    m = microbatches
+    forward = [sum(t.forward for t in times[a:b]) / m for a, b in ranges]
+    backward = [sum(t.backward for t in times[a:b]) / m for a, b in ranges]
+    before_f, before_b = _prefix(forward), _prefix(backward)
+    tail = schedule not in SPLIT_BACKWARD
+    per_rank: dict[int, list] = {}
+    for k, rank in enumerate(placement):
+        per_rank.setdefault(rank, []).append(k % len(ranges))
+    worst = 0.0
+    for chunks in per_rank.values():
+        busy = sum(m // pipelines * (forward[s] + backward[s]) for s in chunks)
+        head = min(before_f[s] for s in chunks)
+        after = min(before_b[s] for s in chunks) if tail else 0.0
+        worst = max(worst, head + busy + after)
+    return worst * MARGIN
+
+
+def _prefix(values: list[float]) -> list[float]:
+    """values[0] + ... + values[s - 1] for each s."""
+    out, total = [], 0.0
+    for value in values:
+        out.append(total)
+        total += value
+    return out
+
+
+def memory_bound(memo: Memo, *, dtype_bytes: int, recompute: str, zero: int, schedule: str, microbatches: int,
+                 virtual: int | None, ranges: list[tuple[int, int]], placement: tuple[int, ...]) -> int:
+    """At most the busiest rank's bytes (the module docstring), for a pipeline cut into
+    `ranges` (units per model chunk) and placed by `placement` (the schedule's chunks)."""
+    held = held_rows(memo, dtype_bytes=dtype_bytes, zero=zero, schedule=schedule, virtual=virtual, ranges=ranges,
+                     placement=placement)
+    kept = kept_rows(memo, dtype_bytes=dtype_bytes, recompute=recompute, schedule=schedule, microbatches=microbatches,
+                     virtual=virtual, ranges=ranges, placement=placement)
+    return max(h + k for h, k in zip(held, kept))
+
+
+def held_rows(memo: Memo, *, dtype_bytes: int, zero: int, schedule: str, virtual: int | None,
+              ranges: list[tuple[int, int]], placement: tuple[int, ...]) -> list[int]:
+    """Per pp rank, its parameters', gradients' and optimizer state's bytes (the plan's own)."""
+    spec = PipelineSpec(schedule, 1, virtual or 1, tuple(
+        Chunk(k, rank, ranges[k % len(ranges)], "", 0.0, 0) for k, rank in enumerate(placement)))
+    return [sum(held_bytes(memo, dtype_bytes, zero, spec, r)) for r in range(max(placement) + 1)]
+
+
+def kept_rows(memo: Memo, *, dtype_bytes: int, recompute: str, schedule: str, microbatches: int,
+              virtual: int | None, ranges: list[tuple[int, int]], placement: tuple[int, ...]) -> list[int]:
+    """Per pp rank, at most the activations it keeps just before its first backward."""
+    m, p = microbatches, max(placement) + 1
+    own = memo.get(("unit own bytes", dtype_bytes, recompute), lambda: _unit_own(memo, dtype_bytes, recompute))
+    before = _prefix_int(own)
+    chunk_own = [(before[b] - before[a]) // m for a, b in ranges]
+    kept = _kept(schedule, p, min(m, 2 * p), virtual if schedule == "interleaved" else None)
+    return [sum(chunk_own[k % len(ranges)] for k in kept[r]) for r in range(p)]
+
+
+@functools.lru_cache(maxsize=256)
+def _kept(schedule: str, p: int, m: int, virtual: int | None) -> tuple[tuple[int, ...], ...]:
+    return kept_before_backward(cached_schedule(schedule, p, m, virtual))
+
+
+def _unit_own(memo: Memo, dtype_bytes: int, recompute: str) -> list[int]:
+    """What each unit keeps of its own (values and buffers) for the whole local batch."""
+    c, cache = save_context(memo, dtype_bytes, 1, recompute), {}
+    return [unit_saves(c, memo.graph, unit, recompute=recompute, cache=cache).own for unit in memo_units(memo)]
+
+
+def _prefix_int(values: list[int]) -> list[int]:
+    out = [0]
+    for value in values:
+        out.append(out[-1] + value)
+    return out
