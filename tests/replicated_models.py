@@ -237,3 +237,35 @@ class SortsFeatures(RunningSum):
         h = h + torch.sort(self.down(F.gelu(self.up(h))), dim=-1).values
         logits = self.head(h)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class RotatedPairs(RunningSum):
+    """DeepSeek-V3's shapes of rotary and key assembly, written out: even and odd features rotated
+    by constant tables (pointwise ops with a table: whole along the dims it spans, the sequence
+    here), joined by `cat` along the features, and one shared row `expand`ed over the heads of a
+    column-parallel projection before a cat with them. No op runs replicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        angles = torch.arange(8.0)[:, None] * 0.5 ** torch.arange(8.0)  # [seq, pairs]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.shared = nn.Linear(16, 4, bias=False)
+        self.down = nn.Linear(48, 16)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        b, s, _ = h.shape
+        x1, x2 = h[..., 0::2], h[..., 1::2]
+        cos, sin = self.cos[:s], self.sin[:s]
+        h = h + torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        heads = self.up(h).view(b, s, 4, 8)
+        shared = self.shared(h).view(b, s, 1, 4).expand(-1, -1, 4, -1)
+        h = h + self.down(F.gelu(torch.cat([heads, shared], dim=-1)).reshape(b, s, 48))
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def rotated_pairs(seed: int = 0):
+    torch.manual_seed(seed)
+    return RotatedPairs().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))

@@ -282,3 +282,25 @@ def test_an_operator_with_several_results_keeps_the_one_used() -> None:
     (island,) = _islands(tm.graph)
     assert island.attr("target").startswith("aten.sort.") and island.attr("item") == 0
     assert_same_as_module(tm, module, inputs)
+
+
+def test_a_table_a_cat_and_an_expand_run_on_shards_and_per_microbatch(worker_pool) -> None:
+    """Rotary tables applied to even and odd features (pointwise with a constant: whole along the
+    sequence the table spans), a `cat` of several tensors along the features and an `expand` that
+    grows a dim (DeepSeek-V3's interleaved rotary and keys): no op runs replicated, so a pipeline
+    runs them per microbatch, and cp2 (the table's sequence whole) and pp2·tp2 in two microbatches
+    (the expanded heads cut to tp's) train as on one device."""
+    from replicated_models import rotated_pairs
+
+    module, inputs = rotated_pairs()
+    tm = trace_module(module, inputs)
+    rules = {(str(op.attr("target")), str(op.attr("rule"))) for op in _islands(tm.graph)}
+    assert {("aten.mul.Tensor", "pointwise"), ("aten.cat.default", "along"), ("aten.expand.default", "along")} <= rules
+    assert all(rule != "replicated" for _, rule in rules), rules
+    expand = next(op for op in _islands(tm.graph) if op.attr("target") == "aten.expand.default")
+    assert "[-1,-1,4,-1]" in str(expand.attr("call"))  # the sizes it keeps are the shard's or microbatch's
+    assert_same_as_module(tm, module, inputs)
+    for mesh, microbatches in (("1x1x1x2x1", None), ("1x2x2x1x1", 2)):
+        report = check_module(f"{MODELS}:rotated_pairs", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool,
+                              microbatches=microbatches, stage_boundaries=("head",) if microbatches else ())
+        assert report.max_error <= 1e-10, (mesh, report)

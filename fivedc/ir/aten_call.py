@@ -248,7 +248,7 @@ RULES = ("replicated", "pointwise", "along")
 ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
                    "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk", "split", "split_with_sizes",
                    "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd",
-                   "repeat_interleave"})
+                   "repeat_interleave", "cat", "expand"})
 PADS = frozenset({"pad", "constant_pad_nd"})  # along their last len(pad) // 2 dims
 UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__", "_to_copy", "to", "floor_divide",
                                 "detach"})
@@ -276,35 +276,43 @@ def rule_of(op) -> str:
 
 
 def whole_dims(op) -> frozenset[str] | None:
-    """The IR dims the op must see whole: None when it runs replicated (all of them), none
-    for a pointwise op, the dims it runs along."""
+    """The IR dims the op must see whole: None when it runs replicated (all of them); for a
+    pointwise op those of its result's dims that a constant tensor in the call spans (none
+    without one); for an op along dims, the dims it runs along in each argument."""
     rule = rule_of(op)
     if rule == "replicated":
         return None
     if rule == "pointwise":
-        return frozenset()
-    arg = arg_layouts(op)[0]
-    return frozenset(d for i in _along(op) for d in arg[i])
+        out = out_layout(op)
+        return frozenset(d for i in _along(op, out) for d in out[i])
+    return frozenset(d for arg in arg_layouts(op) for i in _along(op, arg) for d in arg[i])
 
 
-def _along(op) -> tuple[int, ...]:
-    """An `along` op's torch dims of its one argument."""
+def _along(op, layout) -> tuple[int, ...]:
+    """The torch dims of `layout` the op runs along: of each argument for an `along` op (one
+    tensor, or several of one rank: a cat), of the result for a pointwise op (those a constant
+    spans, possibly none)."""
     layouts = arg_layouts(op)
+    text = str(op.attr("along", "") or "")
     try:
-        along = tuple(int(i) for i in str(op.attr("along", "")).split(","))
+        along = tuple(int(i) for i in text.split(",")) if text else ()
     except ValueError:
-        along = ()
-    if len(layouts) != 1 or not along or any(not 0 <= i < len(layouts[0]) for i in along):
-        raise AtenCallError(f"aten op {op.out}: an op along dims takes one tensor and `along` names its torch dims "
-                            f"(got {op.attr('along')!r} for {len(layouts)} tensor arguments)")
+        along = None
+    pointwise = rule_of(op) == "pointwise"
+    ranks = {len(layout) for layout in layouts}
+    if along is None or (not pointwise and (not along or len(ranks) != 1)) \
+            or any(not 0 <= i < len(layout) for i in along):
+        raise AtenCallError(f"aten op {op.out}: an op along dims takes tensors of one rank and `along` names their "
+                            f"torch dims (got {op.attr('along')!r} for tensor arguments of ranks "
+                            f"{sorted(len(layout) for layout in layouts)})")
     return along
 
 
 def check_rule(op) -> None:
     """A plan may run on shards only what allows it: the rule is the operator's own, and the
     result's torch dims line up with the arguments' (broadcast right-aligned for a pointwise
-    op; for an op along dims its argument's dims with those it runs along kept, reduced to
-    size 1, dropped or new: topk's k, a slice)."""
+    op; for an op along dims each argument's dims with those it runs along kept, reduced to
+    size 1, dropped or new: topk's k, a slice, a cat's joined dim, an expand's grown one)."""
     rule = rule_of(op)
     if rule == "replicated":
         return
@@ -312,21 +320,23 @@ def check_rule(op) -> None:
         raise AtenCallError(f"aten op {op.out}: {op.attr('target')} is not a {rule} operator")
     layouts, out = arg_layouts(op), out_layout(op)
     if rule == "pointwise":
+        _along(op, out)
         if all(len(layout) <= len(out) and all(g in ((), o) for g, o in zip(reversed(layout), reversed(out)))
                for layout in layouts):
             return
-    else:
-        along, (arg,) = _along(op), layouts
-        kept = [g for i, g in enumerate(arg) if i not in along]
-        if len(out) == len(arg):
-            ok = all(o == g or (i in along and not set(o) & set(d for h in arg for d in h))
-                     for i, (g, o) in enumerate(zip(arg, out)))
-        else:
-            ok = list(out) == kept
-        if ok:
-            return
+    elif all(_lines_up(_along(op, arg), arg, out) for arg in layouts):
+        return
     raise AtenCallError(f"aten op {op.out}: its result {layout_text(out)} does not line up with its arguments "
                         f"{op.attr('layouts')} as a {rule} operator's")
+
+
+def _lines_up(along: tuple[int, ...], arg: Layout, out: Layout) -> bool:
+    """An op along dims: its result keeps the argument's other dims, and along those keeps the
+    dim, has size 1 or a new dim (of its own atoms), or drops it."""
+    if len(out) != len(arg):
+        return list(out) == [g for i, g in enumerate(arg) if i not in along]
+    return all(o == g or (i in along and not set(o) & set(d for h in arg for d in h))
+               for i, (g, o) in enumerate(zip(arg, out)))
 
 
 def meta_type(op, arg_types: list, dim_size) -> tuple[tuple[int, ...], torch.dtype]:

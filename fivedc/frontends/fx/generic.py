@@ -67,6 +67,7 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
         raise lw.unsupported(node, f"{target} returning {type(value).__name__} (no sharding rule: {reason})",
                              "a replicated op must return tensors")
     syms_args, syms_kwargs = fx.node.map_arg((call_args, call_kwargs), lambda n: frame.syms[n])
+    syms_args = _kept_sizes(overload, syms_args, value_args)
     tensors: list[T] = []
 
     def slot(obj):  # a tensor argument: the IR value holding it
@@ -180,9 +181,11 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
     dims (a reduction, scan or slice): one tensor argument; its `dim` (all dims when it has
     none) is `along`; each result keeps the other dims, and along those it keeps the dim
     (softmax, cumsum), or has size 1 (keepdim), none (reduced away, select) or a new dim
-    (topk's k, a slice)."""
+    (topk's k, a slice). A pointwise op with a constant tensor (a table) sees the dims that
+    constant spans whole; an op along dims of several tensors (a cat) takes them of one rank,
+    their other dims one; an expand runs along the dims it grows."""
     rule = local_rule(overload)
-    if rule == "replicated" or not tensors or any(c.numel() != 1 for c in consts):
+    if rule == "replicated" or not tensors:
         return None
     groups = [lw.groups(t) for t in tensors]
     try:
@@ -191,11 +194,19 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
             for other in groups[1:]:
                 layout = broadcast(lw, node, layout, other)
             layouts = [layout] * len(items)
-            along = ()
+            along = _spanned(consts, len(layout))
+            if along is None:
+                return None
         else:
-            if len(tensors) != 1 or consts:
+            if consts or len({len(g) for g in groups}) != 1:
                 return None
             along = _reduced_dims(overload, args, kwargs, len(groups[0]))
+            for other in groups[1:]:  # several tensors (a cat): the dims it does not run along are one
+                for i, (x, y) in enumerate(zip(groups[0], other)):
+                    if i not in along and (x or y):
+                        if not (x and y):
+                            return None
+                        lw.unify(x, y, node, "tensors that torch joins along another dim")
             layouts = [_reduced_layout(lw, groups[0], along, tuple(item.shape)) for item in items]
     except Unrecognised:
         return None
@@ -205,12 +216,39 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
     return rule, along, layouts
 
 
+def _spanned(consts: list, ndim: int) -> tuple[int, ...] | None:
+    """The torch dims of a pointwise op's result that a constant tensor in its call spans (size
+    above 1, broadcast right-aligned): the op sees them whole. None where a constant has more dims."""
+    spanned = set()
+    for c in consts:
+        if c.dim() > ndim:
+            return None
+        spanned.update(ndim - c.dim() + j for j, size in enumerate(c.shape) if size > 1)
+    return tuple(sorted(spanned))
+
+
+def _kept_sizes(overload, args: tuple, value_args: tuple) -> tuple:
+    """An expand's sizes with -1 where it keeps its argument's size: run on a shard or on a
+    microbatch, the call keeps the local size there (it grows only the dims it runs along)."""
+    if overload.overloadpacket.__name__ != "expand" or len(args) < 2 or not isinstance(args[1], (list, tuple)):
+        return args
+    shape = tuple(value_args[0].shape)
+    if len(args[1]) != len(shape):
+        return args
+    return (args[0], [-1 if size == have else size for size, have in zip(args[1], shape)], *args[2:])
+
+
 def _reduced_dims(overload, args, kwargs, ndim: int) -> tuple[int, ...]:
     """The torch dims an op runs along: its `dim` argument, all when it has none; a pad's last
-    len(pad) // 2 dims."""
+    len(pad) // 2 dims; the dims an expand grows."""
     bound = bind(overload._schema, args, kwargs)
     if overload.overloadpacket.__name__ in PADS:
         return tuple(range(max(0, ndim - len(bound["pad"]) // 2), ndim))
+    if overload.overloadpacket.__name__ == "expand":
+        shape, size = tuple(bound["self"].shape), list(bound["size"])
+        if len(size) != ndim:
+            return ()
+        return tuple(i for i, (have, want) in enumerate(zip(shape, size)) if want not in (-1, have))
     dim = bound.get("dim")
     if dim is None or dim == []:
         return tuple(range(ndim))
