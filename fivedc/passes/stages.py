@@ -187,7 +187,8 @@ def _top_level_param_users(graph: Graph) -> dict[str, int]:
     """Top-level parameter -> the start item of the unit using it (refusing two units)."""
     top = {p.name for p in graph.body.params}
     owner: dict[str, int] = {}
-    for unit in units(graph):
+    for start, stop in dict.fromkeys((u.start, u.stop) for u in units(graph)):  # a repeat's layers: once
+        unit = Unit(start, stop)
         items = graph.body.items[unit.start:unit.stop]
         for name in _names_read(Block(items=tuple(items))) & top:
             previous = owner.setdefault(name, unit.start)

@@ -25,7 +25,7 @@ from fivedc.passes.stage_plan import check_pipeline, chunk_ranges
 from fivedc.pipeline import PLANNING_PASSES, run_passes
 from fivedc.plan.planning import Draft
 from fivedc.schedule.generators import placement
-from fivedc.search.bounds import held_rows, kept_rows, mesh_bound, pipeline_bound
+from fivedc.search.bounds import held_rows, kept_rows, mesh_bound, pipeline_bound, single_bound
 from fivedc.search.space import RECOMPUTE, ZERO_STAGES, Candidate, pipelines
 
 
@@ -91,6 +91,12 @@ class GraphCase:
 
     def memory_bound(self, pipeline: Pipeline, recompute: str, zero: int) -> int:
         """At most the busiest rank's bytes (0 when unknown: a pipeline the passes refuse)."""
+        if pipeline[0] is None:
+            key = ("single", recompute, zero)
+            if key not in self._bounds:
+                self._bounds[key] = single_bound(self.draft.memo, dtype_bytes=DTYPE_BYTES[self.dtype],
+                                                 recompute=recompute, zero=zero)
+            return self._bounds[key]
         shape = self._shape(pipeline)
         if shape is None:
             return 0
