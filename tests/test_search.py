@@ -231,7 +231,7 @@ def test_every_bound_is_below_the_plans_step_time(model: str, gpus: int) -> None
         case, step = cases[key], scored.time.step_seconds
         pipeline = (c.schedule, c.microbatches, c.virtual)
         assert case.mesh_bound("none") <= case.mesh_bound(c.recompute) <= step, c.flags()
-        assert case.pipeline_bound(pipeline, c.recompute) <= step, c.flags()
+        assert case.pipeline_bound(pipeline, c.recompute) + case.tail_bound(pipeline, c.zero) <= step, c.flags()
     assert len(cases) > 10
 
 

@@ -74,7 +74,7 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
     else:
         makespan, bubble, comm = _pipelined(c, pipeline, mesh, hw, times, memo)
         backward = last = 0.0
-    tail = max(_after_backward(param_sizes(memo), mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline,
+    tail = max(after_backward(param_sizes(memo), mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline,
                                rank_held(memo, pipeline, r), hw, backward, last, makespan)
                for r in (range(mesh.size(MeshAxis.PP)) if pipeline else (None,)))
     sync, gathers, optimizer = tail
@@ -132,7 +132,7 @@ def cost_row(per: dict, delays: dict) -> list[float]:
     return [*per["F"], *per["B"], *per["I"], *per["W"], *delays["RF"], *delays["RB"], 0.0]
 
 
-def _after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,
+def after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,
                     hw: Hardware, backward: float, last: float, makespan: float) -> tuple[float, float, float]:
     """(gradient sync, ZeRO gathers, optimizer) seconds one pp rank spends beyond the schedule."""
     groups: dict[tuple, int] = {}

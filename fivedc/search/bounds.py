@@ -20,7 +20,11 @@ every candidate of small models):
   chunks before), the backwards of those chunks;
 - the busiest rank is busy at least the average: before the cut is known, the units'
   total seconds over pp;
-- the gradient sync, ZeRO's gathers and the optimizer add seconds, never remove them.
+- after the schedule, a pipeline's step adds the gradient sync, ZeRO's gathers and the
+  optimizer of one pp rank (the one with the most sync): at least the most sync of any
+  rank plus the least gathers and optimizer of any (`tail_bound`, from the plan's own
+  `step_time.after_backward`, which under a pipeline does not depend on the schedule's
+  seconds).
 
 And a lower bound of the busiest rank's memory (`memory_bound`), to reject a layout that
 cannot fit before its schedule is built: a rank holds its parameters, gradients and
@@ -44,9 +48,9 @@ from __future__ import annotations
 import functools
 
 from fivedc.estimates.activations import unit_saves
-from fivedc.estimates.memo import Memo, memo_units, rank_held, save_context
+from fivedc.estimates.memo import Memo, memo_units, param_sizes, rank_held, save_context
 from fivedc.estimates.memory import held_bytes
-from fivedc.estimates.step_time import memo_unit_times
+from fivedc.estimates.step_time import after_backward, memo_unit_times
 from fivedc.estimates.transient import zero3_gathers
 from fivedc.ir.hardware import Hardware
 from fivedc.passes.stages import Chunk, PipelineSpec, cached_schedule
@@ -157,3 +161,13 @@ def _prefix_int(values: list[int]) -> list[int]:
     for value in values:
         out.append(out[-1] + value)
     return out
+
+
+def tail_bound(memo: Memo, hw: Hardware, *, dtype_bytes: int, zero: int, overlap: bool, schedule: str,
+               virtual: int | None, ranges: list[tuple[int, int]], placement: tuple[int, ...]) -> float:
+    """At least the seconds a pipeline's step adds after its schedule (the module docstring)."""
+    spec = PipelineSpec(schedule, 1, virtual or 1, tuple(
+        Chunk(k, rank, ranges[k % len(ranges)], "", 0.0, 0) for k, rank in enumerate(placement)))
+    tails = [after_backward(param_sizes(memo), memo.mesh, memo.dtype, dtype_bytes, zero, overlap, (), spec,
+                             rank_held(memo, spec, r), hw, 0.0, 0.0, 0.0) for r in range(max(placement) + 1)]
+    return (max(sync for sync, _, _ in tails) + min(gathers + optimizer for _, gathers, optimizer in tails)) * MARGIN
