@@ -71,3 +71,24 @@ def test_a_large_schedule_plays_equal(name: str) -> None:
     row = [*per["F"], *per["B"], *per["I"], *per["W"], *delays["RF"], *delays["RB"], 0.0]
     (makespan,), (bubble,) = makespan_and_bubble(*play(program(schedule), np.array([row])))
     assert (makespan, bubble) == (result.makespan, result.bubble_fraction)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_more_microbatches_keep_as_much_before_the_first_backward(name: str) -> None:
+    # the search's memory bound reads these forwards from the schedule at 2p microbatches
+    # for any m above it (fivedc/search/bounds.py): they must be a part of m's
+    from collections import Counter
+
+    from fivedc.schedule.batched import kept_before_backward
+
+    for p in (2, 3, 4, 6, 8):
+        p, reference, v = _shape(name, p, 2 * p)
+        if reference != 2 * p:
+            continue
+        base = kept_before_backward(make_schedule(name, p, reference, v))
+        for m in range(2 * p + 1, 5 * p + 1):
+            if _shape(name, p, m)[1] != m:
+                continue
+            kept = kept_before_backward(make_schedule(name, p, m, v))
+            for mine, smaller in zip(kept, base):
+                assert not Counter(smaller) - Counter(mine), (name, p, m)

@@ -231,7 +231,7 @@ def test_every_bound_is_below_the_plans_step_time(model: str, gpus: int) -> None
         case, step = cases[key], scored.time.step_seconds
         pipeline = (c.schedule, c.microbatches, c.virtual)
         assert case.mesh_bound("none") <= case.mesh_bound(c.recompute) <= step, c.flags()
-        assert case.pipeline_bound(pipeline, c.recompute) <= step, c.flags()
+        assert case.pipeline_bound(pipeline, c.recompute) + case.tail_bound(pipeline, c.zero) <= step, c.flags()
     assert len(cases) > 10
 
 
@@ -249,3 +249,46 @@ def test_the_graph_passes_do_not_depend_on_the_rank_order(model: str, sizes: tup
     graphs = [run_passes(Draft(graph), Candidate(Mesh(sizes, o), sp=True).options(dtype="bf16"), GRAPH_PASSES).graph
               for o in orders]
     assert all(g == graphs[0] for g in graphs[1:])
+
+
+@pytest.mark.parametrize("model, gpus", [(TINY, 8), (MOE, 8)])
+def test_the_memory_bound_is_below_the_plans_memory(model: str, gpus: int) -> None:
+    # on every candidate the passes accept, fitting or not (a bound above would reject a layout that fits)
+    from fivedc.frontends.dsl_file import load_model
+    from fivedc.pipeline import GRAPH_PASSES, run_passes
+    from fivedc.plan.planning import Draft
+    from fivedc.search.cases import GraphCase
+    from fivedc.search.space import mesh_sizes, rank_orders
+
+    graph = load_model(model) if model.endswith(".5d") else parse_model(model)
+    checked = 0
+    for sizes in mesh_sizes(graph, gpus=gpus, gpus_per_node=8, units=20):
+        base = Candidate(Mesh(sizes, rank_orders(sizes)[-1]), sp=sizes[2] > 1, cp_attention="ring" if sizes[3] > 1 else None)
+        try:
+            sharded = run_passes(Draft(graph), base.options(dtype="bf16"), GRAPH_PASSES).graph
+        except Exception:
+            continue
+        case = GraphCase(base, sharded, dtype="bf16", hw=H100)
+        for pipeline in case.pipelines:
+            if case.refusal(pipeline) is not None:
+                continue
+            for recompute, zero in case.modes:
+                exact = case.planned(pipeline, recompute, zero).memory.total
+                assert case.memory_bound(pipeline, recompute, zero) <= exact, (sizes, pipeline, recompute, zero)
+                checked += 1
+    assert checked > 100
+
+
+def test_a_memory_bound_search_keeps_the_k_best() -> None:
+    # a GPU on which most layouts of the tiny model do not fit: the bound rejects most of them,
+    # and the K best (and how many do not fit) are those of scoring every layout
+    from fivedc.search.search import DOES_NOT_FIT, PRUNED
+
+    graph = parse_model(TINY)
+    every = search(graph, gpus=8, hardware=H100, compile_best=False)
+    totals = sorted(s.memory.total for s in every.ranked)
+    small = dataclasses.replace(H100, memory_gib=1.0 + totals[len(totals) // 3] / GiB, reserved_gib=1.0)
+    every = search(graph, gpus=8, hardware=small, compile_best=False)
+    best = search(graph, gpus=8, hardware=small, compile_best=False, keep=3)
+    assert best.ranked[:3] == every.ranked[:3]
+    assert every.rejected[DOES_NOT_FIT] > len(every.ranked) and best.rejected[PRUNED] > 0

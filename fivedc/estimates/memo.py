@@ -34,7 +34,7 @@ T = TypeVar("T")
 # ranks on nodes, so it changes collectives' seconds): the memos of one graph on the rank
 # orders of one mesh may share them (`Memo.sharing`; the layout search does).
 ORDER_FREE = frozenset({
-    "units", "boundaries", "unit costs", "partition", "param sizes", "held", "held bytes", "buckets",
+    "units", "boundaries", "unit costs", "copy sync", "regathers", "partition", "param sizes", "held", "held bytes", "buckets",
     "model flops", "unit saves", "unit own bytes", "deferred", "in flight", "rank activations", "unit transients",
     "kept transients", "zero transients",
 })

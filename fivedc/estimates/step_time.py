@@ -76,9 +76,9 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
         makespan, bubble, comm = _pipelined(c, pipeline, mesh, hw, times, memo)
         backward = last = 0.0
     def after(r: int | None) -> tuple[float, float, float]:
-        sync, gathers, optimizer = _after_backward(param_sizes(memo), mesh, dtype, dtype_bytes, zero, overlap,
-                                                   buckets, pipeline, rank_held(memo, pipeline, r), hw, backward,
-                                                   last, makespan)
+        sync, gathers, optimizer = after_backward(param_sizes(memo), mesh, dtype, dtype_bytes, zero, overlap,
+                                                  buckets, pipeline, rank_held(memo, pipeline, r), hw, backward,
+                                                  last, makespan)
         return sync + _tied_seconds(param_sizes(memo), tied, r, mesh, dtype_bytes, hw), gathers, optimizer
 
     tail = max(after(r) for r in (range(mesh.size(MeshAxis.PP)) if pipeline else (None,)))
@@ -137,7 +137,7 @@ def cost_row(per: dict, delays: dict) -> list[float]:
     return [*per["F"], *per["B"], *per["I"], *per["W"], *delays["RF"], *delays["RB"], 0.0]
 
 
-def _after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,
+def after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,
                     hw: Hardware, backward: float, last: float, makespan: float) -> tuple[float, float, float]:
     """(gradient sync, ZeRO gathers, optimizer) seconds one pp rank spends beyond the schedule."""
     groups: dict[tuple, int] = {}

@@ -96,7 +96,7 @@ def _zero_parts(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec 
     out = []
     for r in range(mesh.size(MeshAxis.PP)) if pipeline else (None,):
         held = rank_held(memo, pipeline, r)
-        out.append({"ZeRO-3 gathers": _zero3(graph, mesh, dtype_bytes, zero, pipeline, held, buckets),
+        out.append({"ZeRO-3 gathers": zero3_gathers(graph, mesh, dtype_bytes, zero, pipeline, held, buckets),
                     "gradient buckets": _buckets(graph, mesh, dtype_bytes, zero, buckets, held)})
     return out
 
@@ -162,7 +162,7 @@ def _kernel_buffers(c: SaveContext, graph: Graph, unit: Unit, kind: str) -> int:
     return best
 
 
-def _zero3(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
+def zero3_gathers(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
            held: HeldParams | None, buckets) -> int:
     if zero != 3:
         return 0

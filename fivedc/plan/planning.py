@@ -102,7 +102,11 @@ class ChooseRecompute(PlanningPass):
 
     def plan(self, draft: Draft, options: CompileOptions) -> Draft:
         mode = options.recompute_mode(draft.graph)
-        return replace(draft, recompute=mode, regathers=tuple(regather_collectives(draft.graph, mode)),
+
+        def regathers() -> tuple[Collective, ...]:
+            return tuple(regather_collectives(draft.graph, mode))
+        return replace(draft, recompute=mode, regathers=regathers() if draft.memo is None else
+                       draft.memo.get(("regathers", mode), regathers),
                        notes=draft.notes + recompute_notes(draft.graph, mode))
 
 
@@ -122,9 +126,13 @@ class BucketGradients(PlanningPass):
         key = ("buckets", options.dtype_bytes, zero, options.bucket_bytes, cuts, apart)
         buckets = buckets_of() if draft.memo is None else draft.memo.get(key, buckets_of)
         sums = sum_collectives(buckets, mesh, zero=zero, overlap=options.overlap, pipelined=draft.pipeline is not None)
-        copies = copy_sync_collectives(graph, mesh, draft.pipeline, options.dtype_bytes, zero,
-                                       tied=frozenset(n for g in tied for n in g.names))
-        return replace(draft, buckets=buckets, sums=tuple(sums), copy_sync=tuple(copies), tied=tied,
+        tied_names = frozenset(n for g in tied for n in g.names)
+
+        def copies() -> tuple[Collective, ...]:
+            return tuple(copy_sync_collectives(graph, mesh, draft.pipeline, options.dtype_bytes, zero, tied=tied_names))
+        key = ("copy sync", options.dtype_bytes, zero, draft.pipeline, tied_names)
+        return replace(draft, buckets=buckets, sums=tuple(sums),
+                       copy_sync=copies() if draft.memo is None else draft.memo.get(key, copies), tied=tied,
                        tied_sync=tuple(tied_sync_collectives(graph, mesh, tied, options.dtype_bytes)))
 
 

@@ -5,8 +5,9 @@
 
     case       all its candidates     bound: the units' seconds over pp (no recomputation)
     recompute  one recompute mode     bound: the same with that mode's seconds
-    pipeline   one pipeline and mode  bound: the busiest rank's, from the cut and the placement
-    mode       one candidate          scored by the planning passes
+    pipeline   a pipeline and a mode  bound: the busiest rank's, from the cut and the placement
+    mode       one candidate          bound: that, plus the gradient sync and optimizer after
+                                      it; then scored by the planning passes
 
 Popping an entry refines it into the entries below it, or scores it. With `keep=K`,
 once the smallest bound left exceeds the K-th best step time scored, every candidate
@@ -70,6 +71,7 @@ class BestFirst:
         self._heap: list = []
         self._best: list[float] = []  # the `keep` smallest step times, negated (a max-heap)
         self._seq = 0
+        self._done = 0  # candidates resolved, not yet shown
 
     # ---- filling ----------------------------------------------------------------------------
     def add_meshes(self, graph: Graph, sizes: tuple[int, ...]) -> None:
@@ -115,28 +117,31 @@ class BestFirst:
                 self._heap.clear()
                 self._advance(left)
                 return
-            getattr(self, f"_{entry[0]}")(*entry[1:])
+            getattr(self, f"_{entry[0]}")(bound, *entry[1:])
 
     def _pruned(self, bound: float) -> bool:
         return self.keep is not None and len(self._best) >= self.keep and bound > -self._best[0]
 
     def _advance(self, n: int) -> None:
-        if self.progress is not None:
-            self.progress.advance(n)
+        """Tell the progress bar, every 200 candidates (a bar's update costs more than a candidate)."""
+        self._done += n
+        if self.progress is not None and (self._done >= 200 or not self._heap):
+            self.progress.advance(self._done)
+            self._done = 0
 
-    def _case(self, case: GraphCase) -> None:
+    def _case(self, bound: float, case: GraphCase) -> None:
         for rc in case.recomputes():
             self._push(case.mesh_bound(rc), len(case.pipelines) * len(case.zeros(rc)), ("recompute", case, rc))
 
-    def _recompute(self, case: GraphCase, rc: str) -> None:
+    def _recompute(self, bound: float, case: GraphCase, rc: str) -> None:
         for pipeline in case.pipelines:
             self._push(case.pipeline_bound(pipeline, rc), len(case.zeros(rc)), ("pipeline", case, pipeline, rc))
 
-    def _pipeline(self, case: GraphCase, pipeline, rc: str) -> None:
+    def _pipeline(self, bound: float, case: GraphCase, pipeline, rc: str) -> None:
         for zero in case.zeros(rc):
-            self._score(case, pipeline, rc, zero)
+            self._push(bound + case.tail_bound(pipeline, zero), 1, ("mode", case, pipeline, rc, zero))
 
-    def _score(self, case: GraphCase, pipeline, rc: str, zero: int) -> None:
+    def _mode(self, bound: float, case: GraphCase, pipeline, rc: str, zero: int) -> None:
         """One candidate by the planning passes: refused, dominated, too large, or ranked."""
         self._advance(1)
         refused = case.refusal(pipeline)

@@ -20,20 +20,27 @@ every candidate of small models):
   chunks before), the backwards of those chunks;
 - the busiest rank is busy at least the average: before the cut is known, the units'
   total seconds over pp;
-- the gradient sync, ZeRO's gathers and the optimizer add seconds, never remove them.
+- after the schedule, a pipeline's step adds the gradient sync, ZeRO's gathers and the
+  optimizer of one pp rank (the one with the most sync): at least the most sync of any
+  rank plus the least gathers and optimizer of any (`tail_bound`, from the plan's own
+  `step_time.after_backward`, which under a pipeline does not depend on the schedule's
+  seconds).
 
 And a lower bound of the busiest rank's memory (`memory_bound`), to reject a layout that
 cannot fit before its schedule is built: a rank holds its parameters, gradients and
 optimizer state (exactly the plan's, `memory.held_bytes`), and, just before its first
 backward, every forward it ran before it (nothing is freed before a backward), each
-keeping at least its units' own saved bytes for the whole local batch divided by m
-(`chunk_activations` adds what chunks share, transients come on top). Which forwards
+keeping at least its units' own saved bytes and the inputs of its layers after the first
+for the whole local batch, divided by m (`chunk_activations` adds what chunks share;
+of the transients only ZeRO-3's gathered parameters under a pipeline, the plan's own).
+Which forwards
 run before the first backward is read from the schedule itself at m, or at 2p
 microbatches when m is larger: a larger m runs the same ones or more
 (tests/test_schedule_program.py).
 
-Sums taken in another order than the plan's may round up: every bound is lowered by
-`MARGIN` (a relative 1e-9), far above rounding and far below any real difference.
+Sums taken in another order than the plan's (differences of running sums here) may round
+up: every bound is lowered by `MARGIN` (a relative 1e-9), far above rounding and far below
+any real difference.
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ from __future__ import annotations
 import functools
 
 from fivedc.estimates.activations import unit_saves
-from fivedc.estimates.memo import Memo, memo_units, save_context
+from fivedc.estimates.memo import Memo, memo_units, param_sizes, rank_held, save_context
 from fivedc.estimates.memory import held_bytes
-from fivedc.estimates.step_time import memo_unit_times
+from fivedc.estimates.step_time import after_backward, memo_unit_times
+from fivedc.estimates.transient import zero3_gathers
 from fivedc.ir.hardware import Hardware
 from fivedc.passes.stages import Chunk, PipelineSpec, cached_schedule
 from fivedc.schedule.batched import kept_before_backward
@@ -65,10 +73,12 @@ def pipeline_bound(memo: Memo, hw: Hardware, *, dtype_bytes: int, recompute: str
     """One pipeline: the busiest rank's bound (the module docstring), from the model's chunks
     (`ranges`, units per chunk), where each of the schedule's chunks runs (`placement`) and
     how many copies of the model the schedule runs (`pipelines`)."""
-    times = memo_unit_times(memo, hw, dtype_bytes, 1, recompute)
+    f_before, b_before = memo.get(("unit seconds before", hw, dtype_bytes, recompute), lambda: (
+        _prefix([t.forward for t in memo_unit_times(memo, hw, dtype_bytes, 1, recompute)] + [0.0]),
+        _prefix([t.backward for t in memo_unit_times(memo, hw, dtype_bytes, 1, recompute)] + [0.0])))
     m = microbatches
-    forward = [sum(t.forward for t in times[a:b]) / m for a, b in ranges]
-    backward = [sum(t.backward for t in times[a:b]) / m for a, b in ranges]
+    forward = [(f_before[b] - f_before[a]) / m for a, b in ranges]
+    backward = [(b_before[b] - b_before[a]) / m for a, b in ranges]
     before_f, before_b = _prefix(forward), _prefix(backward)
     tail = schedule not in SPLIT_BACKWARD
     per_rank: dict[int, list] = {}
@@ -108,16 +118,27 @@ def held_rows(memo: Memo, *, dtype_bytes: int, zero: int, schedule: str, virtual
     """Per pp rank, its parameters', gradients' and optimizer state's bytes (the plan's own)."""
     spec = PipelineSpec(schedule, 1, virtual or 1, tuple(
         Chunk(k, rank, ranges[k % len(ranges)], "", 0.0, 0) for k, rank in enumerate(placement)))
-    return [sum(held_bytes(memo, dtype_bytes, zero, spec, r)) for r in range(max(placement) + 1)]
+    out = []
+    for r in range(max(placement) + 1):
+        gathered = zero3_gathers(memo.graph, memo.mesh, dtype_bytes, zero, spec, rank_held(memo, spec, r), ()) if zero == 3 else 0
+        out.append(sum(held_bytes(memo, dtype_bytes, zero, spec, r)) + gathered)  # ZeRO-3 gathers: a transient
+    return out
+
+
+def single_bound(memo: Memo, *, dtype_bytes: int, recompute: str, zero: int) -> int:
+    """At most the bytes of a rank without a pipeline: what it holds, and what one microbatch
+    (the local batch) keeps through every unit."""
+    own, args = memo.get(("unit own bytes", dtype_bytes, recompute), lambda: _unit_own(memo, dtype_bytes, recompute))
+    return sum(held_bytes(memo, dtype_bytes, zero, None, None)) + sum(own) + sum(args[1:])
 
 
 def kept_rows(memo: Memo, *, dtype_bytes: int, recompute: str, schedule: str, microbatches: int,
               virtual: int | None, ranges: list[tuple[int, int]], placement: tuple[int, ...]) -> list[int]:
     """Per pp rank, at most the activations it keeps just before its first backward."""
     m, p = microbatches, max(placement) + 1
-    own = memo.get(("unit own bytes", dtype_bytes, recompute), lambda: _unit_own(memo, dtype_bytes, recompute))
-    before = _prefix_int(own)
-    chunk_own = [(before[b] - before[a]) // m for a, b in ranges]
+    own, args = memo.get(("unit own bytes", dtype_bytes, recompute), lambda: _unit_own(memo, dtype_bytes, recompute))
+    own_before, args_before = _prefix_int(own), _prefix_int(args)
+    chunk_own = [(own_before[b] - own_before[a] + args_before[b] - args_before[a + 1]) // m for a, b in ranges]
     kept = _kept(schedule, p, min(m, 2 * p), virtual if schedule == "interleaved" else None)
     return [sum(chunk_own[k % len(ranges)] for k in kept[r]) for r in range(p)]
 
@@ -127,10 +148,12 @@ def _kept(schedule: str, p: int, m: int, virtual: int | None) -> tuple[tuple[int
     return kept_before_backward(cached_schedule(schedule, p, m, virtual))
 
 
-def _unit_own(memo: Memo, dtype_bytes: int, recompute: str) -> list[int]:
-    """What each unit keeps of its own (values and buffers) for the whole local batch."""
+def _unit_own(memo: Memo, dtype_bytes: int, recompute: str) -> tuple[list[int], list[int]]:
+    """What each unit keeps for the whole local batch: of its own (values and buffers), and of
+    its inputs (a layer's body arguments; a chunk counts them for every unit but its first)."""
     c, cache = save_context(memo, dtype_bytes, 1, recompute), {}
-    return [unit_saves(c, memo.graph, unit, recompute=recompute, cache=cache).own for unit in memo_units(memo)]
+    saves = [unit_saves(c, memo.graph, unit, recompute=recompute, cache=cache) for unit in memo_units(memo)]
+    return [s.own for s in saves], [sum(nbytes for _, nbytes in s.args) for s in saves]
 
 
 def _prefix_int(values: list[int]) -> list[int]:
@@ -138,3 +161,13 @@ def _prefix_int(values: list[int]) -> list[int]:
     for value in values:
         out.append(out[-1] + value)
     return out
+
+
+def tail_bound(memo: Memo, hw: Hardware, *, dtype_bytes: int, zero: int, overlap: bool, schedule: str,
+               virtual: int | None, ranges: list[tuple[int, int]], placement: tuple[int, ...]) -> float:
+    """At least the seconds a pipeline's step adds after its schedule (the module docstring)."""
+    spec = PipelineSpec(schedule, 1, virtual or 1, tuple(
+        Chunk(k, rank, ranges[k % len(ranges)], "", 0.0, 0) for k, rank in enumerate(placement)))
+    tails = [after_backward(param_sizes(memo), memo.mesh, memo.dtype, dtype_bytes, zero, overlap, (), spec,
+                             rank_held(memo, spec, r), hw, 0.0, 0.0, 0.0) for r in range(max(placement) + 1)]
+    return (max(sync for sync, _, _ in tails) + min(gathers + optimizer for _, gathers, optimizer in tails)) * MARGIN

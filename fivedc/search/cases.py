@@ -25,7 +25,7 @@ from fivedc.passes.stage_plan import check_pipeline, chunk_ranges
 from fivedc.pipeline import PLANNING_PASSES, run_passes
 from fivedc.plan.planning import Draft
 from fivedc.schedule.generators import placement
-from fivedc.search.bounds import held_rows, kept_rows, mesh_bound, pipeline_bound
+from fivedc.search.bounds import held_rows, kept_rows, mesh_bound, pipeline_bound, single_bound, tail_bound
 from fivedc.search.space import RECOMPUTE, ZERO_STAGES, Candidate, pipelines
 
 
@@ -48,7 +48,7 @@ Pipeline = tuple  # (schedule, microbatches, virtual); (None, None, None) withou
 class GraphCase:
     """The candidates of one sharded graph on one mesh (search state: filled as they are scored)."""
 
-    __slots__ = ("base", "dtype", "hw", "draft", "pipelines", "modes", "_laid", "_planned", "_bounds")
+    __slots__ = ("base", "dtype", "hw", "draft", "pipelines", "modes", "_laid", "_planned", "_bounds", "_tails")
 
     def __init__(self, base: Candidate, sharded: Graph, *, dtype: str, hw: Hardware, sharing: GraphCase | None = None):
         """`sharing`: the case of the same graph on another rank order, whose memo's figures
@@ -61,6 +61,7 @@ class GraphCase:
         self._laid: dict = {}
         self._planned: dict = {}
         self._bounds: dict = {} if sharing is None else sharing._bounds  # cuts, memory bounds' rows: order-free
+        self._tails: dict = {}  # tail bounds (collectives: they depend on the rank order)
 
     def count(self) -> int:
         return len(self.pipelines) * len(self.modes)
@@ -89,8 +90,28 @@ class GraphCase:
                               schedule=pipeline[0], microbatches=pipeline[1], ranges=ranges, placement=chunk_place,
                               pipelines=copies)
 
+    def tail_bound(self, pipeline: Pipeline, zero: int) -> float:
+        """At least the seconds after the schedule (0 without a pipeline or a cut)."""
+        shape = self._shape(pipeline) if pipeline[0] is not None else None
+        if shape is None:
+            return 0.0
+        key = (pipeline[0], pipeline[2], zero)
+        if key not in self._tails:
+            ranges, chunk_place, _ = shape
+            self._tails[key] = tail_bound(self.draft.memo, self.hw, dtype_bytes=DTYPE_BYTES[self.dtype], zero=zero,
+                                          overlap=self.candidate(pipeline).options(dtype=self.dtype).overlap,
+                                          schedule=pipeline[0], virtual=pipeline[2], ranges=ranges,
+                                          placement=chunk_place)
+        return self._tails[key]
+
     def memory_bound(self, pipeline: Pipeline, recompute: str, zero: int) -> int:
         """At most the busiest rank's bytes (0 when unknown: a pipeline the passes refuse)."""
+        if pipeline[0] is None:
+            key = ("single", recompute, zero)
+            if key not in self._bounds:
+                self._bounds[key] = single_bound(self.draft.memo, dtype_bytes=DTYPE_BYTES[self.dtype],
+                                                 recompute=recompute, zero=zero)
+            return self._bounds[key]
         shape = self._shape(pipeline)
         if shape is None:
             return 0
