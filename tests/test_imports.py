@@ -13,6 +13,8 @@ its own folder and the layers below, never one above.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -109,3 +111,18 @@ def test_no_module_imports_from_a_layer_above_it() -> None:
     upward = sorted(f"{a} -> {b}" for a, b in graph.edges
                     if b != "fivedc" and layer_of(a) is not None and layer_of(b) > layer_of(a))
     assert not upward, "imports from a layer above:\n" + "\n".join(upward)
+
+
+def test_compiling_and_searching_a_dsl_model_does_not_import_torch(tmp_path) -> None:
+    """torch takes seconds to import: a plan or a layout search of a .5d model needs none of it
+    (the 405B search's budget is 10 s), only a run does."""
+    script = (
+        "import sys\n"
+        "from fivedc.cli.main import main\n"
+        f"for argv in (['compile', 'examples/tiny_llama.5d', '--mesh', '2x2x2x1x1', '-o', {str(tmp_path / 'p.json')!r}],\n"
+        "             ['search', 'examples/tiny_llama.5d', '--gpus', '8', '--gpu', 'h100', '--top', '1']):\n"
+        "    assert main(argv) == 0, argv\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fivedc.cli.shared import compile_model, load_graph
 from fivedc.errors import EXIT_CODES, FivedcError
+from fivedc.runtime import DEFAULT_TIMEOUT_S
 from fivedc.cli.train import train_args
 
 COMMANDS = {
@@ -76,8 +77,6 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
 
 def _local_run_args(p: argparse.ArgumentParser) -> None:
     """How verify and run start their local processes."""
-    from fivedc.runtime.pool import DEFAULT_TIMEOUT_S
-
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                    help=f"how long a rank waits in one collective for the others before the run fails "
                    f"(default {DEFAULT_TIMEOUT_S:g}); a long computation never times out")

@@ -57,15 +57,13 @@ import math
 import torch
 from torch import Tensor
 
-from fivedc.errors import FivedcError, ShapeError
+from fivedc.errors import ShapeError
+from fivedc.ir.aten_layout import (  # noqa: F401 (the whole kind importable from here)
+    ALONG, PADS, RULES, UNTAGGED_POINTWISE, AtenCallError, Layout, along_of, lines_up, arg_layouts, layout_text,
+    out_layout, parse_layout, rule_of, whole_dims)
 
-Layout = tuple[tuple[str, ...], ...]  # torch dims, each the IR dims it is made of (empty: a size-1 dim)
 
 MAX_CONSTANT = 4096  # elements of a constant tensor written into a plan
-
-
-class AtenCallError(FivedcError):
-    """An `aten` op whose target or call cannot be used."""
 
 
 def resolve(target: str, args: tuple | list | None = None, kwargs: dict | None = None):
@@ -204,29 +202,6 @@ def _torch_attr(name, kind):
     return value
 
 
-# ---- layouts -----------------------------------------------------------------------------
-def layout_text(layout: Layout) -> str:
-    return ",".join("*".join(group) or "1" for group in layout)
-
-
-def parse_layout(text: str) -> Layout:
-    if text == "":
-        return ()
-    return tuple(() if group == "1" else tuple(group.split("*")) for group in text.split(","))
-
-
-def arg_layouts(op) -> tuple[Layout, ...]:
-    text = str(op.attr("layouts", ""))
-    layouts = tuple(parse_layout(t) for t in text.split(";")) if op.args else ()
-    if len(layouts) != len(op.args):
-        raise AtenCallError(f"aten op {op.out} has {len(op.args)} arguments and {len(layouts)} layouts")
-    return layouts
-
-
-def out_layout(op) -> Layout:
-    return parse_layout(str(op.attr("out", "")))
-
-
 def to_torch(t: Tensor, dims: tuple[str, ...], layout: Layout) -> Tensor:
     """A tensor in IR dim order as the torch tensor `layout` describes."""
     flat = [d for group in layout for d in group]
@@ -243,17 +218,6 @@ def from_torch(t: Tensor, layout: Layout, sizes: dict[str, int]) -> Tensor:
 
 
 # ---- how it is sharded -------------------------------------------------------------------
-RULES = ("replicated", "pointwise", "along")
-# what torch does not tag: scans and slices along a dim, and pointwise ops without the tag
-ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
-                   "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk", "split", "split_with_sizes",
-                   "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd",
-                   "repeat_interleave", "cat", "expand"})
-PADS = frozenset({"pad", "constant_pad_nd"})  # along their last len(pad) // 2 dims
-UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__", "_to_copy", "to", "floor_divide",
-                                "detach"})
-
-
 def local_rule(overload) -> str:
     """The rule an operator may run under on shards: `pointwise`, `along` (its reductions too),
     or `replicated` (none)."""
@@ -268,46 +232,6 @@ def local_rule(overload) -> str:
     return "replicated"
 
 
-def rule_of(op) -> str:
-    rule = str(op.attr("rule") or "replicated")
-    if rule not in RULES:
-        raise AtenCallError(f"aten op {op.out}: rule {rule!r} is not one of {', '.join(RULES)}")
-    return rule
-
-
-def whole_dims(op) -> frozenset[str] | None:
-    """The IR dims the op must see whole: None when it runs replicated (all of them); for a
-    pointwise op those of its result's dims that a constant tensor in the call spans (none
-    without one); for an op along dims, the dims it runs along in each argument."""
-    rule = rule_of(op)
-    if rule == "replicated":
-        return None
-    if rule == "pointwise":
-        out = out_layout(op)
-        return frozenset(d for i in _along(op, out) for d in out[i])
-    return frozenset(d for arg in arg_layouts(op) for i in _along(op, arg) for d in arg[i])
-
-
-def _along(op, layout) -> tuple[int, ...]:
-    """The torch dims of `layout` the op runs along: of each argument for an `along` op (one
-    tensor, or several of one rank: a cat), of the result for a pointwise op (those a constant
-    spans, possibly none)."""
-    layouts = arg_layouts(op)
-    text = str(op.attr("along", "") or "")
-    try:
-        along = tuple(int(i) for i in text.split(",")) if text else ()
-    except ValueError:
-        along = None
-    pointwise = rule_of(op) == "pointwise"
-    ranks = {len(layout) for layout in layouts}
-    if along is None or (not pointwise and (not along or len(ranks) != 1)) \
-            or any(not 0 <= i < len(layout) for i in along):
-        raise AtenCallError(f"aten op {op.out}: an op along dims takes tensors of one rank and `along` names their "
-                            f"torch dims (got {op.attr('along')!r} for tensor arguments of ranks "
-                            f"{sorted(len(layout) for layout in layouts)})")
-    return along
-
-
 def check_rule(op) -> None:
     """A plan may run on shards only what allows it: the rule is the operator's own, and the
     result's torch dims line up with the arguments' (broadcast right-aligned for a pointwise
@@ -320,23 +244,14 @@ def check_rule(op) -> None:
         raise AtenCallError(f"aten op {op.out}: {op.attr('target')} is not a {rule} operator")
     layouts, out = arg_layouts(op), out_layout(op)
     if rule == "pointwise":
-        _along(op, out)
+        along_of(op, out)
         if all(len(layout) <= len(out) and all(g in ((), o) for g, o in zip(reversed(layout), reversed(out)))
                for layout in layouts):
             return
-    elif all(_lines_up(_along(op, arg), arg, out) for arg in layouts):
+    elif all(lines_up(along_of(op, arg), arg, out) for arg in layouts):
         return
     raise AtenCallError(f"aten op {op.out}: its result {layout_text(out)} does not line up with its arguments "
                         f"{op.attr('layouts')} as a {rule} operator's")
-
-
-def _lines_up(along: tuple[int, ...], arg: Layout, out: Layout) -> bool:
-    """An op along dims: its result keeps the argument's other dims, and along those keeps the
-    dim, has size 1 or a new dim (of its own atoms), or drops it."""
-    if len(out) != len(arg):
-        return list(out) == [g for i, g in enumerate(arg) if i not in along]
-    return all(o == g or (i in along and not set(o) & set(d for h in arg for d in h))
-               for i, (g, o) in enumerate(zip(arg, out)))
 
 
 def meta_type(op, arg_types: list, dim_size) -> tuple[tuple[int, ...], torch.dtype]:

@@ -28,6 +28,7 @@ class MeshAxis(StrEnum):
 
 
 MESH_ORDER: tuple[MeshAxis, ...] = (MeshAxis.DP, MeshAxis.PP, MeshAxis.TP, MeshAxis.CP, MeshAxis.EP)
+_INDEX = {axis: i for i, axis in enumerate(MESH_ORDER)}
 DEFAULT_RANK_ORDER: tuple[MeshAxis, ...] = (MeshAxis.TP, MeshAxis.CP, MeshAxis.EP, MeshAxis.DP, MeshAxis.PP)
 
 
@@ -95,7 +96,10 @@ class Mesh:
     # ---- sizes --------------------------------------------------------------------
     def size(self, *axes: MeshAxis) -> int:
         """Product of the sizes of `axes` (1 for none)."""
-        return math.prod([self.sizes[MESH_ORDER.index(a)] for a in axes])
+        size = 1
+        for axis in axes:
+            size *= self.sizes[_INDEX[axis]]
+        return size
 
     @property
     def world(self) -> int:

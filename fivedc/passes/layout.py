@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivedc.ir.aten_call import whole_dims
 from fivedc.errors import ShapeError, SourceLoc
+from fivedc.ir.aten_layout import whole_dims
 from fivedc.ir.graph import Graph, Op, Repeat, TensorType, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.ir.sharding import Sharding

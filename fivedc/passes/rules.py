@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from fivedc.ir.aten_call import whole_dims
+from fivedc.ir.aten_layout import whole_dims
 from fivedc.errors import ShardingError
 from fivedc.ir.graph import Collective, CollectiveKind, Op, Phase, TensorType
 from fivedc.ir.mesh import MeshAxis

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fivedc.ir.aten_call import whole_dims
+from fivedc.ir.aten_layout import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir.graph import Collective, CollectiveKind, DType, Graph, Op, Phase, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
@@ -174,9 +174,16 @@ def balance_v(costs: list[float], ranges: list[tuple[int, int]]) -> list[tuple[i
     n = len(ranges)
     cuts = [b for _, b in ranges[:-1]]  # chunk k is [cuts[k-1], cuts[k])
 
+    sums: dict[tuple[int, int], float] = {}  # a move changes one or two chunks: the others' sums are kept
+
+    def chunk_sum(a: int, b: int) -> float:
+        if (a, b) not in sums:
+            sums[a, b] = sum(costs[a:b])
+        return sums[a, b]
+
     def pairs(cuts: list[int]) -> list[float]:
         bounds = [0, *cuts, ranges[-1][1]]
-        chunk = [sum(costs[bounds[k]:bounds[k + 1]]) for k in range(n)]
+        chunk = [chunk_sum(bounds[k], bounds[k + 1]) for k in range(n)]
         return sorted((chunk[r] + chunk[n - 1 - r] for r in range(n // 2)), reverse=True)
 
     end = ranges[-1][1]

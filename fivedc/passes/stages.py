@@ -208,6 +208,8 @@ def partition(costs: list[float], parts: int, *, what: str = "units") -> list[tu
     check_enough(len(costs), parts, what)
     low, high = max(costs), sum(costs)
     for _ in range(60):
+        if high - low <= high * 1e-13:  # closer than `_greedy`'s tolerance tells apart
+            break
         mid = (low + high) / 2
         if _groups_needed(costs, mid) <= parts:
             high = mid
@@ -345,6 +347,7 @@ def chunk_param_names(graph: Graph, spec: PipelineSpec, *, pp_rank: int | None =
     items = graph.body.items
     top = {p.name for p in graph.body.params}
     names: set[str] = set()
+    repeats: set[int] = set()
     for spec_chunk in spec.chunks:
         if (pp_rank is not None and spec_chunk.rank != pp_rank) or (chunk is not None and spec_chunk.index != chunk):
             continue
@@ -355,7 +358,9 @@ def chunk_param_names(graph: Graph, spec: PipelineSpec, *, pp_rank: int | None =
             else:
                 repeat = items[unit.start]
                 names |= {f"{repeat.name}.{unit.layer}.{p.name}" for p in repeat.body.params}
-                names |= outer_params(repeat, top)
+                repeats.add(unit.start)
+    for start in repeats:  # what a repeat's body reads of the top level, once per repeat
+        names |= outer_params(items[start], top)
     return names
 
 

@@ -41,9 +41,15 @@ def top_param_holders(graph: Graph, spec: PipelineSpec) -> dict[str, tuple[int, 
     items = graph.body.items
     top = {p.name for p in graph.body.params}
     holders: dict[str, set[int]] = {}
+    read_by_repeat: dict[int, set[str]] = {}  # what each repeat's body reads, the same for all its layers
     for chunk in spec.chunks:
         for unit in all_units[chunk.units[0]:chunk.units[1]]:
-            names = unit_top_params(items, unit, top) if unit.layer is None else outer_params(items[unit.start], top)
+            if unit.layer is None:
+                names = unit_top_params(items, unit, top)
+            elif unit.start in read_by_repeat:
+                names = read_by_repeat[unit.start]
+            else:
+                names = read_by_repeat[unit.start] = outer_params(items[unit.start], top)
             for name in names:
                 holders.setdefault(name, set()).add(chunk.rank)
     return {name: tuple(sorted(ranks)) for name, ranks in holders.items()}

@@ -26,7 +26,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from fivedc.ir.aten_call import whole_dims
+from fivedc.ir.aten_layout import whole_dims
 from fivedc.ir.graph import Collective, Graph, Op, Param, Phase, Repeat, walk_ops, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.estimates.memory import CATEGORIES

@@ -33,13 +33,13 @@ import torch.distributed as dist
 
 from fivedc.errors import FivedcError, MeshError, SourceLoc
 from fivedc.ir.mesh import Mesh
+from fivedc.runtime import DEFAULT_TIMEOUT_S
 from fivedc.runtime.pool_cleanup import abandon_on_sigterm, new_folder, sigint_blocked
 from fivedc.runtime.pool_worker import Failure, RankInfo, default_backend, device_for, worker_main
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RankError", "RankInfo", "WorkerError", "WorkerPool", "check_world", "default_backend",
            "init_from_env", "run_as_launched_rank", "run_once"]
 
-DEFAULT_TIMEOUT_S = 300.0  # how long a rank waits in a collective for its peers
 _ERROR_GRACE_S = 5.0  # after one rank fails, how long the others get to report
 _STARTUP_S = 300.0  # for a new worker to import torch (not counted in a job's timeout)
 _BLAME = {"died": 0, "user": 1, "raised": 1, "timeout": 2}  # which failure explains the others

@@ -36,25 +36,29 @@ def add_p2p(schedule: Schedule, *, pairs: frozenset[tuple[int, int]] = frozenset
 
 def _rank_with_p2p(s: Schedule, rank: int, actions: tuple[Action, ...], pairs: set[int]) -> tuple[Action, ...]:
     out: list[Action] = []
+    neighbours: dict[int, tuple] = {}  # chunk -> its previous and next chunk, and their ranks when not this one
     n = 0
     while n < len(actions):
         if n in pairs:
-            (r1, s1), (r2, s2) = _transfers(s, rank, actions[n]), _transfers(s, rank, actions[n + 1])
+            (r1, s1), (r2, s2) = _transfers(s, rank, actions[n], neighbours), \
+                _transfers(s, rank, actions[n + 1], neighbours)
             out += [*r1, *r2, actions[n], actions[n + 1], *s1, *s2]
             n += 2
             continue
-        recvs, sends = _transfers(s, rank, actions[n])
+        recvs, sends = _transfers(s, rank, actions[n], neighbours)
         out += [*recvs, actions[n], *sends]
         n += 1
     return tuple(out)
 
 
-def _transfers(s: Schedule, rank: int, a: Action) -> tuple[list[Action], list[Action]]:
+def _transfers(s: Schedule, rank: int, a: Action, neighbours: dict[int, tuple]) -> tuple[list[Action], list[Action]]:
     """The receives computation `a` needs before it and the sends it makes after it."""
     j, c = a.microbatch, a.chunk
-    prev_c, next_c = s.prev_chunk(c), s.next_chunk(c)
-    prev_r = None if prev_c is None or s.placement[prev_c] == rank else s.placement[prev_c]
-    next_r = None if next_c is None or s.placement[next_c] == rank else s.placement[next_c]
+    if c not in neighbours:
+        prev_c, next_c = s.prev_chunk(c), s.next_chunk(c)
+        neighbours[c] = (prev_c, None if prev_c is None or s.placement[prev_c] == rank else s.placement[prev_c],
+                         next_c, None if next_c is None or s.placement[next_c] == rank else s.placement[next_c])
+    prev_c, prev_r, next_c, next_r = neighbours[c]
     if a.kind is K.FORWARD:
         return ([Action(K.RECV_FORWARD, j, prev_c, prev_r)] if prev_r is not None else [],
                 [Action(K.SEND_FORWARD, j, c, next_r)] if next_r is not None else [])
