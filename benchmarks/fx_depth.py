@@ -1,10 +1,11 @@
 """The fx frontend's time against depth: a model of 2 and of 32 layers, traced and compiled.
 
-Two paths, each at `--layers` 2 and 32 (hidden 256, 8/4 heads, sequence 128, batch 8, fp32):
+Three paths, each at 2 and 32 layers (hidden 256, 8/4 heads, sequence 128, batch 8, fp32):
 `examples/llama.py` (Meta's Llama written the usual way: torch.fx's symbolic trace,
-the layers one `Repeat` traced once) and Hugging Face's LlamaForCausalLM with its own
-loss (`examples/hf_models.py`, built without weights: torch.export, the layers
-inlined). Each row is the median of `--repeats` runs of `trace_module` and of
+the layers one `Repeat` traced once), Hugging Face's LlamaForCausalLM with its own
+loss (`examples/hf_models.py`, built without weights: torch.export of two layers, the
+graph unrolled to all, `fivedc/frontends/fx/layer_export.py`) and, side by side, the
+same model exported whole (`hf_llama_whole`, as before). Each row is the median of `--repeats` runs of `trace_module` and of
 `compile_graph` at 2x1x2x1x1 with SP (the proof that the ranks agree included), run
 alternately with the 2-layer model of the same path; the ratio 32 / 2 layers says
 how the time grows with depth. The issue's bar: a 32-layer model under 5 s.
@@ -15,6 +16,7 @@ how the time grows with depth. The issue's bar: a 32-layer model under 5 s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 import fivedc
+from fivedc.frontends.fx import trace as fx_trace
 from fivedc.frontends.fx_module import trace_module
 from fivedc.frontends.python_file import import_file
 from fivedc.ir.mesh import Mesh
@@ -49,19 +52,33 @@ def build(path: str, layers: int):
 
 
 def once(path: str, layers: int) -> tuple[float, float]:
-    """Seconds to trace and to compile one freshly built model."""
-    module, inputs = build(path, layers)
+    """Seconds to trace and to compile one freshly built model (`hf_llama_whole`: Hugging Face's
+    exported whole, as before the layers were exported two and unrolled)."""
+    module, inputs = build(path.removesuffix("_whole"), layers)
     start = time.perf_counter()
-    graph = trace_module(module, inputs).graph
+    with _exported_whole(path.endswith("_whole")):
+        graph = trace_module(module, inputs).graph
     traced = time.perf_counter()
     compile_graph(graph, CompileOptions(mesh=Mesh.parse("2x1x2x1x1"), sequence_parallel=True))
     return traced - start, time.perf_counter() - traced
 
 
+@contextlib.contextmanager
+def _exported_whole(whole: bool):
+    """The frontend without its layer-by-layer export (fivedc/frontends/fx/layer_export.py)."""
+    saved = fx_trace._by_layers
+    if whole:
+        fx_trace._by_layers = lambda *args: None
+    try:
+        yield
+    finally:
+        fx_trace._by_layers = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--paths", default="llama,hf_llama")
+    parser.add_argument("--paths", default="llama,hf_llama,hf_llama_whole")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, fivedc {fivedc.__version__}, medians of {args.repeats}")

@@ -138,7 +138,7 @@ def _exported(module: nn.Module, tensors: dict, concrete: dict, error: Exception
     from fivedc.frontends.fx.export import export_graph
 
     try:
-        gm = export_graph(module, tensors | concrete)
+        gm = _by_layers(module, tensors | concrete, export_graph) or export_graph(module, tensors | concrete)
     except Exception as export_error:
         reason = _first_line(export_error)
         raise NotSupportedError(
@@ -150,6 +150,17 @@ def _exported(module: nn.Module, tensors: dict, concrete: dict, error: Exception
         ) from None
     values = _run(gm, tensors, set(), {})
     return Trace(Traced(gm, module, "", values), (), tensors, exported=True)
+
+
+def _by_layers(module: nn.Module, inputs: dict, export_graph) -> fx.GraphModule | None:
+    """Two layers exported and the graph unrolled (fivedc/frontends/fx/layer_export.py), or None:
+    where that way fails for any reason, the whole export decides (and reports)."""
+    from fivedc.frontends.fx.layer_export import export_by_layers
+
+    try:
+        return export_by_layers(module, inputs, export_graph)
+    except Exception:
+        return None
 
 
 def _first_line(error: BaseException) -> str:
