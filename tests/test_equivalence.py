@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from fivedc.frontends.dsl_file import load_model, parse_model
+from fivedc.ir.graph import Repeat
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
@@ -55,3 +56,23 @@ def test_a_wrong_collective_is_caught(worker_pool) -> None:
     reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype="fp64"))
     report = verify_plan(broken, reference, settings=TrainSettings(steps=2), pool=worker_pool)
     assert report.grad_error > 1e-3
+
+
+@pytest.mark.parametrize("mesh,sp,cp_attention", [("1x1x4x1x1", False, None), ("2x1x2x1x1", True, None),
+                                                  ("1x1x2x2x1", True, "ring")])
+def test_multi_query_attention_keeps_its_one_kv_head_whole_under_tp(mesh: str, sp: bool, cp_attention, worker_pool) -> None:
+    """One k/v head (PaLM's multi-query attention) with q heads split over tp: k and v
+    are computed whole on every tp rank and their gradients summed over tp."""
+    from random_models import model_text
+
+    text = model_text(style="llama", batch=4, seq=8, heads=4, kv_heads=1, head_dim=4, ffn=16, vocab=16, layers=2,
+                      causal=True)
+    graph = parse_model(text, filename="<mqa>")
+    options = CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=sp, dtype="fp64", cp_attention=cp_attention)
+    plan = compile_graph(graph, options)
+    layers = [item for item in plan.graph.body.items if isinstance(item, Repeat)]
+    shardings = {p.name: str(p.sharding) for p in layers[0].body.params}
+    assert shardings["wk"] == shardings["wv"] == "replicated" and shardings["wq"] == "heads:tp"
+    reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype="fp64"))
+    report = verify_plan(plan, reference, settings=TrainSettings(steps=2), pool=worker_pool)
+    assert report.max_error <= TOL, report

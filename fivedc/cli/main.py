@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="a .5d model file, or path/to/file.py:factory (an nn.Module traced with torch.fx)")
     _mesh_args(c, required=True)
     c.add_argument("--dtype", default="bf16", help="training precision for the estimates (bf16, fp32, fp64)")
+    c.add_argument("--global-batch", type=int, default=None, metavar="B",
+                   help="sequences per step instead of the model's batch dim (as fivedc search takes it)")
+    c.add_argument("--seq", type=int, default=None, metavar="S",
+                   help="tokens per sequence instead of the model's sequence dim (as fivedc search takes it)")
     c.add_argument("-o", "--output", default=None, help="plan file to write (default MODEL.plan.json)")
     c.add_argument("-q", "--quiet", action="store_true", help="write the plan, print one line")
     c.add_argument("-v", "--verbose", action="store_true", help="list every parameter")

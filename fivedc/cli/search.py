@@ -35,7 +35,7 @@ def search_args(p) -> None:
 
 
 def run_search(args, console) -> int:
-    from fivedc.cli.shared import load_graph
+    from fivedc.cli.shared import load_graph, with_shape
     from fivedc.files import check_output, write_output
     from fivedc.frontends.python_file import parse_spec
     from fivedc.ir.hardware import hardware
@@ -69,22 +69,6 @@ def run_search(args, console) -> int:
         result.plan.save(args.output, inputs=(model_file,))
         print(f"wrote {args.output}: the best plan, compiled ({result.proof})")
     return 0
-
-
-def with_shape(graph, *, batch: int | None, seq: int | None):
-    """The model at another global batch or sequence length (its batch and sequence dims)."""
-    changes = {}
-    for what, dim, value in (("--global-batch", graph.batch_dim, batch), ("--seq", graph.seq_dim, seq)):
-        if value is None:
-            continue
-        if value < 1:
-            raise FivedcError(f"{what} {value} must be at least 1")
-        if dim is None:
-            raise FivedcError(f"{what}: the model {graph.name} has no sequence dim", hint=f"drop {what}")
-        changes[dim] = value
-    if not changes:
-        return graph
-    return dataclasses.replace(graph, dims=tuple((k, changes.get(k, v)) for k, v in graph.dims))
 
 
 class _Progress:

@@ -10,6 +10,7 @@ mesh with the command line's options), `load_plan_or_compile`, `compile_options`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -91,6 +92,24 @@ def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = (), *
     return load_model(model)
 
 
+def with_shape(graph, *, batch: int | None, seq: int | None):
+    """The model at another global batch or sequence length (its batch and sequence dims):
+    `--global-batch` and `--seq` of `fivedc compile` and `fivedc search`."""
+    changes = {}
+    for what, dim, value in (("--global-batch", graph.batch_dim, batch), ("--seq", graph.seq_dim, seq)):
+        if value is None:
+            continue
+        if value < 1:
+            raise FivedcError(f"{what} {value} must be at least 1")
+        if dim is None:
+            kind = "batch" if what == "--global-batch" else "sequence"
+            raise FivedcError(f"{what}: the model {graph.name} has no {kind} dim", hint=f"drop {what}")
+        changes[dim] = value
+    if not changes:
+        return graph
+    return dataclasses.replace(graph, dims=tuple((k, changes.get(k, v)) for k, v in graph.dims))
+
+
 def check_no_stage_boundaries(model: str, stage_boundaries) -> None:
     if stage_boundaries:
         raise FivedcError(
@@ -107,8 +126,9 @@ def compile_model(model: str, mesh_text: str, args, *, dtype: str, pipeline_flag
 
     mesh = Mesh.parse(mesh_text, rank_order=args.rank_order)
     options = compile_options(args, mesh, dtype=dtype, pipeline_flags_need_pp=pipeline_flags_need_pp)
-    return compile_graph(load_graph(model, args.stage_boundary, weights=getattr(args, "weights", True)), options,
-                         proofs=proofs, timings=timings)
+    graph = load_graph(model, args.stage_boundary, weights=getattr(args, "weights", True))
+    graph = with_shape(graph, batch=getattr(args, "global_batch", None), seq=getattr(args, "seq", None))
+    return compile_graph(graph, options, proofs=proofs, timings=timings)
 
 
 def load_plan_or_compile(model: str, args, *, dtype: str):

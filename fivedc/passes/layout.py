@@ -132,6 +132,8 @@ class RuleContext:
         if kind == "attention":
             if op.type is None or index > 2 or dim not in (op.type.dims[2], self._kv_dim(op)):
                 return False
+            if index > 0 and self.graph.dim(dim) == 1:  # one k/v head (MQA) stays whole: rules.py _attention
+                return False
             return self.can_stay_split(op.out, op.type.dims[2], depth + 1)
         if kind == "cross_entropy":
             return index == 0 and self._arg_last_dim(op, 0) == dim

@@ -160,20 +160,23 @@ def _rope(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
 
 
 def _attention(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
-    """Heads split over tp as q's producer gives them; the sequence of q and of the
-    output split over cp. K/V keep that split for ring attention (the blocks travel
+    """Heads split over tp as q's producer gives them, and k/v heads with them (a single
+    k/v head, multi-query attention, stays whole on every rank: its gradient is then a
+    sum over the heads' ranks); the sequence of q and of the output split over cp. K/V keep that split for ring attention (the blocks travel
     inside the op) or are gathered over cp for the allgather variant."""
     q_t, k_t, v_t = types
     seq = ctx.graph.seq_dim
     q = ctx.resolve_partial(shs[0], q_t).with_split(seq, ctx.cp).with_split(q_t.dims[3], ())
-    heads_axes = q.axes_of(q_t.dims[2])
-    if heads_axes:
+    heads_axes = kv_axes = q.axes_of(q_t.dims[2])
+    if heads_axes and ctx.graph.dim(k_t.dims[2]) == 1:
+        kv_axes = ()  # one k/v head (multi-query attention): whole on every rank, each rank's q heads share it
+    elif heads_axes:
         ctx.check_divisible(k_t.dims[2], heads_axes, op.loc, "kv-heads must split like heads")
     ring = bool(ctx.cp) and op.annotation("cp").args[0] == "ring"
     batch = Sharding(((q_t.dims[0], q.axes_of(q_t.dims[0])),))
 
     def kv(t: TensorType) -> Sharding:
-        return batch.with_split(t.dims[2], heads_axes).with_split(seq, ctx.cp if ring else ())
+        return batch.with_split(t.dims[2], kv_axes).with_split(seq, ctx.cp if ring else ())
 
     out = q.with_split(q_t.dims[3], ()).rename({q_t.dims[3]: v_t.dims[3]})
     args = (q, kv(k_t), kv(v_t))
