@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file.py:factory: build the model under fivedc.empty_weights() (parameters on the meta "
                    "device, none allocated): the same plan, so a large config plans on a laptop")
     c.add_argument("--gpu", default=None, metavar="NAME",
-                   help="estimate the step time on this GPU (h100, h800, a100, h200, or one from --hardware) and "
+                   help="estimate the step time on this GPU (h100, h800, a100, h200, tpu-v4, or one from --hardware) and "
                    "check that every rank fits its memory (exit 2 with what would make it fit)")
     c.add_argument("--hardware", action="append", default=[], metavar="FILE",
                    help="a TOML file of GPU profiles like fivedc/ir/hardware.toml, added to the built-in ones")

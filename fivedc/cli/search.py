@@ -22,7 +22,7 @@ from fivedc.errors import FivedcError
 def search_args(p) -> None:
     p.add_argument("model", help="a .5d model file, or path/to/file.py:factory")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster (the mesh's world size)")
-    p.add_argument("--gpu", required=True, metavar="NAME", help="the GPU (h100, h800, a100, h200, or from --hardware)")
+    p.add_argument("--gpu", required=True, metavar="NAME", help="the GPU (h100, h800, a100, h200, tpu-v4, or from --hardware)")
     p.add_argument("--hardware", action="append", default=[], metavar="FILE", help="a TOML file of GPU profiles")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the profile's)")
     p.add_argument("--global-batch", type=int, default=None, metavar="B", help="sequences per step (default: the model's)")

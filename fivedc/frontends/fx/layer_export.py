@@ -129,8 +129,9 @@ def _map_tensors(tree, fn):
     return spec, tuple(fn(x) if isinstance(x, torch.Tensor) else x for x in leaves)
 
 
-def _record(module: nn.Module, inputs: dict, path: str) -> list[tuple]:
-    """The run's calls (`_Recorder`), each tagged with the index of the layer of `path` it ran in."""
+def _record(module: nn.Module, inputs: dict, path: str) -> tuple[list[tuple], dict[int, list[tuple]]]:
+    """The run's calls (`_Recorder`), each tagged with the index of the layer of `path` it ran in,
+    and the origins of what each layer returned."""
     names: dict[int, tuple] = {id(v): ("input", k) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     names.update({id(p): ("state", n) for n, p in module.named_parameters()})
     names.update({id(b): ("state", n) for n, b in module.named_buffers()})
@@ -202,7 +203,7 @@ def _segments(record: tuple, path: str, count: int) -> list[list[tuple]] | None:
     return [out["before"], *(out[j] for j in range(count)), out["after"]]
 
 
-def _same_but_length(whole: list[tuple], cut: list[tuple], path: str, count: int) -> bool:
+def _same_but_length(whole: tuple, cut: tuple, path: str, count: int) -> bool:
     """Whether the whole run is the cut run with its second layer repeated to `count` layers."""
     ours, theirs = _segments(whole, path, count), _segments(cut, path, _KEEP)
     if ours is None or theirs is None:
