@@ -80,3 +80,11 @@ def test_layers_that_run_other_ops_are_exported_whole(scales, unrolled: bool) ->
     if fast is not None:
         assert canonical(fast) == canonical(whole)
         assert torch.equal(fast(**x), whole(**x))
+
+
+def test_a_library_decoder_with_mixed_layer_types_is_exported_whole() -> None:
+    """Gemma 3's sixth layer attends fully, the others through a sliding window: the eager
+    record sees layer 5 read another mask, so no copy of layer 1 stands for it."""
+    model, (ids, labels) = hf.build("gemma3", dtype=torch.float32, num_hidden_layers=7)
+    assert model.model.config.layer_types[5] != model.model.config.layer_types[1]
+    assert export_by_layers(model, {"input_ids": ids, "labels": labels}, export_graph) is None
