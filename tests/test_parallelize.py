@@ -435,3 +435,33 @@ def test_arguments_fixed_by_the_trace_are_checked_on_every_call() -> None:
         model(*tokens, 3.0)
     with pytest.raises(FivedcError, match="wrong arguments"):
         model(tokens[0])
+
+
+class SavedSplit(nn.Module):
+    """One `wqkv` parameter that its state dict writes as `wq`, `wk` and `wv` (a state-dict
+    post-hook, as torchtitan's FusedQKVLinear does for its checkpoints)."""
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.wqkv = nn.Parameter(torch.randn(3 * hidden, hidden, dtype=torch.float64) / hidden ** 0.5)
+        self.register_state_dict_post_hook(_split_on_save)
+
+    def forward(self, x, y):
+        q, k, v = F.linear(x, self.wqkv).chunk(3, dim=-1)
+        return F.mse_loss(torch.tanh(q) * k + v, y)
+
+
+def _split_on_save(module, state_dict, prefix, local_metadata) -> None:
+    wq, wk, wv = state_dict.pop(f"{prefix}wqkv").chunk(3)
+    state_dict.update({f"{prefix}wq": wq, f"{prefix}wk": wk, f"{prefix}wv": wv})
+
+
+def test_a_module_whose_state_dict_renames_its_parameters_trains_like_the_plain_module() -> None:
+    torch.manual_seed(0)
+    module, x, y = SavedSplit(), torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+    plain = SavedSplit()
+    plain.load_state_dict({"wqkv": module.wqkv.detach().clone()}, strict=False)
+    assert "wqkv" not in module.state_dict()  # the parameters are read by their own names, not the state dict's
+    model = fivedc.parallelize(module, mesh="1x1x1x1x1", example_inputs=(x, y))
+    report = compare(train_module(plain, (x, y)), train_module(model, (x, y)))
+    assert report.max_error <= 1e-12, report

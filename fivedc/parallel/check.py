@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from fivedc.errors import FivedcError
+from fivedc.frontends.fx.params import module_state
 from fivedc.frontends.fx.precision import float64_everywhere, without_dropout
 from fivedc.runtime.compare import check_reference, compare_runs
 
@@ -87,7 +88,7 @@ def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: 
         opt.step()
         if on_step is not None:
             on_step(len(run.losses), run.losses[-1])
-    state = model.full_state_dict() if parallel else model.state_dict()
+    state = model.full_state_dict() if parallel else module_state(model)
     names = {m.key for m in model.fivedc_traced.params} if parallel else dict(model.named_parameters())
     run.params = {k: v.detach().clone().cpu() for k, v in state.items() if k in names}
     return run

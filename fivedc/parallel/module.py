@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fivedc.errors import FivedcError
+from fivedc.frontends.fx.params import module_state
 from fivedc.frontends.fx_module import TracedModel
 from fivedc.ir.graph import Param
 from fivedc.ir.mesh import MeshAxis
@@ -60,7 +61,7 @@ class ParallelModule(nn.Module):
         self._fivedc_ctx = KernelContext(plan.graph, plan.mesh, plan.mesh.coords(rank), self._fivedc_groups)
         self._fivedc_program = Program(plan.graph, self._fivedc_ctx, recompute=plan.recompute, compile=compile)
         self._fivedc_specs: dict[str, Param] = dict(qualified_params(plan.graph))
-        state = module.state_dict()
+        state = module_state(module)  # by the names the tracer saw, whatever the module's state-dict hooks write
         keys = {m.key for m in traced.params}
         self._fivedc_keys = tuple(state)  # the original order, parameters and persistent buffers
         self._fivedc_buffers = {k: v.detach().clone() for k, v in state.items() if k not in keys}

@@ -168,6 +168,7 @@ def tail_bound(memo: Memo, hw: Hardware, *, dtype_bytes: int, zero: int, overlap
     """At least the seconds a pipeline's step adds after its schedule (the module docstring)."""
     spec = PipelineSpec(schedule, 1, virtual or 1, tuple(
         Chunk(k, rank, ranges[k % len(ranges)], "", 0.0, 0) for k, rank in enumerate(placement)))
+
     def tail(held):  # ranks holding the same layers add the same seconds
         return memo.get(("tail bound", held, hw, dtype_bytes, zero, overlap, schedule == "dualpipe"), lambda: after_backward(
             param_sizes(memo), memo.mesh, memo.dtype, dtype_bytes, zero, overlap, (), spec, held, hw, 0.0, 0.0, 0.0))

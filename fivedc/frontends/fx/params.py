@@ -68,6 +68,20 @@ class ParamMapping:
         return value.reshape(rows)
 
 
+def module_state(module: torch.nn.Module) -> dict[str, Tensor]:
+    """The module's parameters and persistent buffers under the names the tracer saw them by, in
+    `state_dict()`'s order, without the state-dict hooks a library registers: torchtitan's
+    `FusedQKVLinear` holds one `wqkv` parameter and writes it into its state dict as `wq`, `wk`
+    and `wv` for its checkpoints, which name no parameter of the module."""
+    out: dict[str, Tensor] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        out.update({dot + name: p for name, p in sub._parameters.items() if p is not None})
+        out.update({dot + name: b for name, b in sub._buffers.items()
+                    if b is not None and name not in sub._non_persistent_buffers_set})
+    return out
+
+
 def to_ir_params(mappings: tuple[ParamMapping, ...], state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     stacks: dict[str, dict[int, Tensor]] = {}
