@@ -94,3 +94,31 @@ def test_a_position_table_longer_than_the_sequence_is_read_at_its_first_rows() -
     assert op.attr("target") == "aten.slice.Tensor" and whole_dims(op) == {"positions"}
     assert {p.name: p.dims for p in tm.graph.body.params}["wpe"] == ("positions", "hidden")
     assert_same_as_module(tm, module, inputs)
+
+
+class ScaledNorm(nn.Module):
+    """`F.rms_norm` as torchtune's RMSNorm calls it (by keywords), in a forward torch.fx cannot follow
+    (`float()` of a shape), so torch.export captures it: `aten.rms_norm`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.proj = nn.Parameter(torch.ones(8)), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.rms_norm(x, normalized_shape=(8,), weight=self.scale, eps=1e-5)
+        return torch.nn.functional.mse_loss(self.proj(h) * float(x.shape[-1]) ** -0.5, y)
+
+
+def test_an_exported_rms_norm_is_the_ir_s_rmsnorm_not_a_replicated_op() -> None:
+    """On the export path too: else it runs replicated and a pipeline cannot split it into microbatches."""
+    from fivedc.frontends.fx_module import trace_module
+    from fivedc.ir.graph import Op, walk_ops
+    from test_frontend_fx import assert_same_as_module
+
+    torch.manual_seed(0)
+    module, inputs = ScaledNorm().double(), (torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64))
+    tm = trace_module(module, inputs)
+    ops = [op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op)]
+    aten = [str(op.attr("target")) for op in ops if op.kind == "aten"]
+    assert tm.exported and "rmsnorm" in [op.kind for op in ops] and not any("rms_norm" in t for t in aten), aten
+    assert_same_as_module(tm, module, inputs)

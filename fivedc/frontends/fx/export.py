@@ -39,7 +39,7 @@ _SAME = {
     aten.scaled_dot_product_attention: F.scaled_dot_product_attention, aten.matmul: torch.matmul,
     aten.bmm: torch.matmul, aten.addmm: torch.addmm, aten.masked_fill: torch.masked_fill, aten.eq: operator.eq,
     aten.repeat_interleave: torch.repeat_interleave, aten.dropout: F.dropout, aten.arange: torch.arange,
-    aten.cat: torch.cat,
+    aten.cat: torch.cat, aten.rms_norm: F.rms_norm,
 }
 _METHODS = {aten.clone: "clone", aten.contiguous: "contiguous", aten.alias: "clone", aten.lift_fresh_copy: "clone",
             aten.expand: "expand", aten.t: "t", aten.type_as: "type_as"}
