@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivedc.frontends.fx.fill_writes import fill_writes
+from fivedc.frontends.fx.params import fetch_attr
 
 aten = torch.ops.aten
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
@@ -60,12 +61,12 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     fill_writes(ep.graph)  # a fresh tensor written slice by slice (DeepSeek-V3's expand_kv): cat, slice_scatter
     _functional(ep.graph)
     canonical = {id(p): name for name, p in module.named_parameters()}  # a tied weight by its first name
-    state = {s.arg.name: canonical.get(id(_fetch(module, s.target)), s.target) for s in sig.input_specs
+    state = {s.arg.name: canonical.get(id(fetch_attr(module, s.target)), s.target) for s in sig.input_specs
              if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
     constants = {s.arg.name: s.target for s in sig.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
     user = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     names = dict(zip(user, [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]))
-    attrs: dict[str, object] = {key: _fetch(module, key) for key in state.values()}
+    attrs: dict[str, object] = {key: fetch_attr(module, key) for key in state.values()}
     attrs.update({key: ep.constants[key] for key in constants.values()})
     graph, env = fx.Graph(), {}
     for node in ep.graph.nodes:
@@ -237,11 +238,6 @@ def _quiet():
             yield
     finally:
         logger.setLevel(level)
-
-
-def _fetch(module: nn.Module, key: str) -> object:
-    owner, _, attr = key.rpartition(".")
-    return getattr(module.get_submodule(owner) if owner else module, attr)
 
 
 def _schema_args(node: fx.Node, args: tuple, kwargs: dict) -> dict:

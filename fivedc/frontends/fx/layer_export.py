@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from fivedc.frontends.fx.locs import scope
+from fivedc.frontends.fx.params import fetch_attr
 from fivedc.frontends.weightless import example_run
 
 _KEEP = 2  # layers exported: the first, and one that follows a layer (the template of the others)
@@ -265,7 +266,7 @@ def _unroll(gm: fx.GraphModule, module: nn.Module, path: str, count: int) -> fx.
     for node in graph.nodes:
         if node not in in_second and node not in made and "aten" in node.meta:
             node.meta["aten"] = fx.node.map_arg(node.meta["aten"], lambda a: last.get(a, a))
-    attrs = {n.target: _attr(gm, n.target) if _has_attr(gm, n.target) else _attr(module, n.target)
+    attrs = {n.target: fetch_attr(module if n.target in renamed else gm, n.target)  # layers 2.. are the model's
              for n in graph.nodes if n.op == "get_attr"}
     unrolled = fx.GraphModule(attrs, graph, type(gm).__name__)
     graph.lint()
@@ -308,15 +309,3 @@ def _relabel(node: fx.Node, path: str, k: int, source) -> None:
         for key, value in stack.items()}
     if "aten" in node.meta:
         node.meta["aten"] = fx.node.map_arg(node.meta["aten"], source)
-
-
-def _attr(root, target: str):
-    return functools.reduce(getattr, target.split("."), root)
-
-
-def _has_attr(root, target: str) -> bool:
-    try:
-        _attr(root, target)
-    except AttributeError:
-        return False
-    return True

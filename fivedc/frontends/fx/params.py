@@ -68,6 +68,12 @@ class ParamMapping:
         return value.reshape(rows)
 
 
+def fetch_attr(root: torch.nn.Module, key: str) -> object:
+    """The attribute a dotted key names (`layers.3.attn.wq.weight`): a parameter, buffer or constant."""
+    owner, _, attr = key.rpartition(".")
+    return getattr(root.get_submodule(owner) if owner else root, attr)
+
+
 def module_state(module: torch.nn.Module) -> dict[str, Tensor]:
     """The module's parameters and persistent buffers under the names the tracer saw them by, in
     `state_dict()`'s order, without the state-dict hooks a library registers: torchtitan's

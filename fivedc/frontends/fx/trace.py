@@ -26,6 +26,7 @@ from torch import nn
 from fivedc.errors import FivedcError, NotSupportedError
 from fivedc.frontends.fx.locs import caller_loc, def_loc, error_loc, frames, node_loc, user_loc
 from fivedc.frontends.fx.moe import moe_spec
+from fivedc.frontends.fx.params import fetch_attr
 from fivedc.frontends.fx.recognise import is_recognised_leaf
 from fivedc.frontends.weightless import example_run
 
@@ -243,7 +244,7 @@ class _Tracer(fx.Tracer):
             if node.op == "placeholder":
                 value = self.inputs[str(node.target).lstrip("*")]
             elif node.op == "get_attr":
-                value = _fetch(self.root_module, node.target)
+                value = fetch_attr(self.root_module, node.target)
             elif node.op == "call_module":
                 value = self.root_module.get_submodule(node.target)(*args, **kwargs)
             elif node.op == "call_method":
@@ -252,11 +253,6 @@ class _Tracer(fx.Tracer):
                 value = node.target(*args, **kwargs)
             self.memo[node] = value
         return self.memo[node]
-
-
-def _fetch(root: nn.Module, target: str) -> object:
-    owner, _, attr = target.rpartition(".")
-    return getattr(root.get_submodule(owner) if owner else root, attr)
 
 
 # ---- uniform layer stacks -------------------------------------------------------------
