@@ -269,3 +269,47 @@ class RotatedPairs(RunningSum):
 def rotated_pairs(seed: int = 0):
     torch.manual_seed(seed)
     return RotatedPairs().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
+
+class PairRotaryAttention(llama.Attention):
+    """examples/llama.py's attention written as torchtune writes it: a rotary embedding that
+    rotates adjacent pairs of head_dim (the pairs viewed as a last dim of 2, each half selected,
+    the rotated halves stacked back and flattened), not fivedc's half-split rope, and k/v
+    repeated over the heads by unsqueeze, expand and flatten. The rotary's ops run on shards,
+    the attention sees head_dim as one dim again (fivedc/frontends/fx/generic.py `merged`) and
+    the repeat is grouped-query attention's."""
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        freqs = 10000.0 ** (-torch.arange(half, dtype=x.dtype) / half)
+        angles = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * freqs
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+        pairs = x.reshape(*x.shape[:-1], half, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.rotate(self.wq(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.rotate(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        shape = (b, self.n_kv_heads, self.n_rep, s, self.head_dim)
+        k = k.unsqueeze(2).expand(shape).flatten(1, 2)
+        v = v.unsqueeze(2).expand(shape).flatten(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def pair_rotary(seed: int = 0):
+    """examples/llama.py's Llama (grouped-query attention) with `PairRotaryAttention` in each layer."""
+    args = llama.ModelArgs()
+    module, inputs = llama.factory(seed=seed, args=args, model_class=PairRotaryLlama)
+    return module, inputs
+
+
+class PairRotaryLlama(llama.Transformer):
+    def __init__(self, args: llama.ModelArgs) -> None:
+        super().__init__(args)
+        for block in self.layers:
+            block.attention = PairRotaryAttention(args)

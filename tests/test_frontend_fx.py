@@ -410,15 +410,18 @@ class InterleavedRotary(nn.Module):
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
-def test_a_rotary_module_of_another_convention_runs_replicated() -> None:
-    """Meta's interleaved rotary is not fivedc's half-split rope: its strided slices and stack run
-    as replicated ATen ops inside the layer, at the rotary module's lines, and the model still
-    computes what the module computes."""
+def test_a_rotary_module_of_another_convention_runs_as_aten_ops_on_shards() -> None:
+    """Meta's interleaved rotary is not fivedc's half-split rope: its strided slices, products and
+    stack run as ATen ops on shards inside the layer, at the rotary module's lines, the attention
+    reads the head_dim the stack made of two dims as one (a clone at the attention's line), and
+    the model computes what the module computes."""
     module, inputs = llama.factory()
     for block in module.layers:
         block.attention.rope = InterleavedRotary()
     tm = trace_module(module, inputs)
     islands = [op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op) and op.kind == "aten"]
-    assert islands and all(op.loc.file == HERE for op in islands)
-    assert {op.loc.line for op in islands} >= {line_of(InterleavedRotary.forward, "x[..., 0::2]")}
+    assert islands and all(op.attr("rule") != "replicated" for op in islands)
+    rotary = [op for op in islands if op.loc.file == HERE]
+    assert {op.loc.line for op in rotary} >= {line_of(InterleavedRotary.forward, "x[..., 0::2]")}
+    assert {op.attr("target") for op in islands if op.loc.file != HERE} == {"aten.clone.default"}
     assert_same_as_module(tm, module, inputs)

@@ -304,3 +304,27 @@ def test_a_table_a_cat_and_an_expand_run_on_shards_and_per_microbatch(worker_poo
         report = check_module(f"{MODELS}:rotated_pairs", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool,
                               microbatches=microbatches, stage_boundaries=("head",) if microbatches else ())
         assert report.max_error <= 1e-10, (mesh, report)
+
+
+def test_a_pair_rotary_and_a_repeat_by_expand_train_on_every_axis(worker_pool) -> None:
+    """torchtune's attention, written into examples/llama.py's: a rotary embedding that rotates
+    adjacent pairs of head_dim (a view into pairs, `select`s, `stack`, `flatten`) and k/v repeated
+    by unsqueeze, expand and flatten. The stack is a cat of unsqueezed views (runs along its new
+    dim), the repeat is grouped-query attention's, and the attention reads the head_dim the
+    rotary made of two dims as one (a pointwise clone along it): no op runs replicated, so a
+    pipeline runs it per microbatch, and dp2·tp2, cp2, pp2 and ZeRO-3 train as on one device."""
+    from replicated_models import PairRotaryAttention, pair_rotary
+
+    module, inputs = pair_rotary()
+    tm = trace_module(module, inputs)
+    ops = _islands(tm.graph)
+    assert all(op.attr("rule") != "replicated" for op in ops), [(op.attr("target"), op.attr("rule")) for op in ops]
+    assert {str(op.attr("target")) for op in ops} >= {"aten.select.int", "aten.cat.default", "aten.clone.default"}
+    attention = [op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op) and op.kind == "attention"]
+    assert len(attention) == 2 and all(op.loc.line == line_of(PairRotaryAttention.forward, "scaled_dot_product")
+                                       for op in attention)
+    assert not {"aten.repeat_interleave.self_int", "aten.expand.default"} & {op.attr("target") for op in ops}  # GQA
+    assert_same_as_module(tm, module, inputs)
+    for mesh, zero in (("2x1x2x1x1", 0), ("1x1x1x2x1", 0), ("1x2x1x1x1", 0), ("2x1x1x1x1", 3)):
+        report = check_module(f"{MODELS}:pair_rotary", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool, zero=zero)
+        assert report.max_error <= 1e-10, (mesh, report)

@@ -21,18 +21,9 @@ ARCHITECTURES = (
     "tune_llama2", "tune_llama3", "tune_llama3_2", "tune_qwen2", "tune_mistral", "tune_phi3", "tune_gemma",
     "tune_gemma2",
 )
-# compile, but verify only to ~1e-6: their rotary caches hold float32-rounded cos/sin, which fivedc's rope
-# recomputes exactly (the IR has no casts yet, issue "Real models")
-INEXACT = {"tune_qwen2", "tune_phi3", "titan_qwen3_sdpa", "titan_qwen3_moe_sdpa"}
 
 
-def _params():
-    for arch in ARCHITECTURES:
-        marks = [pytest.mark.xfail(reason="float32-rounded rotary caches", strict=True)] if arch in INEXACT else []
-        yield pytest.param(arch, marks=marks)
-
-
-@pytest.mark.parametrize("arch", list(_params()))
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_library_model_compiles_or_is_refused_at_its_line(arch: str) -> None:
     assert_compiles_or_is_refused_at_its_line(f"examples/titan_tune_models.py:{arch}")
 

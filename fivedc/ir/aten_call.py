@@ -235,8 +235,9 @@ def local_rule(overload) -> str:
 def check_rule(op) -> None:
     """A plan may run on shards only what allows it: the rule is the operator's own, and the
     result's torch dims line up with the arguments' (broadcast right-aligned for a pointwise
-    op; for an op along dims each argument's dims with those it runs along kept, reduced to
-    size 1, dropped or new: topk's k, a slice, a cat's joined dim, an expand's grown one)."""
+    op, or along a dim one new dim for the several IR dims an argument has there; for an op
+    along dims each argument's dims with those it runs along kept, reduced to size 1, dropped
+    or new: topk's k, a slice, a cat's joined dim, an expand's grown one)."""
     rule = rule_of(op)
     if rule == "replicated":
         return
@@ -244,8 +245,14 @@ def check_rule(op) -> None:
         raise AtenCallError(f"aten op {op.out}: {op.attr('target')} is not a {rule} operator")
     layouts, out = arg_layouts(op), out_layout(op)
     if rule == "pointwise":
-        along_of(op, out)
-        if all(len(layout) <= len(out) and all(g in ((), o) for g, o in zip(reversed(layout), reversed(out)))
+        along = along_of(op, out)
+        theirs = {d for layout in layouts for group in layout for d in group}
+
+        def fits(g, o, i):  # broadcast, the same dims, or (seen whole) one dim of the result's own for several
+            return g in ((), o) or (i in along and len(o) == 1 and o[0] not in theirs)
+
+        if all(len(layout) <= len(out) and all(fits(g, o, len(out) - 1 - j) for j, (g, o)
+                                               in enumerate(zip(reversed(layout), reversed(out))))
                for layout in layouts):
             return
     elif all(lines_up(along_of(op, arg), arg, out) for arg in layouts):

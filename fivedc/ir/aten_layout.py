@@ -57,14 +57,19 @@ def rule_of(op) -> str:
 
 def whole_dims(op) -> frozenset[str] | None:
     """The IR dims the op must see whole: None when it runs replicated (all of them); for a
-    pointwise op those of its result's dims that a constant tensor in the call spans (none
-    without one); for an op along dims, the dims it runs along in each argument."""
+    pointwise op those of its result's torch dims that a constant tensor in the call spans or
+    that merge several IR dims of an argument into one (none without either), in the result
+    and in each argument; for an op along dims, the dims it runs along in each argument."""
     rule = rule_of(op)
     if rule == "replicated":
         return None
     if rule == "pointwise":
         out = out_layout(op)
-        return frozenset(d for i in along_of(op, out) for d in out[i])
+        along = along_of(op, out)
+        seen = {d for i in along for d in out[i]}
+        for arg in arg_layouts(op):  # right-aligned with the result: the same dims, or the parts of a merged one
+            seen.update(d for i in along if 0 <= i - len(out) + len(arg) for d in arg[i - len(out) + len(arg)])
+        return frozenset(seen)
     return frozenset(d for arg in arg_layouts(op) for i in along_of(op, arg) for d in arg[i])
 
 

@@ -40,7 +40,7 @@ _SAME = {
     aten.scaled_dot_product_attention: F.scaled_dot_product_attention, aten.matmul: torch.matmul,
     aten.bmm: torch.matmul, aten.addmm: torch.addmm, aten.masked_fill: torch.masked_fill, aten.eq: operator.eq,
     aten.repeat_interleave: torch.repeat_interleave, aten.dropout: F.dropout, aten.arange: torch.arange,
-    aten.cat: torch.cat, aten.rms_norm: F.rms_norm,
+    aten.cat: torch.cat, aten.rms_norm: F.rms_norm, aten.flatten: torch.flatten, aten.unflatten: torch.unflatten,
 }
 _METHODS = {aten.clone: "clone", aten.contiguous: "contiguous", aten.alias: "clone", aten.lift_fresh_copy: "clone",
             aten.expand: "expand", aten.t: "t", aten.type_as: "type_as"}
@@ -60,6 +60,7 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
                                                  if s.kind in (InputKind.PARAMETER, InputKind.USER_INPUT)})
     fill_writes(ep.graph)  # a fresh tensor written slice by slice (DeepSeek-V3's expand_kv): cat, slice_scatter
     _functional(ep.graph)
+    _stack_as_cat(ep.graph)
     canonical = {id(p): name for name, p in module.named_parameters()}  # a tied weight by its first name
     state = {s.arg.name: canonical.get(id(fetch_attr(module, s.target)), s.target) for s in sig.input_specs
              if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
@@ -157,6 +158,32 @@ def _functional(graph: fx.Graph) -> None:
             if user is not node and user is not new and user not in before:
                 user.replace_input_with(target, new)
         node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def _stack_as_cat(graph: fx.Graph) -> None:
+    """Rewrite `aten.stack(tensors, dim)` as `aten.cat` of each tensor unsqueezed at `dim`, which
+    is what it computes: the views and the cat have sharding rules (the cat runs along the new
+    dim, on shards of the others), so a stack in a model's rotary embedding (torchtune's) does
+    not run replicated."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.stack.default:
+            continue
+        tensors = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        dim %= value.dim()
+        with graph.inserting_before(node):
+            parts = []
+            for t in tensors:
+                part = graph.call_function(aten.unsqueeze.default, (t, dim))
+                part.meta = {**node.meta, "val": t.meta["val"].unsqueeze(dim)} if "val" in t.meta else dict(node.meta)
+                parts.append(part)
+            cat = graph.call_function(aten.cat.default, (parts, dim))
+        cat.meta = dict(node.meta)
+        node.replace_all_uses_with(cat)
         graph.erase_node(node)
 
 

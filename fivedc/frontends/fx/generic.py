@@ -173,6 +173,28 @@ def repeated(lw: Lowering, frame: Frame, node: fx.Node, kv: RepeatedKV) -> T:
     return T(out, atoms, layout, x.dtype)
 
 
+def merged(lw: Lowering, frame: Frame, node: fx.Node, t: T, reason: str, order: tuple[int, ...] | None = None) -> T:
+    """`t` with each torch dim made of several IR dims made one new dim: itself where none is,
+    else a pointwise `aten.clone` along those dims (each seen whole, so no split of its parts
+    is lost), for an op that reads one IR dim there (attention's head_dim, when a rotary
+    embedding that rotates pairs of it, torchtune's, made it of two). The result's IR dims are
+    its torch dims in `order` (the torch order by default): the clone moves them there on shards."""
+    groups = lw.groups(t)
+    wide = tuple(i for i, g in enumerate(groups) if sum(lw.dims.size(a) != 1 for a in g) > 1)
+    if not wide:
+        return t
+    order = tuple(range(len(groups))) if order is None else order
+    layout = tuple((lw.dims.new(lw.dims.numel(g)),) if i in wide else g for i, g in enumerate(groups))
+    ir_in, ir_out = tuple(groups[i] for i in order), tuple(layout[i] for i in order)
+    flat = tuple(a for g in ir_out for a in g)
+    out = DValue(node.name, flat, t.dtype)
+    dtype = "float" if t.dtype == DType.FLOAT else "int64"
+    attrs = (("target", "aten.clone.default"), ("call", '{"args":[{"tensor":0}],"kwargs":{}}'), ("dtypes", dtype),
+             ("reason", reason), ("rule", "pointwise"), ("along", ",".join(str(order.index(i)) for i in wide)))
+    frame.block.items.append(DOp(out, "aten", (t.ref,), attrs, node_loc(node), scope(node), layouts=((ir_in,), ir_out)))
+    return T(out, flat, layout, t.dtype)
+
+
 def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T], consts: list, items: list):
     """(rule, along, result layouts) where the op can run on shards, else None (replicated).
 

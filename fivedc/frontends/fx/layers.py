@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fivedc.frontends.fx.build import DParam
-from fivedc.frontends.fx.generic import in_ir_order, in_memory_order, sliced_rows
+from fivedc.frontends.fx.generic import in_ir_order, in_memory_order, merged, sliced_rows
 from fivedc.frontends.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, T
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
@@ -306,9 +306,10 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
         raise lw.unsupported(node, "attention with an explicit attn_mask", "use is_causal=True for a causal mask")
     if a["dropout_p"]:
         lw.warn(node, f"attention dropout_p={a['dropout_p']} is ignored: fivedc's attention has no dropout")
-    q = lw.tensor(frame, a["query"], node)
+    one = "attention reads [batch, seq, heads, head_dim], one dim each"  # [b, h, s, d] in torch: as (0, 2, 1, 3)
+    q = merged(lw, frame, node, lw.tensor(frame, a["query"], node), one, (0, 2, 1, 3))
     kv = [(s.t, s.repeats) if isinstance(s, RepeatedKV) else (lw.tensor(frame, s, node), 1) for s in (a["key"], a["value"])]
-    (k, rep_k), (v, rep_v) = kv
+    (k, rep_k), (v, rep_v) = ((merged(lw, frame, node, t, one, (0, 2, 1, 3)), rep) for t, rep in kv)
     b, h, s, d = _bhsd(lw, node, q, "query")
     kb, kh, ks, kd = _bhsd(lw, node, k, "key")
     vb, vh, vs, vd = _bhsd(lw, node, v, "value")

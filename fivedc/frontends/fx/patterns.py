@@ -327,14 +327,16 @@ class _Matcher:
         computed = value * cos + rotated * sin
         freqs = _table_freqs(cos, sin, axis, half)
         exact = theta ** (-torch.arange(0, half, dtype=torch.float64) / half)
-        eps = torch.finfo(cos.dtype).eps if cos.is_floating_point() else 0.0
-        # a float32 table rounds its angles: equal to theta's frequencies up to that rounding is theta's
-        close = 1e-13 if cos.dtype == torch.float64 else 4 * eps
+        # tables in x's dtype round their angles to its precision: equal to theta's frequencies up to
+        # that rounding is theta's; tables rounded further (a float32 cache in a float64 model) are
+        # not fivedc's rope, which would not compute what the model does: they stay ops on the tables
+        eps = torch.finfo(value.dtype).eps if value.is_floating_point() else 0.0
+        close = 1e-13 if value.dtype == torch.float64 else 4 * eps
         given = None if torch.allclose(freqs, exact, rtol=close, atol=0) else freqs
         # the tables' own rounding grows with the angle (position x frequency): allowed, no more
         largest = (cos.shape[axis] - 1) * float(freqs.max())
-        atol = 1e-6 + 4 * eps * largest * float(value.abs().max())
-        if torch.allclose(computed, reference_rope(value, axis, theta, given), rtol=1e-5, atol=atol):
+        atol = 4 * eps * (1 + largest) * float(value.abs().max())
+        if torch.allclose(computed, reference_rope(value, axis, theta, given), rtol=0, atol=atol):
             return theta, axis, freqs_text(given.tolist()) if given is not None else ""
         return None
 
@@ -366,10 +368,11 @@ class _Matcher:
 
     # -- repeat_kv by expand --
     def repeat_kv(self, node: fx.Node) -> bool:
-        """reshape(expand(unsqueeze(x, d + 1), ...), ...) that repeats each of x's
-        entries along dim d n times (grouped-query attention's `repeat_kv`, checked on
-        the example values) -> `x.repeat_interleave(n, dim=d)`."""
-        if self.name(node) != "reshape":
+        """reshape(expand(unsqueeze(x, d + 1), ...), ...) (or a flatten of the two dims, as
+        torchtune writes it) that repeats each of x's entries along dim d n times
+        (grouped-query attention's `repeat_kv`, checked on the example values) ->
+        `x.repeat_interleave(n, dim=d)`."""
+        if self.name(node) not in ("reshape", "flatten"):
             return False
         grown = self.strip(node.args[0])
         if self.name(grown) != "expand" or self.name(grown.args[0]) != "unsqueeze":
