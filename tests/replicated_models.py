@@ -313,3 +313,46 @@ class PairRotaryLlama(llama.Transformer):
         super().__init__(args)
         for block in self.layers:
             block.attention = PairRotaryAttention(args)
+
+
+class ComplexRotary(nn.Module):
+    """Meta's rotary embedding (and torchtitan's ComplexRoPE): the pairs of head_dim as complex
+    numbers times a complex table `freqs_cis` (a complex64 buffer, computed in float32)."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, seq, heads, head_dim)
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        table = self.freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, pairs.shape[-1])
+        return torch.view_as_real(pairs * table).flatten(3).type_as(x)
+
+
+class ComplexRotaryLlama(llama.Transformer):
+    """examples/llama.py's Llama with `ComplexRotary` in each layer and its layers in an
+    `nn.ModuleDict` (as torchtitan keeps them)."""
+
+    def __init__(self, args: llama.ModelArgs) -> None:
+        super().__init__(args)
+        for block in self.layers:
+            block.attention.rope = ComplexRotary(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(self.layers)})
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def complex_rotary(seed: int = 0):
+    """In float32, as such a model is built: a check in float64 casts it (the table to complex128)."""
+    args = llama.ModelArgs()
+    torch.manual_seed(seed)
+    model = ComplexRotaryLlama(args)
+    tokens, targets = (torch.randint(0, args.vocab_size, (2, args.max_seq_len)) for _ in range(2))
+    return model, (tokens, targets)

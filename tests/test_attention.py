@@ -67,12 +67,12 @@ def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Te
 
 def check_against_sdpa(
     *, batch: int, heads: int, kv_heads: int, seq: int, dim: int, cp: int, rank: int,
-    balanced: bool, causal: bool, kv_blocks: int, seed: int = 0,
+    balanced: bool, causal: bool, kv_blocks: int, seed: int = 0, v_dim: int | None = None,
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (
-        torch.randn(batch, h, seq, dim, dtype=torch.float64, generator=gen).requires_grad_(True)
-        for h in (heads, kv_heads, kv_heads)
+        torch.randn(batch, h, seq, d, dtype=torch.float64, generator=gen).requires_grad_(True)
+        for h, d in ((heads, dim), (kv_heads, dim), (kv_heads, v_dim or dim))
     )
     q_pos, kv_pos = cp_positions(seq, cp=cp, rank=rank, balanced=balanced), gathered(seq, cp, balanced=balanced)
     want = sdpa(q, k, v, causal=causal)[:, :, q_pos]
@@ -227,6 +227,15 @@ def test_blockwise_matches_sdpa_property(batch, kv_heads, group, dim, chunk, cp,
     with contextlib.nullcontext() if fused else mock.patch.object(attention_fused, "available", lambda q: False):
         check_against_sdpa(batch=batch, heads=kv_heads * group, kv_heads=kv_heads, seq=seq, dim=dim, cp=cp,
                            rank=rank, balanced=balanced, causal=causal, kv_blocks=kv_blocks, seed=seq)
+
+
+@pytest.mark.parametrize("v_dim", [5, 12])
+def test_values_of_another_head_dim_than_queries_and_keys(v_dim: int, kernels) -> None:
+    """DeepSeek-V3's attention (MLA): v's head_dim narrower than q/k's (v padded with zeros), or
+    wider (q and k padded, q scaled so the softmax keeps q's 1/sqrt(head_dim)): SDPA's result."""
+    for rank in (0, 1):
+        check_against_sdpa(batch=2, heads=4, kv_heads=2, seq=16, dim=8, cp=2, rank=rank, balanced=True,
+                           causal=True, kv_blocks=2, v_dim=v_dim)
 
 
 def test_low_precision_accumulates_in_float32(kernels) -> None:

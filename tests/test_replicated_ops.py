@@ -328,3 +328,29 @@ def test_a_pair_rotary_and_a_repeat_by_expand_train_on_every_axis(worker_pool) -
     for mesh, zero in (("2x1x2x1x1", 0), ("1x1x1x2x1", 0), ("1x2x1x1x1", 0), ("2x1x1x1x1", 3)):
         report = check_module(f"{MODELS}:pair_rotary", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool, zero=zero)
         assert report.max_error <= 1e-10, (mesh, report)
+
+
+def test_a_complex_rotary_and_layers_in_a_module_dict_train_on_every_axis(worker_pool) -> None:
+    """Meta's (and torchtitan's) rotary: head_dim's pairs as complex numbers times a complex table.
+    fivedc's IR is real: the product is written out on real and imaginary parts (fx/aten_rewrites.py),
+    so only the table's own ops see complex values and nothing runs replicated. Cast to float64 for
+    the check, the table becomes complex128 (nn.Module.to would drop its imaginary part); the layers,
+    kept in an nn.ModuleDict, are the pipeline's units; dp2·tp2, cp2 and pp2 train as on one device."""
+    from fivedc.frontends.fx.precision import float64_everywhere
+    from fivedc.parallel.check import in_dtype
+    from replicated_models import complex_rotary
+
+    module, inputs = complex_rotary()
+    table = module.layers["0"].attention.rope.freqs_cis
+    module = in_dtype(module, torch.float64)
+    cast = module.layers["0"].attention.rope.freqs_cis
+    assert cast.dtype == torch.complex128 and torch.equal(cast, table.to(torch.complex128))
+    tm = trace_module(module, inputs)
+    ops = _islands(tm.graph)
+    assert ops and all(op.attr("rule") != "replicated" for op in ops), [(op.attr("target"), op.attr("rule")) for op in ops]
+    assert not [op for op in ops if "complex" in str(op.attr("target"))]
+    with float64_everywhere(True):  # its x.float() in float64 too, as the plan computes (fx/precision.py)
+        assert_same_as_module(tm, module, inputs)
+    for mesh in ("2x1x2x1x1", "1x1x1x2x1", "1x2x1x1x1"):
+        report = check_module(f"{MODELS}:complex_rotary", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool)
+        assert report.max_error <= 1e-10, (mesh, report)

@@ -33,6 +33,15 @@ from fivedc.runtime.compare import check_reference, compare_runs
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_COMPLEX = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
+def in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`module.to(dtype)`, with its complex tensors made complex of that precision: `nn.Module.to`
+    casts a complex buffer to the real dtype, dropping its imaginary part (torchtitan's ComplexRoPE
+    keeps its rotary table as one)."""
+    return module._apply(lambda t: t.to(_COMPLEX[dtype]) if t.is_complex() else
+                         t.to(dtype) if t.is_floating_point() else t)
 
 
 @dataclass
@@ -102,7 +111,7 @@ def rank_job(info, payload) -> ModuleRun | None:
     spec, kwargs, dtype, state, inputs, options, settings = payload
     module, _ = load_factory(spec, kwargs=kwargs)
     if dtype is not None:
-        module = module.to(_DTYPES[dtype])
+        module = in_dtype(module, _DTYPES[dtype])
     module.load_state_dict(state)
     model = parallelize(module, example_inputs=inputs, device=info.device, **options)
     steps = settings["steps"]
@@ -157,7 +166,7 @@ def _reference(spec: str, module: nn.Module, inputs, dtype: str | None, settings
     start = {k: v.detach().clone() for k, v in module.state_dict().items()}
     note = ""
     for attempt in (dtype, "fp32") if dtype == "fp64" else (dtype,):
-        model = module.to(_DTYPES[attempt]) if attempt is not None else module
+        model = in_dtype(module, _DTYPES[attempt]) if attempt is not None else module
         if attempt != dtype:
             model.load_state_dict({k: v.to(_DTYPES[attempt]) if v.is_floating_point() else v for k, v in start.items()})
         cast = _cast(inputs, _DTYPES[attempt]) if attempt is not None else inputs

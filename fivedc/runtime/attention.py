@@ -224,6 +224,21 @@ def _delta(dout: Tensor, out: Tensor) -> Tensor:
     return (dout.to(dtype) * out.to(dtype)).sum(dim=-1)
 
 
+def _one_head_dim(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """q, k and v with one head_dim, and v's own: where v's is narrower (DeepSeek-V3's MLA: q/k
+    192, v 128), v padded with zeros (the output's extra columns are zero, cut off after);
+    where wider, q and k padded (their products unchanged) and q scaled by sqrt(v's / theirs),
+    so that the kernel's 1/sqrt(head_dim) is still 1/sqrt of q's. The kernels move K and V as
+    one tensor, so they take one width."""
+    d, width = q.shape[-1], v.shape[-1]
+    if width < d:
+        v = torch.nn.functional.pad(v, (0, d - width))
+    elif width > d:
+        q = torch.nn.functional.pad(q * math.sqrt(width / d), (0, width - d))
+        k = torch.nn.functional.pad(k, (0, width - d))
+    return q, k, v, width
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ShapeError(
@@ -281,8 +296,9 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: 
     keys at positions up to its own. k/v are cut into `kv_blocks` equal blocks. softcap > 0: scores
     capped at softcap * tanh(score / softcap).
     """
+    q, k, v, width = _one_head_dim(q, k, v)
     _check(q, k, v, q_pos, kv_pos)
-    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks, float(softcap))
+    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks, float(softcap))[..., :width]
 
 
 # ---- ring attention --------------------------------------------------------------------
@@ -396,5 +412,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *
     Every member calls it with its own q/k/v block; q_pos are the global positions of
     the q rows, `ring.block_positions` those of every member's K/V block.
     """
+    q, k, v, width = _one_head_dim(q, k, v)
     _check(q, k, v, q_pos, ring.block_positions[ring.index])
-    return _RingAttention.apply(q, k, v, q_pos, ring, causal, float(softcap))
+    return _RingAttention.apply(q, k, v, q_pos, ring, causal, float(softcap))[..., :width]

@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from fivedc.frontends.fx.aten_rewrites import complex_products_as_real, stack_as_cat
 from fivedc.frontends.fx.fill_writes import fill_writes
 from fivedc.frontends.fx.params import fetch_attr
 
@@ -60,7 +61,8 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
                                                  if s.kind in (InputKind.PARAMETER, InputKind.USER_INPUT)})
     fill_writes(ep.graph)  # a fresh tensor written slice by slice (DeepSeek-V3's expand_kv): cat, slice_scatter
     _functional(ep.graph)
-    _stack_as_cat(ep.graph)
+    complex_products_as_real(ep.graph)  # torchtitan's rotary: x viewed as complex times a complex table
+    stack_as_cat(ep.graph)
     canonical = {id(p): name for name, p in module.named_parameters()}  # a tied weight by its first name
     state = {s.arg.name: canonical.get(id(fetch_attr(module, s.target)), s.target) for s in sig.input_specs
              if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
@@ -136,7 +138,8 @@ def _functional(graph: fx.Graph) -> None:
     """Rewrite an in-place op on a tensor of its own (`w /= w.sum(-1, keepdim=True)`,
     `x.index_put_(...)`) as its pure form, later reads of the tensor reading the result.
     Only where nothing else can see the write: the tensor is computed here (not an input,
-    parameter or buffer), is no view of another, and has no view taken before the write.
+    parameter or buffer), is no view of another (or the only view of one that nothing else
+    reads), and has no view taken before the write.
     Other writes stay, and are reported where they touch the model's data."""
     for node in list(graph.nodes):
         pure = _pure_form(node)
@@ -148,7 +151,7 @@ def _functional(graph: fx.Graph) -> None:
             if earlier is node:
                 break
             before.add(earlier)
-        if target.op == "placeholder" or _aliases(target) or any(
+        if target.op == "placeholder" or (_aliases(target) and not _only_view_of_its_base(target)) or any(
                 _aliases(u) for u in target.users if u in before):
             continue
         with graph.inserting_after(node):
@@ -158,32 +161,6 @@ def _functional(graph: fx.Graph) -> None:
             if user is not node and user is not new and user not in before:
                 user.replace_input_with(target, new)
         node.replace_all_uses_with(new)
-        graph.erase_node(node)
-
-
-def _stack_as_cat(graph: fx.Graph) -> None:
-    """Rewrite `aten.stack(tensors, dim)` as `aten.cat` of each tensor unsqueezed at `dim`, which
-    is what it computes: the views and the cat have sharding rules (the cat runs along the new
-    dim, on shards of the others), so a stack in a model's rotary embedding (torchtune's) does
-    not run replicated."""
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.stack.default:
-            continue
-        tensors = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor):
-            continue
-        dim %= value.dim()
-        with graph.inserting_before(node):
-            parts = []
-            for t in tensors:
-                part = graph.call_function(aten.unsqueeze.default, (t, dim))
-                part.meta = {**node.meta, "val": t.meta["val"].unsqueeze(dim)} if "val" in t.meta else dict(node.meta)
-                parts.append(part)
-            cat = graph.call_function(aten.cat.default, (parts, dim))
-        cat.meta = dict(node.meta)
-        node.replace_all_uses_with(cat)
         graph.erase_node(node)
 
 
@@ -200,6 +177,18 @@ def _pure_form(node: fx.Node):
         return None
     packet = getattr(aten, name[:-1], None)
     return getattr(packet, overload._overloadname, None) if packet is not None else None
+
+
+def _only_view_of_its_base(node: fx.Node) -> bool:
+    """Whether `node` is a chain of views of a tensor computed here (not an input, parameter or
+    buffer) that nothing else reads: each link, and the base, used only by the next link (Gemma 2's
+    `q.mul_(scaling)` on its query transposed into heads). A write to it is then seen only through it."""
+    while _aliases(node):
+        parent = node.args[0]
+        if not isinstance(parent, fx.Node) or len(parent.users) != 1:
+            return False
+        node = parent
+    return node.op != "placeholder"
 
 
 def _aliases(node: fx.Node) -> bool:

@@ -12,7 +12,8 @@ chunk then begins at the module:
   top-level op traced from it, or layer 0 when that first item is a repeat.
 Layers inlined into top-level ops (the export path inlines every module; a list whose
 layers differ) are still the pipeline's units: `mark_layers` puts `@layer(path)`
-(`Annotation("layer")`) on the first top-level op of each layer of an `nn.ModuleList`,
+(`Annotation("layer")`) on the first top-level op of each layer of an `nn.ModuleList`
+(or `nn.ModuleDict`),
 where a unit begins (`fivedc/passes/stages.py`) without forcing a cut; what follows the
 last layer (the final norm, the head) begins a unit too.
 Ops that compute from the inputs alone (Hugging Face's shifted labels: a pad and a slice of
@@ -57,13 +58,16 @@ def mark_stages(module: nn.Module, trace: Trace, draft: Draft, patterns: tuple[s
 
 def mark_layers(module: nn.Module, draft: Draft) -> None:
     """`@layer(path)` on the first top-level op of each layer of the model's outermost
-    `nn.ModuleList`s whose ops are top-level (not a repeat's)."""
-    lists = [path for path, m in module.named_modules() if path and isinstance(m, nn.ModuleList) and len(m) > 1]
+    `nn.ModuleList`s, and `nn.ModuleDict`s of modules of one class (torchtitan keeps its layers
+    in one; nanoGPT's `transformer` dict of an embedding, the layers and a norm is no list of
+    layers), whose ops are top-level (not a repeat's)."""
+    lists = [path for path, m in module.named_modules() if path and len(getattr(m, "_modules", ())) > 1 and (
+        isinstance(m, nn.ModuleList) or (isinstance(m, nn.ModuleDict) and len({type(c) for c in m.values()}) == 1))]
     lists = [p for p in lists if not any(p.startswith(q + ".") for q in lists)]
     ops = [item for item in draft.body.items if isinstance(item, DOp)]
     for path in lists:
-        for index in range(len(module.get_submodule(path))):
-            layer = f"{path}.{index}"
+        for name, _ in module.get_submodule(path).named_children():
+            layer = f"{path}.{name}"
             _begin(next((op for op in ops if _within(layer, op.scope)), None), (layer,))
         inside = [i for i, op in enumerate(ops) if _within(path, op.scope)]
         if inside:  # what follows the last layer (a final norm, the head) is a unit of its own

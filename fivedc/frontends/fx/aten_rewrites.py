@@ -1,0 +1,104 @@
+"""Rewrites of the exported ATen graph into ops that say the same and have sharding rules.
+
+- `stack_as_cat`: `aten.stack(tensors, dim)` is the `cat` of each tensor unsqueezed at
+  `dim`, which is what it computes; the views and the cat have rules (the cat runs along
+  the new dim, on shards of the others), so a stack in a rotary embedding (torchtune's)
+  does not run replicated.
+- `complex_products_as_real`: `view_as_real(view_as_complex(x) * c)`, x real with a
+  last dim of 2 and c a complex tensor (torchtitan's rotary embedding: the pairs of
+  head_dim as complex numbers, times a complex table), is the complex product written
+  out on the real and imaginary parts, stacked back into the last dim:
+  `stack((xr cr - xi ci, xr ci + xi cr), -1)` with `xr, xi = x[..., 0], x[..., 1]` and
+  `cr, ci` the same of `view_as_real(c)`. fivedc's IR is real: with the product written
+  out, only the table's own ops (computed from buffers) see complex values.
+
+Each rewrite keeps the replaced node's user stack trace and module path on the new nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+def stack_as_cat(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.stack.default:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        tensors = node.args[0]
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % value.dim()
+        with graph.inserting_before(node):
+            parts = [_call(graph, node, aten.unsqueeze.default, (t, dim), _val(t, lambda v: v.unsqueeze(dim)))
+                     for t in tensors]
+            cat = _call(graph, node, aten.cat.default, (parts, dim), value)
+        node.replace_all_uses_with(cat)
+        graph.erase_node(node)
+
+
+def complex_products_as_real(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.view_as_real.default:
+            continue
+        product = node.args[0]
+        if not isinstance(product, fx.Node) or product.target is not aten.mul.Tensor or len(product.users) != 1:
+            continue
+        for z, c in (product.args, product.args[::-1]):
+            if _is(z, aten.view_as_complex.default) and isinstance(c, fx.Node) and _is_complex(c):
+                _write_out(graph, node, z.args[0], c)
+                break
+    graph.eliminate_dead_code()
+
+
+def _write_out(graph: fx.Graph, node: fx.Node, x: fx.Node, c: fx.Node) -> None:
+    """Replace `node` (view_as_real of view_as_complex(x) * c) by the product on real parts."""
+    with graph.inserting_before(node):
+        table = _call(graph, node, aten.view_as_real.default, (c,), _val(c, torch.view_as_real))
+
+        def part(t, i):
+            return _call(graph, node, aten.select.int, (t, -1, i), _val(t, lambda v: v.select(-1, i)))
+
+        def binary(target, fn, a, b):
+            return _call(graph, node, target, (a, b), _val2(a, b, fn))
+
+        def mul(a, b):
+            return binary(aten.mul.Tensor, torch.mul, a, b)
+
+        xr, xi, cr, ci = part(x, 0), part(x, 1), part(table, 0), part(table, 1)
+        real = binary(aten.sub.Tensor, torch.sub, mul(xr, cr), mul(xi, ci))
+        imag = binary(aten.add.Tensor, torch.add, mul(xr, ci), mul(xi, cr))
+        stacked = _call(graph, node, aten.stack.default, ([real, imag], -1), node.meta.get("val"))
+    node.replace_all_uses_with(stacked)
+    graph.erase_node(node)
+
+
+def _call(graph: fx.Graph, like: fx.Node, target, args: tuple, val) -> fx.Node:
+    new = graph.call_function(target, args)
+    new.meta = {k: v for k, v in like.meta.items() if k in ("stack_trace", "nn_module_stack")}
+    if val is not None:
+        new.meta["val"] = val
+    return new
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _is_complex(node: fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.is_complex()
+
+
+def _val(node, fn):
+    """The example value (a fake tensor) of `fn` on `node`'s, or None where it has none."""
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return fn(value) if isinstance(value, torch.Tensor) else None
+
+
+def _val2(a, b, fn):
+    va, vb = (n.meta.get("val") if isinstance(n, fx.Node) else None for n in (a, b))
+    return fn(va, vb) if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) else None
