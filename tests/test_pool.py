@@ -361,3 +361,27 @@ def test_ctrl_c_stops_everything_with_one_line(tmp_path) -> None:
     assert stderr.strip().splitlines()[-1] == "interrupted" and stderr.count("interrupted") == 1
     assert gone_within(proc.pid, 10) == []
     assert pool_folders(proc.pid) == []
+
+
+LOCKING_PARENT = textwrap.dedent('''
+    import multiprocessing
+    from fivedc.runtime.pool import run_once
+
+    def lock(info, payload):  # a library that makes a multiprocessing lock at import (tqdm, via transformers)
+        global held
+        held = multiprocessing.get_context("spawn").Lock()
+        return info.rank
+
+    if __name__ == "__main__":
+        print(run_once(lock, world=1, payload=None, timeout_s=60))
+''')
+
+
+def test_workers_leave_no_semaphore_for_the_parent_to_warn_of(tmp_path) -> None:
+    """A worker exits with os._exit (no slow interpreter shutdown) after multiprocessing's own
+    clean-up: the parent's resource tracker prints no "leaked semaphore objects" warning."""
+    script = tmp_path / "locking.py"
+    script.write_text(LOCKING_PARENT)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[0]", run.stderr
+    assert "leaked" not in run.stderr, run.stderr

@@ -13,6 +13,7 @@ the rank may now wait in the closing barrier), "progress", "ok" or "error".
 from __future__ import annotations
 
 import ctypes
+import multiprocessing.util
 import os
 import pickle
 import re
@@ -152,6 +153,9 @@ def worker_main(slot: int, conn: Connection, parent_pid: int, folder: str, pdeat
     _serve(slot, conn, folder)
     sys.stdout.flush()
     sys.stderr.flush()
+    # multiprocessing's own clean-up of what this process made (a library's lock at import, tqdm's):
+    # skipped by os._exit, the parent's resource tracker would warn of "leaked semaphore objects"
+    multiprocessing.util._run_finalizers(0)
     os._exit(0)
 
 
