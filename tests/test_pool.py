@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -343,6 +344,26 @@ def test_workers_and_folder_go_with_a_killed_parent(tmp_path) -> None:
         assert pool_folders(procs[how].pid) == [], how
     WorkerPool(1).close()  # sweeps the folder SIGKILL left (its owner is gone)
     assert pool_folders(procs["kill"].pid) == []
+
+
+def test_a_folder_half_removed_by_another_sweep_is_removed_once_old() -> None:
+    """Two pools starting at once may sweep one dead owner's folder together and leave it
+    without its owner file; such a folder goes once older than a new one can be."""
+    from fivedc.runtime import pool_cleanup
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old = tempfile.mkdtemp(prefix=f"{pool_cleanup.PREFIX}{dead.pid}-")
+    new = tempfile.mkdtemp(prefix=f"{pool_cleanup.PREFIX}{dead.pid}-")
+    stale = time.time() - 2 * pool_cleanup.ORPHAN_AFTER_S
+    os.utime(old, (stale, stale))
+    try:
+        shutil.rmtree(pool_cleanup.new_folder())
+        assert not os.path.exists(old)
+        assert os.path.exists(new)  # its owner file may be on its way
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(new, ignore_errors=True)
 
 
 @linux_only

@@ -18,12 +18,14 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
 PREFIX = "fivedc-pool-"  # + the owner's pid + "-" + random: fivedc-pool-4242-k3j9x0a1
+ORPHAN_AFTER_S = 60.0  # a pool folder this old without its owner file was half removed
 
 
 class Abandonable(Protocol):
@@ -42,6 +44,8 @@ def new_folder() -> str:
         try:
             with open(os.path.join(path, "owner")) as owner:
                 mine = owner.read().split() == [host, pid]
+        except FileNotFoundError:  # the owner file follows mkdtemp at once: a folder
+            mine = _older_than(path, ORPHAN_AFTER_S)  # long without one lost it to a sweep
         except OSError:
             continue
         if mine and pid.isdigit() and not pid_alive(int(pid)):
@@ -50,6 +54,13 @@ def new_folder() -> str:
     with open(os.path.join(path, "owner"), "w") as owner:
         owner.write(f"{host} {os.getpid()}\n")
     return path
+
+
+def _older_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime > seconds
+    except OSError:
+        return False
 
 
 def pid_alive(pid: int) -> bool:
