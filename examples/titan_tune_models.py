@@ -10,14 +10,9 @@ training loop computes it), in float64 by default. Use one as
 with `ARCHITECTURES`; tests/test_titan_tune_models.py holds each to fivedc's rule.
 
 Install without moving torch (the libraries pin nothing useful for a CPU checkout;
-every package below is installed with --no-deps and none of them pulls torch):
+every package of the list is installed with --no-deps and none of them pulls torch):
 
-    pip install --no-deps torchtitan==0.3.0 torchtune==0.6.1
-    # torchtitan at import: its config (tyro), its EP kernels (triton, as pinned by torch 2.13)
-    pip install --no-deps spmd_types==0.3.1 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 triton==3.7.1
-    # torchtune at import: torchao with torchao.dtypes.nf4tensor (0.13; 0.18 moved it), its data and tokenizer modules
-    pip install --no-deps torchao==0.13.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1 pandas==3.1.1 \\
-        pyarrow==26.0.1 xxhash==4.1.0 omegaconf==2.4.0 sentencepiece==0.2.3 tiktoken==0.14.0
+    pip install --no-deps -r examples/titan_tune_requirements.txt
 
 torchtitan's language models take `flex` or `varlen` attention only (its `sdpa` backend
 is refused for LMs); the `*_sdpa` factories swap each layer's inner attention for the

@@ -356,3 +356,46 @@ def complex_rotary(seed: int = 0):
     model = ComplexRotaryLlama(args)
     tokens, targets = (torch.randint(0, args.vocab_size, (2, args.max_seq_len)) for _ in range(2))
     return model, (tokens, targets)
+
+
+class ReluSquaredAttention(llama.Attention):
+    """Attention as research code writes it by hand, which is none the IR knows: the scores
+    `q @ k^T`, ReLU² of them instead of a softmax, over a causal sliding window of 3 made with
+    tril and triu, then `@ v`. Both matmuls take two activations: they run on shards of the
+    batch and the heads (the `matmul` rule of fivedc/ir/aten_call.py), the key positions whole."""
+
+    window = 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / self.head_dim
+        ones = torch.ones(s, s, dtype=torch.bool)
+        window = torch.tril(ones) & torch.triu(ones, -(self.window - 1))
+        probs = torch.relu(scores).square().masked_fill(~window, 0.0) / s
+        out = torch.matmul(probs, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class ReluSquaredBlock(llama.TransformerBlock):
+    """The residual added after the attention's output, as torchtune writes it."""
+
+    def __init__(self, args: llama.ModelArgs) -> None:
+        super().__init__(args)
+        self.attention = ReluSquaredAttention(args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attention(self.attention_norm(x)) + x
+        return self.feed_forward(self.ffn_norm(h)) + h
+
+
+class ReluSquaredLlama(llama.Transformer):
+    block = ReluSquaredBlock
+
+
+def relu_squared(seed: int = 0):
+    """examples/llama.py's Llama (grouped-query attention) with `ReluSquaredAttention` in each layer."""
+    return llama.factory(seed=seed, args=llama.ModelArgs(), model_class=ReluSquaredLlama)

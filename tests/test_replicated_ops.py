@@ -28,6 +28,7 @@ from rich.console import Console
 from fivedc.plan.diff import diff_plans
 from fivedc.errors import FivedcError, NotSupportedError
 from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.aten_layout import out_layout
 from fivedc.ir.graph import Op, walk_ops
 from fivedc.ir.mesh import Mesh
 from fivedc.parallel.check import check_module
@@ -354,3 +355,54 @@ def test_a_complex_rotary_and_layers_in_a_module_dict_train_on_every_axis(worker
     for mesh in ("2x1x2x1x1", "1x1x1x2x1", "1x2x1x1x1"):
         report = check_module(f"{MODELS}:complex_rotary", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool)
         assert report.max_error <= 1e-10, (mesh, report)
+
+
+def test_attention_written_out_by_hand_runs_its_matmuls_on_shards(worker_pool) -> None:
+    """`q @ k^T` and `probs @ v` of an attention the IR has no op for (ReLU² over a sliding
+    window): matmuls of two activations run on shards of the batch and the heads, with the key
+    positions a new dim of the scores (the query positions are the sequence), so nothing runs
+    replicated, and the model trains as on one device under dp2·tp2, cp2, pp2 and ZeRO-3. The
+    residual added to the attention's output (whole along the sequence) keeps the other's split."""
+    from replicated_models import relu_squared
+
+    module, inputs = relu_squared()
+    tm = trace_module(module, inputs)
+    ops = _islands(tm.graph)
+    matmuls = [op for op in ops if op.attr("target") == "aten.matmul.default"]
+    assert len(matmuls) == 2 * len(module.layers) and all(op.attr("rule") == "matmul" for op in matmuls)
+    assert all(op.attr("rule") != "replicated" for op in ops), [(op.attr("target"), op.attr("rule")) for op in ops]
+    rows, columns = out_layout(matmuls[0])[-2:]  # the scores: rows the sequence, columns a dim of their own
+    assert rows == (tm.graph.seq_dim,) and len(columns) == 1 and columns != rows, out_layout(matmuls[0])
+    assert_same_as_module(tm, module, inputs)
+    plan = compile_graph(tm.graph, CompileOptions(mesh=Mesh.parse("1x1x1x2x1")))
+    loss = next(op for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) and op.kind == "cross_entropy")
+    assert loss.arg_sharding(0).axes_of(tm.graph.seq_dim), loss  # the residual `out + x` takes x's split
+    for mesh, zero in (("2x1x2x1x1", 0), ("1x1x1x2x1", 0), ("1x2x1x1x1", 0), ("2x1x1x1x1", 3)):
+        report = check_module(f"{MODELS}:relu_squared", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool, zero=zero)
+        assert report.max_error <= 1e-10, (mesh, report)
+
+
+def test_a_matmul_on_shards_must_keep_its_columns_apart_from_its_rows(tmp_path) -> None:
+    """A plan whose matmul names the scores' columns by the sequence, as their rows, would split
+    both over cp and compute only the diagonal blocks: such a plan is refused when loaded."""
+    from replicated_models import relu_squared
+
+    plan = compile_graph(trace_module(*relu_squared()).graph, CompileOptions(mesh=Mesh.parse("1x1x1x2x1")))
+    path = tmp_path / "p.plan.json"
+    plan.save(path)
+    load_plan(path)
+    data = json.loads(path.read_text())
+    op = next(item for item in _plan_items(data["graph"]["body"]) if ["target", "aten.matmul.default"] in item.get("attrs", []))
+    out = next(attr for attr in op["attrs"] if attr[0] == "out")
+    rows = out[1].split(",")[-2]
+    out[1] = out[1].rsplit(",", 1)[0] + "," + rows  # the columns named as the rows
+    path.write_text(json.dumps(data))
+    with pytest.raises(FivedcError) as info:
+        load_plan(path)
+    assert info.value.exit_code == 2 and "line up" in info.value.render(), info.value.render()
+
+
+def _plan_items(block: dict):
+    """The ops of a plan file's block, those inside repeats too."""
+    for item in block["items"]:
+        yield from _plan_items(item["body"]) if "body" in item else (item,)

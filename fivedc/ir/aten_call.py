@@ -39,7 +39,11 @@ An `aten` op's attributes say everything the kernel needs:
   to agree, with pending sums added. `along`: a reduction, scan or slice along some
   dims of its one argument (`mean(-1)`, `softmax`, `cumsum`, `topk`, `split`,
   `x[..., 1:]`), computed on shards split along any other dim; the dims it runs
-  along are gathered whole.
+  along are gathered whole. `matmul`: `[..., m, k] @ [..., k, n]` of two activations
+  (attention written out by hand, `q @ k.transpose(-2, -1)`), computed on shards of
+  the batch dims and of the first's rows m; k and the second's n are gathered whole,
+  and n is a new dim of the result where its IR dims are already among the others
+  (the key positions of a score matrix whose rows are the query positions).
 - `along` (rule `along` only): the torch dims of its argument it runs along,
   comma separated.
 
@@ -59,8 +63,8 @@ from torch import Tensor
 
 from fivedc.errors import ShapeError
 from fivedc.ir.aten_layout import (  # noqa: F401 (the whole kind importable from here)
-    ALONG, PADS, RULES, UNTAGGED_POINTWISE, AtenCallError, Layout, along_of, lines_up, arg_layouts, layout_text,
-    out_layout, parse_layout, rule_of, whole_dims)
+    ALONG, MATMULS, PADS, RULES, UNTAGGED_POINTWISE, AtenCallError, Layout, along_of, lines_up, arg_layouts,
+    layout_text, matmul_layouts, out_layout, parse_layout, rule_of, whole_dims)
 
 
 MAX_CONSTANT = 4096  # elements of a constant tensor written into a plan
@@ -220,7 +224,7 @@ def from_torch(t: Tensor, layout: Layout, sizes: dict[str, int]) -> Tensor:
 # ---- how it is sharded -------------------------------------------------------------------
 def local_rule(overload) -> str:
     """The rule an operator may run under on shards: `pointwise`, `along` (its reductions too),
-    or `replicated` (none)."""
+    `matmul`, or `replicated` (none)."""
     name = overload.overloadpacket.__name__
     tags = getattr(overload, "tags", ())
     if overload.namespace != "aten":
@@ -229,6 +233,8 @@ def local_rule(overload) -> str:
         return "pointwise"
     if torch.Tag.reduction in tags or name in ALONG:
         return "along"
+    if name in MATMULS:
+        return "matmul"
     return "replicated"
 
 
@@ -255,10 +261,29 @@ def check_rule(op) -> None:
                                                in enumerate(zip(reversed(layout), reversed(out))))
                for layout in layouts):
             return
+    elif rule == "matmul":
+        if _matmul_lines_up(*matmul_layouts(op), out):
+            return
     elif all(lines_up(along_of(op, arg), arg, out) for arg in layouts):
         return
     raise AtenCallError(f"aten op {op.out}: its result {layout_text(out)} does not line up with its arguments "
                         f"{op.attr('layouts')} as a {rule} operator's")
+
+
+def _matmul_lines_up(a: Layout, b: Layout, out: Layout) -> bool:
+    """`[..., m, k] @ [..., k, n]`: the result's batch dims are the arguments' broadcast
+    (right-aligned), then the first's m, then the second's n or a new dim of its own."""
+    if len(out) != max(len(a), len(b)) or out[-2] != a[-2]:
+        return False
+    theirs = {d for layout in (a, b) for group in layout for d in group}
+    if out[-1] != b[-1] and set(out[-1]) & theirs:
+        return False
+    batch = out[:-2]
+    for arg in (a[:-2], b[:-2]):
+        if any(g not in ((), o) for g, o in zip(reversed(arg), reversed(batch))):
+            return False
+    flat = [d for group in out for d in group]
+    return len(flat) == len(set(flat))
 
 
 def meta_type(op, arg_types: list, dim_size) -> tuple[tuple[int, ...], torch.dtype]:

@@ -37,12 +37,13 @@ def out_layout(op) -> Layout:
 
 
 # ---- how it is sharded -------------------------------------------------------------------
-RULES = ("replicated", "pointwise", "along")
+RULES = ("replicated", "pointwise", "along", "matmul")
 # what torch does not tag: scans and slices along a dim, and pointwise ops without the tag
 ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
                    "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk", "split", "split_with_sizes",
                    "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd",
                    "repeat_interleave", "cat", "expand"})
+MATMULS = frozenset({"matmul", "bmm", "mm"})  # [..., m, k] @ [..., k, n]: the rule `matmul`
 PADS = frozenset({"pad", "constant_pad_nd"})  # along their last len(pad) // 2 dims
 UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__", "_to_copy", "to", "floor_divide",
                                 "detach"})
@@ -59,10 +60,15 @@ def whole_dims(op) -> frozenset[str] | None:
     """The IR dims the op must see whole: None when it runs replicated (all of them); for a
     pointwise op those of its result's torch dims that a constant tensor in the call spans or
     that merge several IR dims of an argument into one (none without either), in the result
-    and in each argument; for an op along dims, the dims it runs along in each argument."""
+    and in each argument; for an op along dims, the dims it runs along in each argument; for
+    a matmul `[..., m, k] @ [..., k, n]`, both k and the n of the second (its rows and
+    columns: only the batch dims and the first's m stay split)."""
     rule = rule_of(op)
     if rule == "replicated":
         return None
+    if rule == "matmul":
+        a, b = matmul_layouts(op)
+        return frozenset(a[-1] + b[-2] + b[-1])
     if rule == "pointwise":
         out = out_layout(op)
         along = along_of(op, out)
@@ -71,6 +77,15 @@ def whole_dims(op) -> frozenset[str] | None:
             seen.update(d for i in along if 0 <= i - len(out) + len(arg) for d in arg[i - len(out) + len(arg)])
         return frozenset(seen)
     return frozenset(d for arg in arg_layouts(op) for i in along_of(op, arg) for d in arg[i])
+
+
+def matmul_layouts(op) -> tuple[Layout, Layout]:
+    """The two arguments of a `matmul` op, each of two torch dims or more."""
+    layouts = arg_layouts(op)
+    if len(layouts) != 2 or min(len(layout) for layout in layouts) < 2:
+        raise AtenCallError(f"aten op {op.out}: a matmul on shards takes two tensors of two dims or more "
+                            f"(got {op.attr('layouts')!r})")
+    return layouts[0], layouts[1]
 
 
 def along_of(op, layout) -> tuple[int, ...]:

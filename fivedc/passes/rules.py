@@ -131,8 +131,9 @@ def _elementwise_ordered(ctx: RuleContext, op: Op, shs: Shardings, types: Types,
         return RuleResult((a_sh, b_sh), a_sh)  # a sum of pending sums is a pending sum
     big, small = (0, 1) if len(a_type.dims) >= len(b_type.dims) else (1, 0)
     big_sh, small_sh = shs[big], shs[small]
-    if big_sh.partial and not small_sh.partial and types[small].dims == types[big].dims:
-        big_sh = small_sh
+    if types[small].dims == types[big].dims and not small_sh.partial \
+            and (big_sh.partial or set(big_sh.split) < set(small_sh.split)):
+        big_sh = small_sh  # the other is a pending sum, or split further: cutting this one costs nothing
     big_sh = ctx.resolve_partial(big_sh, types[big])
     out = [None, None]
     out[big], out[small] = big_sh, big_sh.restrict(types[small].dims)

@@ -92,6 +92,8 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     local = _local(lw, node, overload, value_args, value_kwargs, tensors, consts, items)
     rule = (("rule", local[0]),) + ((("along", ",".join(map(str, local[1]))),) if local[1] else ()) if local \
         else (("rule", "replicated"),)
+    if local:  # it has a sharding rule: the ATen operator's own
+        reason = reason.replace("no sharding rule for ", "no IR op for ", 1)
     outs = []
     wanted = _items_used(node, len(items))
     for index, item in enumerate(items):  # an op returning several tensors: one IR op per result used
@@ -205,13 +207,18 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
     (softmax, cumsum), or has size 1 (keepdim), none (reduced away, select) or a new dim
     (topk's k, a slice). A pointwise op with a constant tensor (a table) sees the dims that
     constant spans whole; an op along dims of several tensors (a cat) takes them of one rank,
-    their other dims one; an expand runs along the dims it grows."""
+    their other dims one; an expand runs along the dims it grows. A matmul of two activations
+    (`q @ k^T` written out): its batch dims and the first's rows (`_matmul_layout`)."""
     rule = local_rule(overload)
     if rule == "replicated" or not tensors:
         return None
     groups = [lw.groups(t) for t in tensors]
     try:
-        if rule == "pointwise":
+        if rule == "matmul":
+            if consts or len(groups) != 2 or min(len(g) for g in groups) < 2 or len(items) != 1:
+                return None
+            layouts, along = [_matmul_layout(lw, node, *groups)], ()
+        elif rule == "pointwise":
             layout = groups[0]
             for other in groups[1:]:
                 layout = broadcast(lw, node, layout, other)
@@ -236,6 +243,20 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
         if layout is None or tuple(lw.dims.numel(g) for g in layout) != tuple(item.shape):
             return None
     return rule, along, layouts
+
+
+def _matmul_layout(lw: Lowering, node: fx.Node, a, b) -> tuple | None:
+    """The result of `[..., m, k] @ [..., k, n]`: the broadcast batch dims, the first's m, and
+    the second's n, or a new dim for it where its IR dims are among the others (`q @ k^T`,
+    whose rows and columns are both the sequence); None where the dims do not come apart."""
+    batch = broadcast(lw, node, a[:-2], b[:-2])
+    n = b[-1]
+    others = {leaf for group in batch + (a[-2],) for leaf in lw.dims.leaves(group)}
+    if set(lw.dims.leaves(n)) & others:
+        n = (lw.dims.new(lw.dims.numel(n)),) if lw.dims.numel(n) != 1 else ()
+    layout = batch + (a[-2], n)
+    leaves = [leaf for group in layout for leaf in lw.dims.leaves(group)]
+    return layout if len(leaves) == len(set(leaves)) else None
 
 
 def _spanned(consts: list, ndim: int) -> tuple[int, ...] | None:
