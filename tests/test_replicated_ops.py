@@ -286,11 +286,12 @@ def test_an_operator_with_several_results_keeps_the_one_used() -> None:
 
 
 def test_a_table_a_cat_and_an_expand_run_on_shards_and_per_microbatch(worker_pool) -> None:
-    """Rotary tables applied to even and odd features (pointwise with a constant: whole along the
-    sequence the table spans), a `cat` of several tensors along the features and an `expand` that
-    grows a dim (DeepSeek-V3's interleaved rotary and keys): no op runs replicated, so a pipeline
-    runs them per microbatch, and cp2 (the table's sequence whole) and pp2·tp2 in two microbatches
-    (the expanded heads cut to tp's) train as on one device."""
+    """Rotary tables applied to even and odd features (pointwise with a constant: its rows cut to
+    each rank's sequence positions, `rows`), a `cat` of several tensors along the features and an
+    `expand` that grows a dim (DeepSeek-V3's interleaved rotary and keys): no op runs replicated
+    and nothing is gathered, so a pipeline runs them per microbatch, and cp2, cp4 in the balanced
+    layout (each rank's rows are two blocks of the table) and pp2·tp2 in two microbatches (the
+    expanded heads cut to tp's) train as on one device."""
     from replicated_models import rotated_pairs
 
     module, inputs = rotated_pairs()
@@ -301,9 +302,16 @@ def test_a_table_a_cat_and_an_expand_run_on_shards_and_per_microbatch(worker_poo
     expand = next(op for op in _islands(tm.graph) if op.attr("target") == "aten.expand.default")
     assert "[-1,-1,4,-1]" in str(expand.attr("call"))  # the sizes it keeps are the shard's or microbatch's
     assert_same_as_module(tm, module, inputs)
-    for mesh, microbatches in (("1x1x1x2x1", None), ("1x2x2x1x1", 2)):
+    plan = compile_graph(tm.graph, CompileOptions(mesh=Mesh.parse("1x1x1x4x1"), cp_layout="balanced"))
+    tables = [op for op in _islands(plan.graph) if op.attr("target") == "aten.mul.Tensor"]
+    assert len(tables) == 4 and all(op.attr("rows") == "1" and op.sharding.axes_of("seq") for op in tables)
+    assert not [c for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) for c in op.collectives
+                if c.kind.name == "ALL_GATHER"]  # the tables' rows are cut to each rank's positions
+    for mesh, microbatches, layout in (("1x1x1x2x1", None, None), ("1x1x1x4x1", None, "balanced"),
+                                       ("1x2x2x1x1", 2, None)):
         report = check_module(f"{MODELS}:rotated_pairs", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool,
-                              microbatches=microbatches, stage_boundaries=("head",) if microbatches else ())
+                              microbatches=microbatches, stage_boundaries=("head",) if microbatches else (),
+                              cp_layout=layout)
         assert report.max_error <= 1e-10, (mesh, report)
 
 
@@ -406,3 +414,23 @@ def _plan_items(block: dict):
     """The ops of a plan file's block, those inside repeats too."""
     for item in block["items"]:
         yield from _plan_items(item["body"]) if "body" in item else (item,)
+
+
+def test_a_plan_may_cut_constants_only_along_the_sequence(tmp_path) -> None:
+    """`rows` names the result dims where a pointwise op's constants are cut to the shard's
+    positions: only the sequence, among the dims the constants span; any other is refused."""
+    from replicated_models import rotated_pairs
+
+    plan = compile_graph(trace_module(*rotated_pairs()).graph, CompileOptions(mesh=Mesh.parse("1x1x1x2x1")))
+    path = tmp_path / "p.plan.json"
+    plan.save(path)
+    load_plan(path)
+    data = json.loads(path.read_text())
+    for rows, why in (("2", "other than the sequence"), ("0", "among `along`")):
+        edited = json.loads(json.dumps(data))
+        op = next(item for item in _plan_items(edited["graph"]["body"]) if ["rows", "1"] in item.get("attrs", []))
+        op["attrs"][op["attrs"].index(["rows", "1"])] = ["rows", rows]
+        path.write_text(json.dumps(edited))
+        with pytest.raises(FivedcError) as info:
+            load_plan(path)
+        assert info.value.exit_code == 2 and why in info.value.render(), info.value.render()

@@ -44,8 +44,11 @@ An `aten` op's attributes say everything the kernel needs:
   the batch dims and of the first's rows m; k and the second's n are gathered whole,
   and n is a new dim of the result where its IR dims are already among the others
   (the key positions of a score matrix whose rows are the query positions).
-- `along` (rule `along` only): the torch dims of its argument it runs along,
-  comma separated.
+- `along`: for rule `along`, the torch dims of its argument it runs along, comma
+  separated; for rule `pointwise`, the torch dims of its result that a constant spans.
+- `rows` (rule `pointwise` only, among `along`): the result's dims, each the sequence, at
+  which the constants are rows by position (a rotary table applied by hand): the kernel
+  cuts them to this rank's positions, so the sequence keeps its split under cp.
 
 On a full tensor the sequence dim is stored in the cp layout's order
 (`fivedc/runtime/program.shard`); where the operator reads the sequence whole (replicated,
@@ -64,7 +67,7 @@ from torch import Tensor
 from fivedc.errors import ShapeError
 from fivedc.ir.aten_layout import (  # noqa: F401 (the whole kind importable from here)
     ALONG, MATMULS, PADS, RULES, UNTAGGED_POINTWISE, AtenCallError, Layout, along_of, lines_up, arg_layouts,
-    layout_text, matmul_layouts, out_layout, parse_layout, rule_of, whole_dims)
+    layout_text, matmul_layouts, out_layout, parse_layout, rows_of, rule_of, whole_dims)
 
 
 MAX_CONSTANT = 4096  # elements of a constant tensor written into a plan
@@ -252,6 +255,8 @@ def check_rule(op) -> None:
     layouts, out = arg_layouts(op), out_layout(op)
     if rule == "pointwise":
         along = along_of(op, out)
+        if any(len(out[i]) != 1 for i in rows_of(op)):
+            raise AtenCallError(f"aten op {op.out}: `rows` must name result dims of one IR dim each")
         theirs = {d for layout in layouts for group in layout for d in group}
 
         def fits(g, o, i):  # broadcast, the same dims, or (seen whole) one dim of the result's own for several

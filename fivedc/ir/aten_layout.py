@@ -58,7 +58,8 @@ def rule_of(op) -> str:
 
 def whole_dims(op) -> frozenset[str] | None:
     """The IR dims the op must see whole: None when it runs replicated (all of them); for a
-    pointwise op those of its result's torch dims that a constant tensor in the call spans or
+    pointwise op those of its result's torch dims that a constant tensor in the call spans
+    (but the sequence, where the constants' rows are cut to the shard's: `rows_of`) or
     that merge several IR dims of an argument into one (none without either), in the result
     and in each argument; for an op along dims, the dims it runs along in each argument; for
     a matmul `[..., m, k] @ [..., k, n]`, both k and the n of the second (its rows and
@@ -71,12 +72,27 @@ def whole_dims(op) -> frozenset[str] | None:
         return frozenset(a[-1] + b[-2] + b[-1])
     if rule == "pointwise":
         out = out_layout(op)
-        along = along_of(op, out)
+        along = tuple(i for i in along_of(op, out) if i not in rows_of(op))
         seen = {d for i in along for d in out[i]}
         for arg in arg_layouts(op):  # right-aligned with the result: the same dims, or the parts of a merged one
             seen.update(d for i in along if 0 <= i - len(out) + len(arg) for d in arg[i - len(out) + len(arg)])
         return frozenset(seen)
     return frozenset(d for arg in arg_layouts(op) for i in along_of(op, arg) for d in arg[i])
+
+
+def rows_of(op) -> tuple[int, ...]:
+    """A pointwise op's result dims (among `along`) where its constant tensors are rows by the
+    sequence's position: the kernel takes the rows of this rank's positions, so the sequence
+    keeps its split (a rotary table a library applies by hand, under cp)."""
+    text = str(op.attr("rows", "") or "")
+    try:
+        rows = tuple(int(i) for i in text.split(",")) if text else ()
+    except ValueError:
+        rows = None
+    if rows is None or (rows and (rule_of(op) != "pointwise" or not set(rows) <= set(along_of(op, out_layout(op))))):
+        raise AtenCallError(f"aten op {op.out}: `rows` names result dims a pointwise op's constants span, among "
+                            f"`along` (got {op.attr('rows')!r})")
+    return rows
 
 
 def matmul_layouts(op) -> tuple[Layout, Layout]:

@@ -92,7 +92,7 @@ OP_SPECS: dict[str, OpSpec] = {
             ("tensors",),
             0,
             (("target", ""), ("call", ""), ("layouts", ""), ("out", ""), ("dtypes", ""), ("reason", ""), ("item", 0),
-             ("rule", "replicated"), ("along", "")),
+             ("rule", "replicated"), ("along", ""), ("rows", "")),
             doc="an ATen operator: computed whole on every rank (rule=replicated), or on shards where torch says "
                 "it is pointwise or runs along some dims (a reduction, scan, slice): see fivedc/ir/aten_call.py",
             variadic=True,

@@ -90,8 +90,8 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     dtypes = _arg_dtypes(frame, call_args, call_kwargs, tensors)
     consts = [c.value for c in leaves((syms_args, syms_kwargs)) if isinstance(c, Const)]
     local = _local(lw, node, overload, value_args, value_kwargs, tensors, consts, items)
-    rule = (("rule", local[0]),) + ((("along", ",".join(map(str, local[1]))),) if local[1] else ()) if local \
-        else (("rule", "replicated"),)
+    rule = (("rule", local[0]),) + ((("along", ",".join(map(str, local[1]))),) if local[1] else ()) \
+        + ((("rows", ",".join(map(str, local[3]))),) if local[3] else ()) if local else (("rule", "replicated"),)
     if local:  # it has a sharding rule: the ATen operator's own
         reason = reason.replace("no sharding rule for ", "no IR op for ", 1)
     outs = []
@@ -198,7 +198,7 @@ def merged(lw: Lowering, frame: Frame, node: fx.Node, t: T, reason: str, order: 
 
 
 def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T], consts: list, items: list):
-    """(rule, along, result layouts) where the op can run on shards, else None (replicated).
+    """(rule, along, result layouts, rows) where the op can run on shards, else None (replicated).
 
     Pointwise: the result's layout is its tensor arguments' broadcast (their dims unified
     where torch lines them up); a constant tensor may take part only as one number. Along
@@ -206,7 +206,8 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
     none) is `along`; each result keeps the other dims, and along those it keeps the dim
     (softmax, cumsum), or has size 1 (keepdim), none (reduced away, select) or a new dim
     (topk's k, a slice). A pointwise op with a constant tensor (a table) sees the dims that
-    constant spans whole; an op along dims of several tensors (a cat) takes them of one rank,
+    constant spans whole, but the sequence: there the constant's rows are cut to the shard's
+    positions (`rows`); an op along dims of several tensors (a cat) takes them of one rank,
     their other dims one; an expand runs along the dims it grows. A matmul of two activations
     (`q @ k^T` written out): its batch dims and the first's rows (`_matmul_layout`)."""
     rule = local_rule(overload)
@@ -217,7 +218,7 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
         if rule == "matmul":
             if consts or len(groups) != 2 or min(len(g) for g in groups) < 2 or len(items) != 1:
                 return None
-            layouts, along = [_matmul_layout(lw, node, *groups)], ()
+            layouts, along, rows = [_matmul_layout(lw, node, *groups)], (), ()
         elif rule == "pointwise":
             layout = groups[0]
             for other in groups[1:]:
@@ -226,6 +227,8 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
             along = _spanned(consts, len(layout))
             if along is None:
                 return None
+            seq = lw.dims.leaves((lw.seq_atom,)) if lw.seq_atom is not None else None
+            rows = tuple(i for i in along if len(layout[i]) == 1 and lw.dims.leaves(layout[i]) == seq)
         else:
             if consts or len({len(g) for g in groups}) != 1:
                 return None
@@ -236,13 +239,13 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
                         if not (x and y):
                             return None
                         lw.unify(x, y, node, "tensors that torch joins along another dim")
-            layouts = [_reduced_layout(lw, groups[0], along, tuple(item.shape)) for item in items]
+            layouts, rows = [_reduced_layout(lw, groups[0], along, tuple(item.shape)) for item in items], ()
     except Unrecognised:
         return None
     for layout, item in zip(layouts, items):
         if layout is None or tuple(lw.dims.numel(g) for g in layout) != tuple(item.shape):
             return None
-    return rule, along, layouts
+    return rule, along, layouts, rows
 
 
 def _matmul_layout(lw: Lowering, node: fx.Node, a, b) -> tuple | None:
