@@ -399,3 +399,24 @@ class ReluSquaredLlama(llama.Transformer):
 def relu_squared(seed: int = 0):
     """examples/llama.py's Llama (grouped-query attention) with `ReluSquaredAttention` in each layer."""
     return llama.factory(seed=seed, args=llama.ModelArgs(), model_class=ReluSquaredLlama)
+
+
+class TiedAfterAnIsland(RunningSum):
+    """A table tied between the embedding, whose work is split over the tokens, and the head,
+    which reads the sequence reversed (an op without a rule: whole on every rank), so its work
+    is whole over dp and cp: its gradient there must count once in the table's sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = h + self.down(F.gelu(self.up(h)))
+        logits = self.head(torch.flip(h, dims=[1]))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def tied_after_an_island(seed: int = 0):
+    torch.manual_seed(seed)
+    return TiedAfterAnIsland().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))

@@ -30,7 +30,7 @@ from fivedc.errors import FivedcError, NotSupportedError
 from fivedc.frontends.fx_module import trace_module
 from fivedc.ir.aten_layout import out_layout
 from fivedc.ir.graph import Op, walk_ops
-from fivedc.ir.mesh import Mesh
+from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.parallel.check import check_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
@@ -434,3 +434,23 @@ def test_a_plan_may_cut_constants_only_along_the_sequence(tmp_path) -> None:
         with pytest.raises(FivedcError) as info:
             load_plan(path)
         assert info.value.exit_code == 2 and why in info.value.render(), info.value.render()
+
+
+def test_a_tied_table_whose_uses_split_their_work_differently_trains(worker_pool) -> None:
+    """The embedding splits the tokens over dp and cp; the head that shares its table reads them
+    after an op that runs whole: the table's gradient is summed over dp and cp, the head's part
+    kept on the first rank of each (`grad_once`), so it counts once, as on one device."""
+    from replicated_models import tied_after_an_island
+
+    module, inputs = tied_after_an_island()
+    plan = compile_graph(trace_module(module, inputs).graph, CompileOptions(mesh=Mesh.parse("2x1x1x2x1")))
+    (table,) = [p for p in plan.graph.body.params if p.name == "emb"]
+    assert set(table.grad_partial) == {MeshAxis.DP, MeshAxis.CP}
+    uses = [(op.kind, spec) for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op)
+            for arg, spec in zip(op.args, op.arg_specs) if arg == "emb"]
+    assert sorted((kind, set(spec.grad_once)) for kind, spec in uses) == [
+        ("embedding", set()), ("linear", {MeshAxis.DP, MeshAxis.CP})], uses
+    for mesh, zero in (("2x1x1x2x1", 0), ("2x1x2x1x1", 0), ("2x1x1x1x1", 3)):
+        report = check_module(f"{MODELS}:tied_after_an_island", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool,
+                              zero=zero)
+        assert report.max_error <= 1e-10, (mesh, report)

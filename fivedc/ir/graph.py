@@ -128,6 +128,9 @@ class ArgSpec:
 
     sharding: Sharding
     grad_partial: tuple[MeshAxis, ...] = ()
+    # a parameter's use whose work is whole over axes its gradient is summed over (its other
+    # use splits them: a tied table): this use's gradient counts on their first rank only
+    grad_once: tuple[MeshAxis, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,11 @@ split while the parameter is replicated: the data axes for every weight (each ra
 saw part of the batch), and tp for a norm weight under sequence parallelism (each
 rank saw part of the sequence). The union over uses is the parameter's
 `grad_partial`: the runtime all-reduces its gradient over those axes after backward.
+Where the uses differ (a tied table read by an embedding split over the tokens and by
+a linear after an op that runs replicated, whole), a use whose work is whole over some
+of those axes computes the same gradient on each of their ranks: it is marked
+`grad_once` over them, and the runtime keeps its gradient on their first rank only
+(zero elsewhere), so the sum counts it once.
 """
 
 from __future__ import annotations
@@ -12,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from fivedc.errors import NotSupportedError
-from fivedc.ir.graph import Block, Graph, Op, Repeat
+from fivedc.ir.graph import ArgSpec, Block, Graph, Op, Repeat
+from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.base import CompileOptions
 
 
@@ -23,7 +28,7 @@ class ReduceGradients:
     purpose: ClassVar[str] = "the axes each parameter's gradient is summed over"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
-        return replace(graph, body=self._block(graph.body, {}))
+        return replace(graph, body=self._count_once(self._block(graph.body, {}), {}))
 
     def _block(self, block: Block, outer: dict[str, set]) -> Block:
         uses: dict[str, list[tuple]] = {p.name: [] for p in block.params}
@@ -40,16 +45,32 @@ class ReduceGradients:
                 if isinstance(arg, str) and arg in scope and spec is not None:
                     scope[arg].append((item, spec.grad_partial))
             items.append(item)
-        params = tuple(replace(p, grad_partial=self._union(p.name, uses[p.name])) for p in block.params)
+        params = tuple(replace(p, grad_partial=_union(uses[p.name])) for p in block.params)
         return replace(block, params=params, items=tuple(items))
 
-    def _union(self, name: str, uses: list[tuple[Op, tuple]]) -> tuple:
-        forms = {axes for _, axes in uses}
-        if len(forms) > 1:
-            where = ", ".join(f"{op.kind} at {op.loc}" for op, _ in uses)
-            raise NotSupportedError(
-                f"parameter {name!r} is used by ops that split their work differently ({where})",
-                loc=uses[0][0].loc,
-                hint="use each parameter once, or give its uses the same sharding",
-            )
-        return next(iter(forms), ())
+    def _count_once(self, block: Block, outer: dict[str, tuple]) -> Block:
+        """Each use of a parameter that misses some of its `grad_partial` axes gets them as `grad_once`."""
+        scope = {**outer, **{p.name: p.grad_partial for p in block.params}}
+        items = []
+        for item in block.items:
+            if isinstance(item, Repeat):
+                item = replace(item, body=self._count_once(item.body, scope))
+            elif isinstance(item, Op) and item.arg_specs:
+                specs = tuple(_once(arg, spec, scope) for arg, spec in zip(item.args, item.arg_specs))
+                item = replace(item, arg_specs=specs) if specs != item.arg_specs else item
+            items.append(item)
+        return replace(block, items=tuple(items))
+
+
+def _union(uses: list[tuple[Op, tuple]]) -> tuple:
+    forms = {axes for _, axes in uses}
+    if len(forms) == 1:
+        return next(iter(forms))
+    return tuple(a for a in MeshAxis if any(a in form for form in forms))
+
+
+def _once(arg, spec: ArgSpec | None, scope: dict[str, tuple]) -> ArgSpec | None:
+    if spec is None or not isinstance(arg, str) or arg not in scope:
+        return spec
+    once = tuple(a for a in scope[arg] if a not in spec.grad_partial)
+    return replace(spec, grad_once=once) if once != spec.grad_once else spec

@@ -28,6 +28,7 @@ from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import regathered
 from fivedc.ir.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
+from fivedc.runtime.grad_once import counted_once
 from fivedc.runtime.kernels import KERNELS, KernelContext
 from fivedc.runtime.recompute import run_recomputed
 from fivedc.runtime.regions import CompiledLayers, outer_reads
@@ -181,6 +182,9 @@ class Program:
                     else:
                         args.append(env[arg])
                         arg_dims.append(dims[arg])
+                for index, spec in enumerate(item.arg_specs):
+                    if spec is not None and spec.grad_once:
+                        args[index] = counted_once(args[index], spec.grad_once, self.ctx.coords)
                 if recomputes_op(item, repeat, self.recompute):
                     out = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
                 else:
