@@ -16,13 +16,13 @@ transformers = pytest.importorskip("transformers")
 from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E402
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
-                 "deepseek_v3")
-# compiled and verified in parallel by the tests below (llama, gpt2, gemma, qwen3_moe, deepseek_v3), or as a logits-loss
-# model in tests/test_fx_hf_patterns.py (qwen3): not traced again here; all: the matrix
-COVERED_BELOW = ("llama", "gpt2", "gemma", "qwen3_moe", "qwen3", "deepseek_v3")
+                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj")
+# compiled and verified in parallel by the tests below (llama, gpt2, gemma, qwen3_moe, deepseek_v3, olmo2, gptj), or
+# as a logits-loss model in tests/test_fx_hf_patterns.py (qwen3): not traced again here; all: the matrix
+COVERED_BELOW = ("llama", "gpt2", "gemma", "qwen3_moe", "qwen3", "deepseek_v3", "olmo2", "gptj")
 # compiled where their own paths meet other ranks, so that the agreement proof runs on those plans:
-# softcap attention on the cp ring, Mixtral's MoE blocks from the library over ep
-MESHES = {"gemma2": "1x1x1x2x1", "mixtral": "1x1x1x1x2"}
+# softcap attention on the cp ring, Mixtral's MoE blocks from the library over ep, Falcon's one k/v head over tp
+MESHES = {"gemma2": "1x1x1x2x1", "mixtral": "1x1x1x1x2", "falcon": "1x1x2x1x1"}  # falcon: one k/v head under tp
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in COVERED_BELOW])
@@ -49,6 +49,9 @@ def test_the_examples_list_every_architecture() -> None:
     # multi-head latent attention: keys written slice by slice into new_empty (as cat), q and k made
     # [batch, heads, seq, head_dim] by cat (moved into the IR attention's order on shards); its MoE
     ("deepseek_v3", "2x1x2x1x1", {}),
+    ("olmo2", "2x1x2x1x1", {}),  # q/k norms over all heads (weights [heads, head_dim]): heads whole for them
+    # interleaved rotary by strided slices of head_dim's pairs, attention written out: matmuls on shards
+    ("gptj", "1x1x1x2x1", {}),
 ])
 def test_library_models_train_in_parallel(worker_pool, arch: str, mesh: str, options: dict) -> None:
     """Each with what it brought: the run equals the module's in float64 (dropout off in both: the IR
@@ -128,3 +131,14 @@ def test_a_hugging_face_moe_trains_with_expert_parallelism(worker_pool) -> None:
     report = check_module("examples/hf_models.py:qwen3_moe", mesh="1x1x1x1x2", steps=2, dtype="fp64",
                           pool=worker_pool)
     assert report.max_error <= 1e-10 and not report.note, report
+
+
+def test_a_linear_written_as_x_at_w_transposed_is_a_linear() -> None:
+    """Falcon's `FalconLinear`: `input @ self.weight.T` (aten.numpy_T, then a matmul) is the IR's
+    linear with that weight, split by tp as any other, not a transposed table computed whole."""
+    from fivedc.cli.main import load_graph
+    from fivedc.ir.graph import Op, walk_ops
+
+    ops = [op for op, _ in walk_ops(load_graph("examples/hf_models.py:falcon").body) if isinstance(op, Op)]
+    assert not [op for op in ops if op.kind == "aten" and "numpy_T" in str(op.attr("target"))]
+    assert sum(op.kind == "linear" for op in ops) >= 8  # per layer: fused qkv, dense, two of the MLP

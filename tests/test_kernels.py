@@ -55,6 +55,23 @@ def test_rmsnorm_and_swiglu_gradients_match_torch() -> None:
             torch.testing.assert_close(a, b)
 
 
+def test_norms_over_the_trailing_dims_of_their_weight() -> None:
+    """A weight [h, d] normalises x [b, s, h, d] over both (OLMo 2's q_norm before the view into
+    heads), gradients included, as torch's norms over the last two dims."""
+    x = torch.randn(2, 6, 3, 4, dtype=torch.float64, requires_grad=True)
+    w, b = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    dims = [("b", "s", "h", "d"), ("h", "d"), ("h", "d")]
+    for kind, args, expected in (
+        ("rmsnorm", [x, w], lambda: F.rms_norm(x, (3, 4), w, eps=1e-6)),
+        ("layernorm", [x, w, b], lambda: F.layer_norm(x, (3, 4), w, b, 1e-6)),
+    ):
+        got = KERNELS[kind](ctx(), op(kind, ("b", "s", "h", "d"), eps=1e-6), args, dims[:len(args)])
+        torch.testing.assert_close(got, expected())
+        grad = torch.randn_like(got)
+        for ours, theirs in zip(torch.autograd.grad(got, args, grad), torch.autograd.grad(expected(), args, grad)):
+            torch.testing.assert_close(ours, theirs)
+
+
 def test_attention_gqa_matches_explicit_softmax() -> None:
     q = torch.randn(2, 6, 3, 4, dtype=torch.float64)
     k, v = torch.randn(2, 6, 1, 4, dtype=torch.float64), torch.randn(2, 6, 1, 4, dtype=torch.float64)

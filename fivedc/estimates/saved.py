@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, walk_ops
+from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, walk_ops, walk_params
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.recompute import recomputes_layer
 from fivedc.ir.sharding import Sharding
@@ -68,6 +68,7 @@ class SaveContext:
     params: frozenset[str] = frozenset()
     inputs: frozenset[str] = frozenset()
     regathered: dict = field(default_factory=dict)  # a gathered value -> the shard kept instead
+    param_dims: dict = field(default_factory=dict)  # parameter name -> its dims
     _sizes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # numel by (dims, sharding)
 
     @staticmethod
@@ -76,7 +77,8 @@ class SaveContext:
         params = frozenset(p.name for p in graph.body.params) | frozenset(
             p.name for node, _ in walk_ops(graph.body) if isinstance(node, Repeat) for p in node.body.params)
         return SaveContext(graph, mesh, dtype, dtype_bytes, microbatches, value_layouts(graph), params,
-                           frozenset(i.name for i in graph.inputs), regathered(graph, recompute))
+                           frozenset(i.name for i in graph.inputs), regathered(graph, recompute),
+                           {p.name: p.dims for p, _ in walk_params(graph.body)})
 
     @property
     def compute_bytes(self) -> int:
@@ -116,10 +118,10 @@ class SaveContext:
     def own(self, op: Op, what: str, nbytes: int) -> Saved:
         return Saved(f"{op.out}:{what}", nbytes, OWN)
 
-    def rows(self, op: Op) -> int:
-        """The output's elements without its last dim (a norm's or loss's rows)."""
+    def rows(self, op: Op, trailing: int = 1) -> int:
+        """The output's elements without its last dim, or last `trailing` (a norm's or loss's rows)."""
         dims = op.type.dims
-        return self.numel(dims[:-1], op.sharding) if dims else 1
+        return self.numel(dims[:-trailing], op.sharding) if dims else 1
 
 
 def value_layouts(graph: Graph) -> dict[str, tuple[TensorType, Sharding]]:
@@ -183,7 +185,8 @@ def _requires_grad(c: SaveContext, arg) -> bool:
 
 def _norm(statistics: int):
     def rule(c: SaveContext, op: Op) -> list[Saved]:
-        return c.value(op.args[0]) + [c.own(op, "stats", statistics * c.rows(op) * c.compute_bytes)]
+        rows = c.rows(op, len(c.param_dims.get(op.args[1], (None,))))  # over the weight's dims
+        return c.value(op.args[0]) + [c.own(op, "stats", statistics * rows * c.compute_bytes)]
     return rule
 
 

@@ -125,8 +125,9 @@ def along_of(op, layout) -> tuple[int, ...]:
 
 def lines_up(along: tuple[int, ...], arg: Layout, out: Layout) -> bool:
     """An op along dims: its result keeps the argument's other dims, and along those keeps the
-    dim, has size 1 or a new dim (of its own atoms), or drops it."""
+    dim, has size 1, a new dim, or some of the dims the argument has there (`x[..., 0::2]` of
+    a head_dim made of pairs: the pairs' first dim), or drops it."""
     if len(out) != len(arg):
         return list(out) == [g for i, g in enumerate(arg) if i not in along]
-    return all(o == g or (i in along and not set(o) & set(d for h in arg for d in h))
+    return all(o == g or (i in along and not set(o) & set(d for j, h in enumerate(arg) if j != i for d in h))
                for i, (g, o) in enumerate(zip(arg, out)))

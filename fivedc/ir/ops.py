@@ -59,8 +59,10 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("tanh", _UNARY, 1, doc="tanh activation"),
         OpSpec("sigmoid", _UNARY, 1, doc="sigmoid activation"),
         OpSpec("swiglu", ("gate", "up"), 2, doc="silu(gate) * up"),
-        OpSpec("rmsnorm", ("x", "w"), 2, (("eps", 1e-5),), doc="RMS norm over the last dim"),
-        OpSpec("layernorm", ("x", "w", "b"), 2, (("eps", 1e-5),), doc="layer norm over the last dim"),
+        OpSpec("rmsnorm", ("x", "w"), 2, (("eps", 1e-5),),
+               doc="RMS norm over x's trailing dims that w has (the last, or several)"),
+        OpSpec("layernorm", ("x", "w", "b"), 2, (("eps", 1e-5),),
+               doc="layer norm over x's trailing dims that w has (the last, or several)"),
         OpSpec("rope", ("x",), 1, (("theta", 10000.0), ("freqs", "")),
                doc="rotary embedding at global positions: frequencies theta**(-i/half), or freqs "
                    "(comma-separated, half of the last dim) where a model's own table differs"),

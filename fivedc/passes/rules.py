@@ -151,7 +151,7 @@ def _swiglu(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResul
 
 
 def _norm(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
-    x = _unsplit(ctx.resolve_partial(shs[0], types[0]), types[0].dims[-1:])
+    x = _unsplit(ctx.resolve_partial(shs[0], types[0]), types[1].dims)  # the dims it normalises over
     return RuleResult((x,) + (Sharding(),) * (len(shs) - 1), x)
 
 

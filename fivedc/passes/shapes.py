@@ -114,12 +114,16 @@ def _swiglu(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
 
 
 def _norm(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
+    """A norm over x's trailing dims that its weight has: one (hidden), or several (OLMo 2's
+    q_norm over heads and head_dim, a norm of the projection before its view into heads)."""
     x = _tensor(op, types, 0)
+    w = _tensor(op, types, 1)
     for index in range(1, len(types)):
-        w = _tensor(op, types, index)
-        if w.dims != x.dims[-1:]:
+        t = _tensor(op, types, index)
+        if not t.dims or t.dims != x.dims[len(x.dims) - len(t.dims):] or t.dims != w.dims:
             name = OP_SPECS[op.kind].args[index]
-            raise _fail(op, f"{name} {_fmt(w)} must be [{x.dims[-1]}], the last dim of x {_fmt(x)}")
+            raise _fail(op, f"{name} {_fmt(t)} must be the trailing dims of x {_fmt(x)}, [{x.dims[-1]}] or more, "
+                            "as the weight's")
     return x
 
 

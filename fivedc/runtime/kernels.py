@@ -215,10 +215,14 @@ class _RMSNorm(torch.autograd.Function):
 def _rmsnorm(ctx, op, args, dims):
     x, w = args
     eps = float(op.attr("eps", 1e-5))
+    shape = x.shape  # over the trailing dims w has: as one dim
+    x, w = x.reshape(*shape[: x.dim() - w.dim()], -1), w.reshape(-1)
     if torch.compiler.is_compiling():  # a compiled region (fivedc/runtime/regions.py): plain ops, which
         xc = x.to(compute_dtype(x.dtype))  # the compiler fuses and differentiates itself
-        return (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * w.to(xc.dtype)).to(x.dtype)
-    return _RMSNorm.apply(x, w, eps)
+        out = (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * w.to(xc.dtype)).to(x.dtype)
+    else:
+        out = _RMSNorm.apply(x, w, eps)
+    return out.reshape(shape)
 
 
 def _swiglu(ctx, op, args, dims):
@@ -249,7 +253,7 @@ class _SwiGLU(torch.autograd.Function):
 def _layernorm(ctx, op, args, dims):
     x, w = args[0], args[1]
     b = args[2] if len(args) > 2 else None
-    return F.layer_norm(x, x.shape[-1:], w, b, float(op.attr("eps", 1e-5)))
+    return F.layer_norm(x, x.shape[x.dim() - w.dim():], w, b, float(op.attr("eps", 1e-5)))
 
 
 def _rope(ctx, op, args, dims):

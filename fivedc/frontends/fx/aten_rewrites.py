@@ -11,6 +11,9 @@
   `stack((xr cr - xi ci, xr ci + xi cr), -1)` with `xr, xi = x[..., 0], x[..., 1]` and
   `cr, ci` the same of `view_as_real(c)`. fivedc's IR is real: with the product written
   out, only the table's own ops (computed from buffers) see complex values.
+- `numpy_T_as_permute`: `x.T` (`aten.numpy_T`) is the permute that reverses x's dims;
+  a permute is a view the frontend follows (`w.T` of a 2-D parameter under a matmul is
+  a linear: Falcon's `input @ self.weight.T`).
 
 Each rewrite keeps the replaced node's user stack trace and module path on the new nodes.
 """
@@ -37,6 +40,19 @@ def stack_as_cat(graph: fx.Graph) -> None:
                      for t in tensors]
             cat = _call(graph, node, aten.cat.default, (parts, dim), value)
         node.replace_all_uses_with(cat)
+        graph.erase_node(node)
+
+
+def numpy_T_as_permute(graph: fx.Graph) -> None:  # noqa: N802 (the operator's name)
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.numpy_T.default:
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        with graph.inserting_before(node):
+            permute = _call(graph, node, aten.permute.default, (node.args[0], list(range(value.dim()))[::-1]), value)
+        node.replace_all_uses_with(permute)
         graph.erase_node(node)
 
 

@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.frontends.fx.aten_rewrites import complex_products_as_real, stack_as_cat
+from fivedc.frontends.fx.aten_rewrites import complex_products_as_real, numpy_T_as_permute, stack_as_cat
 from fivedc.frontends.fx.fill_writes import fill_writes
 from fivedc.frontends.fx.params import fetch_attr
 
@@ -63,6 +63,7 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     _functional(ep.graph)
     complex_products_as_real(ep.graph)  # torchtitan's rotary: x viewed as complex times a complex table
     stack_as_cat(ep.graph)
+    numpy_T_as_permute(ep.graph)
     canonical = {id(p): name for name, p in module.named_parameters()}  # a tied weight by its first name
     state = {s.arg.name: canonical.get(id(fetch_attr(module, s.target)), s.target) for s in sig.input_specs
              if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}

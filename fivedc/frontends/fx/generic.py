@@ -31,7 +31,8 @@ import torch.fx as fx
 from fivedc.ir.aten_call import PADS, AtenCallError, bind, dtype_name, encode_call, local_rule, resolve, target_name
 from fivedc.frontends.fx.build import DOp, DValue
 from fivedc.frontends.fx.locs import node_loc, scope
-from fivedc.frontends.fx.values import SIZE_ONE_HINT, Const, Frame, Pending, ParamRef, RepeatedKV, RouterLogits, T, Unrecognised
+from fivedc.frontends.fx.values import (SIZE_ONE_HINT, Const, Frame, Pending, ParamRef, RepeatedKV, RouterLogits, T,
+                                       TransposedParam, Unrecognised)
 from fivedc.ir.graph import DType
 
 if TYPE_CHECKING:
@@ -51,6 +52,11 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     """The replicated `aten` op for `node`; None when its ATen call reads values a pattern
     rewrote away (the caller reports why the node has no rule)."""
     overload, call_args, call_kwargs = call
+    if overload is torch.ops.aten.cat.default and call_args and isinstance(call_args[0], (list, tuple)):
+        kept = [n for n in call_args[0] if not _empty(frame, n)]  # empty tensors add nothing to a cat
+        if len(kept) == 1 and isinstance(frame.syms.get(kept[0]), T):
+            return frame.syms[kept[0]]
+        call_args = (kept, *call_args[1:])
     used = []
     fx.node.map_arg((call_args, call_kwargs), used.append)
     if any(n not in frame.syms for n in used):
@@ -71,7 +77,7 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     tensors: list[T] = []
 
     def slot(obj):  # a tensor argument: the IR value holding it
-        if isinstance(obj, (T, Pending, ParamRef, RepeatedKV, RouterLogits)):
+        if isinstance(obj, (T, Pending, ParamRef, TransposedParam, RepeatedKV, RouterLogits)):
             tensors.append(lw.tensor(frame, obj, node))
             return len(tensors) - 1
         return None
@@ -111,6 +117,11 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
                                      layouts=(tuple(t.layout for t in tensors), layout)))
         outs.append(T(out, atoms, layout, dtype))
     return tuple(outs) if isinstance(value, (tuple, list)) else outs[0]
+
+
+def _empty(frame: Frame, node) -> bool:
+    value = frame.traced.values.get(node) if isinstance(node, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.numel() == 0
 
 
 def in_memory_order(lw: Lowering, frame: Frame, node: fx.Node, t: T) -> T:

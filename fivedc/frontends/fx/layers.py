@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fivedc.frontends.fx.build import DParam
 from fivedc.frontends.fx.generic import in_ir_order, in_memory_order, merged, sliced_rows
-from fivedc.frontends.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, T
+from fivedc.frontends.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, T, TransposedParam
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
     from fivedc.frontends.fx.lower import Lowering
@@ -136,8 +136,10 @@ def _tied_linear(lw: Lowering, frame: Frame, p: Pending, table: DParam) -> T:
     return p.done
 
 
-def matmul(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
+def matmul(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T | Pending:
     a, b = args[0], args[1]
+    if isinstance(b, TransposedParam):  # x @ w.T: F.linear(x, w)
+        return linear(lw, frame, node, (a, b.ref), {})
     if not isinstance(b, ParamRef) or b.value.dim() != 2:
         raise lw.unsupported(node, "matmul of two activations",
                              "it is understood only inside attention: softmax(q @ k.transpose(-2, -1) / sqrt(d)) @ v")
@@ -320,7 +322,9 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     if lw.dims.size(vd) == lw.dims.size(d):
         lw.unify((vd,), (d,), node, "attention")
     heads, kv_heads = lw.dims.size(h), lw.dims.size(kh)
-    if rep_k != rep_v or heads != kv_heads * rep_k and not (rep_k == 1 and a["enable_gqa"] and heads % kv_heads == 0):
+    mqa = rep_k == 1 and kv_heads == 1  # one k/v head, broadcast over the query heads (Falcon's multi-query)
+    if rep_k != rep_v or heads != kv_heads * rep_k and not mqa \
+            and not (rep_k == 1 and a["enable_gqa"] and heads % kv_heads == 0):
         raise lw.unsupported(node, f"attention with {heads} query heads and {kv_heads} k/v heads")
     if lw.seq_atom is None or not lw.same(s, lw.seq_atom):
         raise lw.unsupported(node, "attention over a dim that is not the inputs' sequence dim")
@@ -348,6 +352,7 @@ def _bhsd(lw: Lowering, node: fx.Node, t: T, what: str) -> tuple[int, int, int, 
             size = lw.dims.size(whole[0])
             head, rest = lw.dims.refine(whole[0], (1, size) if groups[1] == () else (size, 1))
             groups = (groups[0], (head,), groups[2], (rest,))
+
     if len(groups) != 4 or any(len(g) != 1 for g in groups):
         raise lw.unsupported(node, f"attention {what} that is not [batch, heads, seq, head_dim]")
     return tuple(g[0] for g in groups)

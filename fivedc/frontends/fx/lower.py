@@ -34,7 +34,7 @@ from fivedc.frontends.fx.ops import dispatch
 from fivedc.frontends.fx.recognise import op_name
 from fivedc.frontends.fx.trace import RepeatSpec, Trace
 from fivedc.frontends.fx.values import (DYNAMIC, SIZE_ONE_HINT, Const, Frame, FxWarning, ParamRef, Pending,
-                               RepeatedKV, RouterLogits, T, Unrecognised)
+                               RepeatedKV, RouterLogits, T, TransposedParam, Unrecognised)
 from fivedc.ir.graph import DType
 
 
@@ -237,6 +237,9 @@ class Lowering:
                 layout = tuple((next(given),) if group else () for group in layout)
                 atoms = p.atoms
             return T(p, atoms, layout)
+        if isinstance(sym, TransposedParam):
+            t = self.tensor(frame, sym.ref, node)
+            return T(t.ref, t.ir, t.layout[::-1], t.dtype)
         if isinstance(sym, RouterLogits):
             raise self.logits_used(sym, node)
         if isinstance(sym, RepeatedKV):  # attention written out by hand that no pattern recognised

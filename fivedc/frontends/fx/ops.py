@@ -24,7 +24,7 @@ from fivedc.frontends.fx.build import DParam
 from fivedc.frontends.fx.layers import arg
 from fivedc.frontends.fx.generic import aten_call_of, broadcast, generic, leaves
 from fivedc.frontends.fx.values import (DYNAMIC, SHAPE_QUERIES, SIZE_ONE_HINT, Const, Frame, ParamRef, Pending,
-                              RouterLogits, T, Unrecognised)
+                              RouterLogits, T, TransposedParam, Unrecognised)
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
     from fivedc.frontends.fx.lower import Lowering
@@ -69,6 +69,9 @@ def dispatch(lw: Lowering, frame: Frame, node: fx.Node):
         return Const(value) if isinstance(value, torch.Tensor) else value
     if name in SHAPE_QUERIES or (name == "getattr" and args[1] in SHAPE_QUERIES):
         return values.get(node)
+    value = values.get(node)
+    if isinstance(value, torch.Tensor) and value.numel() == 0:  # an empty slice (a rotary over all of
+        return Const(value)  # head_dim leaves no pass-through part): nothing to compute, a `cat` drops it
     handler = HANDLERS.get(name)
     try:
         if handler is None:
@@ -197,10 +200,9 @@ def view(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     return T(x.ref, x.ir, layout, x.dtype)
 
 
-def transpose(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
-    x = lw.tensor(frame, args[0], node)
-    n = len(x.layout)
+def transpose(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T | ParamRef | TransposedParam:
     kind = lw.op_name(frame, node)
+    n = frame.traced.values[node].dim()
     if kind == "permute":
         order = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:] or kwargs.get("dims")
         order = [d % n for d in order]
@@ -211,6 +213,9 @@ def transpose(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
             d0, d1 = arg(args, kwargs, 1, "dim0") % n, arg(args, kwargs, 2, "dim1") % n
         order = list(range(n))
         order[d0], order[d1] = order[d1], order[d0]
+    if isinstance(args[0], ParamRef) and n == 2:  # w.T: a linear's weight, if a matmul takes it
+        return TransposedParam(args[0]) if order == [1, 0] else args[0]
+    x = lw.tensor(frame, args[0], node)
     return T(x.ref, x.ir, tuple(x.layout[i] for i in order), x.dtype)
 
 

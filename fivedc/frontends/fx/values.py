@@ -58,6 +58,13 @@ class ParamRef:
 
 
 @dataclass(frozen=True, eq=False)
+class TransposedParam:
+    """`w.T` of a 2-D parameter: a linear's weight where a matmul takes it (Falcon's
+    `x @ self.weight.T`), the parameter transposed where anything else does."""
+    ref: ParamRef
+
+
+@dataclass(frozen=True, eq=False)
 class Const:
     value: torch.Tensor
 
@@ -79,7 +86,7 @@ class RouterLogits:
     node: fx.Node  # the block's call
 
 
-DYNAMIC = (T, Pending, ParamRef, RepeatedKV, RouterLogits)
+DYNAMIC = (T, Pending, ParamRef, TransposedParam, RepeatedKV, RouterLogits)
 SHAPE_QUERIES = {"size", "dim", "numel", "shape", "ndim", "dtype", "device", "is_floating_point"}
 
 
