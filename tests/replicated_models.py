@@ -420,3 +420,19 @@ class TiedAfterAnIsland(RunningSum):
 def tied_after_an_island(seed: int = 0):
     torch.manual_seed(seed)
     return TiedAfterAnIsland().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
+class WeightlessNorms(RunningSum):
+    """LayerNorm and RMSNorm without weights (OLMo's non-parametric LayerNorm): ATen norms
+    along the features, computed on shards of the batch and the sequence."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = h + self.down(F.gelu(self.up(F.layer_norm(h, (16,)))))
+        logits = self.head(F.rms_norm(h, (16,), eps=1e-6))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def weightless_norms(seed: int = 0):
+    torch.manual_seed(seed)
+    return WeightlessNorms().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))

@@ -454,3 +454,18 @@ def test_a_tied_table_whose_uses_split_their_work_differently_trains(worker_pool
         report = check_module(f"{MODELS}:tied_after_an_island", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool,
                               zero=zero)
         assert report.max_error <= 1e-10, (mesh, report)
+
+
+def test_norms_without_weights_run_on_shards(worker_pool) -> None:
+    """`F.layer_norm` and `F.rms_norm` without a weight have no IR op; they run along the dims they
+    normalise (whole), on shards of the others, so nothing runs replicated under dp2·tp2 or cp2."""
+    from replicated_models import weightless_norms
+
+    module, inputs = weightless_norms()
+    tm = trace_module(module, inputs)
+    rules = {(str(op.attr("target")), str(op.attr("rule")), str(op.attr("along"))) for op in _islands(tm.graph)}
+    assert {("aten.layer_norm.default", "along", "2"), ("aten.rms_norm.default", "along", "2")} <= rules, rules
+    assert all(rule != "replicated" for _, rule, _ in rules), rules
+    for mesh in ("2x1x2x1x1", "1x1x1x2x1"):
+        report = check_module(f"{MODELS}:weightless_norms", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool)
+        assert report.max_error <= 1e-10, (mesh, report)

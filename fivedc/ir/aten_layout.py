@@ -42,7 +42,7 @@ RULES = ("replicated", "pointwise", "along", "matmul")
 ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cumsum", "cumprod",
                    "logcumsumexp", "cummax", "cummin", "sort", "argsort", "topk", "split", "split_with_sizes",
                    "unsafe_split", "chunk", "slice", "narrow", "select", "pad", "constant_pad_nd",
-                   "repeat_interleave", "cat", "expand"})
+                   "repeat_interleave", "cat", "expand", "layer_norm", "rms_norm"})  # norms: without weights
 MATMULS = frozenset({"matmul", "bmm", "mm"})  # [..., m, k] @ [..., k, n]: the rule `matmul`
 PADS = frozenset({"pad", "constant_pad_nd"})  # along their last len(pad) // 2 dims
 UNTAGGED_POINTWISE = frozenset({"masked_fill", "__and__", "__or__", "__xor__", "_to_copy", "to", "floor_divide",

@@ -297,10 +297,12 @@ def _kept_sizes(overload, args: tuple, value_args: tuple) -> tuple:
 
 def _reduced_dims(overload, args, kwargs, ndim: int) -> tuple[int, ...]:
     """The torch dims an op runs along: its `dim` argument, all when it has none; a pad's last
-    len(pad) // 2 dims; the dims an expand grows."""
+    len(pad) // 2 dims; the dims an expand grows; a norm's normalized_shape."""
     bound = bind(overload._schema, args, kwargs)
     if overload.overloadpacket.__name__ in PADS:
         return tuple(range(max(0, ndim - len(bound["pad"]) // 2), ndim))
+    if "normalized_shape" in bound:  # a norm (its weight, if any, is a tensor argument of another rank)
+        return tuple(range(ndim - len(bound["normalized_shape"]), ndim))
     if overload.overloadpacket.__name__ == "expand":
         shape, size = tuple(bound["self"].shape), list(bound["size"])
         if len(size) != ndim:

@@ -352,7 +352,6 @@ def _bhsd(lw: Lowering, node: fx.Node, t: T, what: str) -> tuple[int, int, int, 
             size = lw.dims.size(whole[0])
             head, rest = lw.dims.refine(whole[0], (1, size) if groups[1] == () else (size, 1))
             groups = (groups[0], (head,), groups[2], (rest,))
-
     if len(groups) != 4 or any(len(g) != 1 for g in groups):
         raise lw.unsupported(node, f"attention {what} that is not [batch, heads, seq, head_dim]")
     return tuple(g[0] for g in groups)
