@@ -400,7 +400,8 @@ def test_a_matmul_on_shards_must_keep_its_columns_apart_from_its_rows(tmp_path) 
     plan.save(path)
     load_plan(path)
     data = json.loads(path.read_text())
-    op = next(item for item in _plan_items(data["graph"]["body"]) if ["target", "aten.matmul.default"] in item.get("attrs", []))
+    op = next(item for item in _plan_items(data["graph"]["body"])
+              if ["target", "aten.matmul.default"] in item.get("attrs", []))
     out = next(attr for attr in op["attrs"] if attr[0] == "out")
     rows = out[1].split(",")[-2]
     out[1] = out[1].rsplit(",", 1)[0] + "," + rows  # the columns named as the rows
