@@ -27,32 +27,34 @@ aten = torch.ops.aten
 
 
 def stack_as_cat(graph: fx.Graph) -> None:
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.stack.default:
-            continue
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor):
-            continue
-        tensors = node.args[0]
+    def cat(node: fx.Node, value: torch.Tensor) -> fx.Node:
         dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % value.dim()
-        with graph.inserting_before(node):
-            parts = [_call(graph, node, aten.unsqueeze.default, (t, dim), _val(t, lambda v: v.unsqueeze(dim)))
-                     for t in tensors]
-            cat = _call(graph, node, aten.cat.default, (parts, dim), value)
-        node.replace_all_uses_with(cat)
-        graph.erase_node(node)
+        parts = [_call(graph, node, aten.unsqueeze.default, (t, dim), _val(t, lambda v: v.unsqueeze(dim)))
+                 for t in node.args[0]]
+        return _call(graph, node, aten.cat.default, (parts, dim), value)
+
+    _replace_calls(graph, aten.stack.default, cat)
 
 
 def numpy_T_as_permute(graph: fx.Graph) -> None:  # noqa: N802 (the operator's name)
+    def permute(node: fx.Node, value: torch.Tensor) -> fx.Node:
+        return _call(graph, node, aten.permute.default, (node.args[0], list(range(value.dim()))[::-1]), value)
+
+    _replace_calls(graph, aten.numpy_T.default, permute)
+
+
+def _replace_calls(graph: fx.Graph, target, build) -> None:
+    """Each call of `target` whose value is a tensor replaced by the node `build(node, value)`
+    inserts before it."""
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.numpy_T.default:
+        if node.op != "call_function" or node.target is not target:
             continue
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):
             continue
         with graph.inserting_before(node):
-            permute = _call(graph, node, aten.permute.default, (node.args[0], list(range(value.dim()))[::-1]), value)
-        node.replace_all_uses_with(permute)
+            new = build(node, value)
+        node.replace_all_uses_with(new)
         graph.erase_node(node)
 
 
