@@ -185,7 +185,7 @@ def _requires_grad(c: SaveContext, arg) -> bool:
 
 def _norm(statistics: int):
     def rule(c: SaveContext, op: Op) -> list[Saved]:
-        rows = c.rows(op, len(c.param_dims.get(op.args[1], (None,))))  # over the weight's dims
+        rows = c.rows(op, len(c.param_dims.get(op.args[1], ())) or 1)  # over the weight's dims
         return c.value(op.args[0]) + [c.own(op, "stats", statistics * rows * c.compute_bytes)]
     return rule
 
