@@ -7,7 +7,10 @@ with 1F1B, dp2 with ZeRO-3, and ep2 for mixture-of-experts models), this compile
 and verifies the model with `fivedc verify ...:ARCH --mesh ...` (2 AdamW steps against
 the plain module; a model it cannot compile exits 2 with the compile error). A cell is `ok` with the
 largest relative error, or the first error: its message and the user's file:line.
-The table goes to `docs/compatibility.md` (with `--write`) and to stdout.
+The table goes to stdout and, with `--write`, to `docs/compatibility.md`: the rows just
+measured replace their rows in `docs/compatibility.json` (every row's cells and the library
+versions that gave them), and the doc is rendered from all of that file's rows, so a run of
+a few architectures updates theirs and keeps the others.
 
     python benchmarks/compatibility.py [--write] [--arch llama --arch gpt2] [--dtype fp64]
 
@@ -20,6 +23,7 @@ that run on shards (pointwise, reductions, slices) are not counted.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -103,11 +107,20 @@ def matrix(archs: list[tuple[str, str]], dtype: str) -> dict[str, dict[str, str]
 
 
 REPLICATED = "replicated ops"
+CELLS = ROOT / "docs" / "compatibility.json"  # row -> {"cells": {column: cell}, "versions": ...}
+
+
+def merged(measured: dict[str, dict[str, str]], versions: str) -> dict[str, dict]:
+    """The rows of CELLS with those just measured put in their place (new rows at the end)."""
+    rows = json.loads(CELLS.read_text()) if CELLS.exists() else {}
+    for row, cells in measured.items():
+        rows[row] = {"cells": cells, "versions": versions}
+    return rows
 
 
 def render(rows: dict[str, dict[str, str]], *, versions: str, dtype: str) -> str:
     """A model x layout table of short cells (`ok 1e-13`, `compile [2]`); each distinct
-    error once, numbered, below it."""
+    error once, numbered, below it. `versions`: the libraries' versions that gave the rows."""
     columns = list(LAYOUTS) + [REPLICATED]
     errors: list[str] = []
 
@@ -160,9 +173,13 @@ def main() -> None:
         parser.error(f"unknown architectures (or their library is not installed): {', '.join(sorted(unknown))}")
     rows = matrix([(s, a) for s, a in known if not args.arch or a in args.arch], args.dtype)
     versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for s in installed for name in libraries[s])
-    text = render(rows, versions=f"{versions}, torch {torch.__version__}", dtype=args.dtype)
-    print(text)
+    versions = f"{versions}, torch {torch.__version__}"
+    print(render(rows, versions=versions, dtype=args.dtype))
     if args.write:
+        every = merged(rows, versions)
+        stated = sorted({v for row in every.values() for v in row["versions"].split(", ")})
+        text = render({row: r["cells"] for row, r in every.items()}, versions=", ".join(stated), dtype=args.dtype)
+        CELLS.write_text(json.dumps(every, indent=1, ensure_ascii=False) + "\n")
         (ROOT / "docs" / "compatibility.md").write_text(text)
 
 
