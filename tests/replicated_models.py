@@ -436,3 +436,21 @@ class WeightlessNorms(RunningSum):
 def weightless_norms(seed: int = 0):
     torch.manual_seed(seed)
     return WeightlessNorms().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
+class PicksFeatures(RunningSum):
+    """Features picked by constant lists: `h[..., [1, 3, 5, ...]]` (evenly spaced: a slice)
+    and `h[..., [0, 1, 4, ...]]` (not: an index by a tensor)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        odd = h[..., [1, 3, 5, 7, 9, 11, 13, 15]]
+        picked = h[..., [0, 1, 4, 6, 8, 9, 12, 15]]
+        h = h + self.down(F.gelu(self.up(torch.cat([odd * picked, h[..., [-8, -7, -6, -5, -4, -3, -2, -1]]], -1))))
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def picks_features(seed: int = 0):
+    torch.manual_seed(seed)
+    return PicksFeatures().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))

@@ -470,3 +470,21 @@ def test_norms_without_weights_run_on_shards(worker_pool) -> None:
     for mesh in ("2x1x2x1x1", "1x1x1x2x1"):
         report = check_module(f"{MODELS}:weightless_norms", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool)
         assert report.max_error <= 1e-10, (mesh, report)
+
+
+def test_an_index_by_evenly_spaced_constant_positions_is_a_slice(worker_pool) -> None:
+    """`h[..., [1, 3, 5, ...]]` and `h[..., [-8, ..., -1]]` (Falcon's `fused[..., [-2], :]`) are the
+    slices `h[..., 1::2]` and `h[..., 8:]`, which run on shards; `h[..., [0, 1, 4, ...]]` stays an
+    index by a tensor (replicated). The model equals the module, and trains under dp2·tp2."""
+    from replicated_models import picks_features
+
+    module, inputs = picks_features()
+    tm = trace_module(module, inputs)
+    calls = sorted((str(op.attr("target")), op.attr("rule"), json.loads(str(op.attr("call")))["args"][1:])
+                   for op in _islands(tm.graph) if str(op.attr("target")) != "aten.cat.default")
+    assert calls == [("aten.index.Tensor", "replicated", [[None, None, {"constant": [0, 1, 4, 6, 8, 9, 12, 15],
+                                                                         "dtype": "int64"}]]),
+                     ("aten.slice.Tensor", "along", [2, 1, 16, 2]), ("aten.slice.Tensor", "along", [2, 8, 16, 1])]
+    assert_same_as_module(tm, module, inputs)
+    report = check_module(f"{MODELS}:picks_features", mesh="2x1x2x1x1", steps=2, dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report

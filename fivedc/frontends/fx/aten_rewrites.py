@@ -14,6 +14,10 @@
 - `numpy_T_as_permute`: `x.T` (`aten.numpy_T`) is the permute that reverses x's dims;
   a permute is a view the frontend follows (`w.T` of a 2-D parameter under a matmul is
   a linear: Falcon's `input @ self.weight.T`).
+- `constant_index_as_slice`: `x[..., [i, i+k, ...], ...]`, an `aten.index` by one constant
+  list of evenly spaced, increasing positions (Falcon's fused QKV split by
+  `fused[..., [-2], :]`), is the slice `x[..., i:j:k, ...]`: the same values, and a
+  slice runs on shards where an index by a tensor runs replicated.
 
 Each rewrite keeps the replaced node's user stack trace and module path on the new nodes.
 """
@@ -43,9 +47,39 @@ def numpy_T_as_permute(graph: fx.Graph) -> None:  # noqa: N802 (the operator's n
     _replace_calls(graph, aten.numpy_T.default, permute)
 
 
+def constant_index_as_slice(graph: fx.Graph, constants: dict[str, torch.Tensor]) -> None:
+    """`constants`: the tensor constants the graph's placeholders stand for, by node name."""
+    def slice_of(node: fx.Node, value: torch.Tensor) -> fx.Node | None:
+        x, indices = node.args[0], node.args[1]
+        tensors = [(dim, i) for dim, i in enumerate(indices) if i is not None]
+        if len(tensors) != 1:
+            return None
+        dim, index = tensors[0]
+        positions = _constant(index, constants)
+        size = x.meta["val"].shape[dim] if isinstance(x.meta.get("val"), torch.Tensor) else None
+        if positions is None or positions.dim() != 1 or not len(positions) or size is None:
+            return None
+        start, *rest = (int(p) % size for p in positions.tolist())
+        step = rest[0] - start if rest else 1
+        if step <= 0 or [start + step * k for k in range(len(positions))] != [start, *rest]:
+            return None
+        return _call(graph, node, aten.slice.Tensor, (x, dim, start, start + step * (len(positions) - 1) + 1, step),
+                     value)
+
+    _replace_calls(graph, aten.index.Tensor, slice_of)
+
+
+def _constant(node, constants: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The integer tensor constant `node` reads (through export's copies of it), or None."""
+    while _is(node, aten.lift_fresh_copy.default) or _is(node, aten.clone.default):
+        node = node.args[0]
+    value = constants.get(node.name) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+    return value if isinstance(value, torch.Tensor) and not value.is_floating_point() else None
+
+
 def _replace_calls(graph: fx.Graph, target, build) -> None:
     """Each call of `target` whose value is a tensor replaced by the node `build(node, value)`
-    inserts before it."""
+    inserts before it (where it gives one: None leaves the call)."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not target:
             continue
@@ -54,6 +88,8 @@ def _replace_calls(graph: fx.Graph, target, build) -> None:
             continue
         with graph.inserting_before(node):
             new = build(node, value)
+        if new is None:
+            continue
         node.replace_all_uses_with(new)
         graph.erase_node(node)
 

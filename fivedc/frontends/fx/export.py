@@ -23,7 +23,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.frontends.fx.aten_rewrites import complex_products_as_real, numpy_T_as_permute, stack_as_cat
+from fivedc.frontends.fx.aten_rewrites import (complex_products_as_real, constant_index_as_slice, numpy_T_as_permute,
+                                               stack_as_cat)
 from fivedc.frontends.fx.fill_writes import fill_writes
 from fivedc.frontends.fx.params import fetch_attr
 
@@ -64,6 +65,8 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     complex_products_as_real(ep.graph)  # torchtitan's rotary: x viewed as complex times a complex table
     stack_as_cat(ep.graph)
     numpy_T_as_permute(ep.graph)
+    constant_index_as_slice(ep.graph, {s.arg.name: ep.constants[s.target] for s in sig.input_specs
+                                       if s.kind == InputKind.CONSTANT_TENSOR})
     canonical = {id(p): name for name, p in module.named_parameters()}  # a tied weight by its first name
     state = {s.arg.name: canonical.get(id(fetch_attr(module, s.target)), s.target) for s in sig.input_specs
              if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}

@@ -151,6 +151,25 @@ def in_ir_order(lw: Lowering, frame: Frame, node: fx.Node, t: T, groups: tuple[t
     return T(out, flat, t.layout, t.dtype)
 
 
+def with_own_atom(lw: Lowering, frame: Frame, node: fx.Node, t: T, at: int, ir_at: int, reason: str) -> T:
+    """`t` with its size-1 torch dim `at` (no IR dim: a slice of one position, Falcon's one k/v
+    head) made an IR dim of its own, at position `ir_at` of the IR dims: a pointwise
+    `aten.clone` on shards, whose argument is the IR tensor and whose result has the new dim."""
+    ir = list(lw.ir(t))
+    arg = tuple((a,) for a in ir[:ir_at]) + ((),) + tuple((a,) for a in ir[ir_at:])
+    atom = lw.dims.new(1)
+    out_layout = tuple(g or (atom,) for g in arg)
+    flat = tuple(a for g in out_layout for a in g)
+    out = DValue(node.name, flat, t.dtype)
+    dtype = "float" if t.dtype == DType.FLOAT else "int64"
+    attrs = (("target", "aten.clone.default"), ("call", '{"args":[{"tensor":0}],"kwargs":{}}'), ("dtypes", dtype),
+             ("reason", reason), ("rule", "pointwise"))
+    frame.block.items.append(DOp(out, "aten", (t.ref,), attrs, node_loc(node), scope(node),
+                                 layouts=((arg,), out_layout)))
+    layout = tuple(g if i != at else (atom,) for i, g in enumerate(lw.groups(t)))
+    return T(out, flat, layout, t.dtype)
+
+
 def sliced_rows(lw: Lowering, frame: Frame, node: fx.Node, table: T, atom: int, n: int) -> T:
     """The first n rows of `table` as dim `atom` (a position table longer than the sequence):
     `aten.slice` along its rows, on shards of its other dims."""

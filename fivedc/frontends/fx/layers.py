@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fivedc.frontends.fx.build import DParam
-from fivedc.frontends.fx.generic import in_ir_order, in_memory_order, merged, sliced_rows
+from fivedc.frontends.fx.generic import in_ir_order, in_memory_order, merged, sliced_rows, with_own_atom
 from fivedc.frontends.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, T, TransposedParam
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
@@ -312,9 +312,9 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     q = merged(lw, frame, node, lw.tensor(frame, a["query"], node), one, (0, 2, 1, 3))
     kv = [(s.t, s.repeats) if isinstance(s, RepeatedKV) else (lw.tensor(frame, s, node), 1) for s in (a["key"], a["value"])]
     (k, rep_k), (v, rep_v) = ((merged(lw, frame, node, t, one, (0, 2, 1, 3)), rep) for t, rep in kv)
-    b, h, s, d = _bhsd(lw, node, q, "query")
-    kb, kh, ks, kd = _bhsd(lw, node, k, "key")
-    vb, vh, vs, vd = _bhsd(lw, node, v, "value")
+    q, (b, h, s, d) = _bhsd(lw, frame, node, q, "query", ())
+    k, (kb, kh, ks, kd) = _bhsd(lw, frame, node, k, "key", lw.ir(q))
+    v, (vb, vh, vs, vd) = _bhsd(lw, frame, node, v, "value", lw.ir(q) + lw.ir(k))
     q, k, v = (_bshd(lw, frame, node, t, atoms) for t, atoms in ((q, (b, h, s, d)), (k, (kb, kh, ks, kd)),
                                                                    (v, (vb, vh, vs, vd))))
     for x, y in ((b, kb), (b, vb), (s, ks), (s, vs), (kh, vh), (d, kd)):
@@ -342,19 +342,27 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     return T(out, atoms, ((b,), (h,), (s,), (vd,)))
 
 
-def _bhsd(lw: Lowering, node: fx.Node, t: T, what: str) -> tuple[int, int, int, int]:
+def _bhsd(lw: Lowering, frame: Frame, node: fx.Node, t: T, what: str,
+          others: tuple[int, ...]) -> tuple[T, tuple[int, int, int, int]]:
+    """`t` (torch [batch, heads, seq, head_dim]) and its dims there, one IR dim each. One head
+    (or a head_dim of 1), a size-1 torch dim without an IR dim, is given one: split off the
+    front of head_dim (the back of heads), as a view of a projection into heads would, or,
+    where that dim is also one of `others` (the IR dims of q, and of k: Falcon's q, k and v
+    slices of one fused view share head_dim), a new dim of its own."""
     groups = lw.groups(t)
     if len(groups) == 4 and (groups[1] == ()) != (groups[3] == ()):
-        # one head (or a head_dim of 1): the view's size-1 dim is split off the projection's
-        # output dim, the front of head_dim (the back of heads), as a view into heads would
         whole = groups[3] or groups[1]
-        if len(whole) == 1 and lw.ir(t)[-1] == whole[0]:
+        if len(whole) == 1 and lw.ir(t)[-1] == whole[0] and not set(lw.dims.leaves(whole)) & set(others):
             size = lw.dims.size(whole[0])
             head, rest = lw.dims.refine(whole[0], (1, size) if groups[1] == () else (size, 1))
             groups = (groups[0], (head,), groups[2], (rest,))
+        elif groups[1] == () and all(len(g) == 1 for i, g in enumerate(groups) if i != 1):
+            t = with_own_atom(lw, frame, node, t, 1, lw.ir(t).index(groups[3][0]),  # before head_dim
+                              f"attention {what} of one head: the head an IR dim of its own")
+            groups = lw.groups(t)
     if len(groups) != 4 or any(len(g) != 1 for g in groups):
         raise lw.unsupported(node, f"attention {what} that is not [batch, heads, seq, head_dim]")
-    return tuple(g[0] for g in groups)
+    return t, tuple(g[0] for g in groups)
 
 
 def _bshd(lw: Lowering, frame: Frame, node: fx.Node, t: T, atoms: tuple[int, int, int, int]) -> T:
