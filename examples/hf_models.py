@@ -42,17 +42,19 @@ def _configs():
                                                  qk_nope_head_dim=4, v_head_dim=8)),
         # beyond the list, each with a path of its own: fused QKV sliced and a rotary over all of
         # head_dim (an empty pass-through part); q/k norms over all heads before the view into them; one
-        # k/v head (multi-query); interleaved rotary by strided slices; GPT-J's written-out attention
+        # k/v head (multi-query); interleaved rotary by strided slices; GPT-J's written-out attention; a
+        # LayerNorm whose weight is computed (1 + w)
         "phi3": (T.Phi3Config, dict(_DENSE, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
         "olmo2": (T.Olmo2Config, dict(_DENSE, pad_token_id=0)),
         "falcon": (T.FalconConfig, dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)),
         "glm": (T.GlmConfig, dict(_DENSE, head_dim=8, pad_token_id=0)),
         "gptj": (T.GPTJConfig, dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)),
+        "nemotron": (T.NemotronConfig, dict(_DENSE, head_dim=8)),
     }
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
-                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj")
+                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron")
 
 
 class CausalLMLoss(nn.Module):
@@ -115,8 +117,8 @@ def _factory(arch: str, default_loss: str = "library"):
 
 
 (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gpt2, mixtral, qwen3_moe, deepseek_v3, phi3, olmo2, falcon, glm,
- gptj) = map(_factory, ARCHITECTURES)
+ gptj, nemotron) = map(_factory, ARCHITECTURES)
 # the same decoders under a training loop's own logits loss (`LogitsLoss`): `examples/hf_models.py:llama_logits`
 (llama_logits, mistral_logits, qwen2_logits, qwen3_logits, gemma_logits, gemma2_logits, gemma3_logits, gpt2_logits,
  mixtral_logits, qwen3_moe_logits, deepseek_v3_logits, phi3_logits, olmo2_logits, falcon_logits, glm_logits,
- gptj_logits) = (_factory(a, "logits") for a in ARCHITECTURES)
+ gptj_logits, nemotron_logits) = (_factory(a, "logits") for a in ARCHITECTURES)

@@ -454,3 +454,23 @@ class PicksFeatures(RunningSum):
 def picks_features(seed: int = 0):
     torch.manual_seed(seed)
     return PicksFeatures().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
+class ComputedNormWeights(RunningSum):
+    """Norms whose weight and bias are computed from parameters (Nemotron's `1 + w`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(16) * 0.1)
+        self.shift = nn.Parameter(torch.randn(16) * 0.1)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        h = h + self.down(F.gelu(self.up(F.layer_norm(h, (16,), self.gain + 1.0, self.shift * 2.0))))
+        logits = self.head(F.rms_norm(h, (16,), 1.0 - self.gain, eps=1e-6))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def computed_norm_weights(seed: int = 0):
+    torch.manual_seed(seed)
+    return ComputedNormWeights().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))

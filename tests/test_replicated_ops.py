@@ -488,3 +488,22 @@ def test_an_index_by_evenly_spaced_constant_positions_is_a_slice(worker_pool) ->
     assert_same_as_module(tm, module, inputs)
     report = check_module(f"{MODELS}:picks_features", mesh="2x1x2x1x1", steps=2, dtype="fp64", pool=worker_pool)
     assert report.max_error <= 1e-10, report
+
+
+def test_norms_with_computed_weights_run_on_shards(worker_pool) -> None:
+    """`F.layer_norm(x, shape, 1 + w, 2 * b)` and `F.rms_norm(x, shape, 1 - w)` (a weight computed
+    from a parameter, not the parameter: Nemotron's) are the norm without them, times the weight,
+    plus the bias: the norm along its dims and the product and sum pointwise, nothing replicated;
+    the parameters' gradients flow through the computed weights, under dp2·tp2 as on one device."""
+    from replicated_models import computed_norm_weights
+
+    module, inputs = computed_norm_weights()
+    tm = trace_module(module, inputs)
+    rules = {(str(op.attr("target")), str(op.attr("rule"))) for op in _islands(tm.graph)}
+    assert {("aten.layer_norm.default", "along"), ("aten.rms_norm.default", "along")} <= rules, rules
+    assert all(rule != "replicated" for _, rule in rules), rules
+    assert all(op.attr("call").count('"tensor"') == 1 for op in _islands(tm.graph) if "norm" in str(op.attr("target")))
+    assert_same_as_module(tm, module, inputs)
+    report = check_module(f"{MODELS}:computed_norm_weights", mesh="2x1x2x1x1", steps=2, dtype="fp64",
+                          pool=worker_pool)
+    assert report.max_error <= 1e-10, report

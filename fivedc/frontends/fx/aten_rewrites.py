@@ -18,6 +18,11 @@
   list of evenly spaced, increasing positions (Falcon's fused QKV split by
   `fused[..., [-2], :]`), is the slice `x[..., i:j:k, ...]`: the same values, and a
   slice runs on shards where an index by a tensor runs replicated.
+- `computed_norm_weights_apart`: `layer_norm(x, shape, w, b)` and `rms_norm(x, shape, w)` whose
+  weight or bias is computed, not a parameter (Nemotron's `F.layer_norm(x, shape, self.weight
+  + 1, self.bias)`), are the norm without them, times `w`, plus `b`: a norm without a weight
+  runs along the dims it normalises and the product and sum are pointwise, all on shards,
+  where the fused call with a computed weight would run replicated.
 
 Each rewrite keeps the replaced node's user stack trace and module path on the new nodes.
 """
@@ -67,6 +72,33 @@ def constant_index_as_slice(graph: fx.Graph, constants: dict[str, torch.Tensor])
                      value)
 
     _replace_calls(graph, aten.index.Tensor, slice_of)
+
+
+def computed_norm_weights_apart(graph: fx.Graph, parameters: set[str]) -> None:
+    """`parameters`: the names of the placeholders that are the module's parameters."""
+    def apart(node: fx.Node, value: torch.Tensor) -> fx.Node | None:
+        bound = _bound(node)
+        weight, bias = bound.get("weight"), bound.get("bias")
+        if all(t is None or (isinstance(t, fx.Node) and t.op == "placeholder" and t.name in parameters)
+               for t in (weight, bias)):
+            return None
+        plain = dict(bound, weight=None) | ({"bias": None} if "bias" in bound else {})
+        out = _call(graph, node, node.target, tuple(plain.values()), value)
+        if weight is not None:
+            out = _call(graph, node, aten.mul.Tensor, (out, weight), value)
+        if bias is not None:
+            out = _call(graph, node, aten.add.Tensor, (out, bias), value)
+        return out
+
+    for target in (aten.layer_norm.default, aten.rms_norm.default):
+        _replace_calls(graph, target, apart)
+
+
+def _bound(node: fx.Node) -> dict:
+    """The call's arguments by name, in the schema's order, defaults filled in."""
+    schema = node.target._schema
+    given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    return {a.name: given[a.name] if a.name in given else a.default_value for a in schema.arguments}
 
 
 def _constant(node, constants: dict[str, torch.Tensor]) -> torch.Tensor | None:
