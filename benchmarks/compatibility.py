@@ -7,10 +7,11 @@ with 1F1B, dp2 with ZeRO-3, and ep2 for mixture-of-experts models), this compile
 and verifies the model with `fivedc verify ...:ARCH --mesh ...` (2 AdamW steps against
 the plain module; a model it cannot compile exits 2 with the compile error). A cell is `ok` with the
 largest relative error, or the first error: its message and the user's file:line.
-The table goes to stdout and, with `--write`, to `docs/compatibility.md`: the rows just
-measured replace their rows in `docs/compatibility.json` (every row's cells and the library
+The table goes to stdout and, with `--write`, to `docs/compatibility.md`: each row, once
+measured, replaces its row in `docs/compatibility.json` (every row's cells and the library
 versions that gave them), and the doc is rendered from all of that file's rows, so a run of
-a few architectures updates theirs and keeps the others.
+a few architectures updates theirs and keeps the others, and a run stopped early keeps the
+rows it finished.
 
     python benchmarks/compatibility.py [--write] [--arch llama --arch gpt2] [--dtype fp64]
 
@@ -86,9 +87,9 @@ def _first_error(text: str, code: int) -> str:
     return f"{message} ({site})"
 
 
-def matrix(archs: list[tuple[str, str]], dtype: str) -> dict[str, dict[str, str]]:
+def matrix(archs: list[tuple[str, str]], dtype: str, done=lambda row, cells: None) -> dict[str, dict[str, str]]:
     """Each (source file, architecture) with the library's loss, then those of LOGITS_ROWS under
-    `LogitsLoss`, all verified in `dtype`."""
+    `LogitsLoss`, all verified in `dtype`; `done(row, cells)` after each row."""
     runs = [(arch, source, arch, dtype) for source, arch in archs]
     runs += [(f"{arch} (logits loss)", source, f"{arch}_logits", dtype) for source, arch in archs
              if source == SOURCES[0] and arch in LOGITS_ROWS]
@@ -103,6 +104,7 @@ def matrix(archs: list[tuple[str, str]], dtype: str) -> dict[str, dict[str, str]
             rows[row][column] = verify_cell(source, factory, mesh, flags, row_dtype)
             print(f"{row:24} {column:12} {time.perf_counter() - start:5.1f} s  {rows[row][column]}", flush=True)
         rows[row][REPLICATED] = replicated_cell(source, factory)
+        done(row, rows[row])
     return rows
 
 
@@ -171,16 +173,19 @@ def main() -> None:
     unknown = set(args.arch or ()) - {a for _, a in known}
     if unknown:
         parser.error(f"unknown architectures (or their library is not installed): {', '.join(sorted(unknown))}")
-    rows = matrix([(s, a) for s, a in known if not args.arch or a in args.arch], args.dtype)
     versions = ", ".join(f"{name} {importlib.metadata.version(name)}" for s in installed for name in libraries[s])
     versions = f"{versions}, torch {torch.__version__}"
-    print(render(rows, versions=versions, dtype=args.dtype))
-    if args.write:
-        every = merged(rows, versions)
-        stated = sorted({v for row in every.values() for v in row["versions"].split(", ")})
-        text = render({row: r["cells"] for row, r in every.items()}, versions=", ".join(stated), dtype=args.dtype)
+
+    def write(row: str, cells: dict[str, str]) -> None:  # after each row: a run stopped early keeps its rows
+        every = merged({row: cells}, versions)
+        stated = sorted({v for r in every.values() for v in r["versions"].split(", ")})
+        text = render({r: every[r]["cells"] for r in every}, versions=", ".join(stated), dtype=args.dtype)
         CELLS.write_text(json.dumps(every, indent=1, ensure_ascii=False) + "\n")
         (ROOT / "docs" / "compatibility.md").write_text(text)
+
+    rows = matrix([(s, a) for s, a in known if not args.arch or a in args.arch], args.dtype,
+                  write if args.write else lambda row, cells: None)
+    print(render(rows, versions=versions, dtype=args.dtype))
 
 
 if __name__ == "__main__":
