@@ -474,3 +474,38 @@ class ComputedNormWeights(RunningSum):
 def computed_norm_weights(seed: int = 0):
     torch.manual_seed(seed)
     return ComputedNormWeights().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
+class AlibiAttention(llama.Attention):
+    """Attention with linear biases (ALiBi) written as BLOOM writes it: the scores one
+    `baddbmm` of the distance penalty (a constant [seq, seq] table) and `q @ k^T` scaled, over
+    batch and heads merged into one dim; a causal softmax, then `bmm` with v."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
+        q, k, v = (t.reshape(b * self.n_heads, s, self.head_dim) for t in (q, k, v))
+        positions = torch.arange(s)
+        penalty = -0.5 * (positions[:, None] - positions[None, :]).abs().to(x.dtype)
+        scores = torch.baddbmm(penalty, q, k.transpose(1, 2), beta=1.0, alpha=self.head_dim ** -0.5)
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        out = torch.bmm(torch.softmax(scores, dim=-1), v).view(b, self.n_heads, s, self.head_dim)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class AlibiBlock(ReluSquaredBlock):
+    def __init__(self, args: llama.ModelArgs) -> None:
+        super().__init__(args)
+        self.attention = AlibiAttention(args)
+
+
+class AlibiLlama(llama.Transformer):
+    block = AlibiBlock
+
+
+def alibi(seed: int = 0):
+    """examples/llama.py's Llama with `AlibiAttention` in each layer."""
+    return llama.factory(seed=seed, args=llama.ModelArgs(), model_class=AlibiLlama)

@@ -507,3 +507,22 @@ def test_norms_with_computed_weights_run_on_shards(worker_pool) -> None:
     report = check_module(f"{MODELS}:computed_norm_weights", mesh="2x1x2x1x1", steps=2, dtype="fp64",
                           pool=worker_pool)
     assert report.max_error <= 1e-10, report
+
+
+def test_a_baddbmm_is_a_matmul_and_pointwise_ops(worker_pool) -> None:
+    """`baddbmm(bias, q, k^T, beta=, alpha=)` (BLOOM's ALiBi scores) is `beta * bias + alpha *
+    (q @ k^T)`: the product a matmul on shards, the bias (a constant distance table) added
+    pointwise with its rows cut to the rank's positions; nothing runs replicated, and the model
+    trains as on one device under cp2 and a pipeline of microbatches."""
+    from replicated_models import alibi
+
+    module, inputs = alibi()
+    tm = trace_module(module, inputs)
+    ops = _islands(tm.graph)
+    assert not [op for op in ops if "baddbmm" in str(op.attr("target"))]
+    assert sum(op.attr("rule") == "matmul" for op in ops) == 2 * len(module.layers)
+    assert all(op.attr("rule") != "replicated" for op in ops), [(op.attr("target"), op.attr("rule")) for op in ops]
+    assert_same_as_module(tm, module, inputs)
+    for mesh, options in (("1x1x1x2x1", {}), ("1x2x1x1x1", {"microbatches": 2})):
+        report = check_module(f"{MODELS}:alibi", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool, **options)
+        assert report.max_error <= 1e-10, (mesh, report)

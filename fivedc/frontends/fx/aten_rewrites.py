@@ -23,6 +23,9 @@
   + 1, self.bias)`), are the norm without them, times `w`, plus `b`: a norm without a weight
   runs along the dims it normalises and the product and sum are pointwise, all on shards,
   where the fused call with a computed weight would run replicated.
+- `baddbmm_written_out`: `baddbmm(bias, a, b, beta=, alpha=)` is `beta * bias + alpha * (a @ b)`
+  (BLOOM's ALiBi attention scores): the product a matmul of two activations and the rest
+  pointwise, all on shards, where the fused call would run replicated.
 
 Each rewrite keeps the replaced node's user stack trace and module path on the new nodes.
 """
@@ -92,6 +95,22 @@ def computed_norm_weights_apart(graph: fx.Graph, parameters: set[str]) -> None:
 
     for target in (aten.layer_norm.default, aten.rms_norm.default):
         _replace_calls(graph, target, apart)
+
+
+def baddbmm_written_out(graph: fx.Graph) -> None:
+    def written_out(node: fx.Node, value: torch.Tensor) -> fx.Node:
+        bound = _bound(node)
+        a, b, bias = bound["batch1"], bound["batch2"], bound["self"]
+        product = _call(graph, node, aten.bmm.default, (a, b), _val2(a, b, torch.bmm))
+        if bound["alpha"] != 1:
+            product = _call(graph, node, aten.mul.Tensor, (product, bound["alpha"]), product.meta.get("val"))
+        if bound["beta"] == 0:
+            return product
+        if bound["beta"] != 1:
+            bias = _call(graph, node, aten.mul.Tensor, (bias, bound["beta"]), _val(bias, lambda v: v * bound["beta"]))
+        return _call(graph, node, aten.add.Tensor, (bias, product), value)
+
+    _replace_calls(graph, aten.baddbmm.default, written_out)
 
 
 def _bound(node: fx.Node) -> dict:

@@ -23,8 +23,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.frontends.fx.aten_rewrites import (complex_products_as_real, computed_norm_weights_apart,
-                                               constant_index_as_slice, numpy_T_as_permute, stack_as_cat)
+from fivedc.frontends.fx.aten_rewrites import (baddbmm_written_out, complex_products_as_real,
+                                               computed_norm_weights_apart, constant_index_as_slice,
+                                               numpy_T_as_permute, stack_as_cat)
 from fivedc.frontends.fx.fill_writes import fill_writes
 from fivedc.frontends.fx.params import fetch_attr
 
@@ -67,6 +68,7 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     numpy_T_as_permute(ep.graph)
     constant_index_as_slice(ep.graph, {s.arg.name: ep.constants[s.target] for s in sig.input_specs
                                        if s.kind == InputKind.CONSTANT_TENSOR})
+    baddbmm_written_out(ep.graph)
     computed_norm_weights_apart(ep.graph, {s.arg.name for s in sig.input_specs if s.kind == InputKind.PARAMETER})
     canonical = {id(p): name for name, p in module.named_parameters()}  # a tied weight by its first name
     state = {s.arg.name: canonical.get(id(fetch_attr(module, s.target)), s.target) for s in sig.input_specs
