@@ -13,7 +13,7 @@ versions that gave them), and the doc is rendered from all of that file's rows, 
 a few architectures updates theirs and keeps the others, and a run stopped early keeps the
 rows it finished.
 
-    python benchmarks/compatibility.py [--write] [--arch llama --arch gpt2] [--dtype fp64]
+    python benchmarks/compatibility.py [--write] [--arch llama --arch gpt2] [--dtype fp64] [--loss logits]
 
 Every row verifies in `--dtype`; five architectures also run under a training loop's
 own logits loss (`examples/hf_models.LogitsLoss`). The last column counts the ops that
@@ -87,12 +87,13 @@ def _first_error(text: str, code: int) -> str:
     return f"{message} ({site})"
 
 
-def matrix(archs: list[tuple[str, str]], dtype: str, done=lambda row, cells: None) -> dict[str, dict[str, str]]:
+def matrix(archs: list[tuple[str, str]], dtype: str, done=lambda row, cells: None,
+           losses: tuple[str, ...] = ("library", "logits")) -> dict[str, dict[str, str]]:
     """Each (source file, architecture) with the library's loss, then those of LOGITS_ROWS under
-    `LogitsLoss`, all verified in `dtype`; `done(row, cells)` after each row."""
-    runs = [(arch, source, arch, dtype) for source, arch in archs]
+    `LogitsLoss` (of `losses`), all verified in `dtype`; `done(row, cells)` after each row."""
+    runs = [(arch, source, arch, dtype) for source, arch in archs] if "library" in losses else []
     runs += [(f"{arch} (logits loss)", source, f"{arch}_logits", dtype) for source, arch in archs
-             if source == SOURCES[0] and arch in LOGITS_ROWS]
+             if source == SOURCES[0] and arch in LOGITS_ROWS and "logits" in losses]
     rows: dict[str, dict[str, str]] = {}
     for row, source, factory, row_dtype in runs:
         rows[row] = {}
@@ -158,6 +159,8 @@ def main() -> None:
                         help="architectures (default: all of examples/hf_models.py, and of "
                              "examples/titan_tune_models.py when torchtitan and torchtune are installed)")
     parser.add_argument("--dtype", default="fp64", choices=("fp64", "fp32"))
+    parser.add_argument("--loss", default="both", choices=("library", "logits", "both"),
+                        help="the rows under the library's own loss, those under a logits loss, or both")
     parser.add_argument("--write", action="store_true", help="write docs/compatibility.md")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "examples"))
@@ -184,7 +187,8 @@ def main() -> None:
         (ROOT / "docs" / "compatibility.md").write_text(text)
 
     rows = matrix([(s, a) for s, a in known if not args.arch or a in args.arch], args.dtype,
-                  write if args.write else lambda row, cells: None)
+                  write if args.write else lambda row, cells: None,
+                  ("library", "logits") if args.loss == "both" else (args.loss,))
     print(render(rows, versions=versions, dtype=args.dtype))
 
 
