@@ -113,12 +113,14 @@ REPLICATED = "replicated ops"
 CELLS = ROOT / "docs" / "compatibility.json"  # row -> {"cells": {column: cell}, "versions": ...}
 
 
-def merged(measured: dict[str, dict[str, str]], versions: str) -> dict[str, dict]:
-    """The rows of CELLS with those just measured put in their place (new rows at the end)."""
+def merged(measured: dict[str, dict[str, str]], versions: str, order: list[str] = ()) -> dict[str, dict]:
+    """The rows of CELLS with those just measured put in their place, in `order` (the rows it
+    does not name after those, as they were)."""
     rows = json.loads(CELLS.read_text()) if CELLS.exists() else {}
     for row, cells in measured.items():
         rows[row] = {"cells": cells, "versions": versions}
-    return rows
+    place = {row: i for i, row in enumerate(order)}
+    return {row: rows[row] for row in sorted(rows, key=lambda row: place.get(row, len(place)))}
 
 
 def render(rows: dict[str, dict[str, str]], *, versions: str, dtype: str) -> str:
@@ -180,7 +182,7 @@ def main() -> None:
     versions = f"{versions}, torch {torch.__version__}"
 
     def write(row: str, cells: dict[str, str]) -> None:  # after each row: a run stopped early keeps its rows
-        every = merged({row: cells}, versions)
+        every = merged({row: cells}, versions, [a for _, a in known] + [f"{a} (logits loss)" for a in LOGITS_ROWS])
         stated = sorted({v for r in every.values() for v in r["versions"].split(", ")})
         text = render({r: every[r]["cells"] for r in every}, versions=", ".join(stated), dtype=args.dtype)
         CELLS.write_text(json.dumps(every, indent=1, ensure_ascii=False) + "\n")
