@@ -76,6 +76,31 @@ def test_compare_runs_counts_nan_missing_tensors_and_missing_steps() -> None:
     assert errors(_record(1.5, good, steps=1))["loss"][0] == math.inf
 
 
+def test_a_gradient_zero_up_to_rounding_is_measured_at_the_models_scale() -> None:
+    """A key bias with no rotary after it has gradient zero in exact arithmetic (OPT's: 1e-19 of
+    the largest); both runs compute rounding noise there, and AdamW makes that noise a step of its
+    own. Its gradient and parameter are measured at the model's largest gradient and parameter,
+    so noise passes; a gradient there that is not zero, or a parameter moved by it, still fails."""
+    w = torch.tensor([1.0, -2.0], dtype=torch.float64)
+
+    def record(bias_grad: float, bias: float) -> TrainRecord:
+        r = TrainRecord()
+        r.losses = [1.5]
+        r.grads = [{"w": w.clone(), "b": torch.tensor([bias_grad], dtype=torch.float64)}]
+        r.params = {"w": w.clone(), "b": torch.tensor([bias], dtype=torch.float64)}
+        return r
+
+    reference = record(3e-19, 2e-12)
+    noise = compare_runs(record(-4e-19, -1e-12), reference, names=("w", "b"))
+    assert noise["grad"][0] < 1e-15 and noise["param"][0] < 1e-11, noise
+    # a real gradient where the reference has none, and the step it makes
+    assert compare_runs(record(1e-3, 2e-12), reference, names=("w", "b"))["grad"][0] > 1e-4
+    assert compare_runs(record(3e-19, 1e-3), reference, names=("w", "b"))["param"][0] > 1e-4
+    # a small gradient that is not noise keeps its own scale: 1e-10 of the largest, off by 10 %
+    small = record(1e-10, 1.0)
+    assert compare_runs(record(1.1e-10, 1.0), small, names=("w", "b"))["grad"][0] == pytest.approx(0.1)
+
+
 def test_module_compare_counts_nan() -> None:
     w = torch.tensor([1.0, 2.0], dtype=torch.float64)
     reference = ModuleRun([1.0, 0.9], [{"w": w}, {"w": w}], {"w": w})
