@@ -50,7 +50,7 @@ def _configs():
         "glm": (T.GlmConfig, dict(_DENSE, head_dim=8, pad_token_id=0)),
         "gptj": (T.GPTJConfig, dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)),
         "nemotron": (T.NemotronConfig, dict(_DENSE, head_dim=8)),
-        # probed, not in the matrix (PROBED): ALiBi attention by baddbmm; learned positions with an offset
+        # ALiBi attention by baddbmm; learned positions read at an offset
         "bloom": (T.BloomConfig, dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)),
         "opt": (T.OPTConfig, dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64)),
@@ -58,10 +58,7 @@ def _configs():
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
-                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron")
-# built the same way, but neither in benchmarks/compatibility.py's matrix nor in CI: benchmarks/RESULTS.md
-# ("Hugging Face decoders beyond the list") has how far each gets
-PROBED = ("bloom", "opt")
+                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron", "bloom", "opt")
 
 
 class CausalLMLoss(nn.Module):
@@ -124,9 +121,8 @@ def _factory(arch: str, default_loss: str = "library"):
 
 
 (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gpt2, mixtral, qwen3_moe, deepseek_v3, phi3, olmo2, falcon, glm,
- gptj, nemotron) = map(_factory, ARCHITECTURES)
-bloom, opt = map(_factory, PROBED)
+ gptj, nemotron, bloom, opt) = map(_factory, ARCHITECTURES)
 # the same decoders under a training loop's own logits loss (`LogitsLoss`): `examples/hf_models.py:llama_logits`
 (llama_logits, mistral_logits, qwen2_logits, qwen3_logits, gemma_logits, gemma2_logits, gemma3_logits, gpt2_logits,
  mixtral_logits, qwen3_moe_logits, deepseek_v3_logits, phi3_logits, olmo2_logits, falcon_logits, glm_logits,
- gptj_logits, nemotron_logits) = (_factory(a, "logits") for a in ARCHITECTURES)
+ gptj_logits, nemotron_logits, bloom_logits, opt_logits) = (_factory(a, "logits") for a in ARCHITECTURES)

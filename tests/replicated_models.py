@@ -509,3 +509,29 @@ class AlibiLlama(llama.Transformer):
 def alibi(seed: int = 0):
     """examples/llama.py's Llama with `AlibiAttention` in each layer."""
     return llama.factory(seed=seed, args=llama.ModelArgs(), model_class=AlibiLlama)
+
+
+class OffsetPositions(RunningSum):
+    """Learned positions read at an offset, the same row for every sequence of the batch (OPT's
+    `embed_positions(positions + 2)`): `[batch, seq]` constant indices 2..seq+1; `twice` also
+    reads another table there summed over the batch, which no broadcast of one row gives."""
+
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        self.positions = nn.Embedding(12, 16)
+        self.other = nn.Embedding(12, 16) if twice else None
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        b, s = idx.shape
+        where = torch.arange(s).expand(b, s) + 2
+        h = self.emb(idx) + self.positions(where).to(self.emb.weight.dtype)
+        if self.other is not None:
+            h = h + self.other(where).sum(0) * 0.5
+        h = h + self.down(F.gelu(self.up(h)))
+        logits = self.head(h)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def offset_positions(seed: int = 0, twice: bool = False):
+    torch.manual_seed(seed)
+    return OffsetPositions(twice).double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))

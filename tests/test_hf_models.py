@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E402
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
-                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron")
+                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron", "bloom", "opt")
 # compiled and verified in parallel by the tests below (llama, gpt2, gemma, qwen3_moe, deepseek_v3, olmo2, gptj), or
 # as a logits-loss model in tests/test_fx_hf_patterns.py (qwen3): not traced again here; all: the matrix
 COVERED_BELOW = ("llama", "gpt2", "gemma", "qwen3_moe", "qwen3", "deepseek_v3", "olmo2", "gptj")

@@ -526,3 +526,26 @@ def test_a_baddbmm_is_a_matmul_and_pointwise_ops(worker_pool) -> None:
     for mesh, options in (("1x1x1x2x1", {}), ("1x2x1x1x1", {"microbatches": 2})):
         report = check_module(f"{MODELS}:alibi", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool, **options)
         assert report.max_error <= 1e-10, (mesh, report)
+
+
+def test_positions_at_an_offset_repeated_over_the_batch_are_rows_of_the_table(worker_pool) -> None:
+    """`embedding(arange(seq).expand(batch, seq) + 2)` (OPT's learned positions): rows 2..seq+1 of
+    the table (a slice along its rows), read once and broadcast over the batch where every use
+    adds it to a tensor of the whole shape, so nothing runs replicated (a pipeline can run it per
+    microbatch) and dp2·cp2 trains as one device; read another way (summed over the batch) it
+    runs replicated, still exact."""
+    from replicated_models import offset_positions
+
+    module, inputs = offset_positions()
+    tm = trace_module(module, inputs)
+    ops = _islands(tm.graph)
+    assert [(str(op.attr("target")), op.attr("rule"), json.loads(str(op.attr("call")))["args"][1:]) for op in ops] \
+        == [("aten.slice.Tensor", "along", [0, 2, 10])]
+    assert_same_as_module(tm, module, inputs)
+    report = check_module(f"{MODELS}:offset_positions", mesh="2x1x1x2x1", steps=2, dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+    module, inputs = offset_positions(twice=True)
+    tm = trace_module(module, inputs)
+    assert [str(op.attr("target")) for op in _islands(tm.graph) if op.attr("rule") == "replicated"] \
+        == ["aten.embedding.default"]
+    assert_same_as_module(tm, module, inputs)

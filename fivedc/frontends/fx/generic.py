@@ -170,13 +170,13 @@ def with_own_atom(lw: Lowering, frame: Frame, node: fx.Node, t: T, at: int, ir_a
     return T(out, flat, layout, t.dtype)
 
 
-def sliced_rows(lw: Lowering, frame: Frame, node: fx.Node, table: T, atom: int, n: int) -> T:
-    """The first n rows of `table` as dim `atom` (a position table longer than the sequence):
+def sliced_rows(lw: Lowering, frame: Frame, node: fx.Node, table: T, atom: int, n: int, start: int = 0) -> T:
+    """Rows start..start+n of `table` as dim `atom` (a position table longer than the sequence):
     `aten.slice` along its rows, on shards of its other dims."""
     layout = ((atom,),) + table.layout[1:]
     atoms = tuple(a for group in layout for a in group)
     out = DValue(node.name, atoms, table.dtype)
-    attrs = (("target", "aten.slice.Tensor"), ("call", f'{{"args":[{{"tensor":0}},0,0,{n}],"kwargs":{{}}}}'),
+    attrs = (("target", "aten.slice.Tensor"), ("call", f'{{"args":[{{"tensor":0}},0,{start},{start + n}],"kwargs":{{}}}}'),
              ("dtypes", "float"), ("reason", "the rows of a position table that the sequence reads"),
              ("rule", "along"), ("along", "0"))
     frame.block.items.append(DOp(out, "aten", (table.ref,), attrs, node_loc(node), scope(node),

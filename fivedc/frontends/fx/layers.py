@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -198,21 +199,50 @@ def embedding(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
 
 
 def _positions(lw: Lowering, frame: Frame, node, value: torch.Tensor, key: str, table, hidden: int) -> T:
-    """A position table read at arange(seq) (also [1, seq], as Hugging Face's position ids): the
-    table itself as a [seq, hidden] parameter, or, when it has more rows than the sequence, its
-    first seq rows (an `aten.slice` of the [positions, hidden] parameter along its rows)."""
+    """A position table read at constant positions start..start+seq-1: arange(seq), also [1, seq]
+    as Hugging Face's position ids, or OPT's offset of 2. The table itself as a [seq, hidden]
+    parameter, or, when it has other rows, those (an `aten.slice` of the [positions, hidden]
+    parameter along its rows). Positions repeated over leading dims (OPT's, the same row for
+    every sequence of the batch) are read once and broadcast, where every use of the result
+    adds or multiplies it to a tensor of its whole shape (`_broadcast_uses`)."""
     seq, lead = lw.seq_atom, value.dim() - 1
-    n = value.shape[-1] if value.dim() >= 1 and all(s == 1 for s in value.shape[:-1]) else -1
-    if n < 0 or not torch.equal(value.reshape(-1).cpu(), torch.arange(n)) or seq is None or lw.dims.size(seq) != n:
-        raise lw.unsupported(node, "an embedding of constant indices other than arange(seq)")
+    n = value.shape[-1] if value.dim() >= 1 else 0
+    rows_of = value.reshape(-1, n).cpu() if n else None
+    start = int(rows_of[0, 0]) if n else -1
+    positions = torch.arange(start, start + n) if n else None
+    if not n or start < 0 or start + n > table.shape[0] or seq is None or lw.dims.size(seq) != n \
+            or not torch.equal(rows_of, positions.expand_as(rows_of)) \
+            or (len(rows_of) > 1 and not _broadcast_uses(frame, node)):
+        raise lw.unsupported(node, "an embedding of constant indices other than positions start..start+seq "
+                                   "(the same in every row, added to a tensor of the whole shape)")
     layout = ((),) * lead + ((seq,), (hidden,))
     rows = seq if table.shape[0] == n else lw.dims.new(table.shape[0], "positions", 60)
     w = lw.param(frame, node, key=key, module=key.rpartition(".")[0], attr=key.rpartition(".")[2],
                  atoms=(rows, hidden), init="normal", shape=_shape(table), role="a position table")
     if rows == seq:
         return T(w, (seq, hidden), layout)
-    first = sliced_rows(lw, frame, node, T(w, (rows, hidden), ((rows,), (hidden,))), seq, n)
+    first = sliced_rows(lw, frame, node, T(w, (rows, hidden), ((rows,), (hidden,))), seq, n, start)
     return T(first.ref, first.ir, layout)
+
+
+_CASTS = ("to", "type", "float", "double", "half", "bfloat16")
+_BROADCASTING = (torch.add, torch.mul, torch.sub, operator.add, operator.mul, operator.sub)
+
+
+def _broadcast_uses(frame: Frame, node: fx.Node) -> bool:
+    """Whether every use of `node` (through dtype casts) adds it to, multiplies it with or subtracts
+    it from one other tensor of its own shape: where it is read as a broadcast of its first row."""
+    shape = tuple(frame.traced.values[node].shape)
+    for user in node.users:
+        if user.op == "call_method" and user.target in _CASTS:
+            if not _broadcast_uses(frame, user):
+                return False
+            continue
+        others = [a for a in (*user.args, *user.kwargs.values()) if isinstance(a, fx.Node) and a is not node]
+        if user.target not in _BROADCASTING or len(others) != 1 \
+                or tuple(getattr(frame.traced.values[others[0]], "shape", ())) != shape:
+            return False
+    return True
 
 
 # ---- norms and rope -------------------------------------------------------------------------
