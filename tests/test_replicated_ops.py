@@ -344,7 +344,7 @@ def test_a_complex_rotary_and_layers_in_a_module_dict_train_on_every_axis(worker
     fivedc's IR is real: the product is written out on real and imaginary parts (fx/aten_rewrites.py),
     so only the table's own ops see complex values and nothing runs replicated. Cast to float64 for
     the check, the table becomes complex128 (nn.Module.to would drop its imaginary part); the layers,
-    kept in an nn.ModuleDict, are the pipeline's units; dp2·tp2, cp2 and pp2 train as on one device."""
+    kept in an nn.ModuleDict, are the pipeline's units; dp2·tp2 and pp2·cp2 train as on one device."""
     from fivedc.frontends.fx.precision import float64_everywhere
     from fivedc.parallel.check import in_dtype
     from replicated_models import complex_rotary
