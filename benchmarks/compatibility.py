@@ -163,7 +163,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp64", choices=("fp64", "fp32"))
     parser.add_argument("--loss", default="both", choices=("library", "logits", "both"),
                         help="the rows under the library's own loss, those under a logits loss, or both")
-    parser.add_argument("--write", action="store_true", help="write docs/compatibility.md")
+    parser.add_argument("--write", action="store_true",
+                        help="write docs/compatibility.md and docs/compatibility.json, row by row")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "examples"))
     import importlib
