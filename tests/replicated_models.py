@@ -44,6 +44,12 @@ def running_sum(seed: int = 0):
     return module, (idx, targets)
 
 
+def _seeded(make, seed: int):
+    """A RunningSum-like LM made by `make()` under `seed`, in float64, with [4, 8] tokens and targets."""
+    torch.manual_seed(seed)
+    return make().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+
+
 class Flipped(RunningSum):
     """A small LM whose block adds the sequence reversed: no sharding rule (replicated)."""
 
@@ -132,8 +138,7 @@ class InPlace(RunningSum):
 
 
 def in_place(seed: int = 0):
-    torch.manual_seed(seed)
-    return InPlace().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(InPlace, seed)
 
 
 class WritesThroughAView(RunningSum):
@@ -177,8 +182,7 @@ class TiedTargets(TiedLM):
 
 
 def tied_targets(seed: int = 0):
-    torch.manual_seed(seed)
-    return TiedTargets().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(TiedTargets, seed)
 
 
 class FilledSlices(RunningSum):
@@ -199,8 +203,7 @@ class FilledSlices(RunningSum):
 
 
 def filled_slices(seed: int = 0):
-    torch.manual_seed(seed)
-    return FilledSlices().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(FilledSlices, seed)
 
 
 class Transposed(RunningSum):
@@ -217,8 +220,7 @@ class Transposed(RunningSum):
 
 
 def transposed(seed: int = 0):
-    torch.manual_seed(seed)
-    return Transposed().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(Transposed, seed)
 
 
 def llama_ignoring():
@@ -267,8 +269,7 @@ class RotatedPairs(RunningSum):
 
 
 def rotated_pairs(seed: int = 0):
-    torch.manual_seed(seed)
-    return RotatedPairs().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(RotatedPairs, seed)
 
 
 
@@ -418,8 +419,7 @@ class TiedAfterAnIsland(RunningSum):
 
 
 def tied_after_an_island(seed: int = 0):
-    torch.manual_seed(seed)
-    return TiedAfterAnIsland().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(TiedAfterAnIsland, seed)
 
 
 class WeightlessNorms(RunningSum):
@@ -434,8 +434,7 @@ class WeightlessNorms(RunningSum):
 
 
 def weightless_norms(seed: int = 0):
-    torch.manual_seed(seed)
-    return WeightlessNorms().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(WeightlessNorms, seed)
 
 
 class PicksFeatures(RunningSum):
@@ -452,8 +451,7 @@ class PicksFeatures(RunningSum):
 
 
 def picks_features(seed: int = 0):
-    torch.manual_seed(seed)
-    return PicksFeatures().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(PicksFeatures, seed)
 
 
 class ComputedNormWeights(RunningSum):
@@ -472,8 +470,7 @@ class ComputedNormWeights(RunningSum):
 
 
 def computed_norm_weights(seed: int = 0):
-    torch.manual_seed(seed)
-    return ComputedNormWeights().double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(ComputedNormWeights, seed)
 
 
 class AlibiAttention(llama.Attention):
@@ -533,5 +530,4 @@ class OffsetPositions(RunningSum):
 
 
 def offset_positions(seed: int = 0, twice: bool = False):
-    torch.manual_seed(seed)
-    return OffsetPositions(twice).double(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
+    return _seeded(lambda: OffsetPositions(twice), seed)

@@ -78,7 +78,7 @@ def compare_runs(got, want, *, names: tuple[str, ...], shard_of=None) -> dict[st
     expected = shard_of or (lambda name, full: full)
     worst = {"loss": Worst(where="loss"), "grad": Worst(), "param": Worst()}
     largest_grads = [max((_magnitude(g) for g in step.values()), default=0.0) for step in want.grads]
-    zero = zero_up_to_rounding(want.grads, names)
+    zero = zero_up_to_rounding(want.grads, largest_grads, names)
     model_scale = torch.tensor(max((_magnitude(want.params[n]) for n in names), default=0.0))
     if len(got.losses) != len(want.losses):
         worst["loss"] = worst["loss"].add(math.inf, f"{len(got.losses)} losses for {len(want.losses)} steps")
@@ -100,17 +100,17 @@ def compare_runs(got, want, *, names: tuple[str, ...], shard_of=None) -> dict[st
 ROUNDING = 1  # machine epsilons of the model's largest gradient: at most that, a gradient is rounding noise
 
 
-def zero_up_to_rounding(grads: list[Mapping[str, torch.Tensor]], names: Iterable[str]) -> set[str]:
+def zero_up_to_rounding(grads: list[Mapping[str, torch.Tensor]], largest: list[float],
+                        names: Iterable[str]) -> set[str]:
     """The parameters whose gradient, at every step, is at most ROUNDING epsilons of the
-    model's largest gradient at that step: below the rounding unit of the sums it is made of."""
-    if not grads:
-        return set()
-    zero = set(names)
-    for step in grads:
-        floats = [g for g in step.values() if g.is_floating_point() and g.numel()]
+    model's largest gradient at that step (`largest`): below the rounding unit of the sums
+    it is made of."""
+    zero = set(names) if grads else set()
+    for step, top in zip(grads, largest):
+        floats = [g for g in step.values() if g.is_floating_point()]
         if not floats:
             return set()
-        bound = ROUNDING * torch.finfo(floats[0].dtype).eps * max(_magnitude(g) for g in floats)
+        bound = ROUNDING * torch.finfo(floats[0].dtype).eps * top
         zero = {name for name in zero if name in step and _magnitude(step[name]) <= bound}
     return zero
 

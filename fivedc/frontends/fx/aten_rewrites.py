@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fivedc.ir.aten_call import bind
+
 aten = torch.ops.aten
 
 
@@ -114,10 +116,10 @@ def baddbmm_written_out(graph: fx.Graph) -> None:
 
 
 def _bound(node: fx.Node) -> dict:
-    """The call's arguments by name, in the schema's order, defaults filled in."""
+    """The call's arguments by name (defaults filled in), in the schema's order."""
     schema = node.target._schema
-    given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
-    return {a.name: given[a.name] if a.name in given else a.default_value for a in schema.arguments}
+    bound = bind(schema, node.args, node.kwargs)
+    return {a.name: bound[a.name] for a in schema.arguments}
 
 
 def _constant(node, constants: dict[str, torch.Tensor]) -> torch.Tensor | None:

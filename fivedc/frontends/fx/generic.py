@@ -142,13 +142,19 @@ def in_ir_order(lw: Lowering, frame: Frame, node: fx.Node, t: T, groups: tuple[t
     flat = tuple(a for g in groups for a in g)
     if lw.ir(t) == flat:
         return t
-    out = DValue(node.name, flat, t.dtype)
+    return T(_clone(frame, node, t, groups, groups, reason), flat, t.layout, t.dtype)
+
+
+def _clone(frame: Frame, node: fx.Node, t: T, arg: tuple, out_layout: tuple, reason: str, along: str = "") -> DValue:
+    """A pointwise `aten.clone` of `t` on shards, read as the torch layout `arg` and written as
+    `out_layout` (in IR dims: the data moved locally, no communication); its result."""
+    out = DValue(node.name, tuple(a for g in out_layout for a in g), t.dtype)
     dtype = "float" if t.dtype == DType.FLOAT else "int64"
     attrs = (("target", "aten.clone.default"), ("call", '{"args":[{"tensor":0}],"kwargs":{}}'), ("dtypes", dtype),
-             ("reason", reason), ("rule", "pointwise"))
+             ("reason", reason), ("rule", "pointwise")) + ((("along", along),) if along else ())
     frame.block.items.append(DOp(out, "aten", (t.ref,), attrs, node_loc(node), scope(node),
-                                 layouts=((groups,), groups)))
-    return T(out, flat, t.layout, t.dtype)
+                                 layouts=((arg,), out_layout)))
+    return out
 
 
 def with_own_atom(lw: Lowering, frame: Frame, node: fx.Node, t: T, at: int, ir_at: int, reason: str) -> T:
@@ -158,16 +164,9 @@ def with_own_atom(lw: Lowering, frame: Frame, node: fx.Node, t: T, at: int, ir_a
     ir = list(lw.ir(t))
     arg = tuple((a,) for a in ir[:ir_at]) + ((),) + tuple((a,) for a in ir[ir_at:])
     atom = lw.dims.new(1)
-    out_layout = tuple(g or (atom,) for g in arg)
-    flat = tuple(a for g in out_layout for a in g)
-    out = DValue(node.name, flat, t.dtype)
-    dtype = "float" if t.dtype == DType.FLOAT else "int64"
-    attrs = (("target", "aten.clone.default"), ("call", '{"args":[{"tensor":0}],"kwargs":{}}'), ("dtypes", dtype),
-             ("reason", reason), ("rule", "pointwise"))
-    frame.block.items.append(DOp(out, "aten", (t.ref,), attrs, node_loc(node), scope(node),
-                                 layouts=((arg,), out_layout)))
+    out = _clone(frame, node, t, arg, tuple(g or (atom,) for g in arg), reason)
     layout = tuple(g if i != at else (atom,) for i, g in enumerate(lw.groups(t)))
-    return T(out, flat, layout, t.dtype)
+    return T(out, out.atoms, layout, t.dtype)
 
 
 def sliced_rows(lw: Lowering, frame: Frame, node: fx.Node, table: T, atom: int, n: int, start: int = 0) -> T:
@@ -218,13 +217,8 @@ def merged(lw: Lowering, frame: Frame, node: fx.Node, t: T, reason: str, order: 
     order = tuple(range(len(groups))) if order is None else order
     layout = tuple((lw.dims.new(lw.dims.numel(g)),) if i in wide else g for i, g in enumerate(groups))
     ir_in, ir_out = tuple(groups[i] for i in order), tuple(layout[i] for i in order)
-    flat = tuple(a for g in ir_out for a in g)
-    out = DValue(node.name, flat, t.dtype)
-    dtype = "float" if t.dtype == DType.FLOAT else "int64"
-    attrs = (("target", "aten.clone.default"), ("call", '{"args":[{"tensor":0}],"kwargs":{}}'), ("dtypes", dtype),
-             ("reason", reason), ("rule", "pointwise"), ("along", ",".join(str(order.index(i)) for i in wide)))
-    frame.block.items.append(DOp(out, "aten", (t.ref,), attrs, node_loc(node), scope(node), layouts=((ir_in,), ir_out)))
-    return T(out, flat, layout, t.dtype)
+    out = _clone(frame, node, t, ir_in, ir_out, reason, along=",".join(str(order.index(i)) for i in wide))
+    return T(out, out.atoms, layout, t.dtype)
 
 
 def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T], consts: list, items: list):
