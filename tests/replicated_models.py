@@ -475,8 +475,12 @@ def computed_norm_weights(seed: int = 0):
 
 class AlibiAttention(llama.Attention):
     """Attention with linear biases (ALiBi) written as BLOOM writes it: the scores one
-    `baddbmm` of the distance penalty (a constant [seq, seq] table) and `q @ k^T` scaled, over
-    batch and heads merged into one dim; a causal softmax, then `bmm` with v."""
+    `baddbmm` of the distance penalty (a constant [batch x heads, seq, seq] table: a slope per
+    head times the distance, the same in every batch row) and `q @ k^T` scaled, over batch and
+    heads merged into one dim; a causal softmax, then `bmm` with v. `per_row` adds the batch
+    row's index to its penalty: a constant that differs between batch rows."""
+
+    per_row = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -486,7 +490,12 @@ class AlibiAttention(llama.Attention):
         k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
         q, k, v = (t.reshape(b * self.n_heads, s, self.head_dim) for t in (q, k, v))
         positions = torch.arange(s)
-        penalty = -0.5 * (positions[:, None] - positions[None, :]).abs().to(x.dtype)
+        slopes = 2.0 ** -torch.arange(1, self.n_heads + 1, dtype=x.dtype)
+        distance = (positions[:, None] - positions[None, :]).abs().to(x.dtype)
+        penalty = -(slopes[:, None, None] * distance).expand(b, -1, -1, -1)
+        if self.per_row:
+            penalty = penalty + torch.arange(b, dtype=x.dtype)[:, None, None, None]
+        penalty = penalty.reshape(b * self.n_heads, s, s)
         scores = torch.baddbmm(penalty, q, k.transpose(1, 2), beta=1.0, alpha=self.head_dim ** -0.5)
         scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
         out = torch.bmm(torch.softmax(scores, dim=-1), v).view(b, self.n_heads, s, self.head_dim)
@@ -506,6 +515,25 @@ class AlibiLlama(llama.Transformer):
 def alibi(seed: int = 0):
     """examples/llama.py's Llama with `AlibiAttention` in each layer."""
     return llama.factory(seed=seed, args=llama.ModelArgs(), model_class=AlibiLlama)
+
+
+class PerRowAlibiAttention(AlibiAttention):
+    per_row = True
+
+
+class PerRowAlibiBlock(ReluSquaredBlock):
+    def __init__(self, args: llama.ModelArgs) -> None:
+        super().__init__(args)
+        self.attention = PerRowAlibiAttention(args)
+
+
+class PerRowAlibiLlama(llama.Transformer):
+    block = PerRowAlibiBlock
+
+
+def per_row_alibi(seed: int = 0):
+    """`alibi` with a penalty that differs between batch rows."""
+    return llama.factory(seed=seed, args=llama.ModelArgs(), model_class=PerRowAlibiLlama)
 
 
 class OffsetPositions(RunningSum):

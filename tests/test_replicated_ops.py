@@ -28,7 +28,7 @@ from rich.console import Console
 from fivedc.plan.diff import diff_plans
 from fivedc.errors import FivedcError, NotSupportedError
 from fivedc.frontends.fx_module import trace_module
-from fivedc.ir.aten_layout import out_layout
+from fivedc.ir.aten_layout import arg_layouts, out_layout
 from fivedc.ir.graph import Op, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.parallel.check import check_module
@@ -304,7 +304,7 @@ def test_a_table_a_cat_and_an_expand_run_on_shards_and_per_microbatch(worker_poo
     assert_same_as_module(tm, module, inputs)
     plan = compile_graph(tm.graph, CompileOptions(mesh=Mesh.parse("1x1x1x4x1"), cp_layout="balanced"))
     tables = [op for op in _islands(plan.graph) if op.attr("target") == "aten.mul.Tensor"]
-    assert len(tables) == 4 and all(op.attr("rows") == "1" and op.sharding.axes_of("seq") for op in tables)
+    assert len(tables) == 4 and all(op.attr("rows") == "1,2" and op.sharding.axes_of("seq") for op in tables)
     assert not [c for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) for c in op.collectives
                 if c.kind.name == "ALL_GATHER"]  # the tables' rows are cut to each rank's positions
     for mesh, microbatches, layout in (("1x1x1x2x1", None, None), ("1x1x1x4x1", None, "balanced"),
@@ -418,9 +418,9 @@ def _plan_items(block: dict):
         yield from _plan_items(item["body"]) if "body" in item else (item,)
 
 
-def test_a_plan_may_cut_constants_only_along_the_sequence(tmp_path) -> None:
-    """`rows` names the result dims where a pointwise op's constants are cut to the shard's
-    positions: only the sequence, among the dims the constants span; any other is refused."""
+def test_a_plan_may_cut_constants_only_along_the_dims_they_span(tmp_path) -> None:
+    """`rows` names the result dims where a pointwise op's constants are cut to the shards'
+    rows: only among the dims the constants span (`along`); any other is refused."""
     from replicated_models import rotated_pairs
 
     plan = compile_graph(trace_module(*rotated_pairs()).graph, CompileOptions(mesh=Mesh.parse("1x1x1x2x1")))
@@ -428,10 +428,10 @@ def test_a_plan_may_cut_constants_only_along_the_sequence(tmp_path) -> None:
     plan.save(path)
     load_plan(path)
     data = json.loads(path.read_text())
-    for rows, why in (("2", "other than the sequence"), ("0", "among `along`")):
+    for rows, why in (("0", "among `along`"), ("1,x", "among `along`")):
         edited = json.loads(json.dumps(data))
-        op = next(item for item in _plan_items(edited["graph"]["body"]) if ["rows", "1"] in item.get("attrs", []))
-        op["attrs"][op["attrs"].index(["rows", "1"])] = ["rows", rows]
+        op = next(item for item in _plan_items(edited["graph"]["body"]) if ["rows", "1,2"] in item.get("attrs", []))
+        op["attrs"][op["attrs"].index(["rows", "1,2"])] = ["rows", rows]
         path.write_text(json.dumps(edited))
         with pytest.raises(FivedcError) as info:
             load_plan(path)
@@ -511,9 +511,10 @@ def test_norms_with_computed_weights_run_on_shards(worker_pool) -> None:
 
 def test_a_baddbmm_is_a_matmul_and_pointwise_ops(worker_pool) -> None:
     """`baddbmm(bias, q, k^T, beta=, alpha=)` (BLOOM's ALiBi scores) is `beta * bias + alpha *
-    (q @ k^T)`: the product a matmul on shards, the bias (a constant distance table) added
-    pointwise with its rows cut to the rank's positions; nothing runs replicated, and the model
-    trains as on one device under cp2 and a pipeline of microbatches."""
+    (q @ k^T)`: the product a matmul on shards, the bias (a constant [batch x heads, seq, seq]
+    table, alike in every batch row) added pointwise with its rows cut to the rank's heads,
+    positions and batch rows; nothing runs replicated or gathered, and the model trains as on
+    one device under pp2·tp2 in two microbatches and dp2·cp2."""
     from replicated_models import alibi
 
     module, inputs = alibi()
@@ -522,10 +523,47 @@ def test_a_baddbmm_is_a_matmul_and_pointwise_ops(worker_pool) -> None:
     assert not [op for op in ops if "baddbmm" in str(op.attr("target"))]
     assert sum(op.attr("rule") == "matmul" for op in ops) == 2 * len(module.layers)
     assert all(op.attr("rule") != "replicated" for op in ops), [(op.attr("target"), op.attr("rule")) for op in ops]
+    penalties = [op for op in ops if op.attr("target") == "aten.add.Tensor"]
+    assert len(penalties) == len(module.layers) and all(op.attr("rows") == "0,1,2" for op in penalties)
     assert_same_as_module(tm, module, inputs)
-    for mesh, options in (("1x1x1x2x1", {}), ("1x2x1x1x1", {"microbatches": 2})):
+    plan = compile_graph(tm.graph, CompileOptions(mesh=Mesh.parse("2x1x2x1x1")))
+    assert not [c for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) for c in op.collectives
+                if c.kind.name == "ALL_GATHER"]  # the batch and the heads keep their split
+    for mesh, options in (("1x2x2x1x1", {"microbatches": 2}), ("2x1x1x2x1", {})):
         report = check_module(f"{MODELS}:alibi", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool, **options)
         assert report.max_error <= 1e-10, (mesh, report)
+
+
+def test_a_constant_that_differs_between_batch_rows_is_seen_whole(worker_pool) -> None:
+    """A constant that differs from one batch row to the next cannot be cut to a microbatch's
+    rows (a microbatch does not know which rows it holds): its op sees the batch whole, so a
+    pipeline of microbatches is refused at its line, dp2 gathers the batch there and trains as
+    on one device; a plan that cuts it anyway stops at the op instead of computing a wrong sum."""
+    import dataclasses
+
+    from fivedc.runtime.aten_kernel import aten_kernel
+    from fivedc.runtime.kernels import KernelContext
+    from replicated_models import per_row_alibi
+
+    module, inputs = per_row_alibi()
+    tm = trace_module(module, inputs)
+    penalties = [op for op in _islands(tm.graph) if op.attr("target") == "aten.add.Tensor"]
+    assert penalties and all(op.attr("rows") == "1,2" for op in penalties)
+    assert_same_as_module(tm, module, inputs)
+    with pytest.raises(NotSupportedError, match="sees the whole batch") as info:
+        compile_graph(tm.graph, CompileOptions(mesh=Mesh.parse("1x2x1x1x1"), microbatches=2))
+    assert "replicated_models.py" in info.value.render()
+    mesh = Mesh.parse("2x1x1x1x1")
+    plan = compile_graph(tm.graph, CompileOptions(mesh=mesh))
+    op = next(op for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) and op.out == penalties[0].out)
+    cut = dataclasses.replace(op, attrs=tuple((k, "0,1,2" if k == "rows" else v) for k, v in op.attrs))
+    scores = tuple(d for group in arg_layouts(op)[0] for d in group)
+    local = [1 if d == plan.graph.batch_dim else plan.graph.dim(d) for d in scores]
+    with pytest.raises(FivedcError, match="differs between batch rows"):
+        aten_kernel(KernelContext(plan.graph, mesh, mesh.coords(1)), cut, [torch.zeros(local, dtype=torch.float64)],
+                    [scores])
+    report = check_module(f"{MODELS}:per_row_alibi", mesh="2x1x1x1x1", steps=2, dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
 
 
 def test_positions_at_an_offset_repeated_over_the_batch_are_rows_of_the_table(worker_pool) -> None:

@@ -255,9 +255,9 @@ def check_rule(op) -> None:
     layouts, out = arg_layouts(op), out_layout(op)
     if rule == "pointwise":
         along = along_of(op, out)
-        if any(len(out[i]) != 1 for i in rows_of(op)):
-            raise AtenCallError(f"aten op {op.out}: `rows` must name result dims of one IR dim each")
         theirs = {d for layout in layouts for group in layout for d in group}
+        if any(not set(out[i]) <= theirs for i in rows_of(op)):
+            raise AtenCallError(f"aten op {op.out}: `rows` must name result dims its arguments have")
 
         def fits(g, o, i):  # broadcast, the same dims, or (seen whole) one dim of the result's own for several
             return g in ((), o) or (i in along and len(o) == 1 and o[0] not in theirs)

@@ -59,7 +59,7 @@ def rule_of(op) -> str:
 def whole_dims(op) -> frozenset[str] | None:
     """The IR dims the op must see whole: None when it runs replicated (all of them); for a
     pointwise op those of its result's torch dims that a constant tensor in the call spans
-    (but the sequence, where the constants' rows are cut to the shard's: `rows_of`) or
+    (but those where the constants are cut to the shards' rows: `rows_of`) or
     that merge several IR dims of an argument into one (none without either), in the result
     and in each argument; for an op along dims, the dims it runs along in each argument; for
     a matmul `[..., m, k] @ [..., k, n]`, both k and the n of the second (its rows and
@@ -81,9 +81,11 @@ def whole_dims(op) -> frozenset[str] | None:
 
 
 def rows_of(op) -> tuple[int, ...]:
-    """A pointwise op's result dims (among `along`) where its constant tensors are rows by the
-    sequence's position: the kernel takes the rows of this rank's positions, so the sequence
-    keeps its split (a rotary table a library applies by hand, under cp)."""
+    """A pointwise op's result dims (among `along`) where its constant tensors are cut to this
+    rank's rows of each IR dim there, so those dims keep their split: the sequence's positions
+    (a rotary table a library applies by hand, under cp), a dim's shard (ALiBi's slopes per
+    head, under tp), the batch's first rows for constants alike in every batch row (a mask
+    built from the batch's shape, in a microbatch)."""
     text = str(op.attr("rows", "") or "")
     try:
         rows = tuple(int(i) for i in text.split(",")) if text else ()

@@ -173,7 +173,7 @@ def _cross_entropy(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
 def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     """The result's dims from the `out` layout, checked by calling the operator on meta
     tensors of the arguments' shapes (fivedc/ir/aten_call.py)."""
-    from fivedc.ir.aten_call import AtenCallError, arg_layouts, check_rule, meta_type, out_layout, rows_of
+    from fivedc.ir.aten_call import AtenCallError, arg_layouts, check_rule, meta_type, out_layout
 
     try:
         layouts, out = arg_layouts(op), out_layout(op)
@@ -187,8 +187,6 @@ def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
             raise _fail(op, f"its result names unknown dims {', '.join(unknown)}")
         shape, dtype = meta_type(op, types, graph.dim)
         check_rule(op)
-        if any(out[i] != (graph.seq_dim,) for i in rows_of(op)):
-            raise _fail(op, f"`rows` {op.attr('rows')!r} names result dims other than the sequence {graph.seq_dim}")
     except AtenCallError as error:
         raise _fail(op, error.message) from None
     want = tuple(math.prod(graph.dim(d) for d in group) for group in out)

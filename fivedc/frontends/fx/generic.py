@@ -229,9 +229,10 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
     dims (a reduction, scan or slice): one tensor argument; its `dim` (all dims when it has
     none) is `along`; each result keeps the other dims, and along those it keeps the dim
     (softmax, cumsum), or has size 1 (keepdim), none (reduced away, select) or a new dim
-    (topk's k, a slice). A pointwise op with a constant tensor (a table) sees the dims that
-    constant spans whole, but the sequence: there the constant's rows are cut to the shard's
-    positions (`rows`); an op along dims of several tensors (a cat) takes them of one rank,
+    (topk's k, a slice). A pointwise op with a constant tensor (a table, a mask) cuts it, along the
+    dims it spans, to the rows of the rank's shards (`rows`: the sequence's positions, the
+    batch's first rows where every batch row is alike, any other dim's shard), and sees whole
+    only a dim where a constant differs between batch rows; an op along dims of several tensors (a cat) takes them of one rank,
     their other dims one; an expand runs along the dims it grows. A matmul of two activations
     (`q @ k^T` written out): its batch dims and the first's rows (`_matmul_layout`)."""
     rule = local_rule(overload)
@@ -251,8 +252,7 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
             along = _spanned(consts, len(layout))
             if along is None:
                 return None
-            seq = lw.dims.leaves((lw.seq_atom,)) if lw.seq_atom is not None else None
-            rows = tuple(i for i in along if len(layout[i]) == 1 and lw.dims.leaves(layout[i]) == seq)
+            rows = tuple(i for i in along if _cut_to_shards(lw, layout[i], len(layout) - i, consts))
         else:
             if consts or len({len(g) for g in groups}) != 1:
                 return None
@@ -295,6 +295,25 @@ def _spanned(consts: list, ndim: int) -> tuple[int, ...] | None:
             return None
         spanned.update(ndim - c.dim() + j for j, size in enumerate(c.shape) if size > 1)
     return tuple(sorted(spanned))
+
+
+def _cut_to_shards(lw: Lowering, group: tuple[int, ...], from_end: int, consts: list) -> bool:
+    """Whether the constants of a pointwise op can be cut, along a result dim they span (its
+    atoms `group`, `from_end` dims from the last), to the rows of this rank's shard of each of
+    its dims: yes, but where a constant differs from one batch row to the next (a microbatch
+    does not know which rows of the batch it holds; rows alike, it takes the first)."""
+    leaves = lw.dims.leaves(group)
+    batch = set(lw.dims.leaves((lw.batch_atom,))) if lw.batch_atom is not None else set()
+    sizes = [lw.dims.size(leaf) for leaf in leaves]
+    for c in consts:
+        j = c.dim() - from_end
+        if j < 0 or c.shape[j] == 1:
+            continue
+        split = c.reshape(*c.shape[:j], *sizes, *c.shape[j + 1:])
+        for k, leaf in enumerate(leaves):
+            if leaf in batch and not torch.equal(split, split.narrow(j + k, 0, 1).expand_as(split)):
+                return False
+    return True
 
 
 def _kept_sizes(overload, args: tuple, value_args: tuple) -> tuple:
