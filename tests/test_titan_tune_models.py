@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torchtitan")
 pytest.importorskip("torchtune")
 
+from fivedc.cli.main import load_graph  # noqa: E402
 from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E402
 
 ARCHITECTURES = (
@@ -36,3 +37,21 @@ def test_the_examples_list_every_architecture() -> None:
     spec.loader.exec_module(module)
     assert module.ARCHITECTURES == ARCHITECTURES
     assert all(callable(getattr(module, arch)) for arch in ARCHITECTURES)
+
+
+def test_torchtitans_default_llama3_with_flex_attention_trains_as_one_device(worker_pool) -> None:
+    """torchtitan's llama3 with its default attention, a compiled flex_attention over a compiled
+    document block mask (fivedc/frontends/fx/flex.py): each layer's attention is the IR's causal
+    attention, nothing runs replicated, and it trains as on one device (the reference: torch's
+    eager flex_attention op, in float64) under cp2 and pp2 with 1F1B."""
+    from fivedc.ir.graph import walk_ops
+    from fivedc.parallel.check import check_module
+
+    graph = load_graph("examples/titan_tune_models.py:titan_llama3")
+    ops = [op for op, _ in walk_ops(graph.body)]
+    assert [op.attr("causal") for op in ops if op.kind == "attention"] == [True, True]
+    assert not [op for op in ops if op.kind == "aten" and op.attr("rule") == "replicated"]
+    for mesh, options in (("1x1x1x2x1", {}), ("1x2x1x1x1", {"schedule": "1f1b"})):
+        report = check_module("examples/titan_tune_models.py:titan_llama3", mesh=mesh, steps=2, dtype="fp64",
+                              pool=worker_pool, **options)
+        assert report.max_error <= 1e-10, (mesh, report)

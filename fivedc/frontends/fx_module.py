@@ -81,6 +81,7 @@ from fivedc.frontends.fx.locs import def_loc, node_loc
 from fivedc.frontends.fx.lower import FxWarning, Lowering
 from fivedc.frontends.fx.marks import mark_layers, mark_stages, sink_input_only
 from fivedc.frontends.fx.moe_leaves import blocks, moe_leaves
+from fivedc.frontends.fx.flex import flex_attention_on_cpu
 from fivedc.frontends.fx.precision import float64_everywhere, is_float64
 from fivedc.frontends.fx.params import ParamMapping, from_ir_params, to_ir_params
 from fivedc.frontends.fx.patterns import rewrite
@@ -133,7 +134,7 @@ def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str |
 
 def _trace(module: nn.Module, example_inputs: tuple | dict, name: str | None, stage_boundaries) -> TracedModel:
     blocks(module)  # MoE blocks are probed at the module's own precision (fivedc/frontends/fx/moe.py)
-    with float64_everywhere(is_float64(module)):  # fivedc/frontends/fx/precision.py
+    with float64_everywhere(is_float64(module)), flex_attention_on_cpu(eager=True):  # fivedc/frontends/fx/precision.py, flex.py
         with moe_leaves(module, on=_leaves_keep_outputs(module, example_inputs)):  # fivedc/frontends/fx/moe_leaves.py
             trace = trace_graphs(module, example_inputs)
             try:

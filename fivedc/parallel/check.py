@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from fivedc.errors import FivedcError
 from fivedc.frontends.fx.params import module_state
+from fivedc.frontends.fx.flex import flex_attention_on_cpu
 from fivedc.frontends.fx.precision import float64_everywhere, without_dropout
 from fivedc.runtime.compare import check_reference, compare_runs
 
@@ -172,7 +173,8 @@ def _reference(spec: str, module: nn.Module, inputs, dtype: str | None, settings
         cast = _cast(inputs, _DTYPES[attempt]) if attempt is not None else inputs
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         try:
-            with float64_everywhere(attempt == "fp64"), without_dropout():  # as the plan computes: fivedc/frontends/fx/precision.py
+            with float64_everywhere(attempt == "fp64"), without_dropout(), flex_attention_on_cpu(eager=True):
+                # as the plan computes: fivedc/frontends/fx/precision.py; flex attention by torch's eager op: flex.py
                 reference = train_module(model, cast, **settings)
         except (RuntimeError, NotImplementedError) as error:
             if attempt != "fp64":

@@ -26,6 +26,10 @@
 - `baddbmm_written_out`: `baddbmm(bias, a, b, beta=, alpha=)` is `beta * bias + alpha * (a @ b)`
   (BLOOM's ALiBi attention scores): the product a matmul of two activations and the rest
   pointwise, all on shards, where the fused call would run replicated.
+- `constant_expand_as`: `c.expand_as(x)` with c computed from neither an input nor a parameter
+  (torchtitan's positions, `arange(seq).expand_as(input_ids)`) is `c.expand(x's shape)`: the
+  shape is fixed at capture, so what is computed from c (a flex attention mask's document
+  ends) stays a constant the frontend folds, not a value of the inputs.
 
 Each rewrite keeps the replaced node's user stack trace and module path on the new nodes.
 """
@@ -113,6 +117,30 @@ def baddbmm_written_out(graph: fx.Graph) -> None:
         return _call(graph, node, aten.add.Tensor, (bias, product), value)
 
     _replace_calls(graph, aten.baddbmm.default, written_out)
+
+
+def constant_expand_as(graph: fx.Graph, variable: set[str]) -> None:
+    """`variable`: the placeholders that are inputs or parameters."""
+    def expand(node: fx.Node, value: torch.Tensor) -> fx.Node | None:
+        if _reads(node.args[0], variable):
+            return None
+        return _call(graph, node, aten.expand.default, (node.args[0], [int(s) for s in value.shape]), value)
+
+    _replace_calls(graph, aten.expand_as.default, expand)
+
+
+def _reads(node, placeholders: set[str]) -> bool:
+    """Whether `node` is computed from any of `placeholders`."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.name in placeholders:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
 
 
 def _bound(node: fx.Node) -> dict:

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivedc.frontends.fx.aten_rewrites import (baddbmm_written_out, complex_products_as_real,
-                                               computed_norm_weights_apart, constant_index_as_slice,
+                                               computed_norm_weights_apart, constant_expand_as, constant_index_as_slice,
                                                numpy_T_as_permute, stack_as_cat)
 from fivedc.frontends.fx.fill_writes import fill_writes
+from fivedc.frontends.fx.flex import drop_dead, flex_attention_as_sdpa, flex_attention_on_cpu
 from fivedc.frontends.fx.params import fetch_attr
 
 aten = torch.ops.aten
@@ -56,13 +57,16 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
     """Export `module` on keyword `inputs` and rewrite the graph into torch-level ops."""
     from torch.export.graph_signature import InputKind, OutputKind
 
-    with _quiet():
+    with _quiet(), flex_attention_on_cpu(eager=False):
         ep = torch.export.export(module, (), kwargs=inputs, strict=False)
     sig = ep.graph_signature
+    flexed = flex_attention_as_sdpa(ep.graph_module)  # torchtitan's attention: SDPA with its mask, dense
     _inline_wrappers(ep.graph_module, trainable={s.arg.name for s in sig.input_specs
                                                  if s.kind in (InputKind.PARAMETER, InputKind.USER_INPUT)})
     fill_writes(ep.graph)  # a fresh tensor written slice by slice (DeepSeek-V3's expand_kv): cat, slice_scatter
     _functional(ep.graph)
+    if flexed:
+        drop_dead(ep.graph)
     complex_products_as_real(ep.graph)  # torchtitan's rotary: x viewed as complex times a complex table
     stack_as_cat(ep.graph)
     numpy_T_as_permute(ep.graph)
@@ -70,6 +74,8 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
                                        if s.kind == InputKind.CONSTANT_TENSOR})
     baddbmm_written_out(ep.graph)
     computed_norm_weights_apart(ep.graph, {s.arg.name for s in sig.input_specs if s.kind == InputKind.PARAMETER})
+    constant_expand_as(ep.graph, {s.arg.name for s in sig.input_specs
+                                  if s.kind in (InputKind.PARAMETER, InputKind.USER_INPUT)})
     canonical = {id(p): name for name, p in module.named_parameters()}  # a tied weight by its first name
     state = {s.arg.name: canonical.get(id(fetch_attr(module, s.target)), s.target) for s in sig.input_specs
              if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}

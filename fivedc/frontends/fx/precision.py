@@ -34,6 +34,8 @@ class _Float64Everywhere(TorchFunctionMode):
     in float32 on purpose runs wholly in float64, as the plan does: the plan computes at one dtype."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():  # a region torch compiles itself (flex attention's op, under export)
+            return func(*args, **(kwargs or {}))
         if _from_torch_itself():  # torch.export's fake tensors of a float32 buffer must stay float32
             return func(*args, **(kwargs or {}))
         if func in (Tensor.float, Tensor.half, Tensor.bfloat16):

@@ -140,6 +140,8 @@ def _exported(module: nn.Module, tensors: dict, concrete: dict, error: Exception
 
     try:
         gm = _by_layers(module, tensors | concrete, export_graph) or export_graph(module, tensors | concrete)
+    except NotSupportedError:
+        raise  # export captured the model and the frontend refused a part of it, at its line
     except Exception as export_error:
         reason = _first_line(export_error)
         raise NotSupportedError(
