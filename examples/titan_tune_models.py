@@ -15,9 +15,10 @@ every package of the list is installed with --no-deps and none of them pulls tor
     pip install --no-deps -r examples/titan_tune_requirements.txt
 
 torchtitan's language models take `flex` or `varlen` attention only (its `sdpa` backend
-is refused for LMs); the `*_sdpa` factories swap each layer's inner attention for the
-library's own `ScaledDotProductAttention` (causal SDPA, what its Flux model builds), so
-the rest of the model can be probed past flex attention.
+is refused for LMs). `titan_llama3` keeps the default, a compiled flex_attention over a
+document block mask (fivedc/frontends/fx/flex.py reads it as the causal attention it is);
+the `*_sdpa` factories swap each layer's inner attention for the library's own
+`ScaledDotProductAttention` (causal SDPA, what its Flux model builds).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ VOCAB, BATCH, SEQ, MAX_SEQ = 64, 2, 8, 16
 DIM, LAYERS, HEADS, KV_HEADS, HEAD_DIM, FFN = 32, 2, 4, 2, 8, 64
 
 ARCHITECTURES = (
-    "titan_llama3", "titan_llama3_sdpa", "titan_qwen3_sdpa", "titan_qwen3_moe_sdpa", "titan_deepseek_v3_sdpa",
+    "titan_llama3", "titan_llama3_sdpa", "titan_qwen3", "titan_qwen3_sdpa", "titan_qwen3_moe_sdpa",
+    "titan_deepseek_v3", "titan_deepseek_v3_sdpa",
     "tune_llama2", "tune_llama3", "tune_llama3_2", "tune_qwen2", "tune_mistral", "tune_phi3", "tune_gemma",
     "tune_gemma2",
 )
@@ -185,6 +187,10 @@ titan_qwen3_moe_sdpa = _named("titan_qwen3_moe_sdpa", _titan(lambda: _titan_qwen
                               "torchtitan Qwen3Model MoE (grouped experts) with causal SDPA")
 titan_deepseek_v3_sdpa = _named("titan_deepseek_v3_sdpa", _titan(_titan_deepseek_v3_config, sdpa=True),
                                 "torchtitan DeepSeekV3Model (MLA, MoE with a shared expert) with causal SDPA")
+titan_qwen3 = _named("titan_qwen3", _titan(lambda: _titan_qwen3_config(False), sdpa=False),
+                     "torchtitan Qwen3Model (qk-norm, cos/sin RoPE, tied table, flex attention)")
+titan_deepseek_v3 = _named("titan_deepseek_v3", _titan(_titan_deepseek_v3_config, sdpa=False),
+                           "torchtitan DeepSeekV3Model (MLA, MoE with a shared expert, flex attention)")
 
 tune_llama2 = _named("tune_llama2", _tune("llama2", intermediate_dim=FFN), "torchtune llama2")
 tune_llama3 = _named("tune_llama3", _tune("llama3", intermediate_dim=FFN), "torchtune llama3")

@@ -18,7 +18,8 @@ from fivedc.cli.main import load_graph  # noqa: E402
 from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E402
 
 ARCHITECTURES = (
-    "titan_llama3", "titan_llama3_sdpa", "titan_qwen3_sdpa", "titan_qwen3_moe_sdpa", "titan_deepseek_v3_sdpa",
+    "titan_llama3", "titan_llama3_sdpa", "titan_qwen3", "titan_qwen3_sdpa", "titan_qwen3_moe_sdpa",
+    "titan_deepseek_v3", "titan_deepseek_v3_sdpa",
     "tune_llama2", "tune_llama3", "tune_llama3_2", "tune_qwen2", "tune_mistral", "tune_phi3", "tune_gemma",
     "tune_gemma2",
 )

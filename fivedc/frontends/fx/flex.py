@@ -8,8 +8,9 @@ its log-sum-exp), that is `scaled_dot_product_attention(q, k, v, attn_mask=M, sc
 with M the `mask_mod` evaluated at every (batch, head, query, key) by torch's own
 `create_mask`; the block tables only skip work. M is computed from the buffers `mask_mod`
 reads, constants where the model builds them from positions, so the fx frontend folds it,
-and a causal M becomes `is_causal=True` (`patterns.causal_mask`), the IR's attention. Any
-other mask stops at the attention lowering, at its line, as any explicit mask does.
+and a causal M becomes `is_causal=True` (`patterns.causal_mask`), the IR's attention. SDPA
+with any other mask runs replicated (an ATen op with no sharding rule, listed in the plan
+with its line); a score_mod, or a read log-sum-exp, is refused at the call.
 
 The capture and the float64 reference run the model under `flex_attention_on_cpu`: torch
 refuses flex attention on CPU tensors that need gradients, and the reference computes with
@@ -67,6 +68,7 @@ class DenseMask:
 
         b, h, q, kv = self.shape
         device = buffers[0].device if buffers else "cpu"
+
         def mask_mod(batch, head, q_idx, kv_idx):  # four named arguments: create_mask counts them
             return self.mask_mod(batch, head, q_idx, kv_idx, *buffers)
 
@@ -77,8 +79,9 @@ def flex_attention_as_sdpa(gm: fx.GraphModule) -> bool:
     """Replace each flex_attention op of `gm` (an exported graph) by SDPA with its dense mask;
     whether there was one (its block tables are then dead code: `drop_dead`)."""
     graph, rewritten = gm.graph, False
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
     for node in list(graph.nodes):
-        if node.op != "call_function" or getattr(node.target, "__name__", "") != "flex_attention":
+        if flex is None or node.op != "call_function" or node.target is not flex:
             continue
         q, k, v, score_mod, block_mask, scale, _, score_buffers, mask_buffers = node.args[:9]
         where = node_loc(node)
