@@ -5,16 +5,14 @@ autocast off, which torch.export keeps as higher-order ops over submodules, and 
 `inv_freq.to(device=x.device, dtype=torch.float)`; both stopped the export path.
 These modules exercise the mechanisms themselves (they are not copies of a
 library's model): the rewritten graph must hold no wrapper, compute what the
-module computes, and refuse a no-grad region whose result depends on a parameter.
+module computes, and pass no gradient back through a no-grad region.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
-from fivedc.errors import NotSupportedError
 from fivedc.frontends.fx.export import export_graph
 
 
@@ -60,10 +58,21 @@ def test_region_wrappers_are_inlined_and_compute_the_same() -> None:
     assert to_calls and all(isinstance(n.kwargs["dtype"], torch.dtype) for n in to_calls)
 
 
-def test_a_no_grad_region_over_a_weight_is_refused_at_its_line() -> None:
-    with pytest.raises(NotSupportedError, match="no_grad\\(\\) region computes its result from trainable") as caught:
-        export_graph(NoGradOverAWeight().double(), {"x": torch.randn(2, 4, dtype=torch.float64)})
-    assert caught.value.loc is not None and caught.value.loc.file.endswith("test_fx_export.py")
+def test_a_no_grad_region_over_a_weight_passes_no_gradient_back() -> None:
+    """`scale = w.sum()` under `torch.no_grad()`: inlined and read through `detach`, so the
+    weight's gradient comes from the projection alone, as in the module."""
+    torch.manual_seed(0)
+    module, x = NoGradOverAWeight().double(), torch.randn(2, 4, dtype=torch.float64)
+    gm = export_graph(module, {"x": x})
+    assert "aten.detach.default" in _targets(gm)
+    got = gm(x)
+    got.backward()
+    exported = module.proj.weight.grad.clone()
+    module.zero_grad()
+    want = module(x)
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(exported, module.proj.weight.grad, rtol=0, atol=0)
 
 
 class LongPositionTable(nn.Module):

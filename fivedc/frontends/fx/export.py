@@ -110,11 +110,10 @@ _WRAPPERS = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4}
 def _inline_wrappers(gm: fx.GraphModule, *, trainable: set[str]) -> None:
     """Replace each region wrapper (`torch.no_grad()` or autocast around some ops, which
     export keeps as a higher-order op over a submodule) by the ops of its region. A
-    no-grad region may only compute from values that carry no gradient (tables from
-    buffers and shapes, as rotary embeddings do): inlined over trainable values it
-    would let gradients through where the user stopped them, so that is refused."""
-    from fivedc.errors import NotSupportedError
-
+    no-grad region's floating-point results computed from trainable values (a router's
+    threshold from its scores, a scale from a weight) are read through `detach`: what
+    the user computed without gradients passes none back, as in the module; tables
+    from buffers and shapes (rotary embeddings) need none."""
     graph = gm.graph
     carries = set()  # nodes whose value depends on a parameter or a floating-point input
     for node in list(graph.nodes):
@@ -129,14 +128,12 @@ def _inline_wrappers(gm: fx.GraphModule, *, trainable: set[str]) -> None:
                 carries.add(node)
             continue
         region = getattr(gm, node.args[wrapper].target)
-        _inline_wrappers(region, trainable=set())
         bound = [isinstance(a, fx.Node) and a in carries for a in node.args[wrapper + 1:]]
-        if node.target.__name__ == "wrap_with_set_grad_enabled" and not node.args[0] and _flows(region, bound):
-            raise NotSupportedError("a torch.no_grad() region computes its result from trainable values "
-                                    "(parameters or activations); fivedc would let gradients through it",
-                                    loc=_region_loc(node, region),
-                                    hint="compute the no-grad values from buffers and shapes only")
+        placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+        _inline_wrappers(region, trainable={p.name for p, b in zip(placeholders, bound) if b})
         outputs = _splice(graph, node, region, node.args[wrapper + 1:])
+        if node.target.__name__ == "wrap_with_set_grad_enabled" and not node.args[0] and _flows(region, bound):
+            outputs = [_detached(graph, node, o) for o in outputs]
         for user in list(node.users):  # the wrapper returns a tuple, read with getitem
             user.replace_all_uses_with(outputs[user.args[1]])
             graph.erase_node(user)
@@ -144,7 +141,16 @@ def _inline_wrappers(gm: fx.GraphModule, *, trainable: set[str]) -> None:
                 carries.add(outputs[user.args[1]])
         graph.erase_node(node)
     graph.eliminate_dead_code()
-    gm.recompile()
+
+
+def _detached(graph: fx.Graph, at: fx.Node, value):
+    """`value.detach()` before `at`, where it is a floating-point tensor node; else itself."""
+    if not isinstance(value, fx.Node) or not _is_float(value):
+        return value
+    with graph.inserting_before(at):
+        new = graph.call_function(torch.ops.aten.detach.default, (value,))
+    new.meta = {"val": value.meta["val"], **{k: at.meta[k] for k in ("stack_trace", "nn_module_stack") if k in at.meta}}
+    return new
 
 
 def _functional(graph: fx.Graph) -> None:
@@ -210,13 +216,6 @@ def _aliases(node: fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(overload, torch._ops.OpOverload):
         return False
     return any(r.alias_info is not None for r in overload._schema.returns)
-
-
-def _region_loc(node: fx.Node, region: fx.GraphModule):
-    """The user's line of a wrapper: its own, or its region's first op's."""
-    from fivedc.frontends.fx.locs import node_loc
-
-    return node_loc(node) or next(filter(None, map(node_loc, region.graph.nodes)), None)
 
 
 def _flows(region: fx.GraphModule, bound: list[bool]) -> bool:
