@@ -54,11 +54,40 @@ def _configs():
         "bloom": (T.BloomConfig, dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)),
         "opt": (T.OPTConfig, dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=64)),
+        # more of the library, each with its library defaults: a rotary over part of head_dim (GPT-NeoX,
+        # Phi, StableLM), parallel attention and MLP, LayerNorms with biases, ALiBi added to the scores
+        # (MPT), multi-query attention with fused QKV (GPTBigCode), learned or sinusoidal positions,
+        # local attention layers (GPT-Neo), scaling multipliers (Granite), more MoE blocks (OLMoE,
+        # GraniteMoE), and dense decoders of newer families
+        "gpt_neox": (T.GPTNeoXConfig, dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, rotary_pct=0.5, max_position_embeddings=64)),
+        "phi": (T.PhiConfig, dict(_DENSE, partial_rotary_factor=0.5)),
+        "stablelm": (T.StableLmConfig, dict(_DENSE, partial_rotary_factor=0.25)),
+        "starcoder2": (T.Starcoder2Config, _DENSE),
+        "granite": (T.GraniteConfig, dict(_DENSE, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                          attention_multiplier=0.3, logits_scaling=4.0)),
+        "mpt": (T.MptConfig, dict(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=64)),
+        "gpt_bigcode": (T.GPTBigCodeConfig, dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                                 multi_query=True)),
+        "codegen": (T.CodeGenConfig, dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                          n_positions=64, n_ctx=64)),
+        "olmoe": (T.OlmoeConfig, dict(_DENSE, num_experts=4, num_experts_per_tok=2)),
+        "granitemoe": (T.GraniteMoeConfig, dict(_DENSE, num_local_experts=4, num_experts_per_tok=2)),
+        "cohere": (T.CohereConfig, _DENSE),
+        "exaone4": (T.Exaone4Config, _DENSE),
+        "gpt_neo": (T.GPTNeoConfig, dict(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, window_size=4,
+                                         attention_types=[[["global", "local"], 1]], max_position_embeddings=64)),
+        "biogpt": (T.BioGptConfig, dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=64)),
+        "arcee": (T.ArceeConfig, _DENSE),
+        "seed_oss": (T.SeedOssConfig, dict(_DENSE, head_dim=8)),
     }
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
-                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron", "bloom", "opt")
+                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron", "bloom", "opt",
+                 "gpt_neox", "phi", "stablelm", "starcoder2", "granite", "mpt", "gpt_bigcode", "codegen", "olmoe",
+                 "granitemoe", "cohere", "exaone4", "gpt_neo", "biogpt", "arcee", "seed_oss")
 
 
 class CausalLMLoss(nn.Module):
@@ -121,8 +150,7 @@ def _factory(arch: str, default_loss: str = "library"):
 
 
 (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gpt2, mixtral, qwen3_moe, deepseek_v3, phi3, olmo2, falcon, glm,
- gptj, nemotron, bloom, opt) = map(_factory, ARCHITECTURES)
+ gptj, nemotron, bloom, opt, gpt_neox, phi, stablelm, starcoder2, granite, mpt, gpt_bigcode, codegen, olmoe, granitemoe,
+ cohere, exaone4, gpt_neo, biogpt, arcee, seed_oss) = map(_factory, ARCHITECTURES)
 # the same decoders under a training loop's own logits loss (`LogitsLoss`): `examples/hf_models.py:llama_logits`
-(llama_logits, mistral_logits, qwen2_logits, qwen3_logits, gemma_logits, gemma2_logits, gemma3_logits, gpt2_logits,
- mixtral_logits, qwen3_moe_logits, deepseek_v3_logits, phi3_logits, olmo2_logits, falcon_logits, glm_logits,
- gptj_logits, nemotron_logits, bloom_logits, opt_logits) = (_factory(a, "logits") for a in ARCHITECTURES)
+globals().update({f"{arch}_logits": _factory(arch, "logits") for arch in ARCHITECTURES})

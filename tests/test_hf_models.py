@@ -16,7 +16,9 @@ transformers = pytest.importorskip("transformers")
 from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E402
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
-                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron", "bloom", "opt")
+                 "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron", "bloom", "opt",
+                 "gpt_neox", "phi", "stablelm", "starcoder2", "granite", "mpt", "gpt_bigcode", "codegen", "olmoe",
+                 "granitemoe", "cohere", "exaone4", "gpt_neo", "biogpt", "arcee", "seed_oss")
 # compiled and verified in parallel by the tests below (llama, gpt2, gemma, qwen3_moe, deepseek_v3, olmo2, gptj), or
 # as a logits-loss model in tests/test_fx_hf_patterns.py (qwen3): not traced again here; all: the matrix
 COVERED_BELOW = ("llama", "gpt2", "gemma", "qwen3_moe", "qwen3", "deepseek_v3", "olmo2", "gptj")
