@@ -120,7 +120,8 @@ def baddbmm_written_out(graph: fx.Graph) -> None:
 
 
 def constant_expand_as(graph: fx.Graph, variable: set[str]) -> None:
-    """`variable`: the placeholders that are inputs or parameters."""
+    """`c.expand_as(x)` as `c.expand(x's shape)` where c reads none of the placeholders in
+    `variable` (the inputs and parameters)."""
     def expand(node: fx.Node, value: torch.Tensor) -> fx.Node | None:
         if _reads(node.args[0], variable):
             return None

@@ -229,11 +229,11 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
     dims (a reduction, scan or slice): one tensor argument; its `dim` (all dims when it has
     none) is `along`; each result keeps the other dims, and along those it keeps the dim
     (softmax, cumsum), or has size 1 (keepdim), none (reduced away, select) or a new dim
-    (topk's k, a slice). A pointwise op with a constant tensor (a table, a mask) cuts it, along the
-    dims it spans, to the rows of the rank's shards (`rows`: the sequence's positions, the
-    batch's first rows where every batch row is alike, any other dim's shard), and sees whole
-    only a dim where a constant differs between batch rows; an op along dims of several tensors (a cat) takes them of one rank,
-    their other dims one; an expand runs along the dims it grows. A matmul of two activations
+    (topk's k, a slice). A pointwise op with a constant tensor (a table, a mask) cuts it,
+    along the dims it spans, to the rows of the rank's shards (`rows`: the sequence's
+    positions, the batch's first rows where every batch row is alike, any other dim's
+    shard), and sees whole only a dim where a constant differs between batch rows; an op
+    along dims of several tensors (a cat) takes them of one rank, their other dims one; an expand runs along the dims it grows. A matmul of two activations
     (`q @ k^T` written out): its batch dims and the first's rows (`_matmul_layout`)."""
     rule = local_rule(overload)
     if rule == "replicated" or not tensors:
