@@ -6,6 +6,7 @@ token's document start, computed from positions that restart at every document).
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -15,8 +16,13 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama  # noqa: E402  examples/llama.py
 
-compiled_flex_attention = torch.compile(flex_attention)  # as torchtitan compiles them, once
-compiled_create_block_mask = torch.compile(create_block_mask)
+
+@functools.cache
+def compiled() -> tuple:
+    """`torch.compile`d flex_attention and create_block_mask, as torchtitan compiles them, once;
+    made at the first forward, so the ranks (which never run the module's forward) do not
+    start the compiler."""
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
 
 
 class FlexAttention(llama.Attention):
@@ -39,8 +45,9 @@ class FlexAttention(llama.Attention):
         def document_mask(batch, head, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (kv_idx >= starts[batch, q_idx])
 
-        block_mask = compiled_create_block_mask(document_mask, b, None, s, s, device=x.device)
-        out = compiled_flex_attention(q, k, v, score_mod=self.score_mod, block_mask=block_mask, enable_gqa=True)
+        flex, block_mask_of = compiled()
+        block_mask = block_mask_of(document_mask, b, None, s, s, device=x.device)
+        out = flex(q, k, v, score_mod=self.score_mod, block_mask=block_mask, enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

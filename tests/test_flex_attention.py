@@ -25,8 +25,8 @@ def _ops(graph, kind: str) -> list:
 def test_flex_attention_over_a_causal_block_mask_is_the_irs_causal_attention(worker_pool) -> None:
     """One document per row: the block mask is the causal mask, so each layer's flex attention
     is the IR's causal attention (ring attention under cp), nothing runs replicated, and the
-    model trains as on one device (its reference: torch's eager flex_attention op, float64) under
-    pp2·cp2 in two microbatches."""
+    model trains as on one device (its reference: torch's eager flex_attention op, float64) in
+    a pipeline of two microbatches (the IR's attention on other axes: tests/test_context_parallel.py)."""
     from flex_models import flex_causal
 
     module, inputs = flex_causal()
@@ -36,7 +36,7 @@ def test_flex_attention_over_a_causal_block_mask_is_the_irs_causal_attention(wor
     assert not [op for op in _ops(tm.graph, "aten") if op.attr("rule") == "replicated"]
     with flex_attention_on_cpu(eager=True):  # torch refuses flex attention's CPU backward otherwise
         assert_same_as_module(tm, module, inputs)
-    report = check_module(f"{MODELS}:flex_causal", mesh="1x2x1x2x1", steps=2, dtype="fp64", pool=worker_pool,
+    report = check_module(f"{MODELS}:flex_causal", mesh="1x2x1x1x1", steps=2, dtype="fp64", pool=worker_pool,
                           microbatches=2)
     assert report.max_error <= 1e-10, report
 
@@ -64,5 +64,5 @@ def test_flex_attention_with_a_score_mod_is_refused_at_its_line(tmp_path, capsys
     out = tmp_path / "p.plan.json"
     assert main(["compile", f"{MODELS}:flex_softcap", "--mesh", "1x1x1x1x1", "-o", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "flex_attention with a score_mod" in err and "flex_models.py:43:" in err, err
+    assert "flex_attention with a score_mod" in err and "flex_models.py:51:" in err, err
     assert "Traceback" not in err and not out.exists()
