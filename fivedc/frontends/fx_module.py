@@ -134,7 +134,8 @@ def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str |
 
 def _trace(module: nn.Module, example_inputs: tuple | dict, name: str | None, stage_boundaries) -> TracedModel:
     blocks(module)  # MoE blocks are probed at the module's own precision (fivedc/frontends/fx/moe.py)
-    with float64_everywhere(is_float64(module)), flex_attention_on_cpu(eager=True):  # fivedc/frontends/fx/precision.py, flex.py
+    # the model's own runs: float64 (fivedc/frontends/fx/precision.py), flex attention eager (fx/flex.py)
+    with float64_everywhere(is_float64(module)), flex_attention_on_cpu(eager=True):
         with moe_leaves(module, on=_leaves_keep_outputs(module, example_inputs)):  # fivedc/frontends/fx/moe_leaves.py
             trace = trace_graphs(module, example_inputs)
             try:

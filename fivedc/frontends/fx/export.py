@@ -141,6 +141,7 @@ def _inline_wrappers(gm: fx.GraphModule, *, trainable: set[str]) -> None:
                 carries.add(outputs[user.args[1]])
         graph.erase_node(node)
     graph.eliminate_dead_code()
+    gm.recompile()
 
 
 def _detached(graph: fx.Graph, at: fx.Node, value):
