@@ -517,23 +517,12 @@ def alibi(seed: int = 0):
     return llama.factory(seed=seed, args=llama.ModelArgs(), model_class=AlibiLlama)
 
 
-class PerRowAlibiAttention(AlibiAttention):
-    per_row = True
-
-
-class PerRowAlibiBlock(ReluSquaredBlock):
-    def __init__(self, args: llama.ModelArgs) -> None:
-        super().__init__(args)
-        self.attention = PerRowAlibiAttention(args)
-
-
-class PerRowAlibiLlama(llama.Transformer):
-    block = PerRowAlibiBlock
-
-
 def per_row_alibi(seed: int = 0):
     """`alibi` with a penalty that differs between batch rows."""
-    return llama.factory(seed=seed, args=llama.ModelArgs(), model_class=PerRowAlibiLlama)
+    module, inputs = alibi(seed)
+    for layer in module.layers:
+        layer.attention.per_row = True
+    return module, inputs
 
 
 class OffsetPositions(RunningSum):

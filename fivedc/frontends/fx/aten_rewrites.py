@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fivedc.frontends.fx.recognise import depends_on
 from fivedc.ir.aten_call import bind
 
 aten = torch.ops.aten
@@ -47,16 +48,16 @@ aten = torch.ops.aten
 def stack_as_cat(graph: fx.Graph) -> None:
     def cat(node: fx.Node, value: torch.Tensor) -> fx.Node:
         dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % value.dim()
-        parts = [_call(graph, node, aten.unsqueeze.default, (t, dim), _val(t, lambda v: v.unsqueeze(dim)))
+        parts = [call_like(graph, node, aten.unsqueeze.default, (t, dim), _val(t, lambda v: v.unsqueeze(dim)))
                  for t in node.args[0]]
-        return _call(graph, node, aten.cat.default, (parts, dim), value)
+        return call_like(graph, node, aten.cat.default, (parts, dim), value)
 
     _replace_calls(graph, aten.stack.default, cat)
 
 
 def numpy_T_as_permute(graph: fx.Graph) -> None:  # noqa: N802 (the operator's name)
     def permute(node: fx.Node, value: torch.Tensor) -> fx.Node:
-        return _call(graph, node, aten.permute.default, (node.args[0], list(range(value.dim()))[::-1]), value)
+        return call_like(graph, node, aten.permute.default, (node.args[0], list(range(value.dim()))[::-1]), value)
 
     _replace_calls(graph, aten.numpy_T.default, permute)
 
@@ -77,7 +78,7 @@ def constant_index_as_slice(graph: fx.Graph, constants: dict[str, torch.Tensor])
         step = rest[0] - start if rest else 1
         if step <= 0 or [start + step * k for k in range(len(positions))] != [start, *rest]:
             return None
-        return _call(graph, node, aten.slice.Tensor, (x, dim, start, start + step * (len(positions) - 1) + 1, step),
+        return call_like(graph, node, aten.slice.Tensor, (x, dim, start, start + step * (len(positions) - 1) + 1, step),
                      value)
 
     _replace_calls(graph, aten.index.Tensor, slice_of)
@@ -92,11 +93,11 @@ def computed_norm_weights_apart(graph: fx.Graph, parameters: set[str]) -> None:
                for t in (weight, bias)):
             return None
         plain = dict(bound, weight=None) | ({"bias": None} if "bias" in bound else {})
-        out = _call(graph, node, node.target, tuple(plain.values()), value)
+        out = call_like(graph, node, node.target, tuple(plain.values()), value)
         if weight is not None:
-            out = _call(graph, node, aten.mul.Tensor, (out, weight), value)
+            out = call_like(graph, node, aten.mul.Tensor, (out, weight), value)
         if bias is not None:
-            out = _call(graph, node, aten.add.Tensor, (out, bias), value)
+            out = call_like(graph, node, aten.add.Tensor, (out, bias), value)
         return out
 
     for target in (aten.layer_norm.default, aten.rms_norm.default):
@@ -107,14 +108,15 @@ def baddbmm_written_out(graph: fx.Graph) -> None:
     def written_out(node: fx.Node, value: torch.Tensor) -> fx.Node:
         bound = _bound(node)
         a, b, bias = bound["batch1"], bound["batch2"], bound["self"]
-        product = _call(graph, node, aten.bmm.default, (a, b), _val2(a, b, torch.bmm))
+        product = call_like(graph, node, aten.bmm.default, (a, b), _val2(a, b, torch.bmm))
         if bound["alpha"] != 1:
-            product = _call(graph, node, aten.mul.Tensor, (product, bound["alpha"]), product.meta.get("val"))
+            product = call_like(graph, node, aten.mul.Tensor, (product, bound["alpha"]), product.meta.get("val"))
         if bound["beta"] == 0:
             return product
         if bound["beta"] != 1:
-            bias = _call(graph, node, aten.mul.Tensor, (bias, bound["beta"]), _val(bias, lambda v: v * bound["beta"]))
-        return _call(graph, node, aten.add.Tensor, (bias, product), value)
+            scaled = _val(bias, lambda v: v * bound["beta"])
+            bias = call_like(graph, node, aten.mul.Tensor, (bias, bound["beta"]), scaled)
+        return call_like(graph, node, aten.add.Tensor, (bias, product), value)
 
     _replace_calls(graph, aten.baddbmm.default, written_out)
 
@@ -123,25 +125,11 @@ def constant_expand_as(graph: fx.Graph, variable: set[str]) -> None:
     """`c.expand_as(x)` as `c.expand(x's shape)` where c reads none of the placeholders in
     `variable` (the inputs and parameters)."""
     def expand(node: fx.Node, value: torch.Tensor) -> fx.Node | None:
-        if _reads(node.args[0], variable):
+        if depends_on(node.args[0], lambda n: n.op == "placeholder" and n.name in variable):
             return None
-        return _call(graph, node, aten.expand.default, (node.args[0], [int(s) for s in value.shape]), value)
+        return call_like(graph, node, aten.expand.default, (node.args[0], [int(s) for s in value.shape]), value)
 
     _replace_calls(graph, aten.expand_as.default, expand)
-
-
-def _reads(node, placeholders: set[str]) -> bool:
-    """Whether `node` is computed from any of `placeholders`."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if not isinstance(n, fx.Node) or n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder" and n.name in placeholders:
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
 
 
 def _bound(node: fx.Node) -> dict:
@@ -193,13 +181,13 @@ def complex_products_as_real(graph: fx.Graph) -> None:
 def _write_out(graph: fx.Graph, node: fx.Node, x: fx.Node, c: fx.Node) -> None:
     """Replace `node` (view_as_real of view_as_complex(x) * c) by the product on real parts."""
     with graph.inserting_before(node):
-        table = _call(graph, node, aten.view_as_real.default, (c,), _val(c, torch.view_as_real))
+        table = call_like(graph, node, aten.view_as_real.default, (c,), _val(c, torch.view_as_real))
 
         def part(t, i):
-            return _call(graph, node, aten.select.int, (t, -1, i), _val(t, lambda v: v.select(-1, i)))
+            return call_like(graph, node, aten.select.int, (t, -1, i), _val(t, lambda v: v.select(-1, i)))
 
         def binary(target, fn, a, b):
-            return _call(graph, node, target, (a, b), _val2(a, b, fn))
+            return call_like(graph, node, target, (a, b), _val2(a, b, fn))
 
         def mul(a, b):
             return binary(aten.mul.Tensor, torch.mul, a, b)
@@ -207,13 +195,15 @@ def _write_out(graph: fx.Graph, node: fx.Node, x: fx.Node, c: fx.Node) -> None:
         xr, xi, cr, ci = part(x, 0), part(x, 1), part(table, 0), part(table, 1)
         real = binary(aten.sub.Tensor, torch.sub, mul(xr, cr), mul(xi, ci))
         imag = binary(aten.add.Tensor, torch.add, mul(xr, ci), mul(xi, cr))
-        stacked = _call(graph, node, aten.stack.default, ([real, imag], -1), node.meta.get("val"))
+        stacked = call_like(graph, node, aten.stack.default, ([real, imag], -1), node.meta.get("val"))
     node.replace_all_uses_with(stacked)
     graph.erase_node(node)
 
 
-def _call(graph: fx.Graph, like: fx.Node, target, args: tuple, val) -> fx.Node:
-    new = graph.call_function(target, args)
+def call_like(graph: fx.Graph, like: fx.Node, target, args: tuple, val, kwargs: dict | None = None) -> fx.Node:
+    """A call of `target` at the graph's insertion point, with `like`'s user stack trace and
+    module path, and `val` (a fake tensor) as its example value where there is one."""
+    new = graph.call_function(target, args, kwargs or {})
     new.meta = {k: v for k, v in like.meta.items() if k in ("stack_trace", "nn_module_stack")}
     if val is not None:
         new.meta["val"] = val

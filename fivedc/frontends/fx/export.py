@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.frontends.fx.aten_rewrites import (baddbmm_written_out, complex_products_as_real,
+from fivedc.frontends.fx.aten_rewrites import (baddbmm_written_out, call_like, complex_products_as_real,
                                                computed_norm_weights_apart, constant_expand_as, constant_index_as_slice,
                                                numpy_T_as_permute, stack_as_cat)
 from fivedc.frontends.fx.fill_writes import fill_writes
@@ -149,9 +149,7 @@ def _detached(graph: fx.Graph, at: fx.Node, value):
     if not isinstance(value, fx.Node) or not _is_float(value):
         return value
     with graph.inserting_before(at):
-        new = graph.call_function(torch.ops.aten.detach.default, (value,))
-    new.meta = {"val": value.meta["val"], **{k: at.meta[k] for k in ("stack_trace", "nn_module_stack") if k in at.meta}}
-    return new
+        return call_like(graph, at, torch.ops.aten.detach.default, (value,), value.meta["val"])
 
 
 def _functional(graph: fx.Graph) -> None:

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from fivedc.errors import NotSupportedError
+from fivedc.frontends.fx.aten_rewrites import call_like
 from fivedc.frontends.fx.locs import node_loc
 
 
@@ -95,12 +96,9 @@ def flex_attention_as_sdpa(gm: fx.GraphModule) -> bool:
         shape_q, shape_k = (tuple(int(size) for size in t.meta["val"].shape) for t in (q, k))
         dense = DenseMask(getattr(gm, block_mask[-1].target), (shape_q[0], shape_q[1], shape_q[2], shape_k[2]))
         with graph.inserting_before(node):
-            mask = graph.call_function(dense, tuple(mask_buffers))
-            sdpa = graph.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v),
-                                       {"attn_mask": mask, "scale": float(scale),
-                                        "enable_gqa": shape_q[1] != shape_k[1]})
-        for new in (mask, sdpa):
-            new.meta = {key: node.meta[key] for key in ("stack_trace", "nn_module_stack") if key in node.meta}
+            mask = call_like(graph, node, dense, tuple(mask_buffers), None)
+            sdpa = call_like(graph, node, torch.ops.aten.scaled_dot_product_attention.default, (q, k, v), None,
+                             {"attn_mask": mask, "scale": float(scale), "enable_gqa": shape_q[1] != shape_k[1]})
         for user in list(node.users):
             if user.users:
                 user.replace_all_uses_with(sdpa)

@@ -303,7 +303,7 @@ def _cut_to_shards(lw: Lowering, group: tuple[int, ...], from_end: int, consts: 
     its dims: yes, but where a constant differs from one batch row to the next (a microbatch
     does not know which rows of the batch it holds; rows alike, it takes the first)."""
     leaves = lw.dims.leaves(group)
-    batch = set(lw.dims.leaves((lw.batch_atom,))) if lw.batch_atom is not None else set()
+    batch = set(lw.dims.leaves(tuple(lw.token_atoms[:1])))  # the first input's first dim
     sizes = [lw.dims.size(leaf) for leaf in leaves]
     for c in consts:
         j = c.dim() - from_end

@@ -46,7 +46,6 @@ class Lowering:
         self.repeats = {spec.calls[0]: spec for spec in trace.repeats}
         self.later = {n for spec in trace.repeats for n in spec.calls[1:]}
         self.seq_atom: int | None = None
-        self.batch_atom: int | None = None
         self.token_atoms: list[int] = []  # the inputs' batch and sequence dims
         self.owners: dict[int, tuple[str, str]] = {}  # id of a parameter tensor -> (key, role) of its first use
         self.inputs: list = []
@@ -94,7 +93,6 @@ class Lowering:
             self.token_atoms.extend(atoms[:2])
             if batch is None:
                 batch, self.seq_atom = atoms[0], atoms[1] if len(atoms) > 1 else None
-                self.batch_atom = batch
             else:
                 self.unify((batch,), atoms[:1], node, f"input {name} must start with the batch dim")
             value = DValue(name, atoms, dtype)

@@ -32,7 +32,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fivedc.frontends.fx.recognise import CASTS, capped_attention, op_name, reference_rope, rms_norm, rope, swiglu
+from fivedc.frontends.fx.recognise import (CASTS, capped_attention, depends_on, op_name, reference_rope, rms_norm,
+                                           rope, swiglu)
 from fivedc.ir.ops import freqs_text
 
 
@@ -288,16 +289,8 @@ class _Matcher:
 
     def constant(self, node) -> bool:
         """Whether `node` depends on neither the inputs nor a parameter (a table from buffers and shapes)."""
-        seen, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if not isinstance(n, fx.Node) or n in seen:
-                continue
-            seen.add(n)
-            if n.op == "placeholder" or (n.op == "get_attr" and isinstance(self.value(n), nn.Parameter)):
-                return False
-            stack.extend(n.all_input_nodes)
-        return True
+        return not depends_on(node, lambda n: n.op == "placeholder" or (
+            n.op == "get_attr" and isinstance(self.value(n), nn.Parameter)))
 
     def rope_theta(self, x: fx.Node, cos, sin) -> tuple[float, int, str] | None:
         """(theta, the sequence axis, the frequencies) for which x * cos + rotate_half(x) * sin is

@@ -113,6 +113,20 @@ def op_name(node: fx.Node, root: nn.Module) -> str | None:
     return None
 
 
+def depends_on(node, hit) -> bool:
+    """Whether `node`, or any node it is computed from, satisfies `hit(node)`."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if hit(n):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
 # ---- modules recognised by name (and checked by value) --------------------------------
 _RMS_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
