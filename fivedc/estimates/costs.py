@@ -19,7 +19,9 @@ at the network's otherwise (where the group has g GPUs in each node, g NICs carr
 plus a latency per algorithm step. Which ranks share a node follows from the rank
 order (`Mesh.group_ranks`). A unit's collectives are on its critical path unless the
 plan says they overlap (`Collective.overlaps`): ring attention's hops hide behind the
-attention they feed.
+attention they feed, and a linear input's backward sum behind the weight gradients of
+the linears reading it (`UnitTime.hidden`, as much of the sum as those take, in a
+whole backward B only: a split one runs W later).
 
 `unit_costs` gives the seconds of each unit once; the schedule simulator and the
 step-time model (`fivedc/estimates/step_time.py`) only add them up, so a layout search can
@@ -63,11 +65,14 @@ class UnitTime:
     forward: float
     backward_input: float
     backward_weight: float
-    comm: float = 0.0  # of the three, seconds in blocking collectives (forward and backward)
+    comm: float = 0.0  # of the three, seconds in collectives on the unit's path (forward and backward)
+    hidden: float = 0.0  # of `comm`, backward sums that a whole backward runs behind weight gradients
 
     @property
     def backward(self) -> float:
-        return self.backward_input + self.backward_weight
+        """B, a whole backward: the sums the plan overlaps with weight gradients are hidden
+        behind them (a split backward, I then W, cannot: W comes later)."""
+        return self.backward_input + self.backward_weight - self.hidden
 
 
 def op_work(c: SaveContext, op: Op) -> Work:
@@ -181,6 +186,8 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
         repeat = graph.body.items[unit.start]
         items = repeat.body.items
     fwd = bwd_in = bwd_w = comm = 0.0
+    behind: dict[str, float] = {}  # a redistribution's backward sum overlapped with weight gradients
+    weights: dict[str, float] = {}  # and the weight-gradient seconds of the linears reading it
     per = repeat.count if repeat else 1
     for node in items:
         if isinstance(node, Redistribute):
@@ -193,10 +200,14 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             f, i = seconds(node.forward), seconds(node.backward)
             w = seconds(node.forward, K.ALL_GATHER) if node.out in again else 0.0  # SP: gathered again
             fwd, bwd_in, bwd_w, comm = fwd + f, bwd_in + i, bwd_w + w, comm + f + i + w
+            if any(x.overlaps for x in node.backward):
+                behind[node.out] = i
             continue
         if not isinstance(node, Op):
             continue
         f, i, w = op_times(c, node, hw)
+        if node.kind == "linear" and node.args[0] in behind:
+            weights[node.args[0]] = weights.get(node.args[0], 0.0) + w
         extra_f, extra_i = _op_collectives(c, node, hw, f), _op_collectives(c, node, hw, i, backward=True)
         f, i, comm = f + extra_f, i + extra_i, comm + extra_f + extra_i
         if recomputes_op(node, repeat, recompute):
@@ -204,7 +215,8 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
         fwd, bwd_in, bwd_w = fwd + f, bwd_in + i, bwd_w + w
     if repeat is not None and recomputes_layer(repeat, recompute):
         bwd_in += fwd  # the whole layer's forward again
-    return UnitTime(fwd, bwd_in, bwd_w, comm)
+    hidden = sum(min(seconds, weights.get(name, 0.0)) for name, seconds in behind.items())
+    return UnitTime(fwd, bwd_in, bwd_w, comm, hidden)
 
 
 def _op_collectives(c: SaveContext, op: Op, hw: Hardware, compute: float, *, backward: bool = False) -> float:

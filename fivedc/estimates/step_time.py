@@ -7,6 +7,9 @@ A step (`estimate_time`) is
    microbatch (`fivedc/estimates/costs.py`: its units' roofline compute and blocking
    collectives), transfers delaying their RECV by their send/recv time over pp; its
    makespan and idle share (the bubble). Without a pipeline: one forward and backward.
+   A whole backward (B) hides tensor parallelism's backward sums behind the weight
+   gradients the plan overlaps them with (`UnitTime.hidden`); a schedule that splits it
+   into I and W (`SPLIT_BACKWARD`) hides none: the runtime leaves every dW to W there.
 2. the gradient sync the compute does not hide: summed over each parameter's ZeRO
    group (all-reduce; ZeRO-1/2 reduce-scatter), during backward when the plan overlaps
    it (no pipeline, overlap on, not ZeRO-1: only what exceeds the backward before the
@@ -37,6 +40,7 @@ from fivedc.estimates.saved import SaveContext
 from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec
+from fivedc.schedule.generators import SPLIT_BACKWARD
 
 K = CollectiveKind
 
@@ -71,7 +75,7 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
     if pipeline is None:
         makespan, bubble = sum(t.forward + t.backward for t in times), 0.0
         backward, last = sum(t.backward for t in times), times[0].backward if times else 0.0
-        comm = [sum(t.comm for t in times)]
+        comm = [sum(t.comm - t.hidden for t in times)]
     else:
         makespan, bubble, comm = _pipelined(c, pipeline, mesh, hw, times, memo)
         backward = last = 0.0
@@ -104,10 +108,11 @@ def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware,
 
     per = {"F": [], "B": [], "I": [], "W": []}
     travel = []
+    whole = pipeline.schedule not in SPLIT_BACKWARD  # else the runtime leaves every dW to W: nothing hides
     for chunk in pipeline.chunks:
         mine = times[chunk.units[0]:chunk.units[1]]
         per["F"].append(sum(t.forward for t in mine))
-        per["B"].append(sum(t.backward for t in mine))
+        per["B"].append(sum(t.backward if whole else t.backward_input + t.backward_weight for t in mine))
         per["I"].append(sum(t.backward_input for t in mine))
         per["W"].append(sum(t.backward_weight for t in mine))
         nbytes = sum(c.value_bytes(n) for n in chunk.sends)
@@ -118,7 +123,8 @@ def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware,
     makespan, bubble = memo.get(key, lambda: _play(pipeline.build_schedule(mesh.size(MeshAxis.PP)), per, delays))
     comm = [0.0] * mesh.size(MeshAxis.PP)
     for chunk in pipeline.chunks:
-        comm[chunk.rank] += pipeline.microbatches * sum(t.comm for t in times[chunk.units[0]:chunk.units[1]])
+        comm[chunk.rank] += pipeline.microbatches * sum(t.comm - (t.hidden if whole else 0.0)
+                                                        for t in times[chunk.units[0]:chunk.units[1]])
     return makespan, bubble, comm
 
 

@@ -23,6 +23,8 @@ largest, not their sum, is added to what the rank keeps):
 - MoE all-to-all: the rows sent to the experts and back ([R, hidden] each way);
 - ring attention: the K/V block in hand and the one arriving, and in backward their
   gradient accumulators (4 x the packed K/V block at the dtype, 6 x at float32);
+- weight gradients put off behind a tensor-parallel sum: the output gradients of the
+  linears reading the summed input, the input's gradient and the sum's buffer;
 - pipeline sends: one forward and one backward send buffer in flight (2 x the
   largest boundary);
 - tied parameters: the flat buffer their holders all-reduce their gradients in (the
@@ -101,7 +103,7 @@ def _zero_parts(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec 
     return out
 
 
-UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "ring K/V")
+UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "ring K/V", "weight gradients put off")
 
 
 def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit], recompute: str) -> list[tuple[int, ...]]:
@@ -112,7 +114,8 @@ def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit], recompute: 
         key = ("layer", unit.start) if unit.layer is not None else (unit.start, unit.stop)
         if key not in cache:
             cache[key] = (working_set(c, graph, unit, recompute), loss_bytes(c, graph, unit),
-                          _kernel_buffers(c, graph, unit, "moe"), _kernel_buffers(c, graph, unit, "attention"))
+                          _kernel_buffers(c, graph, unit, "moe"), _kernel_buffers(c, graph, unit, "attention"),
+                          put_off_bytes(c, graph, unit))
         out.append(cache[key])
     return out
 
@@ -143,6 +146,20 @@ def loss_bytes(c: SaveContext, graph: Graph, unit: Unit) -> int:
     # two logits-sized tensors at once (16-bit logits: computed in float32, fivedc/runtime/precision.py)
     return max((2 * c.value_numel(op.args[0]) * c.compute_bytes for op in items
                 if isinstance(op, Op) and op.kind == "cross_entropy"), default=0)
+
+
+def put_off_bytes(c: SaveContext, graph: Graph, unit: Unit) -> int:
+    """Where a linear input's backward sum runs behind its readers' weight gradients
+    (`fivedc/runtime/tp_overlap.PutOff`): the readers' output gradients, kept for dW until
+    the sum starts, beside the input's gradient and the sum's buffer."""
+    items, _ = _items(graph, unit)
+    best = 0
+    for node in items:
+        if isinstance(node, Redistribute) and any(x.overlaps for x in node.backward):
+            readers = sum(c.value_bytes(op.out) for op in items
+                          if isinstance(op, Op) and op.kind == "linear" and op.args[0] == node.out)
+            best = max(best, readers + 2 * c.value_bytes(node.out))
+    return best
 
 
 def _kernel_buffers(c: SaveContext, graph: Graph, unit: Unit, kind: str) -> int:

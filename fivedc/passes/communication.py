@@ -13,6 +13,18 @@ line. Consumers that need the same thing share one node. Per mesh axis:
     split d  -> split e       all-to-all       all-to-all back
     replicated -> split d     slice (local)    all-gather
     replicated -> replicated  -                all-reduce if partial grads (Megatron's f)
+
+With overlap on, a backward sum (one all-reduce or reduce-scatter) of a linear's input
+runs behind that linear's weight gradient, as Megatron's async tensor parallelism: the
+linears that read the redistributed value put off dW = X^T dY until their input
+gradient's sum has started, then compute it while the sum runs
+(`fivedc/runtime/tp_overlap.py`). The collective's `overlaps` names those weights; the
+step time hides it behind their weight-gradient seconds (`UnitTime.hidden`) except
+under a split backward (zero-bubble's W runs later). Not marked under ZeRO-3 without
+a pipeline (a weight there is gathered at its use and its gradient reduce-scattered
+by its group's gather, `fivedc/runtime/zero3.py`, whose order of collectives this
+would move), nor for a weight whose gradient is kept on one rank only
+(`ArgSpec.grad_once`).
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from typing import ClassVar
 
 from fivedc.errors import NotSupportedError, PassError
 from fivedc.ir.graph import (
-    ArgSpec, Block, Collective, CollectiveKind, Graph, Phase, Redistribute, Repeat, TensorType,
+    ArgSpec, Block, Collective, CollectiveKind, Graph, Op, Phase, Redistribute, Repeat, TensorType,
 )
 from fivedc.ir.mesh import MESH_ORDER, Mesh, MeshAxis
 from fivedc.ir.sharding import Sharding
@@ -43,6 +55,29 @@ class _Where:
 
 
 Step = tuple[K, MeshAxis, "str | None", "str | None"]  # kind, axis, dim, second dim
+
+
+def behind_weight_grads(items: list, params: set[str]) -> list:
+    """`items` with the backward sum of each linear's redistributed input marked as
+    overlapping the weight gradients of the linears reading it (see the module's doc)."""
+    out = list(items)
+    for index, node in enumerate(out):
+        if not isinstance(node, Redistribute) or len(node.backward) != 1:
+            continue
+        (step,) = node.backward
+        weights = weight_readers(out, node.out, params)
+        if step.kind in (K.ALL_REDUCE, K.REDUCE_SCATTER) and weights:
+            overlaps = f"the weight gradients of {', '.join(weights)} (computed while it runs)"
+            out[index] = replace(node, backward=(replace(step, overlaps=overlaps),))
+    return out
+
+
+def weight_readers(items, value: str, params) -> tuple[str, ...]:
+    """The weights (in `params`) of the linears among `items` that read `value` as their
+    input, in order, each once; not a weight whose gradient is kept on one rank only."""
+    return tuple(dict.fromkeys(
+        op.args[1] for op in items if isinstance(op, Op) and op.kind == "linear" and op.args[0] == value
+        and isinstance(op.args[1], str) and op.args[1] in params and not (op.arg_specs[1] and op.arg_specs[1].grad_once)))
 
 
 def plan_steps(
@@ -160,6 +195,9 @@ class _Inserter:
                 args[index] = self.ensure(arg, need, env, cache, items, where)
             items.append(replace(item, args=tuple(args)))
             env[item.out] = (item.sharding, f"{item.kind} at {item.loc}", item.type)
+        if self.options.overlap and not (self.options.zero == 3 and self.mesh.size(MeshAxis.PP) == 1):
+            params = {name for name, (_, producer, _) in env.items() if producer.startswith("parameter ")}
+            items = behind_weight_grads(items, params)
         return replace(block, items=tuple(items))
 
     def repeat(self, item: Repeat, env: dict, cache: dict, *, count: int) -> list:

@@ -8,6 +8,11 @@ group-index order (`MeshGroups.index`), steps over a group of one rank are no-op
 and the input tensor is never modified. Where a process group's rank order
 differs from group-index order (`MeshGroups.positions`), chunks are reordered.
 gloo gets reduce_scatter as all_reduce + slice; NCCL uses the native op.
+
+A backward sum the plan overlaps with weight gradients (`Collective.overlaps`, set by
+`fivedc/passes/communication.py`) runs async: `redistribute(..., put_off=)` starts it
+(`start_sum`), computes the weight gradients its readers put off
+(`fivedc/runtime/tp_overlap.py`), then waits.
 """
 
 from __future__ import annotations
@@ -63,24 +68,60 @@ def apply_steps(x: Tensor, steps: Sequence[Step], groups: MeshGroups) -> Tensor:
 
 
 def redistribute(
-    x: Tensor, forward: Sequence[Step], backward: Sequence[Step], groups: MeshGroups
+    x: Tensor, forward: Sequence[Step], backward: Sequence[Step], groups: MeshGroups, put_off: Any = None
 ) -> Tensor:
-    """`forward` steps on x; `backward` steps on the gradient flowing back into x."""
-    return _Redistribute.apply(x, tuple(forward), tuple(backward), groups)
+    """`forward` steps on x; `backward` steps on the gradient flowing back into x. With
+    `put_off` (a `fivedc.runtime.tp_overlap.PutOff`), the backward's one sum starts async,
+    the readers' weight gradients are computed while it runs and given to the weights."""
+    weights = put_off.weights if put_off is not None else ()
+    return _Redistribute.apply(x, tuple(forward), tuple(backward), groups, put_off, *weights)
 
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, forward: tuple[Step, ...], backward: tuple[Step, ...], groups: MeshGroups
+        ctx: Any, x: Tensor, forward: tuple[Step, ...], backward: tuple[Step, ...], groups: MeshGroups, put_off: Any,
+        *weights: Tensor,
     ) -> Tensor:
-        ctx.backward_steps = backward
-        ctx.groups = groups
+        ctx.backward_steps, ctx.groups, ctx.put_off = backward, groups, put_off
         return apply_steps(x, forward, groups)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return apply_steps(grad, ctx.backward_steps, ctx.groups), None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.put_off is None:
+            return apply_steps(grad, ctx.backward_steps, ctx.groups), None, None, None, None
+        (step,) = ctx.backward_steps
+        finish = start_sum(grad, step, ctx.groups)
+        weight_grads = ctx.put_off.weight_grads()
+        return finish(), None, None, None, None, *weight_grads
+
+
+def start_sum(x: Tensor, step: Step, groups: MeshGroups):
+    """Start `step` (an all_reduce or reduce_scatter) on `x` async; a function that waits for
+    it and returns what `apply_steps(x, [step])` returns."""
+    n = groups.size(step.axes)
+    if n == 1:
+        out = x.clone()
+        return lambda: out
+    group = groups.group(step.axes)
+    if step.kind == "reduce_scatter" and _native(x, group):
+        _chunk_size(x, step, n)
+        chunks = x.chunk(n, dim=step.dim)  # type: ignore[arg-type]
+        inputs = [chunks[i].contiguous() for i in groups.positions(step.axes)]
+        out = torch.empty_like(inputs[0])
+        work = dist.reduce_scatter(out, inputs, group=group, async_op=True)
+    else:
+        if step.kind == "reduce_scatter":
+            _chunk_size(x, step, n)
+        elif step.kind != "all_reduce":
+            raise PassError(f"{step} cannot run behind weight gradients: only a sum can")
+        out = x.clone(memory_format=torch.contiguous_format)
+        work = dist.all_reduce(out, group=group, async_op=True)
+
+    def finish() -> Tensor:
+        work.wait()
+        return out if step.kind == "all_reduce" or _native(x, group) else _slice(out, step, n, groups)
+    return finish
 
 
 # ---- one function per step kind ---------------------------------------------------

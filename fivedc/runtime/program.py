@@ -13,6 +13,10 @@ repeat (full) or an attention kernel (selective) runs as one region of
 `fivedc/runtime/recompute.run_recomputed`: it keeps its inputs, and backward runs its
 forward again. A recomputed layer computes into an environment of its own, so
 its intermediate values are not kept alive by the program's either.
+
+Where the plan overlaps a redistribution's backward sum with weight gradients, the
+linears reading its output put their dW off until that sum has started
+(`fivedc/runtime/tp_overlap.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import Tensor
 
 from fivedc.ir.graph import Block, DType, Graph, Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.graph import param_instances as qualified_params
+from fivedc.passes.communication import weight_readers
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import regathered
 from fivedc.ir.sharding import Sharding
@@ -33,6 +38,8 @@ from fivedc.runtime.kernels import KERNELS, KernelContext
 from fivedc.runtime.recompute import run_recomputed
 from fivedc.runtime.regions import CompiledLayers, outer_reads
 from fivedc.runtime.saved import mark_regathered
+from fivedc.runtime.tp_overlap import PutOff, mark_put_off
+from fivedc.runtime.weight_grads import store_of
 
 
 def grad_groups(graph: Graph, ctx: KernelContext) -> dict[str, object | None]:
@@ -163,7 +170,11 @@ class Program:
                     self._layer(item, index, env, dims, params, scope)
             elif isinstance(item, Redistribute):
                 forward, backward = self.steps[item.out]
-                out = self._traced(item.out, layer, redistribute(env[item.src], forward, backward, self.ctx.groups))
+                put_off = self._put_off(block, item, env, params, scope)
+                out = self._traced(item.out, layer, redistribute(env[item.src], forward, backward, self.ctx.groups,
+                                                                 put_off))
+                if put_off is not None:  # the linears reading it compute dW while its backward sum runs
+                    mark_put_off(out, put_off)
                 if item.out in self.regathered:  # sequence parallelism: backward gathers it again
                     # (marked after tracing: an injected fault's perturbed copy is gathered again too,
                     # so every rank issues the same collectives; backward sees the unperturbed value)
@@ -191,6 +202,16 @@ class Program:
                     out = KERNELS[item.kind](self.ctx, item, args, arg_dims)
                 env[item.out] = self._traced(item.out, layer, out)
                 dims[item.out] = item.type.dims
+
+    def _put_off(self, block: Block, item: Redistribute, env: dict, params: dict, scope: dict) -> PutOff | None:
+        """The weights of the linears reading `item`'s output, where the plan runs its backward
+        sum behind their gradients and this run can (`fivedc/runtime/tp_overlap.py`)."""
+        if not (len(item.backward) == 1 and item.backward[0].overlaps and torch.is_grad_enabled()
+                and env[item.src].requires_grad and store_of(self.ctx) is None
+                and not torch.compiler.is_compiling()):
+            return None
+        names = weight_readers(block.items, item.out, scope)
+        return PutOff(tuple(params[scope[name]] for name in names)) if names else None
 
     def _traced(self, name: str, layer: int | None, out: Tensor) -> Tensor:
         return out if self.tracer is None else self.tracer.record(name, layer, out)

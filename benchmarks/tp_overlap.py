@@ -1,0 +1,125 @@
+"""Tensor parallelism with the backward sums behind the weight gradients, against without.
+
+Llama (`examples/llama.py`, 4 layers, float32) under `fivedc.parallelize(mesh="1x1x2x1x1")`
+on 2 local gloo processes, trained with `torch.optim.AdamW`, with and without SP: once
+with `overlap=True` (each column-parallel linear input's backward all-reduce, or under
+SP reduce-scatter, starts async and the readers' weight gradients are computed while
+it runs: `fivedc/runtime/tp_overlap.py`), once with `overlap=False` (the sum blocks,
+then autograd goes on). The variants alternate round by round in the same processes,
+so machine load hits them alike. Per variant: rank 0's median step time over
+`--steps` steps after a warm-up step, then the median over `--rounds` rounds; and the
+seconds one step spends waiting in those sums (the `wait` of the async ones, the
+whole call of the blocking ones), which is what overlap can hide.
+
+    python benchmarks/tp_overlap.py [--dim 512] [--steps 5] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fivedc.frontends.python_file import import_file
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+WORLD = 2
+
+
+def build(dim: int):
+    m = import_file(EXAMPLES / "llama.py")
+    args = m.ModelArgs(dim=dim, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, ffn_dim=dim * 8 // 3 // 8 * 8,
+                       max_seq_len=256)
+    return m.factory(batch=8, args=args, dtype=torch.float32)
+
+
+def timed_sums():
+    """Patch the backward sums to add their waiting seconds to a list; the list and an undo."""
+    from fivedc.runtime import collectives
+
+    spent: list[float] = []
+    real_start, real_apply = collectives.start_sum, collectives.apply_steps
+
+    def start_sum(*args, **kwargs):
+        finish = real_start(*args, **kwargs)
+
+        def timed():
+            begin = time.perf_counter()
+            out = finish()
+            spent.append(time.perf_counter() - begin)
+            return out
+        return timed
+
+    def apply_steps(x, steps, groups):
+        begin = time.perf_counter()
+        out = real_apply(x, steps, groups)
+        backward = torch._C._current_autograd_node() is not None
+        if backward and any(s.kind in ("all_reduce", "reduce_scatter") for s in steps):
+            spent.append(time.perf_counter() - begin)  # a backward sum, blocking
+        return out
+
+    collectives.start_sum, collectives.apply_steps = start_sum, apply_steps
+
+    def undo():
+        collectives.start_sum, collectives.apply_steps = real_start, real_apply
+    return spent, undo
+
+
+def variant_job(info, payload) -> dict | None:
+    import fivedc
+
+    dim, sp, overlap, steps = payload
+    torch.manual_seed(0)
+    module, inputs = build(dim)
+    model = fivedc.parallelize(module, mesh=f"1x1x{WORLD}x1x1", example_inputs=inputs, sequence_parallel=sp,
+                               overlap=overlap, device=info.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times, waits = [], []
+    spent, undo = timed_sums()
+    try:
+        for _ in range(steps + 1):
+            spent.clear()
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model(*inputs).backward()
+            opt.step()
+            times.append(time.perf_counter() - start)
+            waits.append(sum(spent))
+    finally:
+        undo()
+    return {"step_s": statistics.median(times[1:]), "wait_s": statistics.median(waits[1:])} if info.rank == 0 else None
+
+
+def main() -> None:
+    from fivedc.runtime.pool import WorkerPool
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds over the variants")
+    args = parser.parse_args()
+    variants = [(sp, overlap) for sp in (False, True) for overlap in (False, True)]
+    results: dict[tuple, list[dict]] = {v: [] for v in variants}
+    with WorkerPool(WORLD) as pool:
+        for _ in range(args.rounds):
+            for sp, overlap in variants:
+                payload = (args.dim, sp, overlap, args.steps)
+                results[(sp, overlap)].append(pool.run(variant_job, world=WORLD, payload=payload)[0])
+    print(f"Llama 4 layers, hidden {args.dim}, tp={WORLD}, fp32, AdamW; medians of {args.steps} steps x {args.rounds} rounds")
+    print("| SP | overlap | step (ms) | waiting in the backward sums (ms/step) | step vs overlap off |")
+    print("|---|---|---|---|---|")
+    for sp in (False, True):
+        base = statistics.median(r["step_s"] for r in results[(sp, False)])
+        for overlap in (False, True):
+            rows = results[(sp, overlap)]
+            step = statistics.median(r["step_s"] for r in rows)
+            wait = statistics.median(r["wait_s"] for r in rows)
+            print(f"| {'on' if sp else 'off'} | {'on' if overlap else 'off'} | {step * 1e3:.1f} | {wait * 1e3:.1f} "
+                  f"| {step / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

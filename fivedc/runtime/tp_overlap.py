@@ -1,0 +1,84 @@
+"""A linear input's tensor-parallel backward sum, run behind the weight gradients of its readers.
+
+Megatron's async tensor parallelism: a column-parallel linear's input gradient dX is
+summed over tp (an all-reduce; under SP a reduce-scatter) while the same backward
+computes the weight gradient dW = X^T dY, which the sum does not need. Where the plan
+marks a redistribution's backward sum so (`Collective.overlaps`, from
+`fivedc/passes/communication.py`), the program gives it a `PutOff` naming the
+readers' weights:
+
+- the redistribution takes those weights as inputs of its autograd node
+  (`fivedc/runtime/collectives.redistribute`), and each reader reads a detached weight
+  (`PutOffLinear`), so the weight's gradient comes from the redistribution's node,
+  not from the linear's: autograd accumulates it and runs its hooks (gradient
+  buckets) in the same backward, with nothing nested;
+- a reader's backward computes dX only and keeps (X, dY);
+- the redistribution's backward, which autograd runs once every reader's dX is in,
+  starts the sum async, computes the kept dW matmuls, waits, and returns the summed
+  dX with the weights' gradients.
+
+On NCCL the sum runs on the communicator's stream, beside the dW matmuls; on gloo in
+its worker thread. The program uses it only while its input needs a gradient (else
+the redistribution's backward never runs), outside compiled regions, and not with a
+zero-bubble store (which puts dW off until W: `fivedc/runtime/weight_grads.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_ATTR = "_fivedc_put_off"
+
+
+class PutOff:
+    """The weight gradients of the linears reading one redistributed value."""
+
+    def __init__(self, weights: tuple[Tensor, ...]) -> None:
+        self.weights = weights
+        self.pending: list[tuple[int, Tensor, Tensor, int, tuple[int, ...] | None]] = []
+
+    def index(self, weight: Tensor) -> int | None:
+        return next((i for i, w in enumerate(self.weights) if w is weight), None)
+
+    def weight_grads(self) -> list[Tensor | None]:
+        """dW = X^T dY of every reader kept since the forward, per weight (summed over readers
+        of one weight); None for a weight that needs none."""
+        grads: list[Tensor | None] = [None] * len(self.weights)
+        for index, x, grad_out, lead, undo in self.pending:
+            dims = list(range(lead))
+            grad = torch.tensordot(x, grad_out, dims=(dims, dims))
+            grad = (grad if undo is None else grad.permute(undo)).to(self.weights[index].dtype)
+            grads[index] = grad if grads[index] is None else grads[index] + grad
+        self.pending = []
+        return [g if w.requires_grad else None for g, w in zip(grads, self.weights)]
+
+
+def mark_put_off(value: Tensor, put_off: PutOff) -> Tensor:
+    """Note on `value` (the redistribution's output) that its readers put dW off into `put_off`."""
+    setattr(value, _ATTR, put_off)
+    return value
+
+
+def put_off_of(value: Tensor) -> PutOff | None:
+    return getattr(value, _ATTR, None)
+
+
+class PutOffLinear(torch.autograd.Function):
+    """`tensordot(x, w, dims=k)` of a detached `w`: backward gives dX and keeps (X, dY) in
+    `put_off` for the weight at `index`; `undo` permutes dW back to the weight's own order."""
+
+    @staticmethod
+    def forward(fctx, x: Tensor, w: Tensor, k: int, put_off: PutOff, index: int, undo: tuple[int, ...] | None) -> Tensor:
+        fctx.k, fctx.put_off, fctx.index, fctx.undo = k, put_off, index, undo
+        w = w.to(x.dtype)  # autocast: x is in its dtype already (fivedc/runtime/precision.py)
+        fctx.save_for_backward(x, w)
+        return torch.tensordot(x, w, dims=k)
+
+    @staticmethod
+    def backward(fctx, grad_out: Tensor):
+        x, w = fctx.saved_tensors
+        lead = x.dim() - fctx.k
+        grad_x = torch.tensordot(grad_out, w, dims=(list(range(lead, grad_out.dim())), list(range(fctx.k, w.dim()))))
+        fctx.put_off.pending.append((fctx.index, x, grad_out, lead, fctx.undo))
+        return grad_x, None, None, None, None, None

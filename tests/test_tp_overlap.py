@@ -1,0 +1,181 @@
+"""A linear input's tensor-parallel backward sum runs behind the weight gradients of its readers.
+
+Plan level: the sums are marked where the runtime can put dW off (`overlaps` names the
+weights), not with overlap off nor under ZeRO-3 without a pipeline; the step time hides
+each behind its readers' weight-gradient seconds in a whole backward (B), by the ring
+all-reduce's formula and the matmuls' FLOPs, never in a split one (I, W).
+Runtime (2 gloo ranks, tp and tp with SP): every marked sum starts async, its readers'
+dW run, then it is waited for; the gradients are bitwise those of the run without overlap.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fivedc.estimates.costs import unit_times
+from fivedc.estimates.memo import Memo, memo_units
+from fivedc.estimates.saved import SaveContext
+from fivedc.frontends.dsl_file import load_model
+from fivedc.ir.graph import CollectiveKind, Op, Phase, Redistribute, Repeat
+from fivedc.ir.hardware import hardware
+from fivedc.ir.mesh import Mesh
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+from fivedc.runtime.train import TrainSettings
+
+MODEL = "examples/tiny_llama.5d"
+TP2 = "1x1x2x1x1"
+
+
+def compiled(mesh: str = TP2, **options):
+    return compile_graph(load_model(MODEL), CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64", **options))
+
+
+def marked(plan) -> dict[str, str]:
+    """tensor -> overlaps, for the plan's backward sums overlapped with weight gradients."""
+    return {c.tensor: c.overlaps for c in plan.collectives
+            if c.phase == Phase.BACKWARD and c.overlaps.startswith("the weight gradients of")}
+
+
+def test_the_sums_of_linear_inputs_are_marked_where_the_runtime_puts_dw_off() -> None:
+    plan = compiled()
+    readers = sorted(m.split(" of ")[1].split(" (")[0] for m in marked(plan).values())
+    assert readers == ["w_gate, w_up", "w_head", "wq, wk, wv"]
+    assert all(c.kind == CollectiveKind.ALL_REDUCE for c in plan.collectives if c.overlaps in marked(plan).values())
+    sp = compiled(sequence_parallel=True)
+    assert {c.kind for c in sp.collectives if c.overlaps in marked(sp).values()} == {CollectiveKind.REDUCE_SCATTER}
+    assert marked(compiled(overlap=False)) == {}
+    assert marked(compiled("2x1x2x1x1", zero=3)) == {}  # the weights are gathered copies, not leaves
+    assert marked(compiled("2x2x2x1x1", zero=3, microbatches=2))  # under a pipeline they are leaves
+
+
+def hidden_seconds(c: SaveContext, items, hw) -> float:
+    """Per run of `items`: each marked sum's seconds by the ring all-reduce formula, or its
+    readers' weight gradients (2 x output x contracted FLOPs each) if those take less."""
+    total = 0.0
+    for node in items:
+        if not (isinstance(node, Redistribute) and node.backward and node.backward[0].overlaps):
+            continue
+        (sum_,) = node.backward
+        n = c.mesh.size(*sum_.axes)
+        link = hw.nvlink_bytes_per_s * hw.link_efficiency
+        ring = 2 * (n - 1) / n * sum_.bytes / link + 2 * (n - 1) * hw.nvlink_latency_s
+        contracted = c.graph.dim(c.layouts[node.out][0].dims[-1])
+        flops = sum(2 * c.numel(op.type.dims, op.sharding) * contracted for op in items
+                    if isinstance(op, Op) and op.kind == "linear" and op.args[0] == node.out)
+        total += min(ring, flops / (hw.bf16_flops * hw.matmul_efficiency))
+    return total
+
+
+def test_the_step_hides_each_sum_behind_its_readers_weight_gradients() -> None:
+    hw = hardware("h100")
+    plan, off = compiled(hardware=hw), compiled(hardware=hw, overlap=False)
+    c = SaveContext.of(plan.graph, plan.mesh, dtype="fp64", dtype_bytes=8)
+    layers = next(node for node in plan.graph.body.items if isinstance(node, Repeat))
+    expected = layers.count * hidden_seconds(c, layers.body.items, hw) + hidden_seconds(c, plan.graph.body.items, hw)
+    assert hidden_seconds(c, layers.body.items, hw) > 0
+    units = memo_units(Memo(plan.graph, plan.mesh, "fp64"))
+    mine = unit_times(c, plan.graph, units, hw, recompute="none")
+    theirs = unit_times(SaveContext.of(off.graph, off.mesh, dtype="fp64", dtype_bytes=8), off.graph, units, hw,
+                        recompute="none")
+    for t, u in zip(mine, theirs):
+        assert (t.backward_input, t.backward_weight, t.comm) == pytest.approx((u.backward_input, u.backward_weight, u.comm))
+        assert t.backward == pytest.approx(t.backward_input + t.backward_weight - t.hidden)
+    assert sum(t.hidden for t in mine) == pytest.approx(expected)
+    assert off.time.step_seconds - plan.time.step_seconds == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_split_backward_hides_nothing() -> None:
+    """Zero-bubble's I runs the sum, its W the weight gradients, later: the schedule plays I and W."""
+    hw = hardware("h100")
+    args = dict(hardware=hw, schedule="zb-h1", microbatches=4)
+    on, off = compiled("1x2x2x1x1", **args), compiled("1x2x2x1x1", overlap=False, **args)
+    assert marked(on) and on.time.compute_seconds == pytest.approx(off.time.compute_seconds)
+    assert compiled("1x2x2x1x1", hardware=hw, microbatches=4).time.compute_seconds < \
+        compiled("1x2x2x1x1", hardware=hw, microbatches=4, overlap=False).time.compute_seconds
+
+
+def overlap_job(info, plans) -> list:
+    """Per plan: the events of one training step in order (a sum started async, a weight
+    gradient put off and run, a wait) and the gradients."""
+    import torch.distributed as dist
+    from fivedc.runtime import tp_overlap, verify, zero
+
+    events: list[tuple] = []
+    real_all_reduce, real_run = dist.all_reduce, tp_overlap.PutOff.weight_grads
+
+    class Logged:
+        def __init__(self, work, key: int) -> None:
+            self.work, self.key = work, key
+
+        def wait(self, *args):
+            events.append(("wait", self.key))
+            return self.work.wait(*args)
+
+    def all_reduce(tensor, *args, async_op=False, **kwargs):
+        work = real_all_reduce(tensor, *args, async_op=async_op, **kwargs)
+        if not async_op:
+            return work
+        events.append(("start", len(events)))
+        return Logged(work, events[-1][1])
+
+    trained: dict = {}  # the parameters the program reads (the optimizer's leaves)
+    real_init = zero.ZeroOptimizer.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        real_init(self, *args, **kwargs)
+        trained.update({id(t): name.split(".")[-1] for name, t in self.params.items()})
+
+    def run(self) -> list:
+        events.extend(("dW", trained[id(self.weights[pending[0]])]) for pending in self.pending)
+        return real_run(self)
+
+    out = []
+    for plan in plans:
+        settings = TrainSettings(steps=1)
+        program, params, inputs, _ = verify.setup_rank(plan, info, settings)
+        events.clear()
+        dist.all_reduce, tp_overlap.PutOff.weight_grads, zero.ZeroOptimizer.__init__ = all_reduce, run, init
+        try:
+            record = verify.train_plan(plan, program, params, inputs, settings)
+        finally:
+            dist.all_reduce, tp_overlap.PutOff.weight_grads, zero.ZeroOptimizer.__init__ = (real_all_reduce, real_run,
+                                                                                           real_init)
+        out.append((list(events), record.grads[0]))
+    return out
+
+
+def sums_and_readers(events: list[tuple]) -> list[tuple[str, ...]]:
+    """The weight gradients run while each async sum was in flight (sums with none, such
+    as gradient buckets, left out); fails on a weight gradient run with no sum in flight."""
+    found, open_ = [], {}
+    for kind, what in events:
+        if kind == "start":
+            open_[what] = []
+        elif kind == "dW":
+            assert open_, f"the weight gradient of {what} ran with no sum in flight"
+            open_[max(open_)].append(what)  # the sum started last
+        elif readers := open_.pop(what):
+            found.append(tuple(readers))
+    assert not open_
+    return found
+
+
+@pytest.mark.parametrize("mesh,options", [
+    (TP2, {}),
+    (TP2, dict(sequence_parallel=True)),
+    # the head's weight is a bucket of its own, started from its hook: by the weight's real gradient only
+    ("2x1x2x1x1", dict(sequence_parallel=True, zero=2)),
+])
+def test_each_sum_runs_while_its_readers_weight_gradients_are_computed(mesh, options, worker_pool) -> None:
+    on, off = compiled(mesh, **options), compiled(mesh, overlap=False, **options)
+    layers = next(node for node in on.graph.body.items if isinstance(node, Repeat)).count
+    for (events, grads), (events_off, grads_off) in worker_pool.run(overlap_job, world=on.mesh.world, payload=[on, off]):
+        assert not [e for e in events_off if e[0] == "dW"]  # nothing put off
+        # backward order: the head's input, then per layer (last first) the MLP's and the attention's
+        assert [tuple(sorted(readers)) for readers in sums_and_readers(events)] == \
+            [("w_head",)] + [("w_gate", "w_up"), ("wk", "wq", "wv")] * layers
+        assert grads.keys() == grads_off.keys()
+        for name in grads:
+            assert torch.equal(grads[name], grads_off[name]), name
