@@ -36,35 +36,41 @@ def build(dim: int):
     return m.factory(batch=8, args=args, dtype=torch.float32)
 
 
-def timed_sums():
-    """Patch the backward sums to add their waiting seconds to a list; the list and an undo."""
-    from fivedc.runtime import collectives
+def timed_waits():
+    """Patch the backward's tensor-parallel collectives (the sums of the linears' input
+    gradients, SP's inputs gathered again for dW) to add the seconds a rank waits in them to
+    a list: the `finish` of the async ones, the whole call of the blocking ones. The list
+    and an undo."""
+    from fivedc.runtime import collectives, saved
 
     spent: list[float] = []
-    real_start, real_apply = collectives.start_sum, collectives.apply_steps
+    real = {"start_sum": collectives.start_sum, "start_gather": saved.start_gather,
+            "apply_steps": collectives.apply_steps, "saved_apply_steps": saved.apply_steps}
 
-    def start_sum(*args, **kwargs):
-        finish = real_start(*args, **kwargs)
-
-        def timed():
+    def timed(fn):
+        def call(*args, **kwargs):
             begin = time.perf_counter()
-            out = finish()
+            out = fn(*args, **kwargs)
             spent.append(time.perf_counter() - begin)
             return out
-        return timed
+        return call
 
-    def apply_steps(x, steps, groups):
-        begin = time.perf_counter()
-        out = real_apply(x, steps, groups)
-        backward = torch._C._current_autograd_node() is not None
-        if backward and any(s.kind in ("all_reduce", "reduce_scatter") for s in steps):
-            spent.append(time.perf_counter() - begin)  # a backward sum, blocking
-        return out
+    def started(start):
+        return lambda *args, **kwargs: timed(start(*args, **kwargs))
 
-    collectives.start_sum, collectives.apply_steps = start_sum, apply_steps
+    def blocking(apply):
+        def call(x, steps, groups):
+            if torch._C._current_autograd_node() is None:  # forward
+                return apply(x, steps, groups)
+            return timed(apply)(x, steps, groups)
+        return call
+
+    collectives.start_sum, saved.start_gather = started(real["start_sum"]), started(real["start_gather"])
+    collectives.apply_steps, saved.apply_steps = blocking(real["apply_steps"]), blocking(real["saved_apply_steps"])
 
     def undo():
-        collectives.start_sum, collectives.apply_steps = real_start, real_apply
+        collectives.start_sum, saved.start_gather = real["start_sum"], real["start_gather"]
+        collectives.apply_steps, saved.apply_steps = real["apply_steps"], real["saved_apply_steps"]
     return spent, undo
 
 
@@ -78,7 +84,7 @@ def variant_job(info, payload) -> dict | None:
                                overlap=overlap, device=info.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, waits = [], []
-    spent, undo = timed_sums()
+    spent, undo = timed_waits()
     try:
         for _ in range(steps + 1):
             spent.clear()
@@ -109,7 +115,7 @@ def main() -> None:
                 payload = (args.dim, sp, overlap, args.steps)
                 results[(sp, overlap)].append(pool.run(variant_job, world=WORLD, payload=payload)[0])
     print(f"Llama 4 layers, hidden {args.dim}, tp={WORLD}, fp32, AdamW; medians of {args.steps} steps x {args.rounds} rounds")
-    print("| SP | overlap | step (ms) | waiting in the backward sums (ms/step) | step vs overlap off |")
+    print("| SP | overlap | step (ms) | waiting in backward TP collectives (ms/step) | step vs overlap off |")
     print("|---|---|---|---|---|")
     for sp in (False, True):
         base = statistics.median(r["step_s"] for r in results[(sp, False)])

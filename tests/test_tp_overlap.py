@@ -4,8 +4,10 @@ Plan level: the sums are marked where the runtime can put dW off (`overlaps` nam
 weights), not with overlap off nor under ZeRO-3 without a pipeline; the step time hides
 each behind its readers' weight-gradient seconds in a whole backward (B), by the ring
 all-reduce's formula and the matmuls' FLOPs, never in a split one (I, W).
-Runtime (2 gloo ranks, tp and tp with SP): every marked sum starts async, its readers'
-dW run, then it is waited for; the gradients are bitwise those of the run without overlap.
+Runtime (gloo: tp, tp with SP, dp x tp with SP and ZeRO-2): every marked sum starts
+async, its readers' dW run, then it is waited for; under SP the readers' input, gathered
+again for dW, is in flight from before the sum starts (beside the readers' dX); the
+gradients are bitwise those of the run without overlap.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fivedc.estimates.costs import unit_times
+from fivedc.estimates.costs import op_times, unit_times
 from fivedc.estimates.memo import Memo, memo_units
 from fivedc.estimates.saved import SaveContext
 from fivedc.frontends.dsl_file import load_model
@@ -51,26 +53,35 @@ def test_the_sums_of_linear_inputs_are_marked_where_the_runtime_puts_dw_off() ->
 
 
 def hidden_seconds(c: SaveContext, items, hw) -> float:
-    """Per run of `items`: each marked sum's seconds by the ring all-reduce formula, or its
-    readers' weight gradients (2 x output x contracted FLOPs each) if those take less."""
+    """Per run of `items`: each marked sum's seconds by the ring formula (all-reduce 2(n-1)/n,
+    gloo or NCCL reduce-scatter (n-1)/n of the bytes), or its readers' weight gradients (2 x
+    output x contracted FLOPs each) if those take less; under SP, plus the all-gather of the
+    readers' input for dW ((n-1)/n of the bytes), or their input gradients (the op's
+    roofline, tested in test_step_time.py) if those take less."""
     total = 0.0
+    link = hw.nvlink_bytes_per_s * hw.link_efficiency
     for node in items:
         if not (isinstance(node, Redistribute) and node.backward and node.backward[0].overlaps):
             continue
         (sum_,) = node.backward
         n = c.mesh.size(*sum_.axes)
-        link = hw.nvlink_bytes_per_s * hw.link_efficiency
-        ring = 2 * (n - 1) / n * sum_.bytes / link + 2 * (n - 1) * hw.nvlink_latency_s
+        share = 2 * (n - 1) / n if sum_.kind == CollectiveKind.ALL_REDUCE else (n - 1) / n
+        steps = 2 * (n - 1) if sum_.kind == CollectiveKind.ALL_REDUCE else n - 1
+        ring = share * sum_.bytes / link + steps * hw.nvlink_latency_s
+        readers = [op for op in items if isinstance(op, Op) and op.kind == "linear" and op.args[0] == node.out]
         contracted = c.graph.dim(c.layouts[node.out][0].dims[-1])
-        flops = sum(2 * c.numel(op.type.dims, op.sharding) * contracted for op in items
-                    if isinstance(op, Op) and op.kind == "linear" and op.args[0] == node.out)
+        flops = sum(2 * c.numel(op.type.dims, op.sharding) * contracted for op in readers)
         total += min(ring, flops / (hw.bf16_flops * hw.matmul_efficiency))
+        for gather in (x for x in node.forward if x.kind == CollectiveKind.ALL_GATHER):
+            seconds = (n - 1) / n * gather.bytes / link + (n - 1) * hw.nvlink_latency_s
+            total += min(seconds, sum(op_times(c, op, hw)[1] for op in readers))
     return total
 
 
-def test_the_step_hides_each_sum_behind_its_readers_weight_gradients() -> None:
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_step_hides_each_sum_behind_its_readers_weight_gradients(sp) -> None:
     hw = hardware("h100")
-    plan, off = compiled(hardware=hw), compiled(hardware=hw, overlap=False)
+    plan, off = compiled(hardware=hw, sequence_parallel=sp), compiled(hardware=hw, overlap=False, sequence_parallel=sp)
     c = SaveContext.of(plan.graph, plan.mesh, dtype="fp64", dtype_bytes=8)
     layers = next(node for node in plan.graph.body.items if isinstance(node, Repeat))
     expected = layers.count * hidden_seconds(c, layers.body.items, hw) + hidden_seconds(c, plan.graph.body.items, hw)
@@ -83,7 +94,7 @@ def test_the_step_hides_each_sum_behind_its_readers_weight_gradients() -> None:
         assert (t.backward_input, t.backward_weight, t.comm) == pytest.approx((u.backward_input, u.backward_weight, u.comm))
         assert t.backward == pytest.approx(t.backward_input + t.backward_weight - t.hidden)
     assert sum(t.hidden for t in mine) == pytest.approx(expected)
-    assert off.time.step_seconds - plan.time.step_seconds == pytest.approx(expected, rel=1e-6)
+    assert off.time.compute_seconds - plan.time.compute_seconds == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_split_backward_hides_nothing() -> None:
@@ -103,22 +114,25 @@ def overlap_job(info, plans) -> list:
     from fivedc.runtime import tp_overlap, verify, zero
 
     events: list[tuple] = []
-    real_all_reduce, real_run = dist.all_reduce, tp_overlap.PutOff.weight_grads
+    real_all_reduce, real_all_gather = dist.all_reduce, dist.all_gather
+    real_run = tp_overlap.PutOff.weight_grads
 
     class Logged:
-        def __init__(self, work, key: int) -> None:
-            self.work, self.key = work, key
+        def __init__(self, work, done: tuple) -> None:
+            self.work, self.done = work, done
 
         def wait(self, *args):
-            events.append(("wait", self.key))
+            events.append(self.done)
             return self.work.wait(*args)
 
-    def all_reduce(tensor, *args, async_op=False, **kwargs):
-        work = real_all_reduce(tensor, *args, async_op=async_op, **kwargs)
-        if not async_op:
-            return work
-        events.append(("start", len(events)))
-        return Logged(work, events[-1][1])
+    def logged(real, start: str, done: str):
+        def call(*args, async_op=False, **kwargs):
+            work = real(*args, async_op=async_op, **kwargs)
+            if not async_op:
+                return work
+            events.append((start, len(events)))
+            return Logged(work, (done, events[-1][1]))
+        return call
 
     trained: dict = {}  # the parameters the program reads (the optimizer's leaves)
     real_init = zero.ZeroOptimizer.__init__
@@ -136,28 +150,36 @@ def overlap_job(info, plans) -> list:
         settings = TrainSettings(steps=1)
         program, params, inputs, _ = verify.setup_rank(plan, info, settings)
         events.clear()
-        dist.all_reduce, tp_overlap.PutOff.weight_grads, zero.ZeroOptimizer.__init__ = all_reduce, run, init
+        dist.all_reduce, dist.all_gather = logged(real_all_reduce, "start", "wait"), logged(real_all_gather, "gather",
+                                                                                            "gathered")
+        tp_overlap.PutOff.weight_grads, zero.ZeroOptimizer.__init__ = run, init
         try:
             record = verify.train_plan(plan, program, params, inputs, settings)
         finally:
-            dist.all_reduce, tp_overlap.PutOff.weight_grads, zero.ZeroOptimizer.__init__ = (real_all_reduce, real_run,
-                                                                                           real_init)
+            dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
+            tp_overlap.PutOff.weight_grads, zero.ZeroOptimizer.__init__ = real_run, real_init
         out.append((list(events), record.grads[0]))
     return out
 
 
-def sums_and_readers(events: list[tuple]) -> list[tuple[str, ...]]:
-    """The weight gradients run while each async sum was in flight (sums with none, such
-    as gradient buckets, left out); fails on a weight gradient run with no sum in flight."""
-    found, open_ = [], {}
+def sums_and_readers(events: list[tuple]) -> list[tuple[tuple[str, ...], bool]]:
+    """Per async sum that had weight gradients run while it was in flight (sums with none,
+    such as gradient buckets, left out): those weights, and whether an all-gather started
+    early (SP's input gathered again) was in flight when the sum started. Fails on a weight
+    gradient run with no sum in flight."""
+    found, open_, gathering = [], {}, set()
     for kind, what in events:
-        if kind == "start":
-            open_[what] = []
+        if kind == "gather":
+            gathering.add(what)
+        elif kind == "gathered":
+            gathering.discard(what)
+        elif kind == "start":
+            open_[what] = ([], bool(gathering))
         elif kind == "dW":
             assert open_, f"the weight gradient of {what} ran with no sum in flight"
-            open_[max(open_)].append(what)  # the sum started last
-        elif readers := open_.pop(what):
-            found.append(tuple(readers))
+            open_[max(open_)][0].append(what)  # the sum started last
+        elif (sum_ := open_.pop(what))[0]:
+            found.append((tuple(sorted(sum_[0])), sum_[1]))
     assert not open_
     return found
 
@@ -174,8 +196,9 @@ def test_each_sum_runs_while_its_readers_weight_gradients_are_computed(mesh, opt
     for (events, grads), (events_off, grads_off) in worker_pool.run(overlap_job, world=on.mesh.world, payload=[on, off]):
         assert not [e for e in events_off if e[0] == "dW"]  # nothing put off
         # backward order: the head's input, then per layer (last first) the MLP's and the attention's
-        assert [tuple(sorted(readers)) for readers in sums_and_readers(events)] == \
-            [("w_head",)] + [("w_gate", "w_up"), ("wk", "wq", "wv")] * layers
+        early = bool(options.get("sequence_parallel"))  # each input's gather runs beside the readers' dX
+        assert sums_and_readers(events) == \
+            [(("w_head",), early)] + [(("w_gate", "w_up"), early), (("wk", "wq", "wv"), early)] * layers
         assert grads.keys() == grads_off.keys()
         for name in grads:
             assert torch.equal(grads[name], grads_off[name]), name

@@ -20,8 +20,9 @@ plus a latency per algorithm step. Which ranks share a node follows from the ran
 order (`Mesh.group_ranks`). A unit's collectives are on its critical path unless the
 plan says they overlap (`Collective.overlaps`): ring attention's hops hide behind the
 attention they feed, and a linear input's backward sum behind the weight gradients of
-the linears reading it (`UnitTime.hidden`, as much of the sum as those take, in a
-whole backward B only: a split one runs W later).
+the linears reading it, with under SP that input's gather for dW behind their input
+gradients (`UnitTime.hidden`, as much of each as those take, in a whole backward B
+only: a split one runs W later).
 
 `unit_costs` gives the seconds of each unit once; the schedule simulator and the
 step-time model (`fivedc/estimates/step_time.py`) only add them up, so a layout search can
@@ -188,6 +189,8 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
     fwd = bwd_in = bwd_w = comm = 0.0
     behind: dict[str, float] = {}  # a redistribution's backward sum overlapped with weight gradients
     weights: dict[str, float] = {}  # and the weight-gradient seconds of the linears reading it
+    early: dict[str, float] = {}  # there, SP's input gathered again: started before the readers' dX
+    inputs: dict[str, float] = {}  # and the readers' input-gradient seconds
     per = repeat.count if repeat else 1
     for node in items:
         if isinstance(node, Redistribute):
@@ -201,13 +204,14 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             w = seconds(node.forward, K.ALL_GATHER) if node.out in again else 0.0  # SP: gathered again
             fwd, bwd_in, bwd_w, comm = fwd + f, bwd_in + i, bwd_w + w, comm + f + i + w
             if any(x.overlaps for x in node.backward):
-                behind[node.out] = i
+                behind[node.out], early[node.out] = i, w
             continue
         if not isinstance(node, Op):
             continue
         f, i, w = op_times(c, node, hw)
         if node.kind == "linear" and node.args[0] in behind:
             weights[node.args[0]] = weights.get(node.args[0], 0.0) + w
+            inputs[node.args[0]] = inputs.get(node.args[0], 0.0) + i
         extra_f, extra_i = _op_collectives(c, node, hw, f), _op_collectives(c, node, hw, i, backward=True)
         f, i, comm = f + extra_f, i + extra_i, comm + extra_f + extra_i
         if recomputes_op(node, repeat, recompute):
@@ -215,7 +219,8 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
         fwd, bwd_in, bwd_w = fwd + f, bwd_in + i, bwd_w + w
     if repeat is not None and recomputes_layer(repeat, recompute):
         bwd_in += fwd  # the whole layer's forward again
-    hidden = sum(min(seconds, weights.get(name, 0.0)) for name, seconds in behind.items())
+    hidden = sum(min(seconds, weights.get(name, 0.0)) + min(early[name], inputs.get(name, 0.0))
+                 for name, seconds in behind.items())
     return UnitTime(fwd, bwd_in, bwd_w, comm, hidden)
 
 

@@ -96,6 +96,23 @@ class _Redistribute(torch.autograd.Function):
         return finish(), None, None, None, None, *weight_grads
 
 
+def start_gather(x: Tensor, step: Step, groups: MeshGroups):
+    """Start an all_gather `step` of `x` async; a function that waits for it and returns
+    what `apply_steps(x, [step])` returns."""
+    n = groups.size(step.axes)
+    if n == 1:
+        out = x.clone()
+        return lambda: out
+    local = x.contiguous()
+    parts = [torch.empty_like(local) for _ in range(n)]
+    work = dist.all_gather(parts, local, group=groups.group(step.axes), async_op=True)
+
+    def finish() -> Tensor:
+        work.wait()
+        return torch.cat(_to_index_order(parts, groups.positions(step.axes)), dim=step.dim)  # type: ignore[arg-type]
+    return finish
+
+
 def start_sum(x: Tensor, step: Step, groups: MeshGroups):
     """Start `step` (an all_reduce or reduce_scatter) on `x` async; a function that waits for
     it and returns what `apply_steps(x, [step])` returns."""

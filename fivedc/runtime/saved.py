@@ -9,7 +9,9 @@ Two kinds of tensors carry such a note:
   (`mark_regathered`, for the values `fivedc.estimates.saved.regathered` names): the note holds
   this rank's shard and redoes the forward all-gather in backward, as Megatron does,
   so the linears keep 1/t of their input. The linears reading one gathered value share
-  one note: the first unpack gathers, the last one lets it go.
+  one note: the first unpack gathers, the last one lets it go. Where their dW waits for
+  the input gradient's sum (`fivedc/runtime/tp_overlap.py`), the first reader's backward
+  starts the gather async, so it runs while the readers compute dX.
 
 `SavedRecorder` (given to `saving_scope`) counts the bytes of what is really kept:
 each storage once, leaving out the ones it is told to (parameters, inputs); a note
@@ -26,7 +28,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from fivedc.runtime.collectives import apply_steps
+from fivedc.runtime.collectives import apply_steps, start_gather
 
 _ACTIVE: list[SavedRecorder] = []  # the recorder of the innermost recording scope
 
@@ -63,12 +65,18 @@ def held(tensors: Iterable) -> None:
 
 
 class _GatherAgain:
-    """The note on a gathered activation: this rank's shard and the steps that gather it."""
+    """The note on a gathered activation: this rank's shard and the steps that gather it.
+    `start` begins the gather early (async, where it is one all-gather); `take` waits for it."""
 
     def __init__(self, shard: Tensor, steps, groups) -> None:
         self.shard, self.steps, self.groups = shard.detach(), steps, groups
         self.packed = 0
         self.whole: Tensor | None = None
+        self.pending = None  # the finish of an all-gather started early
+
+    def start(self) -> None:
+        if self.whole is None and self.pending is None and len(self.steps) == 1 and self.steps[0].kind == "all_gather":
+            self.pending = start_gather(self.shard, self.steps[0], self.groups)
 
     def at(self, t: Tensor) -> _Packed:
         self.packed += 1
@@ -77,7 +85,9 @@ class _GatherAgain:
         return _Packed(self, (t.size(), t.stride(), t.storage_offset()))
 
     def take(self) -> Tensor:
-        if self.whole is None:
+        if self.pending is not None:
+            self.whole, self.pending = self.pending(), None
+        elif self.whole is None:
             self.whole = apply_steps(self.shard, self.steps, self.groups)
         whole = self.whole
         self.packed -= 1
@@ -92,6 +102,12 @@ class _Packed:
 
     def get(self) -> Tensor:
         return self.note.take().as_strided(*self.layout)
+
+
+def regather_note(t: Tensor) -> _GatherAgain | None:
+    """The note on `t`'s root if backward gathers it again (sequence parallelism's linear inputs)."""
+    note = getattr(t if t._base is None else t._base, "_fivedc_regather", None)
+    return note if isinstance(note, _GatherAgain) else None
 
 
 def mark_regathered(gathered: Tensor, shard: Tensor, steps, groups) -> Tensor:

@@ -12,7 +12,10 @@ readers' weights:
   (`PutOffLinear`), so the weight's gradient comes from the redistribution's node,
   not from the linear's: autograd accumulates it and runs its hooks (gradient
   buckets) in the same backward, with nothing nested;
-- a reader's backward computes dX only and keeps (X, dY);
+- a reader's backward computes dX only and keeps (X, dY); under SP, where X is
+  gathered again for dW (`fivedc/runtime/saved.py`), the first reader's backward starts
+  that all-gather async, so it runs while the readers compute dX (Megatron's order:
+  gather X, dX, then the sum of dX beside dW);
 - the redistribution's backward, which autograd runs once every reader's dX is in,
   starts the sum async, computes the kept dW matmuls, waits, and returns the summed
   dX with the weights' gradients.
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from fivedc.runtime.saved import regather_note
 
 _ATTR = "_fivedc_put_off"
 
@@ -46,6 +51,7 @@ class PutOff:
         of one weight); None for a weight that needs none."""
         grads: list[Tensor | None] = [None] * len(self.weights)
         for index, x, grad_out, lead, undo in self.pending:
+            x = x if isinstance(x, Tensor) else x.get()  # SP: the input gathered again (started early)
             dims = list(range(lead))
             grad = torch.tensordot(x, grad_out, dims=(dims, dims))
             grad = (grad if undo is None else grad.permute(undo)).to(self.weights[index].dtype)
@@ -70,15 +76,22 @@ class PutOffLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x: Tensor, w: Tensor, k: int, put_off: PutOff, index: int, undo: tuple[int, ...] | None) -> Tensor:
-        fctx.k, fctx.put_off, fctx.index, fctx.undo = k, put_off, index, undo
+        fctx.k, fctx.put_off, fctx.index, fctx.undo, fctx.lead = k, put_off, index, undo, x.dim() - k
         w = w.to(x.dtype)  # autocast: x is in its dtype already (fivedc/runtime/precision.py)
-        fctx.save_for_backward(x, w)
+        note = regather_note(x)  # SP: x is gathered again for dW, by its note (which holds the shard only)
+        fctx.x = note.at(x) if note is not None else None
+        fctx.save_for_backward(*((w,) if note is not None else (w, x)))
         return torch.tensordot(x, w, dims=k)
 
     @staticmethod
     def backward(fctx, grad_out: Tensor):
-        x, w = fctx.saved_tensors
-        lead = x.dim() - fctx.k
+        if fctx.x is not None:
+            fctx.x.note.start()  # the gather runs while the readers compute dX; dW waits for it
+            (w,), x = fctx.saved_tensors, fctx.x
+        else:
+            w, x = fctx.saved_tensors
+        lead = fctx.lead
         grad_x = torch.tensordot(grad_out, w, dims=(list(range(lead, grad_out.dim())), list(range(fctx.k, w.dim()))))
         fctx.put_off.pending.append((fctx.index, x, grad_out, lead, fctx.undo))
+        fctx.x = None
         return grad_x, None, None, None, None, None
