@@ -18,6 +18,7 @@ import torch
 from fivedc.estimates.costs import op_times, unit_times
 from fivedc.estimates.memo import Memo, memo_units
 from fivedc.estimates.saved import SaveContext
+from fivedc.estimates.transient import transients
 from fivedc.frontends.dsl_file import load_model
 from fivedc.ir.graph import CollectiveKind, Op, Phase, Redistribute, Repeat
 from fivedc.ir.hardware import hardware
@@ -105,6 +106,19 @@ def test_a_split_backward_hides_nothing() -> None:
     assert marked(on) and on.time.compute_seconds == pytest.approx(off.time.compute_seconds)
     assert compiled("1x2x2x1x1", hardware=hw, microbatches=4).time.compute_seconds < \
         compiled("1x2x2x1x1", hardware=hw, microbatches=4, overlap=False).time.compute_seconds
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_the_transient_counts_what_waits_for_the_sum(sp) -> None:
+    """The MLP's is the largest: gate's and up's output gradients [b, s, ffn/tp] kept for dW,
+    the input's gradient [b, s, hidden] and the sum's buffer, under SP the input gathered again."""
+    plan = compiled(sequence_parallel=sp)
+    g = plan.graph
+    b, s, h, ffn = (g.dim(d) for d in ("batch", "seq", "hidden", "ffn"))
+    parts = transients(g, plan.mesh, dtype="fp64", dtype_bytes=8, zero=0, pipeline=None, recompute="none", regions=[0])
+    assert parts[0]["weight gradients put off"] == (2 * b * s * ffn // 2 + (3 if sp else 2) * b * s * h) * 8
+    assert transients(compiled(overlap=False).graph, plan.mesh, dtype="fp64", dtype_bytes=8, zero=0, pipeline=None,
+                      recompute="none", regions=[0])[0]["weight gradients put off"] == 0
 
 
 def overlap_job(info, plans) -> list:

@@ -67,12 +67,13 @@ class UnitTime:
     backward_input: float
     backward_weight: float
     comm: float = 0.0  # of the three, seconds in collectives on the unit's path (forward and backward)
-    hidden: float = 0.0  # of `comm`, backward sums that a whole backward runs behind weight gradients
+    hidden: float = 0.0  # of `comm`, what a whole backward runs behind its compute: tp's sums, SP's regathers
 
     @property
     def backward(self) -> float:
-        """B, a whole backward: the sums the plan overlaps with weight gradients are hidden
-        behind them (a split backward, I then W, cannot: W comes later)."""
+        """B, a whole backward: the tp sums the plan overlaps with weight gradients hide behind
+        them, and under SP the gathers for dW behind the input gradients (a split backward,
+        I then W, cannot: the runtime leaves every dW to W)."""
         return self.backward_input + self.backward_weight - self.hidden
 
 

@@ -24,7 +24,8 @@ largest, not their sum, is added to what the rank keeps):
 - ring attention: the K/V block in hand and the one arriving, and in backward their
   gradient accumulators (4 x the packed K/V block at the dtype, 6 x at float32);
 - weight gradients put off behind a tensor-parallel sum: the output gradients of the
-  linears reading the summed input, the input's gradient and the sum's buffer;
+  linears reading the summed input, the input's gradient and the sum's buffer (and
+  under SP the input gathered again for dW);
 - pipeline sends: one forward and one backward send buffer in flight (2 x the
   largest boundary);
 - tied parameters: the flat buffer their holders all-reduce their gradients in (the
@@ -38,7 +39,8 @@ from __future__ import annotations
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
-from fivedc.estimates.saved import VALUE, SaveContext, op_saves
+from fivedc.estimates.saved import VALUE, SaveContext, op_saves, regathered
+from fivedc.passes.communication import weight_readers
 from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec, Unit
@@ -109,13 +111,14 @@ UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "ring K/V", "weig
 def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit], recompute: str) -> list[tuple[int, ...]]:
     """Each unit's parts of `UNIT_PARTS`, a repeat's layers computed once."""
     cache: dict = {}
+    again = regathered(graph, recompute)
     out = []
     for unit in all_units:
         key = ("layer", unit.start) if unit.layer is not None else (unit.start, unit.stop)
         if key not in cache:
             cache[key] = (working_set(c, graph, unit, recompute), loss_bytes(c, graph, unit),
                           _kernel_buffers(c, graph, unit, "moe"), _kernel_buffers(c, graph, unit, "attention"),
-                          put_off_bytes(c, graph, unit))
+                          put_off_bytes(c, graph, unit, again))
         out.append(cache[key])
     return out
 
@@ -148,17 +151,20 @@ def loss_bytes(c: SaveContext, graph: Graph, unit: Unit) -> int:
                 if isinstance(op, Op) and op.kind == "cross_entropy"), default=0)
 
 
-def put_off_bytes(c: SaveContext, graph: Graph, unit: Unit) -> int:
+def put_off_bytes(c: SaveContext, graph: Graph, unit: Unit, again=()) -> int:
     """Where a linear input's backward sum runs behind its readers' weight gradients
     (`fivedc/runtime/tp_overlap.PutOff`): the readers' output gradients, kept for dW until
-    the sum starts, beside the input's gradient and the sum's buffer."""
+    the sum starts, beside the input's gradient and the sum's buffer, and under SP the
+    input gathered again (`again`: `fivedc.estimates.saved.regathered`)."""
     items, _ = _items(graph, unit)
+    params = {p.name for p, _ in walk_params(graph.body)}
     best = 0
     for node in items:
         if isinstance(node, Redistribute) and any(x.overlaps for x in node.backward):
-            readers = sum(c.value_bytes(op.out) for op in items
-                          if isinstance(op, Op) and op.kind == "linear" and op.args[0] == node.out)
-            best = max(best, readers + 2 * c.value_bytes(node.out))
+            weights = set(weight_readers(items, node.out, params))
+            readers = sum(c.value_bytes(op.out) for op in items if isinstance(op, Op) and op.kind == "linear"
+                          and op.args[0] == node.out and op.args[1] in weights)
+            best = max(best, readers + (3 if node.out in again else 2) * c.value_bytes(node.out))
     return best
 
 

@@ -97,7 +97,8 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     "col" | "row" | "replicate"}`. cp_attention: "ring" | "allgather"; cp_layout:
     "balanced" | "contiguous". zero: 0-3, the ZeRO stage (the parameters become
     this rank's flat chunks; any torch optimizer over them keeps sharded state).
-    overlap, bucket_mb: gradient buckets reduced during backward. schedule
+    overlap, bucket_mb: gradient buckets reduced during backward, and tp's backward
+    sums run behind the weight gradients (`fivedc/runtime/tp_overlap.py`). schedule
     ("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "dualpipev"), microbatches,
     virtual, pp_layout (layers per chunk): the pipeline, when pp > 1; the forward
     then runs the whole schedule. recompute: activation recomputation, "none",
