@@ -39,7 +39,7 @@ LAYOUTS = {  # column -> (mesh, extra flags)
     "dp2 ZeRO-3": ("2x1x1x1x1", ["--zero", "3"]),
     "ep2": ("1x1x1x1x2", []),
 }
-MOE = {"mixtral", "qwen3_moe", "deepseek_v3", "olmoe", "granitemoe", "titan_qwen3_moe_sdpa", "titan_deepseek_v3",
+MOE = {"mixtral", "qwen3_moe", "deepseek_v3", "olmoe", "granitemoe", "qwen2_moe", "titan_qwen3_moe_sdpa", "titan_deepseek_v3",
        "titan_deepseek_v3_sdpa"}
 SOURCES = ("hf_models.py", "titan_tune_models.py")  # in examples/: each lists its ARCHITECTURES
 LOGITS_ROWS = ("llama", "mistral", "qwen2", "qwen3", "mixtral")  # also run under a loop's own logits loss

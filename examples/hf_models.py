@@ -81,13 +81,15 @@ def _configs():
                                         intermediate_size=64, max_position_embeddings=64)),
         "arcee": (T.ArceeConfig, _DENSE),
         "seed_oss": (T.SeedOssConfig, dict(_DENSE, head_dim=8)),
+        "qwen2_moe": (T.Qwen2MoeConfig, dict(_DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=64)),
     }
 
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
                  "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron", "bloom", "opt",
                  "gpt_neox", "phi", "stablelm", "starcoder2", "granite", "mpt", "gpt_bigcode", "codegen", "olmoe",
-                 "granitemoe", "cohere", "exaone4", "gpt_neo", "biogpt", "arcee", "seed_oss")
+                 "granitemoe", "cohere", "exaone4", "gpt_neo", "biogpt", "arcee", "seed_oss", "qwen2_moe")
 
 
 class CausalLMLoss(nn.Module):
@@ -151,6 +153,6 @@ def _factory(arch: str, default_loss: str = "library"):
 
 (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3, gpt2, mixtral, qwen3_moe, deepseek_v3, phi3, olmo2, falcon, glm,
  gptj, nemotron, bloom, opt, gpt_neox, phi, stablelm, starcoder2, granite, mpt, gpt_bigcode, codegen, olmoe, granitemoe,
- cohere, exaone4, gpt_neo, biogpt, arcee, seed_oss) = map(_factory, ARCHITECTURES)
+ cohere, exaone4, gpt_neo, biogpt, arcee, seed_oss, qwen2_moe) = map(_factory, ARCHITECTURES)
 # the same decoders under a training loop's own logits loss (`LogitsLoss`): `examples/hf_models.py:llama_logits`
 globals().update({f"{arch}_logits": _factory(arch, "logits") for arch in ARCHITECTURES})

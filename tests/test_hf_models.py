@@ -18,10 +18,10 @@ from library_models import assert_compiles_or_is_refused_at_its_line  # noqa: E4
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2", "mixtral", "qwen3_moe",
                  "deepseek_v3", "phi3", "olmo2", "falcon", "glm", "gptj", "nemotron", "bloom", "opt",
                  "gpt_neox", "phi", "stablelm", "starcoder2", "granite", "mpt", "gpt_bigcode", "codegen", "olmoe",
-                 "granitemoe", "cohere", "exaone4", "gpt_neo", "biogpt", "arcee", "seed_oss")
+                 "granitemoe", "cohere", "exaone4", "gpt_neo", "biogpt", "arcee", "seed_oss", "qwen2_moe")
 # compiled and verified in parallel by the tests below (llama, gpt2, gemma, qwen3_moe, deepseek_v3, olmo2, gptj), or
 # as a logits-loss model in tests/test_fx_hf_patterns.py (qwen3): not traced again here; all: the matrix
-COVERED_BELOW = ("llama", "gpt2", "gemma", "qwen3_moe", "qwen3", "deepseek_v3", "olmo2", "gptj")
+COVERED_BELOW = ("llama", "gpt2", "gemma", "qwen3_moe", "qwen3", "deepseek_v3", "olmo2", "gptj", "qwen2_moe")
 # compiled where their own paths meet other ranks, so that the agreement proof runs on those plans:
 # softcap attention on the cp ring, Mixtral's MoE blocks from the library over ep, Falcon's one k/v head over tp
 # and its fused QKV split by constant positions (slices) in a pipeline's microbatches
@@ -55,6 +55,9 @@ def test_the_examples_list_every_architecture() -> None:
     ("olmo2", "2x1x2x1x1", {}),  # q/k norms over all heads (weights [heads, head_dim]): heads whole for them
     # interleaved rotary by strided slices of head_dim's pairs, attention written out: matmuls on shards
     ("gptj", "1x1x1x2x1", {}),
+    # its MoE block's shared expert gated by sigmoid(a linear to one feature): the routing is the moe op, so
+    # the block runs in a pipeline's microbatches (it ran replicated, which a pipeline refuses)
+    ("qwen2_moe", "1x2x1x1x1", {"microbatches": 2}),
 ])
 def test_library_models_train_in_parallel(worker_pool, arch: str, mesh: str, options: dict) -> None:
     """Each with what it brought: the run equals the module's in float64 (dropout off in both: the IR
@@ -77,7 +80,7 @@ def test_hugging_face_llama_trains_with_its_own_loss(worker_pool) -> None:
     assert report.max_error <= 1e-10, report
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_hugging_face_moe_blocks_are_the_irs_moe_ops(arch: str) -> None:
     """Each layer's sparse MoE block (router module, experts with gate and up fused in one stacked
     parameter, a grouped-matrix kernel of the library's own) is one `moe` op; nothing runs replicated,

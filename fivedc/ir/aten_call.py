@@ -241,10 +241,11 @@ def local_rule(overload) -> str:
     return "replicated"
 
 
-def check_rule(op) -> None:
+def check_rule(op, size=lambda dim: 0) -> None:
     """A plan may run on shards only what allows it: the rule is the operator's own, and the
     result's torch dims line up with the arguments' (broadcast right-aligned for a pointwise
-    op, or along a dim one new dim for the several IR dims an argument has there; for an op
+    op, where an argument's dim of size 1 (`size`: a dim's size) broadcasts too, or along a
+    dim one new dim for the several IR dims an argument has there; for an op
     along dims each argument's dims with those it runs along kept, reduced to size 1, dropped
     or new: topk's k, a slice, a cat's joined dim, an expand's grown one)."""
     rule = rule_of(op)
@@ -260,7 +261,7 @@ def check_rule(op) -> None:
             raise AtenCallError(f"aten op {op.out}: `rows` must name result dims its arguments have")
 
         def fits(g, o, i):  # broadcast, the same dims, or (seen whole) one dim of the result's own for several
-            return g in ((), o) or (i in along and len(o) == 1 and o[0] not in theirs)
+            return g in ((), o) or all(size(d) == 1 for d in g) or (i in along and len(o) == 1 and o[0] not in theirs)
 
         if all(len(layout) <= len(out) and all(fits(g, o, len(out) - 1 - j) for j, (g, o)
                                                in enumerate(zip(reversed(layout), reversed(out))))

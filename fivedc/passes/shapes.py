@@ -186,7 +186,7 @@ def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
         if unknown:
             raise _fail(op, f"its result names unknown dims {', '.join(unknown)}")
         shape, dtype = meta_type(op, types, graph.dim)
-        check_rule(op)
+        check_rule(op, graph.dim)
     except AtenCallError as error:
         raise _fail(op, error.message) from None
     want = tuple(math.prod(graph.dim(d) for d in group) for group in out)

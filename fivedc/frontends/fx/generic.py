@@ -372,6 +372,10 @@ def broadcast(lw: Lowering, node: fx.Node, ga, gb) -> tuple:
     ga, gb = ((),) * (n - len(ga)) + tuple(ga), ((),) * (n - len(gb)) + tuple(gb)
     out = []
     for x, y in zip(ga, gb):
+        one_x, one_y = lw.dims.numel(x) == 1, lw.dims.numel(y) == 1
+        if x and y and one_x != one_y:  # a named dim of size 1 (a linear's one output feature) broadcast
+            out.append(y if one_x else x)
+            continue
         if x and y:
             lw.unify(x, y, node, "operands that torch broadcasts together")
             lx, ly = set(lw.dims.leaves(x)), set(lw.dims.leaves(y))

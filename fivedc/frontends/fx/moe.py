@@ -4,7 +4,7 @@ A candidate block is a module whose class sets `fivedc_moe = True`, whose class 
 contains `MoE`/`Moe` (`MixtralSparseMoeBlock`, `DeepseekV3MoE`), or that has a child
 named `experts`. It is read as
 
-    out = scale * moe(x; router, w_gate, w_up, w_down) + sum of its shared children(x)
+    out = scale * moe(x; router, w_gate, w_up, w_down) + sum of its shared children(x) [x sigmoid(gate(x))]
 
 where, whatever the library calls them,
 - the router is one 2-D parameter [experts, hidden] (as `nn.Linear` stores it, in a
@@ -14,7 +14,9 @@ where, whatever the library calls them,
   Face's `gate_up_proj`: the first half gate, the second up, or the reverse), or an
   `nn.ModuleList` of alike expert modules with two or three 2-D weights each;
 - the shared children are its other children with parameters, each applied to the
-  block's input and added (DeepSeek's `shared_experts`);
+  block's input and added (DeepSeek's `shared_experts`); a child giving one number per
+  token may instead gate another: that one's output times its sigmoid (Qwen2-MoE's
+  `shared_expert_gate`);
 - `scale` multiplies the routed experts (DeepSeek's `routed_scaling_factor`); an
   attribute of the block or its modules holding that number gives its exact value.
 The block may return `out` or `(out, router_logits)` (only `out` may then be used).
@@ -34,7 +36,7 @@ from __future__ import annotations
 import itertools
 import re
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,7 @@ class MoeSpec:
     shared: tuple[str, ...] = ()  # children added to the output, each applied to the block's input
     logits: bool = False  # returns (out, router_logits)
     experts: str = ""  # the nn.ModuleList of separate experts; "" when stacked
+    gates: tuple[tuple[str, str], ...] = ()  # (shared child, its gate): the child's output times sigmoid(gate(x))
 
     def router_value(self, params: dict[str, Tensor]) -> Tensor:
         r = params[self.router]
@@ -152,14 +155,39 @@ def _probe(m: nn.Module) -> MoeSpec | str:
             continue
         try:
             with torch.no_grad():
-                routed = got - sum((_call(m, name, values, x) for name in c.shared), torch.zeros_like(got))
+                outputs = {name: _call(m, name, values, x) for name in c.shared}
         except Exception as error:
             reason = f"its children {', '.join(c.shared)} do not each map its input to its output's shape ({error})"
             continue
-        spec = _match(m, c, values, x, routed, top_ks, logits)
-        if spec is not None:
-            return spec
+        for shared, gates in _shared_readings(outputs, x):
+            routed = got - with_shared(outputs.__getitem__, shared, gates, torch.zeros_like(got))
+            spec = _match(m, c, values, x, routed, top_ks, logits)
+            if spec is not None:
+                return replace(spec, shared=shared, gates=gates)
     return reason
+
+
+def _shared_readings(outputs: dict[str, Tensor], x: Tensor):
+    """(added children, gates) the shared children may be read as: each added as it is; or,
+    where some give one number per token (a last dim of 1), each of those the sigmoid gate
+    of another (Qwen2-MoE's `shared_expert_gate`)."""
+    names = tuple(outputs)
+    yield names, ()
+    gates = [n for n in names if outputs[n].shape[-1] == 1 != x.shape[-1]]
+    gated = [n for n in names if n not in gates]
+    for chosen in itertools.permutations(gated, len(gates)):
+        yield tuple(gated), tuple(zip(chosen, gates))
+
+
+def with_shared(output, shared: tuple[str, ...], gates: tuple[tuple[str, str], ...], base: Tensor) -> Tensor:
+    """`base` plus the shared children, `output(name)` being a child's output: each added,
+    times the sigmoid of its gate's output where it has one."""
+    gate_of = dict(gates)
+    total = base
+    for name in shared:
+        out = output(name)
+        total = total + (torch.sigmoid(output(gate_of[name])) * out if name in gate_of else out)
+    return total
 
 
 def _run_probe(m: nn.Module, params: dict[str, Tensor], hidden: int):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from fivedc.frontends.fx.moe import MoeSpec, moe_spec
+from fivedc.frontends.fx.moe import MoeSpec, moe_spec, with_shared
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +89,7 @@ def _forward(key: int, x: Tensor, *rest, **kwargs):
         out = moe_block._opoverload(x, key)
     if this.spec.scale != 1.0:
         out = out * this.spec.scale
-    for name in this.spec.shared:
-        out = out + this.block.get_submodule(name)(x)
+    out = with_shared(lambda name: this.block.get_submodule(name)(x), this.spec.shared, this.spec.gates, out)
     return (out, logits) if this.spec.logits else out
 
 
