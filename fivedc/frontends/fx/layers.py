@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fivedc.frontends.fx.build import DParam
-from fivedc.frontends.fx.generic import in_ir_order, in_memory_order, merged, sliced_rows, with_own_atom
+from fivedc.frontends.fx.local_moves import in_ir_order, in_memory_order, merged, sliced_rows, with_own_atom
 from fivedc.frontends.fx.values import Const, Frame, ParamRef, Pending, RepeatedKV, T, TransposedParam
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)

@@ -27,7 +27,7 @@ import torch.fx as fx
 from fivedc.errors import FivedcError, NotSupportedError, PassError, SourceLoc
 from fivedc.frontends.fx.build import DBlock, DOp, DParam, DRepeat, DValue, Draft, Source
 from fivedc.frontends.fx.dims import DimMismatch, DimTable
-from fivedc.frontends.fx.generic import repeated
+from fivedc.frontends.fx.local_moves import repeated
 from fivedc.frontends.fx.layers import materialize
 from fivedc.frontends.fx.locs import def_loc, node_loc, scope
 from fivedc.frontends.fx.ops import dispatch
