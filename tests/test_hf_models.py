@@ -80,7 +80,7 @@ def test_hugging_face_llama_trains_with_its_own_loss(worker_pool) -> None:
     assert report.max_error <= 1e-10, report
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])  # qwen2_moe's: its pp2 run below (replicated, refused)
 def test_hugging_face_moe_blocks_are_the_irs_moe_ops(arch: str) -> None:
     """Each layer's sparse MoE block (router module, experts with gate and up fused in one stacked
     parameter, a grouped-matrix kernel of the library's own) is one `moe` op; nothing runs replicated,
