@@ -127,12 +127,12 @@ def start_sum(x: Tensor, step: Step, groups: MeshGroups):
         inputs = [chunks[i].contiguous() for i in groups.positions(step.axes)]
         out = torch.empty_like(inputs[0])
         work = dist.reduce_scatter(out, inputs, group=group, async_op=True)
-    else:
+    else:  # gloo's reduce_scatter is n all_reduces (torch >= 2.8) or missing: an all-reduce and a slice
         if step.kind == "reduce_scatter":
             _chunk_size(x, step, n)
         elif step.kind != "all_reduce":
             raise PassError(f"{step} cannot run behind weight gradients: only a sum can")
-        out = x.clone(memory_format=torch.contiguous_format)
+        out = x.clone(memory_format=torch.contiguous_format)  # all_reduce is in place
         work = dist.all_reduce(out, group=group, async_op=True)
 
     def finish() -> Tensor:
@@ -159,17 +159,11 @@ def _native(x: Tensor, group: Any) -> bool:
 
 
 def _all_reduce(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)  # all_reduce is in place
-    dist.all_reduce(out, group=groups.group(step.axes))
-    return out
+    return start_sum(x, step, groups)()
 
 
 def _all_gather(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
-    local = x.contiguous()
-    parts = [torch.empty_like(local) for _ in range(n)]
-    dist.all_gather(parts, local, group=groups.group(step.axes))
-    ordered = _to_index_order(parts, groups.positions(step.axes))
-    return torch.cat(ordered, dim=step.dim)  # type: ignore[arg-type]
+    return start_gather(x, step, groups)()
 
 
 def _slice(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
@@ -179,15 +173,7 @@ def _slice(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
 
 
 def _reduce_scatter(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
-    _chunk_size(x, step, n)
-    group = groups.group(step.axes)
-    if not _native(x, group):  # gloo's reduce_scatter is n all_reduces (torch >= 2.8) or missing
-        return _slice(_all_reduce(x, step, n, groups), step, n, groups)
-    chunks = x.chunk(n, dim=step.dim)  # type: ignore[arg-type]
-    inputs = [chunks[i].contiguous() for i in groups.positions(step.axes)]
-    out = torch.empty_like(inputs[0])
-    dist.reduce_scatter(out, inputs, group=group)
-    return out
+    return start_sum(x, step, groups)()
 
 
 def _all_to_all(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
