@@ -1,15 +1,17 @@
-"""Tensor parallelism with the backward sums behind the weight gradients, against without.
+"""Tensor parallelism with its collectives behind compute (overlap), against without.
 
 Llama (`examples/llama.py`, 4 layers, float32) under `fivedc.parallelize(mesh="1x1x2x1x1")`
 on 2 local gloo processes, trained with `torch.optim.AdamW`, with and without SP: once
 with `overlap=True` (each column-parallel linear input's backward all-reduce, or under
 SP reduce-scatter, starts async and the readers' weight gradients are computed while
-it runs: `fivedc/runtime/tp_overlap.py`), once with `overlap=False` (the sum blocks,
-then autograd goes on). The variants alternate round by round in the same processes,
+it runs: `fivedc/runtime/tp_overlap.py`; under SP, too, each gather before a
+column-parallel linear runs in a ring while the linear multiplies the chunks already in:
+`fivedc/runtime/tp_ring.py`), once with `overlap=False` (the sum and the gather block). The variants alternate round by round in the same processes,
 so machine load hits them alike. Per variant: rank 0's median step time over
 `--steps` steps after a warm-up step, then the median over `--rounds` rounds; and the
-seconds one step spends waiting in those sums (the `wait` of the async ones, the
-whole call of the blocking ones), which is what overlap can hide.
+seconds one step spends waiting in those sums and SP's gathers again for dW (the `wait` of
+the async ones, the whole call of the blocking ones), and in SP's forward gathers (each
+hop's wait in a ring, the whole all-gather without), which is what overlap can hide.
 
     python benchmarks/tp_overlap.py [--dim 512] [--steps 5] [--rounds 5]
 """
@@ -37,41 +39,48 @@ def build(dim: int):
 
 
 def timed_waits():
-    """Patch the backward's collectives that overlap hides (the sums of the linears' input
-    gradients, SP's inputs gathered again for dW) to add the seconds a rank waits in them to
-    a list: the `finish` of the async ones, the whole call of the blocking ones (not the
-    gathers of gradients, which nothing hides). The list and an undo."""
-    from fivedc.runtime import collectives, saved
+    """Patch the collectives that overlap hides to add the seconds a rank waits in them to
+    lists: in backward, the sums of the linears' input gradients and SP's inputs gathered
+    again for dW (the `finish` of the async ones, the whole call of the blocking ones; not
+    the gathers of gradients, which nothing hides); in forward, SP's gathers (a ring's hops,
+    or the whole all-gather). The lists by phase and an undo."""
+    from fivedc.runtime import collectives, saved, tp_ring
 
-    spent: list[float] = []
+    spent: dict[str, list[float]] = {"backward": [], "forward": []}
     real = {"start_sum": collectives.start_sum, "start_gather": saved.start_gather,
-            "apply_steps": collectives.apply_steps, "saved_apply_steps": saved.apply_steps}
+            "apply_steps": collectives.apply_steps, "saved_apply_steps": saved.apply_steps,
+            "take": tp_ring.RingGather._take}
 
-    def timed(fn):
+    def timed(fn, phase: str = "backward"):
         def call(*args, **kwargs):
             begin = time.perf_counter()
             out = fn(*args, **kwargs)
-            spent.append(time.perf_counter() - begin)
+            spent[phase].append(time.perf_counter() - begin)
             return out
         return call
 
     def started(start):
         return lambda *args, **kwargs: timed(start(*args, **kwargs))
 
-    def blocking(apply, kinds):
+    def blocking(apply, kinds, forward_kinds=()):
         def call(x, steps, groups):
-            if torch._C._current_autograd_node() is None or not any(s.kind in kinds for s in steps):
-                return apply(x, steps, groups)  # forward, or another kind (a gradient's gather)
+            if torch._C._current_autograd_node() is None:  # forward
+                hidden = [s for s in steps if s.kind in forward_kinds]
+                return timed(apply, "forward")(x, steps, groups) if hidden else apply(x, steps, groups)
+            if not any(s.kind in kinds for s in steps):
+                return apply(x, steps, groups)  # another kind (a gradient's gather)
             return timed(apply)(x, steps, groups)
         return call
 
     collectives.start_sum, saved.start_gather = started(real["start_sum"]), started(real["start_gather"])
-    collectives.apply_steps = blocking(real["apply_steps"], ("all_reduce", "reduce_scatter"))
+    collectives.apply_steps = blocking(real["apply_steps"], ("all_reduce", "reduce_scatter"), ("all_gather",))
     saved.apply_steps = blocking(real["saved_apply_steps"], ("all_gather",))
+    tp_ring.RingGather._take = timed(real["take"], "forward")
 
     def undo():
         collectives.start_sum, saved.start_gather = real["start_sum"], real["start_gather"]
         collectives.apply_steps, saved.apply_steps = real["apply_steps"], real["saved_apply_steps"]
+        tp_ring.RingGather._take = real["take"]
     return spent, undo
 
 
@@ -84,20 +93,24 @@ def variant_job(info, payload) -> dict | None:
     model = fivedc.parallelize(module, mesh=f"1x1x{WORLD}x1x1", example_inputs=inputs, sequence_parallel=sp,
                                overlap=overlap, device=info.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times, waits = [], []
+    times, waits, gathers = [], [], []
     spent, undo = timed_waits()
     try:
         for _ in range(steps + 1):
-            spent.clear()
+            spent["backward"].clear(), spent["forward"].clear()
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             model(*inputs).backward()
             opt.step()
             times.append(time.perf_counter() - start)
-            waits.append(sum(spent))
+            waits.append(sum(spent["backward"]))
+            gathers.append(sum(spent["forward"]))
     finally:
         undo()
-    return {"step_s": statistics.median(times[1:]), "wait_s": statistics.median(waits[1:])} if info.rank == 0 else None
+    if info.rank != 0:
+        return None
+    return {"step_s": statistics.median(times[1:]), "wait_s": statistics.median(waits[1:]),
+            "gather_s": statistics.median(gathers[1:])}
 
 
 def main() -> None:
@@ -116,16 +129,18 @@ def main() -> None:
                 payload = (args.dim, sp, overlap, args.steps)
                 results[(sp, overlap)].append(pool.run(variant_job, world=WORLD, payload=payload)[0])
     print(f"Llama 4 layers, hidden {args.dim}, tp={WORLD}, fp32, AdamW; medians of {args.steps} steps x {args.rounds} rounds")
-    print("| SP | overlap | step (ms) | waiting in the sums and SP's gathers again (ms/step) | step vs overlap off |")
-    print("|---|---|---|---|---|")
+    print("| SP | overlap | step (ms) | waiting in the sums and SP's gathers again (ms/step) "
+          "| waiting in SP's forward gathers (ms/step) | step vs overlap off |")
+    print("|---|---|---|---|---|---|")
     for sp in (False, True):
         base = statistics.median(r["step_s"] for r in results[(sp, False)])
         for overlap in (False, True):
             rows = results[(sp, overlap)]
             step = statistics.median(r["step_s"] for r in rows)
             wait = statistics.median(r["wait_s"] for r in rows)
+            gather = statistics.median(r["gather_s"] for r in rows)
             print(f"| {'on' if sp else 'off'} | {'on' if overlap else 'off'} | {step * 1e3:.1f} | {wait * 1e3:.1f} "
-                  f"| {step / base:.3f} |")
+                  f"| {gather * 1e3:.1f} | {step / base:.3f} |")
 
 
 if __name__ == "__main__":

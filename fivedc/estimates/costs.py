@@ -19,7 +19,9 @@ at the network's otherwise (where the group has g GPUs in each node, g NICs carr
 plus a latency per algorithm step. Which ranks share a node follows from the rank
 order (`Mesh.group_ranks`). A unit's collectives are on its critical path unless the
 plan says they overlap (`Collective.overlaps`): ring attention's hops hide behind the
-attention they feed, and a linear input's backward sum behind the weight gradients of
+attention they feed; an all-gather run in a ring (collective matmul) behind its next
+linear's matmul on the chunks before the last, (n-1)/n of it (the last chunk's product
+waits for the last hop); and a linear input's backward sum behind the weight gradients of
 the linears reading it, with under SP that input's gather for dW behind their input
 gradients (`UnitTime.hidden`, as much of each as those take, in a whole backward B
 only: a split one runs W later).
@@ -192,6 +194,8 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
     weights: dict[str, float] = {}  # and the weight-gradient seconds of the linears reading it
     early: dict[str, float] = {}  # there, SP's input gathered again: started before the readers' dX
     inputs: dict[str, float] = {}  # and the readers' input-gradient seconds
+    ring: dict[str, tuple[float, int]] = {}  # a forward all-gather in a ring: its seconds and group size
+    ahead = 0.0  # of the forward's collectives, what rings hide behind their readers' matmuls
     per = repeat.count if repeat else 1
     for node in items:
         if isinstance(node, Redistribute):
@@ -206,10 +210,15 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             fwd, bwd_in, bwd_w, comm = fwd + f, bwd_in + i, bwd_w + w, comm + f + i + w
             if any(x.overlaps for x in node.backward):
                 behind[node.out], early[node.out] = i, w
+            if len(node.forward) == 1 and node.forward[0].kind == K.ALL_GATHER and node.forward[0].overlaps:
+                ring[node.out] = (f, c.mesh.size(*node.forward[0].axes))
             continue
         if not isinstance(node, Op):
             continue
         f, i, w = op_times(c, node, hw)
+        if node.kind == "linear" and node.args[0] in ring:  # collective matmul: all but the last chunk's
+            seconds, n = ring.pop(node.args[0])  # matmul run beside the hops
+            ahead += min(seconds, f * (n - 1) / n)
         if node.kind == "linear" and node.args[0] in behind:
             weights[node.args[0]] = weights.get(node.args[0], 0.0) + w
             inputs[node.args[0]] = inputs.get(node.args[0], 0.0) + i
@@ -218,8 +227,9 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
         if recomputes_op(node, repeat, recompute):
             i += f  # its forward runs again in backward
         fwd, bwd_in, bwd_w = fwd + f, bwd_in + i, bwd_w + w
+    fwd, comm = fwd - ahead, comm - ahead
     if repeat is not None and recomputes_layer(repeat, recompute):
-        bwd_in += fwd  # the whole layer's forward again
+        bwd_in += fwd  # the whole layer's forward again (its rings hidden again)
     hidden = sum(min(seconds, weights.get(name, 0.0)) + min(early[name], inputs.get(name, 0.0))
                  for name, seconds in behind.items())
     return UnitTime(fwd, bwd_in, bwd_w, comm, hidden)

@@ -14,13 +14,18 @@ line. Consumers that need the same thing share one node. Per mesh axis:
     replicated -> split d     slice (local)    all-gather
     replicated -> replicated  -                all-reduce if partial grads (Megatron's f)
 
-With overlap on, a backward sum (one all-reduce or reduce-scatter) of a linear's input
-runs behind that linear's weight gradient, as Megatron's async tensor parallelism: the
+With overlap on, an all-gather whose next op is a linear reading it (SP's gather before a
+column-parallel linear) runs in a ring of point-to-point hops, and the linear multiplies
+each chunk as it arrives while the next hop runs (collective matmul,
+`fivedc/runtime/tp_ring.py`); its `overlaps` names that matmul, and the step time hides
+the ring behind it (`fivedc/estimates/costs.py`). And a backward sum (one all-reduce or
+reduce-scatter) of a linear's input runs behind that linear's weight gradient, as
+Megatron's async tensor parallelism: the
 linears that read the redistributed value put off dW = X^T dY until their input
 gradient's sum has started, then compute it while the sum runs
 (`fivedc/runtime/tp_overlap.py`). The collective's `overlaps` names those weights; the
 step time hides it behind their weight-gradient seconds (`UnitTime.hidden`) except
-under a split backward (zero-bubble's W runs later). Not marked under ZeRO-3 without
+under a split backward (zero-bubble's W runs later). The sum is not marked under ZeRO-3 without
 a pipeline (a weight there is gathered at its use and its gradient reduce-scattered
 by its group's gather, `fivedc/runtime/zero3.py`, whose order of collectives this
 would move), nor for a weight whose gradient is kept on one rank only
@@ -69,6 +74,24 @@ def behind_weight_grads(items: list, params: set[str]) -> list:
         if step.kind in (K.ALL_REDUCE, K.REDUCE_SCATTER) and weights:
             overlaps = f"the weight gradients of {', '.join(weights)} (computed while it runs)"
             out[index] = replace(node, backward=(replace(step, overlaps=overlaps),))
+    return out
+
+
+def gathered_in_rings(items: list, params: set[str]) -> list:
+    """`items` with each all-gather whose next item multiplies it marked to run in a ring
+    beside that matmul (collective matmul): the next item is a linear reading the gathered
+    value as its input, with a parameter as its weight, and keeps the gathered dim."""
+    out = list(items)
+    for index, node in enumerate(out[:-1]):
+        reader = out[index + 1]
+        if not (isinstance(node, Redistribute) and len(node.forward) == 1 and node.forward[0].kind == K.ALL_GATHER
+                and isinstance(reader, Op) and reader.kind == "linear" and reader.args[0] == node.out
+                and node.out not in reader.args[1:] and reader.args[1] in params
+                and node.forward[0].dim in reader.type.dims
+                and not (reader.arg_specs[0] and reader.arg_specs[0].grad_once)):
+            continue
+        overlaps = f"the matmul of {reader.args[1]}, chunk by chunk as a ring brings them (collective matmul)"
+        out[index] = replace(node, forward=(replace(node.forward[0], overlaps=overlaps),))
     return out
 
 
@@ -195,9 +218,11 @@ class _Inserter:
                 args[index] = self.ensure(arg, need, env, cache, items, where)
             items.append(replace(item, args=tuple(args)))
             env[item.out] = (item.sharding, f"{item.kind} at {item.loc}", item.type)
-        if self.options.overlap and not (self.options.zero == 3 and self.mesh.size(MeshAxis.PP) == 1):
+        if self.options.overlap:
             params = {name for name, (_, producer, _) in env.items() if producer.startswith("parameter ")}
-            items = behind_weight_grads(items, params)
+            items = gathered_in_rings(items, params)
+            if not (self.options.zero == 3 and self.mesh.size(MeshAxis.PP) == 1):
+                items = behind_weight_grads(items, params)
         return replace(block, items=tuple(items))
 
     def repeat(self, item: Repeat, env: dict, cache: dict, *, count: int) -> list:

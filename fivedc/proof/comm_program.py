@@ -6,7 +6,7 @@ actions). So the ranks fall into *classes*, one per pp rank, and `class_programs
 expands each class's step into the collectives and transfers it issues, in the
 runtime's order: the schedule's actions (without a pipeline, one forward and one
 backward of the whole graph); in a forward, each node in program order (a
-redistribution's steps; what a kernel sends inside: vocab-parallel cross-entropy's
+redistribution's steps, an all-gather run in a ring as its n - 1 hops; what a kernel sends inside: vocab-parallel cross-entropy's
 all-reduces, ring attention's hops, MoE's count exchange, dispatch and combine); in a
 backward, the nodes in reverse (a recomputed attention's forward hops first, the
 gradient buckets as their last gradient arrives when overlap is on; under sequence parallelism, at the first backward of a gathered
@@ -35,7 +35,7 @@ from fivedc.passes.param_sync import zero_chunk
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
-from fivedc.proof.events import Event
+from fivedc.proof.events import RING_TAG, Event
 from fivedc.proof.kernel_events import KernelEvents
 from fivedc.proof.zero3_program import zero3_step
 from fivedc.passes.stages import chunk_param_names, value_types
@@ -194,7 +194,7 @@ class _Expander(KernelEvents):
         node = site.node
         if isinstance(node, Redistribute):
             return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding), f"forward of {site.id}",
-                               node.loc, "int64" if node.type.dtype == DType.INT else self.dtype)
+                               node.loc, "int64" if node.type.dtype == DType.INT else self.dtype, rings=True)
         return self._kernel_forward(site)
 
     def _backward(self, site: Site) -> list[Event]:
@@ -250,13 +250,18 @@ class _Expander(KernelEvents):
         top = {p.name for p in self.graph.body.params}
         return [f"{site.repeat}.{site.layer}.{a}" if a in body else a for a in node.value_args if a in body | top]
 
-    def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None) -> list[Event]:
+    def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None, *,
+               rings: bool = False) -> list[Event]:
+        """`rings`: a forward all-gather the plan runs in a ring is its n - 1 hops."""
         out = []
         for c in collectives:
             n = self.mesh.size(*c.axes)
             if n == 1:
                 continue
-            if c.kind != "slice":
+            if rings and c.kind == "all_gather" and c.overlaps:
+                out += [Event("send_recv", c.axes, numel, dtype or self.dtype, f"{what}: a chunk to the next "
+                              "member (collective matmul)", loc, tag=RING_TAG)] * (n - 1)
+            elif c.kind != "slice":
                 out.append(Event(str(c.kind), c.axes, numel, dtype or self.dtype, what, loc))
             numel = numel // n if c.kind in ("slice", "reduce_scatter") else numel * n if c.kind == "all_gather" \
                 else numel

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from fivedc.errors import ShapeError
 from fivedc.runtime import attention_fused
+from fivedc.runtime.p2p import NOTHING, Transfer, exchange
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -329,29 +330,11 @@ def make_ring(group: Any, *, block_positions: tuple[Tensor, ...]) -> Ring:
                 tuple(block_positions))
 
 
-@dataclass(frozen=True, slots=True)
-class _Transfer:
-    """Sends and receives in flight; holds the tensor being sent until they are done."""
-
-    sent: Tensor | None
-    requests: tuple[Any, ...]
-
-    def wait(self) -> None:
-        for request in self.requests:
-            request.wait()
-
-
-_NOTHING = _Transfer(None, ())
-
-
-def _exchange(ring: Ring, send: Tensor, tag: int) -> tuple[Tensor, _Transfer]:
+def _exchange(ring: Ring, send: Tensor, tag: int) -> tuple[Tensor, Transfer]:
     """Start sending `send` to the next ring member and receiving its like from the previous."""
     if ring.size == 1:
-        return send, _NOTHING
-    received = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, ring.next_rank, ring.group, tag),
-           dist.P2POp(dist.irecv, received, ring.prev_rank, ring.group, tag)]
-    return received, _Transfer(send, tuple(dist.batch_isend_irecv(ops)))
+        return send, NOTHING
+    return exchange(send, next_rank=ring.next_rank, prev_rank=ring.prev_rank, group=ring.group, tag=tag)
 
 
 def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool, fused: bool,
@@ -369,7 +352,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack((k, v))  # one packed buffer to send
         for step in range(ring.size):
             last = step == ring.size - 1
-            arriving, transfer = (None, _NOTHING) if last else _exchange(ring, kv, tag=0)
+            arriving, transfer = (None, NOTHING) if last else _exchange(ring, kv, tag=0)
             _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused, softcap), fused=fused)
             transfer.wait()
             kv = arriving
@@ -384,10 +367,10 @@ class _RingAttention(torch.autograd.Function):
         ring, dtype = ctx.ring, _compute_dtype(q.dtype)
         grads = (dout, lse, _delta(dout, out))
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        kv, acc, acc_transfer = torch.stack((k, v)), None, _NOTHING
+        kv, acc, acc_transfer = torch.stack((k, v)), None, NOTHING
         for step in range(ring.size):
             last = step == ring.size - 1
-            arriving, kv_transfer = (None, _NOTHING) if last else _exchange(ring, kv, tag=0)
+            arriving, kv_transfer = (None, NOTHING) if last else _exchange(ring, kv, tag=0)
             dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
             block = _ring_block(kv, ring, step, ctx.q_pos, ctx.causal, ctx.fused, ctx.softcap)
             if ctx.fused:

@@ -9,6 +9,10 @@ and the input tensor is never modified. Where a process group's rank order
 differs from group-index order (`MeshGroups.positions`), chunks are reordered.
 gloo gets reduce_scatter as all_reduce + slice; NCCL uses the native op.
 
+A forward all-gather the plan runs in a ring (its `overlaps` names the matmul behind it)
+passes its chunks hop by hop while its reader multiplies them (`fivedc/runtime/tp_ring.py`):
+`redistribute(..., ring=)` returns the ring's tensor as it fills.
+
 A backward sum the plan overlaps with weight gradients (`Collective.overlaps`, set by
 `fivedc/passes/communication.py`) runs async: `redistribute(..., put_off=)` starts it
 (`start_sum`), computes the weight gradients its readers put off
@@ -68,32 +72,35 @@ def apply_steps(x: Tensor, steps: Sequence[Step], groups: MeshGroups) -> Tensor:
 
 
 def redistribute(
-    x: Tensor, forward: Sequence[Step], backward: Sequence[Step], groups: MeshGroups, put_off: Any = None
+    x: Tensor, forward: Sequence[Step], backward: Sequence[Step], groups: MeshGroups, put_off: Any = None,
+    ring: Any = None,
 ) -> Tensor:
     """`forward` steps on x; `backward` steps on the gradient flowing back into x. With
     `put_off` (a `fivedc.runtime.tp_overlap.PutOff`), the backward's one sum starts async,
-    the readers' weight gradients are computed while it runs and given to the weights."""
+    the readers' weight gradients are computed while it runs and given to the weights.
+    With `ring` (a `fivedc.runtime.tp_ring.RingGather` of x, started), the forward's one
+    all-gather is that ring: the value is its `out`, filled as the hops complete."""
     weights = put_off.weights if put_off is not None else ()
-    return _Redistribute.apply(x, tuple(forward), tuple(backward), groups, put_off, *weights)
+    return _Redistribute.apply(x, tuple(forward), tuple(backward), groups, put_off, ring, *weights)
 
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, x: Tensor, forward: tuple[Step, ...], backward: tuple[Step, ...], groups: MeshGroups, put_off: Any,
-        *weights: Tensor,
+        ring: Any, *weights: Tensor,
     ) -> Tensor:
         ctx.backward_steps, ctx.groups, ctx.put_off = backward, groups, put_off
-        return apply_steps(x, forward, groups)
+        return apply_steps(x, forward, groups) if ring is None else ring.out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         if ctx.put_off is None:
-            return apply_steps(grad, ctx.backward_steps, ctx.groups), None, None, None, None
+            return apply_steps(grad, ctx.backward_steps, ctx.groups), None, None, None, None, None
         (step,) = ctx.backward_steps
         finish = start_sum(grad, step, ctx.groups)
         weight_grads = ctx.put_off.weight_grads()
-        return finish(), None, None, None, None, *weight_grads
+        return finish(), None, None, None, None, None, *weight_grads
 
 
 def start_gather(x: Tensor, step: Step, groups: MeshGroups):

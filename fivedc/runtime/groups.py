@@ -87,6 +87,10 @@ class MeshGroups:
             index = index * self.mesh.size(axis) + self.coords[axis]
         return index
 
+    def members(self, axes: Iterable[MeshAxis]) -> tuple[int, ...]:
+        """The global ranks of this rank's group over `axes`, in group-index order."""
+        return tuple(self.mesh.group_ranks(self._key(axes), self.rank))
+
     def positions(self, axes: Iterable[MeshAxis]) -> tuple[int, ...]:
         """For each process-group rank, its group index (the identity unless torch sorted the group)."""
         return self._positions[key] if (key := self._known(axes)) else (0,)

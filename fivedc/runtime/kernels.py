@@ -22,7 +22,7 @@ from fivedc.errors import NotSupportedError
 from fivedc.ir.graph import Graph, Op
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.ir.ops import parse_freqs
-from fivedc.runtime import tp_overlap, weight_grads
+from fivedc.runtime import tp_overlap, tp_ring, weight_grads
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
 from fivedc.runtime.loss import cross_entropy
 from fivedc.runtime.precision import compute_dtype, for_matmul
@@ -140,16 +140,20 @@ def _linear(ctx, op, args, dims):
     order = None
     if tuple(dims[1][:k]) != tuple(dims[0][-k:]):  # stored [out, in] (a tied embedding table): in first
         order = (*range(w.dim() - k, w.dim()), *range(w.dim() - k))
+    # x arriving over a ring (collective matmul): the product made chunk by chunk as they come
+    value = tp_ring.product(x, w if order is None else w.permute(order), k)
     put_off = tp_overlap.put_off_of(x)  # dW computed while x's gradient is summed over tp
     if put_off is not None and (index := put_off.index(w)) is not None and torch.is_grad_enabled():
         undo = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
         x, held = for_matmul(x, w.detach() if order is None else w.detach().permute(order))
-        return tp_overlap.PutOffLinear.apply(x, held, k, put_off, index, undo)
+        return tp_overlap.PutOffLinear.apply(x, held, k, put_off, index, undo, value)
     if order is not None:
         w = w.permute(order)
     store = weight_grads.store_of(ctx)  # a zero-bubble pipeline: the weight gradient may wait for W
     if store is not None and torch.is_grad_enabled() and w.requires_grad:
-        return weight_grads.DeferrableLinear.apply(*for_matmul(x), w, k, store)  # casts the leaf w itself
+        return weight_grads.DeferrableLinear.apply(*for_matmul(x), w, k, store, value)  # casts the leaf w itself
+    if value is not None:
+        return tp_ring.Product.apply(*for_matmul(x, w), k, value)
     return torch.tensordot(*for_matmul(x, w), dims=k)
 
 

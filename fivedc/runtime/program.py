@@ -16,7 +16,9 @@ its intermediate values are not kept alive by the program's either.
 
 Where the plan overlaps a redistribution's backward sum with weight gradients, the
 linears reading its output put their dW off until that sum has started
-(`fivedc/runtime/tp_overlap.py`).
+(`fivedc/runtime/tp_overlap.py`). Where it runs a gather in a ring, the next op (a linear)
+multiplies the chunks as they arrive, and the value is whole before any other op reads
+it (`fivedc/runtime/tp_ring.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fivedc.runtime.recompute import run_recomputed
 from fivedc.runtime.regions import CompiledLayers, outer_reads
 from fivedc.runtime.saved import mark_regathered
 from fivedc.runtime.tp_overlap import PutOff, mark_put_off
+from fivedc.runtime.tp_ring import RingGather, mark_ring, start_ring
 from fivedc.runtime.weight_grads import store_of
 
 
@@ -164,23 +167,20 @@ class Program:
 
     def _block(self, block: Block, env: dict, dims: dict, params: dict, scope: dict,
                repeat: Repeat | None = None, layer: int | None = None) -> None:
+        ring, ring_value = None, ""  # a gather still arriving in a ring: its next op reads it chunk by chunk
         for item in block.items:
+            if ring is not None and not isinstance(item, Redistribute) and not self._reads_by_chunks(item, repeat,
+                                                                                                    ring_value):
+                ring.finish()  # anything else waits for the whole value
             if isinstance(item, Repeat):
                 for index in range(item.count):
                     self._layer(item, index, env, dims, params, scope)
             elif isinstance(item, Redistribute):
-                forward, backward = self.steps[item.out]
-                put_off = self._put_off(block, item, env, params, scope)
-                out = self._traced(item.out, layer, redistribute(env[item.src], forward, backward, self.ctx.groups,
-                                                                 put_off))
-                if put_off is not None:  # the linears reading it compute dW while its backward sum runs
-                    mark_put_off(out, put_off)
-                if item.out in self.regathered:  # sequence parallelism: backward gathers it again
-                    # (marked after tracing: an injected fault's perturbed copy is gathered again too,
-                    # so every rank issues the same collectives; backward sees the unperturbed value)
-                    mark_regathered(out, env[item.src], forward, self.ctx.groups)
-                env[item.out] = out
-                dims[item.out] = item.type.dims
+                started = self._redistribute(block, item, env, dims, params, scope, layer)
+                if started is not None:
+                    if ring is not None:
+                        ring.finish()
+                    ring, ring_value = started, item.out
             else:
                 args, arg_dims = [], []
                 for arg in item.args:
@@ -202,6 +202,33 @@ class Program:
                     out = KERNELS[item.kind](self.ctx, item, args, arg_dims)
                 env[item.out] = self._traced(item.out, layer, out)
                 dims[item.out] = item.type.dims
+            if ring is not None and not isinstance(item, Redistribute):
+                ring.finish()
+                ring = None
+        if ring is not None:  # the block ends before its reader (a pipeline unit's last item)
+            ring.finish()
+
+    def _redistribute(self, block: Block, item: Redistribute, env: dict, dims: dict, params: dict, scope: dict,
+                      layer: int | None) -> RingGather | None:
+        """Run a redistribution into `env`; the ring still bringing its value, if it runs in one."""
+        forward, backward = self.steps[item.out]
+        put_off = self._put_off(block, item, env, params, scope)
+        ring = self._ring(item, env[item.src], forward)
+        out = redistribute(env[item.src], forward, backward, self.ctx.groups, put_off, ring)
+        if ring is not None:
+            mark_ring(out, ring)
+            if self.tracer is not None:  # the tracer copies the value now: the same hops, waited at once
+                ring.finish()
+        out = self._traced(item.out, layer, out)
+        if put_off is not None:  # the linears reading it compute dW while its backward sum runs
+            mark_put_off(out, put_off)
+        if item.out in self.regathered:  # sequence parallelism: backward gathers it again
+            # (marked after tracing: an injected fault's perturbed copy is gathered again too,
+            # so every rank issues the same collectives; backward sees the unperturbed value)
+            mark_regathered(out, env[item.src], forward, self.ctx.groups)
+        env[item.out] = out
+        dims[item.out] = item.type.dims
+        return ring
 
     def _put_off(self, block: Block, item: Redistribute, env: dict, params: dict, scope: dict) -> PutOff | None:
         """The weights of the linears reading `item`'s output, where the plan runs its backward
@@ -212,6 +239,24 @@ class Program:
             return None
         names = weight_readers(block.items, item.out, scope)
         return PutOff(tuple(params[scope[name]] for name in names)) if names else None
+
+    def _ring(self, item: Redistribute, src: Tensor, forward: tuple[Step, ...]) -> RingGather | None:
+        """The ring that gathers `item`'s value, where the plan runs its all-gather so and its next
+        op multiplies it chunk by chunk (`fivedc/runtime/tp_ring.py`); not inside a compiled
+        region (each hop would break it: there it is one all-gather)."""
+        if not (len(forward) == 1 and item.forward[0].overlaps and forward[0].kind == "all_gather"
+                and self.ctx.groups.size(forward[0].axes) > 1 and not torch.compiler.is_compiling()):
+            return None
+        return start_ring(src, forward[0].dim, forward[0].axes, self.ctx.groups)
+
+    def _reads_by_chunks(self, op, repeat: Repeat | None, value: str) -> bool:
+        """Whether `op` multiplies `value` chunk by chunk as its ring brings them (a linear reading
+        it as its input, as it is)."""
+        if not isinstance(op, Op):
+            return False
+        spec = op.arg_specs[0] if op.arg_specs else None
+        return op.kind == "linear" and op.args[0] == value and value not in op.args[1:] \
+            and not (spec is not None and spec.grad_once) and not recomputes_op(op, repeat, self.recompute)
 
     def _traced(self, name: str, layer: int | None, out: Tensor) -> Tensor:
         return out if self.tracer is None else self.tracer.record(name, layer, out)

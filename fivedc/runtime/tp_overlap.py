@@ -75,13 +75,14 @@ class PutOffLinear(torch.autograd.Function):
     `put_off` for the weight at `index`; `undo` permutes dW back to the weight's own order."""
 
     @staticmethod
-    def forward(fctx, x: Tensor, w: Tensor, k: int, put_off: PutOff, index: int, undo: tuple[int, ...] | None) -> Tensor:
+    def forward(fctx, x: Tensor, w: Tensor, k: int, put_off: PutOff, index: int, undo: tuple[int, ...] | None,
+                value: Tensor | None = None) -> Tensor:
         fctx.k, fctx.put_off, fctx.index, fctx.undo, fctx.lead = k, put_off, index, undo, x.dim() - k
         w = w.to(x.dtype)  # autocast: x is in its dtype already (fivedc/runtime/precision.py)
         note = regather_note(x)  # SP: x is gathered again for dW, by its note (which holds the shard only)
         fctx.x = note.at(x) if note is not None else None
         fctx.save_for_backward(*((w,) if note is not None else (w, x)))
-        return torch.tensordot(x, w, dims=k)
+        return torch.tensordot(x, w, dims=k) if value is None else value  # value: made as a ring brought x
 
     @staticmethod
     def backward(fctx, grad_out: Tensor):
@@ -94,4 +95,4 @@ class PutOffLinear(torch.autograd.Function):
         grad_x = torch.tensordot(grad_out, w, dims=(list(range(lead, grad_out.dim())), list(range(fctx.k, w.dim()))))
         fctx.put_off.pending.append((fctx.index, x, grad_out, lead, fctx.undo))
         fctx.x = None
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None

@@ -75,12 +75,12 @@ class DeferrableLinear(torch.autograd.Function):
     """`tensordot(x, w, dims=k)` whose weight gradient waits while the store defers."""
 
     @staticmethod
-    def forward(fctx, x: Tensor, w: Tensor, k: int, store: WeightGradStore) -> Tensor:
+    def forward(fctx, x: Tensor, w: Tensor, k: int, store: WeightGradStore, value: Tensor | None = None) -> Tensor:
         fctx.k, fctx.store, fctx.weight_dtype = k, store, w.dtype
         fctx.weight = w if w.is_leaf else None  # only a leaf's gradient can wait (autograd owns the rest)
         w = w.to(x.dtype)  # autocast: x is in its dtype already (fivedc/runtime/precision.py)
         fctx.save_for_backward(x, w)
-        return torch.tensordot(x, w, dims=k)
+        return torch.tensordot(x, w, dims=k) if value is None else value  # value: made as a ring brought x
 
     @staticmethod
     def backward(fctx, grad_out: Tensor):
@@ -95,4 +95,4 @@ class DeferrableLinear(torch.autograd.Function):
             else:
                 dims = list(range(lead))
                 grad_w = torch.tensordot(x, grad_out, dims=(dims, dims)).to(fctx.weight_dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
