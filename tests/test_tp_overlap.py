@@ -80,18 +80,21 @@ def hidden_seconds(c: SaveContext, items, hw) -> float:
 
 
 def ring_seconds(c: SaveContext, items, hw) -> float:
-    """Per run of `items`: each all-gather run in a ring ((n-1)/n of the bytes, n-1 hops' latency),
-    or (n-1)/n of its next linear's forward (all but the last chunk's product) if that takes less."""
+    """Per run of `items`: each all-gather or reduce-scatter run in a ring ((n-1)/n of the bytes,
+    n-1 hops' latency), or (n-1)/n of the linear beside it (an all-gather's next, a
+    reduce-scatter's maker) if that takes less: all but one chunk's product run beside a hop."""
     total = 0.0
     link = hw.nvlink_bytes_per_s * hw.link_efficiency
-    for node, reader in zip(items, items[1:]):
+    for before, node, after in zip([None, *items], items, [*items[1:], None]):
         if not (isinstance(node, Redistribute) and node.forward and node.forward[0].overlaps):
             continue
-        (gather,) = node.forward
-        assert gather.kind == CollectiveKind.ALL_GATHER and reader.kind == "linear" and reader.args[0] == node.out
-        n = c.mesh.size(*gather.axes)
-        seconds = (n - 1) / n * gather.bytes / link + (n - 1) * hw.nvlink_latency_s
-        total += min(seconds, op_times(c, reader, hw)[0] * (n - 1) / n)
+        (ring,) = node.forward
+        linear = after if ring.kind == CollectiveKind.ALL_GATHER else before
+        assert ring.kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER) and linear.kind == "linear"
+        assert node.out == linear.args[0] if ring.kind == CollectiveKind.ALL_GATHER else node.src == linear.out
+        n = c.mesh.size(*ring.axes)
+        seconds = (n - 1) / n * ring.bytes / link + (n - 1) * hw.nvlink_latency_s
+        total += min(seconds, op_times(c, linear, hw)[0] * (n - 1) / n)
     return total
 
 

@@ -1,13 +1,20 @@
-"""SP's gather before a column-parallel linear runs in a ring, the linear multiplying each chunk as it arrives.
+"""SP's collectives beside their linears in rings (collective matmul).
+
+The gather before a column-parallel linear runs in a ring, the linear multiplying each
+chunk as it arrives; the reduce-scatter after a row-parallel linear runs in a ring, the
+linear making each chunk as the ring needs it.
 
 Plan level: with overlap on, the forward all-gathers whose next op is a linear reading
-them are marked (`overlaps` names the matmul), none with overlap off or without SP.
-Runtime (gloo, 4 ranks): the ring brings chunk i, i-1, i-2, i-3 and posts the next hop
-before the product of the chunk just in, so one hop is always in flight while a chunk
-multiplies; the product and the gathered tensor are the all-gather's. A model at tp4
-with SP and full recomputation trains to the gradients of the run without rings. The
-step-time model is tested in tests/test_tp_overlap.py, the hops against what the
-runtime calls in tests/test_agreement.py.
+them, and the reduce-scatters of the linear just before, are marked (`overlaps` names
+the matmul); none with overlap off or without SP. Runtime (gloo, 4 ranks): the gather's
+ring brings chunk i, i-1, i-2, i-3 and posts the next hop before the product of the
+chunk just in; the sum's ring makes chunk i-1, i-2, i-3, i, each before waiting for the
+hop that brings the previous member's sum of it; so one hop is always in flight while a
+chunk multiplies. The products, the gathered tensor and the sums are those of the
+all-gather and reduce-scatter. A model at tp4 with SP and full recomputation trains to
+the gradients of the run without rings. The step-time model is tested in
+tests/test_tp_overlap.py, the hops against what the runtime calls in
+tests/test_agreement.py.
 """
 
 from __future__ import annotations
@@ -27,20 +34,26 @@ def compiled(model: str = "examples/tiny_llama.5d", mesh: str = "1x1x2x1x1", **o
     return compile_graph(load_model(model), CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64", **options))
 
 
-def rings(plan) -> dict[str, str]:
-    """Each gathered value run in a ring -> the matmul its `overlaps` names."""
-    return {node.out: node.forward[0].overlaps for node, _ in walk_ops(plan.graph.body)
-            if isinstance(node, Redistribute) and node.forward and node.forward[0].overlaps}
+def rings(plan, kind: str) -> list[str]:
+    """The matmul each forward collective of `kind` run in a ring names, in program order."""
+    return [node.forward[0].overlaps.split(",")[0].removeprefix("the matmul of ")
+            for node, _ in walk_ops(plan.graph.body) if isinstance(node, Redistribute) and node.forward
+            and node.forward[0].overlaps and node.forward[0].kind == kind]
 
 
-def test_the_gathers_before_a_linear_are_run_in_rings() -> None:
+def test_the_collectives_beside_a_linear_are_run_in_rings() -> None:
     plan = compiled(sequence_parallel=True)
-    matmuls = sorted(text.split(",")[0].removeprefix("the matmul of ") for text in rings(plan).values())
-    assert matmuls == ["w_gate", "w_head", "wq"]  # the first reader of each gathered input
-    forward_gathers = [c for c in plan.collectives if c.phase == Phase.FORWARD and c.kind == "all_gather"]
-    assert forward_gathers and all(c.overlaps.endswith("(collective matmul)") for c in forward_gathers)
-    assert rings(compiled(sequence_parallel=True, overlap=False)) == {}
-    assert rings(compiled()) == {}  # without SP the linears read a replicated input: nothing to gather
+    assert rings(plan, "all_gather") == ["wq", "w_gate", "w_head"]  # the first reader of each gathered input
+    assert rings(plan, "reduce_scatter") == ["wo", "w_down"]  # the row-parallel linears making them
+    in_layers = [c for c in plan.collectives if c.phase == Phase.FORWARD and c.count == 2]
+    assert in_layers and all(c.overlaps.endswith("(collective matmul)") for c in in_layers)
+    top = [node.forward[0] for node in plan.graph.body.items if isinstance(node, Redistribute) and node.forward]
+    assert [(c.kind, bool(c.overlaps)) for c in top] == \
+        [("reduce_scatter", False), ("all_gather", True)]  # the embedding's (no linear makes it), the head's input
+    off = compiled(sequence_parallel=True, overlap=False)
+    assert rings(off, "all_gather") == rings(off, "reduce_scatter") == []
+    no_sp = compiled()  # the linears read a replicated input and all-reduce: nothing in rings
+    assert rings(no_sp, "all_gather") == rings(no_sp, "reduce_scatter") == []
 
 
 def ring_job(info, payload) -> dict:
@@ -91,11 +104,57 @@ def test_a_model_in_rings_trains_as_with_all_gathers(worker_pool) -> None:
     """tp4 with SP (rings of three hops) and full recomputation (they run again in backward)."""
     on = compiled("examples/gpt.5d", "1x1x4x1x1", sequence_parallel=True, recompute="full")
     off = compiled("examples/gpt.5d", "1x1x4x1x1", sequence_parallel=True, recompute="full", overlap=False)
-    assert rings(on)
+    assert rings(on, "all_gather") and rings(on, "reduce_scatter")
     for grads, grads_off in worker_pool.run(grads_job, world=4, payload=[on, off]):
         assert grads.keys() == grads_off.keys()
         for name in grads:
             torch.testing.assert_close(grads[name], grads_off[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def sum_job(info, payload) -> dict:
+    """On a 4-rank tp group: a ring sums each rank's seeded product x_r @ w along dim 1 as
+    `summed_product` makes it; the order of parts made and hops waited for, and the results."""
+    from fivedc.runtime import tp_ring
+    from fivedc.runtime.groups import MeshGroups
+    from fivedc.ir.mesh import MeshAxis
+
+    groups = MeshGroups(Mesh.parse("1x1x4x1x1"), device_type="cpu")
+    xs = [torch.randn(2, 8, 5, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(4)]
+    w = torch.randn(5, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    ring, events = tp_ring.RingSum(1, (MeshAxis.TP,), groups), []
+    exchange, run = ring._exchange, ring.run
+
+    class Logged:
+        def __init__(self, transfer) -> None:
+            self.transfer = transfer
+
+        def wait(self) -> None:
+            events.append("waited")
+            self.transfer.wait()
+
+    def logged_exchange(send):
+        received, transfer = exchange(send)
+        events.append("posted")
+        return received, Logged(transfer)
+
+    def logged_run(part):
+        return run(lambda j: (events.append(j), part(j))[1])
+
+    ring._exchange, ring.run = logged_exchange, logged_run
+    partial = tp_ring.summed_product(xs[info.rank], w, 1, ring)
+    total = sum(x @ w for x in xs)
+    return dict(events=events, partial=torch.equal(partial, xs[info.rank] @ w),
+                summed=torch.allclose(ring.out, total[:, 2 * info.rank:2 * info.rank + 2], rtol=1e-14, atol=1e-14))
+
+
+def test_each_chunk_is_made_while_the_last_ones_sum_moves_on(worker_pool) -> None:
+    for rank, got in enumerate(worker_pool.run(sum_job, world=4, payload=None)):
+        assert got["partial"] and got["summed"], rank
+        # chunk i-1 first (its sum starts here), this rank's own last; each made before the
+        # hop bringing the previous member's sum of it is waited for
+        first, second, third = ((rank - t) % 4 for t in (1, 2, 3))
+        assert got["events"] == [first, "posted", second, "waited", "posted", third, "waited", "posted", rank,
+                                 "waited"]
 
 
 @pytest.mark.parametrize("contracted", [False, True])

@@ -21,7 +21,8 @@ order (`Mesh.group_ranks`). A unit's collectives are on its critical path unless
 plan says they overlap (`Collective.overlaps`): ring attention's hops hide behind the
 attention they feed; an all-gather run in a ring (collective matmul) behind its next
 linear's matmul on the chunks before the last, (n-1)/n of it (the last chunk's product
-waits for the last hop); and a linear input's backward sum behind the weight gradients of
+waits for the last hop), and a reduce-scatter run in a ring behind the matmul making
+its input on the chunks after the first, (n-1)/n of it; and a linear input's backward sum behind the weight gradients of
 the linears reading it, with under SP that input's gather for dW behind their input
 gradients (`UnitTime.hidden`, as much of each as those take, in a whole backward B
 only: a split one runs W later).
@@ -195,7 +196,8 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
     early: dict[str, float] = {}  # there, SP's input gathered again: started before the readers' dX
     inputs: dict[str, float] = {}  # and the readers' input-gradient seconds
     ring: dict[str, tuple[float, int]] = {}  # a forward all-gather in a ring: its seconds and group size
-    ahead = 0.0  # of the forward's collectives, what rings hide behind their readers' matmuls
+    made: dict[str, float] = {}  # a linear's output: its forward seconds
+    ahead = 0.0  # of the forward's collectives, what rings hide behind the matmuls beside them
     per = repeat.count if repeat else 1
     for node in items:
         if isinstance(node, Redistribute):
@@ -210,12 +212,18 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             fwd, bwd_in, bwd_w, comm = fwd + f, bwd_in + i, bwd_w + w, comm + f + i + w
             if any(x.overlaps for x in node.backward):
                 behind[node.out], early[node.out] = i, w
-            if len(node.forward) == 1 and node.forward[0].kind == K.ALL_GATHER and node.forward[0].overlaps:
-                ring[node.out] = (f, c.mesh.size(*node.forward[0].axes))
+            if len(node.forward) == 1 and node.forward[0].overlaps:  # in a ring (collective matmul)
+                n = c.mesh.size(*node.forward[0].axes)
+                if node.forward[0].kind == K.ALL_GATHER:  # behind the next linear
+                    ring[node.out] = (f, n)
+                else:  # a reduce-scatter behind the linear that makes its input
+                    ahead += min(f, made.pop(node.src, 0.0) * (n - 1) / n)
             continue
         if not isinstance(node, Op):
             continue
         f, i, w = op_times(c, node, hw)
+        if node.kind == "linear":
+            made[node.out] = f
         if node.kind == "linear" and node.args[0] in ring:  # collective matmul: all but the last chunk's
             seconds, n = ring.pop(node.args[0])  # matmul run beside the hops
             ahead += min(seconds, f * (n - 1) / n)

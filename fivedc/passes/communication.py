@@ -18,7 +18,9 @@ With overlap on, an all-gather whose next op is a linear reading it (SP's gather
 column-parallel linear) runs in a ring of point-to-point hops, and the linear multiplies
 each chunk as it arrives while the next hop runs (collective matmul,
 `fivedc/runtime/tp_ring.py`); its `overlaps` names that matmul, and the step time hides
-the ring behind it (`fivedc/estimates/costs.py`). And a backward sum (one all-reduce or
+the ring behind it (`fivedc/estimates/costs.py`); so does a reduce-scatter of the linear just
+before it (SP's row-parallel output), each chunk summed on around the ring as the linear
+makes it. And a backward sum (one all-reduce or
 reduce-scatter) of a linear's input runs behind that linear's weight gradient, as
 Megatron's async tensor parallelism: the
 linears that read the redistributed value put off dW = X^T dY until their input
@@ -91,6 +93,23 @@ def gathered_in_rings(items: list, params: set[str]) -> list:
                 and not (reader.arg_specs[0] and reader.arg_specs[0].grad_once)):
             continue
         overlaps = f"the matmul of {reader.args[1]}, chunk by chunk as a ring brings them (collective matmul)"
+        out[index] = replace(node, forward=(replace(node.forward[0], overlaps=overlaps),))
+    return out
+
+
+def summed_in_rings(items: list, params: set[str], types: dict) -> list:
+    """`items` with each reduce-scatter of the item just before it marked to run in a ring as
+    that item makes it (collective matmul): the item is a linear with a parameter as its
+    weight, and the scattered dim is one of its input's it keeps."""
+    out = list(items)
+    for index, node in enumerate(out[1:], start=1):
+        maker = out[index - 1]
+        if not (isinstance(node, Redistribute) and len(node.forward) == 1
+                and node.forward[0].kind == K.REDUCE_SCATTER and isinstance(maker, Op) and maker.kind == "linear"
+                and maker.out == node.src and maker.args[1] in params and maker.args[0] not in params
+                and node.forward[0].dim in types[maker.args[0]].dims and node.forward[0].dim in maker.type.dims):
+            continue
+        overlaps = f"the matmul of {maker.args[1]}, chunk by chunk, each chunk summed on in a ring (collective matmul)"
         out[index] = replace(node, forward=(replace(node.forward[0], overlaps=overlaps),))
     return out
 
@@ -220,7 +239,7 @@ class _Inserter:
             env[item.out] = (item.sharding, f"{item.kind} at {item.loc}", item.type)
         if self.options.overlap:
             params = {name for name, (_, producer, _) in env.items() if producer.startswith("parameter ")}
-            items = gathered_in_rings(items, params)
+            items = summed_in_rings(gathered_in_rings(items, params), params, {n: t for n, (_, _, t) in env.items()})
             if not (self.options.zero == 3 and self.mesh.size(MeshAxis.PP) == 1):
                 items = behind_weight_grads(items, params)
         return replace(block, items=tuple(items))

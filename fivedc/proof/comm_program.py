@@ -6,7 +6,7 @@ actions). So the ranks fall into *classes*, one per pp rank, and `class_programs
 expands each class's step into the collectives and transfers it issues, in the
 runtime's order: the schedule's actions (without a pipeline, one forward and one
 backward of the whole graph); in a forward, each node in program order (a
-redistribution's steps, an all-gather run in a ring as its n - 1 hops; what a kernel sends inside: vocab-parallel cross-entropy's
+redistribution's steps, a gather or reduce-scatter run in a ring as its n - 1 hops; what a kernel sends inside: vocab-parallel cross-entropy's
 all-reduces, ring attention's hops, MoE's count exchange, dispatch and combine); in a
 backward, the nodes in reverse (a recomputed attention's forward hops first, the
 gradient buckets as their last gradient arrives when overlap is on; under sequence parallelism, at the first backward of a gathered
@@ -252,14 +252,15 @@ class _Expander(KernelEvents):
 
     def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None, *,
                rings: bool = False) -> list[Event]:
-        """`rings`: a forward all-gather the plan runs in a ring is its n - 1 hops."""
+        """`rings`: a forward all-gather or reduce-scatter the plan runs in a ring is its n - 1 hops."""
         out = []
         for c in collectives:
             n = self.mesh.size(*c.axes)
             if n == 1:
                 continue
-            if rings and c.kind == "all_gather" and c.overlaps:
-                out += [Event("send_recv", c.axes, numel, dtype or self.dtype, f"{what}: a chunk to the next "
+            if rings and c.kind in ("all_gather", "reduce_scatter") and c.overlaps:
+                hop = numel if c.kind == "all_gather" else numel // n  # a chunk, or a chunk's sum so far
+                out += [Event("send_recv", c.axes, hop, dtype or self.dtype, f"{what}: a chunk to the next "
                               "member (collective matmul)", loc, tag=RING_TAG)] * (n - 1)
             elif c.kind != "slice":
                 out.append(Event(str(c.kind), c.axes, numel, dtype or self.dtype, what, loc))

@@ -41,6 +41,8 @@ class KernelContext:
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
     # cross-entropy op -> its count of targets for the whole step, set by a pipeline before its microbatches
     step_counts: dict = field(default_factory=dict, compare=False, repr=False)
+    # a linear's output -> the ring summing it over tp as it is made (tp_ring.RingSum), set by the program
+    sum_rings: dict = field(default_factory=dict, compare=False, repr=False)
 
     def shard_range(self, dim: str, sharding: Sharding, coords: dict[MeshAxis, int] | None = None) -> tuple[int, int]:
         """Global [start, stop) of this rank's (or `coords`') chunk of `dim` (axes major-first)."""
@@ -140,8 +142,10 @@ def _linear(ctx, op, args, dims):
     order = None
     if tuple(dims[1][:k]) != tuple(dims[0][-k:]):  # stored [out, in] (a tied embedding table): in first
         order = (*range(w.dim() - k, w.dim()), *range(w.dim() - k))
-    # x arriving over a ring (collective matmul): the product made chunk by chunk as they come
-    value = tp_ring.product(x, w if order is None else w.permute(order), k)
+    # collective matmul: the product made chunk by chunk as a ring brings x, or as a ring sums it
+    sum_ring = ctx.sum_rings.pop(op.out, None)
+    value = tp_ring.product(x, w if order is None else w.permute(order), k) if sum_ring is None \
+        else tp_ring.summed_product(x, w if order is None else w.permute(order), k, sum_ring)
     put_off = tp_overlap.put_off_of(x)  # dW computed while x's gradient is summed over tp
     if put_off is not None and (index := put_off.index(w)) is not None and torch.is_grad_enabled():
         undo = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))

@@ -41,7 +41,7 @@ from fivedc.runtime.recompute import run_recomputed
 from fivedc.runtime.regions import CompiledLayers, outer_reads
 from fivedc.runtime.saved import mark_regathered
 from fivedc.runtime.tp_overlap import PutOff, mark_put_off
-from fivedc.runtime.tp_ring import RingGather, mark_ring, start_ring
+from fivedc.runtime.tp_ring import RingGather, RingSum, mark_ring, start_ring
 from fivedc.runtime.weight_grads import store_of
 
 
@@ -141,6 +141,11 @@ class Program:
             for node, _ in walk_ops(graph.body)
             if isinstance(node, Redistribute)
         }
+        self.summing: dict[str, RingSum] = {}  # a linear's output being summed in a ring: for its redistribution
+        # a linear's output the plan reduce-scatters in a ring as the linear makes it -> that step
+        self.summed_in_ring = {node.src: self.steps[node.out][0][0] for node, _ in walk_ops(graph.body)
+                               if isinstance(node, Redistribute) and len(node.forward) == 1
+                               and node.forward[0].kind == "reduce_scatter" and node.forward[0].overlaps}
 
     def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
         env: dict[str, Tensor] = dict(inputs)
@@ -176,7 +181,8 @@ class Program:
                 for index in range(item.count):
                     self._layer(item, index, env, dims, params, scope)
             elif isinstance(item, Redistribute):
-                started = self._redistribute(block, item, env, dims, params, scope, layer)
+                started = self._redistribute(block, item, env, dims, params, scope, layer,
+                                             self.summing.pop(item.src, None))
                 if started is not None:
                     if ring is not None:
                         ring.finish()
@@ -196,10 +202,15 @@ class Program:
                 for index, spec in enumerate(item.arg_specs):
                     if spec is not None and spec.grad_once:
                         args[index] = counted_once(args[index], spec.grad_once, self.ctx.coords)
+                if (summing := self._sum_ring(item)) is not None:
+                    self.summing[item.out] = summing
+                    if self.tracer is None:  # else the hops run on the traced (maybe perturbed) value
+                        self.ctx.sum_rings[item.out] = summing  # the linear feeds it chunk by chunk
                 if recomputes_op(item, repeat, self.recompute):
                     out = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
                 else:
                     out = KERNELS[item.kind](self.ctx, item, args, arg_dims)
+                self.ctx.sum_rings.pop(item.out, None)
                 env[item.out] = self._traced(item.out, layer, out)
                 dims[item.out] = item.type.dims
             if ring is not None and not isinstance(item, Redistribute):
@@ -209,12 +220,15 @@ class Program:
             ring.finish()
 
     def _redistribute(self, block: Block, item: Redistribute, env: dict, dims: dict, params: dict, scope: dict,
-                      layer: int | None) -> RingGather | None:
-        """Run a redistribution into `env`; the ring still bringing its value, if it runs in one."""
+                      layer: int | None, summing: RingSum | None) -> RingGather | None:
+        """Run a redistribution into `env`; the ring still bringing its value, if it runs in one.
+        `summing`: the ring its source was summed in as it was made (finished here if it was not)."""
         forward, backward = self.steps[item.out]
         put_off = self._put_off(block, item, env, params, scope)
+        if summing is not None:
+            summing.finish(env[item.src])
         ring = self._ring(item, env[item.src], forward)
-        out = redistribute(env[item.src], forward, backward, self.ctx.groups, put_off, ring)
+        out = redistribute(env[item.src], forward, backward, self.ctx.groups, put_off, ring or summing)
         if ring is not None:
             mark_ring(out, ring)
             if self.tracer is not None:  # the tracer copies the value now: the same hops, waited at once
@@ -248,6 +262,14 @@ class Program:
                 and self.ctx.groups.size(forward[0].axes) > 1 and not torch.compiler.is_compiling()):
             return None
         return start_ring(src, forward[0].dim, forward[0].axes, self.ctx.groups)
+
+    def _sum_ring(self, op) -> RingSum | None:
+        """The ring to sum `op`'s output in over tp as it is made, where the plan reduce-scatters
+        it so (`fivedc/runtime/tp_ring.py`); not inside a compiled region."""
+        step = self.summed_in_ring.get(op.out)
+        if step is None or self.ctx.groups.size(step.axes) == 1 or torch.compiler.is_compiling():
+            return None
+        return RingSum(step.dim, step.axes, self.ctx.groups)
 
     def _reads_by_chunks(self, op, repeat: Repeat | None, value: str) -> bool:
         """Whether `op` multiplies `value` chunk by chunk as its ring brings them (a linear reading

@@ -1,21 +1,29 @@
-"""A gather over tp run in a ring, its first reader's matmul computed chunk by chunk as they arrive.
+"""Tensor parallelism's forward collectives in rings beside their linears (collective matmul).
 
-Collective matmul (the all-gather side of Megatron's tp-comm-overlap and of torch's
-async TP): under sequence parallelism a column-parallel linear reads its input gathered
-over tp along the sequence. Where the plan marks that all-gather so (its forward
-`Collective.overlaps`, from `fivedc/passes/communication.py`), the redistribution does
-not wait for the whole tensor. It starts a ring (`RingGather`): hop s (1..n-1) sends the
-chunk this rank received at hop s-1 (at hop 1, its own) to the next group member and
-receives the following one from the previous member, so after hop s it holds chunk
-i - s. The linear reading it (`fivedc/runtime/kernels._linear`, through `product`)
-multiplies its own chunk first, then each chunk as its hop completes, while the next
-hop runs; then the gathered tensor is put together for the other readers and for
-autograd, whose backward is unchanged (the linear's, and the gather's reduce-scatter).
+Megatron's tp-comm-overlap and torch's async TP: under sequence parallelism a
+column-parallel linear reads its input gathered over tp along the sequence, and a
+row-parallel linear's partial output is reduce-scattered over tp along it. Where the
+plan marks such a collective (its forward `Collective.overlaps`, from
+`fivedc/passes/communication.py`), it runs as n - 1 hops around the group's ring, each
+hop beside one chunk's matmul:
 
-Hop s + 1 is posted once hop s's receive is done: it sends what that receive wrote.
-The program finishes a ring no reader drove (`finish_ring`) before anything else reads
-the value. Every rank of the group posts the same hops in the same order; the
-agreement proof lists them as `send_recv` events (`fivedc/proof/comm_program.py`).
+- the gather (`RingGather`): the redistribution does not wait for the whole tensor. Hop
+  s (1..n-1) sends the chunk this rank received at hop s-1 (at hop 1, its own) to the
+  next member and receives the following one from the previous member, so after hop s
+  it holds chunk i - s. The linear reading it (`fivedc/runtime/kernels._linear`, through
+  `product`) multiplies its own chunk first, then each chunk as its hop completes, while
+  the next hop runs; then the gathered tensor is put together for the other readers.
+  Hop s + 1 is posted once hop s's receive is done: it sends what that receive wrote;
+- the reduce-scatter (`RingSum`): the linear making the partial output (through
+  `summed_product`) makes its part of chunk i - 1 and sends it on; then its part of
+  chunk i - 2 while that hop runs, adds what the previous member summed of that chunk,
+  sends it on; and so on, ending with its own chunk summed over the group.
+
+Either product enters autograd as the linear's (`Product`), so backward is unchanged.
+The program finishes a gather before anything else reads the value, and runs a sum's
+hops on the whole value where no linear fed them. Every rank of the group posts the
+same hops in the same order; the agreement proof lists them as `send_recv` events
+(`fivedc/proof/comm_program.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fivedc.errors import ShapeError
 from fivedc.proof.events import RING_TAG
 from fivedc.runtime.groups import MeshGroups
 from fivedc.runtime.p2p import Transfer, exchange
@@ -31,14 +40,34 @@ from fivedc.runtime.precision import for_matmul
 _ATTR = "_fivedc_ring"
 
 
-class RingGather:
-    """The chunks of one all-gather along `dim` over the group of `axes`, one hop at a time."""
+class _Ring:
+    """This rank's place in the ring of its group over `axes` (group-index order), `dim` the
+    tensor dim cut into its n chunks."""
 
-    def __init__(self, shard: Tensor, dim: int, axes, groups: MeshGroups, out: Tensor) -> None:
-        self.n, self.index, self.dim, self.out = groups.size(axes), groups.index(axes), dim, out
+    def __init__(self, dim: int, axes, groups: MeshGroups) -> None:
+        self.n, self.index, self.dim = groups.size(axes), groups.index(axes), dim
         members = groups.members(axes)
         self.next_rank, self.prev_rank = members[(self.index + 1) % self.n], members[(self.index - 1) % self.n]
         self.group = groups.group(axes)
+
+    def chunk_size(self, t: Tensor) -> int:
+        size = t.shape[self.dim]
+        if size % self.n:
+            raise ShapeError(f"a ring over {self.n} ranks cuts tensor dim {self.dim} of size {size} into chunks: "
+                             f"{size} does not divide by {self.n}",
+                             hint="pick a tp size that divides this dim (the sequence under SP), or pad it")
+        return size // self.n
+
+    def _exchange(self, send: Tensor) -> tuple[Tensor, Transfer]:
+        return exchange(send, next_rank=self.next_rank, prev_rank=self.prev_rank, group=self.group, tag=RING_TAG)
+
+
+class RingGather(_Ring):
+    """The chunks of one all-gather along `dim` over the group of `axes`, one hop at a time."""
+
+    def __init__(self, shard: Tensor, dim: int, axes, groups: MeshGroups, out: Tensor) -> None:
+        super().__init__(dim, axes, groups)
+        self.out = out
         self.chunks: list[Tensor | None] = [None] * self.n
         self.chunks[self.index] = shard.detach().contiguous()
         self.transfers: list[Transfer] = []
@@ -53,8 +82,7 @@ class RingGather:
         """Post the next hop: send what the last one brought (or this rank's own chunk)."""
         hop = len(self.transfers) + 1
         send = self.chunks[self._holding_after(hop - 1)]
-        received, transfer = exchange(send, next_rank=self.next_rank, prev_rank=self.prev_rank, group=self.group,
-                                      tag=RING_TAG)
+        received, transfer = self._exchange(send)
         self.chunks[self._holding_after(hop)] = received
         self.transfers.append(transfer)
 
@@ -97,13 +125,6 @@ def mark_ring(value: Tensor, ring: RingGather) -> Tensor:
     return value
 
 
-def finish_ring(value: Tensor) -> None:
-    """Complete the gather of `value` if a ring is still filling it."""
-    ring = getattr(value, _ATTR, None)
-    if ring is not None:
-        ring.finish()
-
-
 def product(x: Tensor, w: Tensor, k: int) -> Tensor | None:
     """`tensordot(x, w, dims=k)` without autograd, chunk by chunk as x's ring brings them
     (the gather dim is one x keeps), x completed at the end; None when no ring fills x."""
@@ -113,7 +134,7 @@ def product(x: Tensor, w: Tensor, k: int) -> Tensor | None:
     if ring.dim >= x.dim() - k:  # the gather dim is contracted: no chunk makes a part of the product
         ring.finish()
         return None
-    out, size = None, x.shape[ring.dim] // ring.n
+    out, size = None, ring.chunk_size(x)
     with torch.no_grad():
         held = None
         for index, chunk in ring.arrivals():
@@ -129,6 +150,64 @@ def product(x: Tensor, w: Tensor, k: int) -> Tensor | None:
             out.narrow(ring.dim, index * size, size).copy_(part)  # one chunk's product at a time beside it
         ring.finish()
         return out
+
+
+class RingSum(_Ring):
+    """A reduce-scatter along `dim` over the group of `axes` in a ring, fed chunk by chunk.
+
+    The sum of chunk j starts on member j + 1 and goes around: at step t (0..n-1) this rank
+    makes its part of chunk i - t - 1, adds what the previous member summed of it (the hop
+    posted at step t - 1, which ran while this part was made) and sends it on; at the last
+    step the chunk is its own, summed over the group: `out`."""
+
+    def __init__(self, dim: int, axes, groups: MeshGroups) -> None:
+        super().__init__(dim, axes, groups)
+        self.out: Tensor | None = None
+
+    def run(self, part) -> None:
+        """`part(j)`: this rank's addend of chunk j, made when the ring needs it."""
+        received = transfer = None
+        for step in range(self.n):
+            summed = part((self.index - step - 1) % self.n)
+            if transfer is not None:
+                transfer.wait()
+                summed = summed + received
+            if step < self.n - 1:
+                received, transfer = self._exchange(summed.contiguous())
+            else:
+                self.out = summed
+
+    def finish(self, whole: Tensor) -> Tensor:
+        """The sum of this rank's chunk; where no product fed the ring, the hops run on `whole` now."""
+        if self.out is None:
+            size = self.chunk_size(whole)
+            self.run(lambda j: whole.detach().narrow(self.dim, j * size, size))
+        return self.out  # type: ignore[return-value]
+
+
+def summed_product(x: Tensor, w: Tensor, k: int, ring: RingSum) -> Tensor | None:
+    """`tensordot(x, w, dims=k)` without autograd (the partial product, whole) made chunk by chunk
+    along the ring's dim in the ring's order, each chunk summed on around the ring as it is
+    made (`RingSum.run`); None where the ring's dim is one the product contracts."""
+    lead = x.dim() - k
+    if ring.dim >= lead:
+        return None
+    size = ring.chunk_size(x)
+    out: list[Tensor] = []
+    with torch.no_grad():
+        x, w = for_matmul(x, w)
+        w = w.to(x.dtype)
+
+        def part(j: int) -> Tensor:
+            made = torch.tensordot(x.narrow(ring.dim, j * size, size), w, dims=k)
+            if not out:
+                shape = list(made.shape)
+                shape[ring.dim] *= ring.n
+                out.append(made.new_empty(shape))
+            out[0].narrow(ring.dim, j * size, size).copy_(made)
+            return made
+        ring.run(part)
+        return out[0]
 
 
 class Product(torch.autograd.Function):
