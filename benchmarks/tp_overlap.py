@@ -4,14 +4,17 @@ Llama (`examples/llama.py`, 4 layers, float32) under `fivedc.parallelize(mesh="1
 on 2 local gloo processes, trained with `torch.optim.AdamW`, with and without SP: once
 with `overlap=True` (each column-parallel linear input's backward all-reduce, or under
 SP reduce-scatter, starts async and the readers' weight gradients are computed while
-it runs: `fivedc/runtime/tp_overlap.py`; under SP, too, each gather before a
-column-parallel linear runs in a ring while the linear multiplies the chunks already in:
-`fivedc/runtime/tp_ring.py`), once with `overlap=False` (the sum and the gather block). The variants alternate round by round in the same processes,
+it runs: `fivedc/runtime/tp_overlap.py`; and the forward's collectives run beside their
+linears, under SP each gather before a column-parallel linear and each reduce-scatter
+after a row-parallel one in a ring, without SP each all-reduce after a row-parallel
+linear by chunks: `fivedc/runtime/tp_ring.py`), once with `overlap=False` (they block). The variants alternate round by round in the same processes,
 so machine load hits them alike. Per variant: rank 0's median step time over
 `--steps` steps after a warm-up step, then the median over `--rounds` rounds; and the
 seconds one step spends waiting in those sums and SP's gathers again for dW (the `wait` of
-the async ones, the whole call of the blocking ones), and in SP's forward gathers (each
-hop's wait in a ring, the whole all-gather without), which is what overlap can hide.
+the async ones, the whole call of the blocking ones), and in the forward's collectives
+(each hop's wait in a ring, each chunk's in a chunked all-reduce, the whole call of a
+blocking one: also the embedding's sum, which nothing hides), which is what overlap can
+hide.
 
     python benchmarks/tp_overlap.py [--dim 512] [--steps 5] [--rounds 5]
 """
@@ -42,14 +45,16 @@ def timed_waits():
     """Patch the collectives that overlap hides to add the seconds a rank waits in them to
     lists: in backward, the sums of the linears' input gradients and SP's inputs gathered
     again for dW (the `finish` of the async ones, the whole call of the blocking ones; not
-    the gathers of gradients, which nothing hides); in forward, SP's gathers (a ring's hops,
-    or the whole all-gather). The lists by phase and an undo."""
-    from fivedc.runtime import collectives, saved, tp_ring
+    the gathers of gradients, which nothing hides); in forward, every collective (the whole
+    call of a blocking one; the waits of a ring's hops and of a chunked all-reduce's
+    chunks). The lists by phase and an undo."""
+    import torch.distributed as dist
+    from fivedc.runtime import collectives, p2p, saved
 
     spent: dict[str, list[float]] = {"backward": [], "forward": []}
     real = {"start_sum": collectives.start_sum, "start_gather": saved.start_gather,
             "apply_steps": collectives.apply_steps, "saved_apply_steps": saved.apply_steps,
-            "take": tp_ring.RingGather._take}
+            "hop_wait": p2p.Transfer.wait, "all_reduce": dist.all_reduce}
 
     def timed(fn, phase: str = "backward"):
         def call(*args, **kwargs):
@@ -59,28 +64,42 @@ def timed_waits():
             return out
         return call
 
+    def forward() -> bool:
+        return torch._C._current_autograd_node() is None
+
     def started(start):
         return lambda *args, **kwargs: timed(start(*args, **kwargs))
 
-    def blocking(apply, kinds, forward_kinds=()):
+    def blocking(apply, kinds):
         def call(x, steps, groups):
-            if torch._C._current_autograd_node() is None:  # forward
-                hidden = [s for s in steps if s.kind in forward_kinds]
-                return timed(apply, "forward")(x, steps, groups) if hidden else apply(x, steps, groups)
+            if forward():
+                return timed(apply, "forward")(x, steps, groups)
             if not any(s.kind in kinds for s in steps):
                 return apply(x, steps, groups)  # another kind (a gradient's gather)
             return timed(apply)(x, steps, groups)
         return call
 
+    class TimedWork:  # a chunked all-reduce's chunk: its wait
+        def __init__(self, work) -> None:
+            self.work = work
+
+        def wait(self, *args):
+            return timed(self.work.wait, "forward")(*args)
+
+    def all_reduce(*args, async_op=False, **kwargs):
+        work = real["all_reduce"](*args, async_op=async_op, **kwargs)
+        return TimedWork(work) if async_op and forward() and work is not None else work
+
     collectives.start_sum, saved.start_gather = started(real["start_sum"]), started(real["start_gather"])
-    collectives.apply_steps = blocking(real["apply_steps"], ("all_reduce", "reduce_scatter"), ("all_gather",))
+    collectives.apply_steps = blocking(real["apply_steps"], ("all_reduce", "reduce_scatter"))
     saved.apply_steps = blocking(real["saved_apply_steps"], ("all_gather",))
-    tp_ring.RingGather._take = timed(real["take"], "forward")
+    p2p.Transfer.wait = lambda self: timed(real["hop_wait"], "forward")(self)
+    dist.all_reduce = all_reduce
 
     def undo():
         collectives.start_sum, saved.start_gather = real["start_sum"], real["start_gather"]
         collectives.apply_steps, saved.apply_steps = real["apply_steps"], real["saved_apply_steps"]
-        tp_ring.RingGather._take = real["take"]
+        p2p.Transfer.wait, dist.all_reduce = real["hop_wait"], real["all_reduce"]
     return spent, undo
 
 
@@ -130,7 +149,7 @@ def main() -> None:
                 results[(sp, overlap)].append(pool.run(variant_job, world=WORLD, payload=payload)[0])
     print(f"Llama 4 layers, hidden {args.dim}, tp={WORLD}, fp32, AdamW; medians of {args.steps} steps x {args.rounds} rounds")
     print("| SP | overlap | step (ms) | waiting in the sums and SP's gathers again (ms/step) "
-          "| waiting in SP's forward gathers (ms/step) | step vs overlap off |")
+          "| waiting in the forward's collectives (ms/step) | step vs overlap off |")
     print("|---|---|---|---|---|---|")
     for sp in (False, True):
         base = statistics.median(r["step_s"] for r in results[(sp, False)])

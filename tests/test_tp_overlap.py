@@ -12,15 +12,18 @@ gradients are bitwise those of the run without overlap.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from fivedc.estimates.costs import op_times, unit_times
 from fivedc.estimates.memo import Memo, memo_units
 from fivedc.estimates.saved import SaveContext
+from fivedc.estimates.step_time import estimate_time
 from fivedc.estimates.transient import transients
 from fivedc.frontends.dsl_file import load_model
-from fivedc.ir.graph import CollectiveKind, Op, Phase, Redistribute, Repeat
+from fivedc.ir.graph import Block, CollectiveKind, Op, Phase, Redistribute, Repeat
 from fivedc.ir.hardware import hardware
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
@@ -79,23 +82,34 @@ def hidden_seconds(c: SaveContext, items, hw) -> float:
     return total
 
 
-def ring_seconds(c: SaveContext, items, hw) -> float:
-    """Per run of `items`: each all-gather or reduce-scatter run in a ring ((n-1)/n of the bytes,
-    n-1 hops' latency), or (n-1)/n of the linear beside it (an all-gather's next, a
-    reduce-scatter's maker) if that takes less: all but one chunk's product run beside a hop."""
-    total = 0.0
+def ring_seconds(c: SaveContext, items, hw) -> tuple[float, float]:
+    """Per run of `items`, the forward's collectives beside a linear (collective matmul): what
+    they hide, and what they add. An all-gather or reduce-scatter in a ring: n-1 hops,
+    (n-1)/n of the bytes and n-1 latencies, hidden up to (n-1)/n of the linear beside it (an
+    all-gather's next, a reduce-scatter's maker): all but one chunk's product run beside a
+    hop; it adds nothing. An all-reduce in n chunks: n ring all-reduces of 1/n of the bytes
+    (n times the latency: what it adds), (n-1)/n of it or of its maker hidden, whichever is
+    less: every chunk's sum but the last runs beside the next chunk's product."""
+    hidden = added = 0.0
     link = hw.nvlink_bytes_per_s * hw.link_efficiency
     for before, node, after in zip([None, *items], items, [*items[1:], None]):
         if not (isinstance(node, Redistribute) and node.forward and node.forward[0].overlaps):
             continue
-        (ring,) = node.forward
-        linear = after if ring.kind == CollectiveKind.ALL_GATHER else before
-        assert ring.kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER) and linear.kind == "linear"
-        assert node.out == linear.args[0] if ring.kind == CollectiveKind.ALL_GATHER else node.src == linear.out
-        n = c.mesh.size(*ring.axes)
-        seconds = (n - 1) / n * ring.bytes / link + (n - 1) * hw.nvlink_latency_s
-        total += min(seconds, op_times(c, linear, hw)[0] * (n - 1) / n)
-    return total
+        (x,) = node.forward
+        n = c.mesh.size(*x.axes)
+        linear = after if x.kind == CollectiveKind.ALL_GATHER else before
+        assert linear.kind == "linear"
+        assert node.out == linear.args[0] if x.kind == CollectiveKind.ALL_GATHER else node.src == linear.out
+        matmul = op_times(c, linear, hw)[0]
+        if x.kind == CollectiveKind.ALL_REDUCE:
+            whole = 2 * (n - 1) / n * x.bytes / link + 2 * (n - 1) * hw.nvlink_latency_s
+            chunked = n * (2 * (n - 1) / n * x.bytes / n / link + 2 * (n - 1) * hw.nvlink_latency_s)
+            hidden += (n - 1) / n * min(chunked, matmul)
+            added += chunked - whole
+        else:
+            seconds = (n - 1) / n * x.bytes / link + (n - 1) * hw.nvlink_latency_s
+            hidden += min(seconds, matmul * (n - 1) / n)
+    return hidden, added
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -112,24 +126,45 @@ def test_the_step_hides_each_sum_behind_its_readers_weight_gradients(sp) -> None
                         recompute="none")
     rings = [ring_seconds(c, layers.body.items if u.layer is not None else plan.graph.body.items[u.start:u.stop], hw)
              for u in units]
-    assert (sum(rings) > 0) == sp  # SP's gathers before column-parallel linears run in rings
-    for t, u, ring in zip(mine, theirs, rings):
+    assert sum(hidden for hidden, _ in rings) > 0  # SP's gathers and reduce-scatters, else the all-reduces
+    for t, u, (hidden, added) in zip(mine, theirs, rings):
         assert (t.backward_input, t.backward_weight) == pytest.approx((u.backward_input, u.backward_weight))
-        assert (t.forward, t.comm) == pytest.approx((u.forward - ring, u.comm - ring))
+        assert (t.forward, t.comm) == pytest.approx((u.forward + added - hidden, u.comm + added - hidden))
         assert t.backward == pytest.approx(t.backward_input + t.backward_weight - t.hidden)
     assert sum(t.hidden for t in mine) == pytest.approx(expected)
-    ring_total = layers.count * ring_seconds(c, layers.body.items, hw) + ring_seconds(c, plan.graph.body.items, hw)
-    assert off.time.compute_seconds - plan.time.compute_seconds == pytest.approx(expected + ring_total, rel=1e-6)
+    hidden, added = (layers.count * a + b for a, b in zip(ring_seconds(c, layers.body.items, hw),
+                                                         ring_seconds(c, plan.graph.body.items, hw)))
+    assert off.time.compute_seconds - plan.time.compute_seconds == pytest.approx(expected + hidden - added, rel=1e-6)
 
 
-def test_a_split_backward_hides_nothing() -> None:
+def without_backward_overlaps(block: Block) -> Block:
+    """`block` with no backward sum marked to run behind weight gradients."""
+    items = []
+    for node in block.items:
+        if isinstance(node, Redistribute):
+            node = replace(node, backward=tuple(replace(x, overlaps="") for x in node.backward))
+        elif isinstance(node, Repeat):
+            node = replace(node, body=without_backward_overlaps(node.body))
+        items.append(node)
+    return replace(block, items=tuple(items))
+
+
+def step_seconds(plan, graph, hw) -> float:
+    return estimate_time(graph, mesh=plan.mesh, dtype="fp64", dtype_bytes=8, zero=plan.zero, overlap=plan.overlap,
+                         buckets=plan.buckets, pipeline=plan.pipeline, recompute="none", hardware=hw).compute_seconds
+
+
+@pytest.mark.parametrize("schedule,hides", [("zb-h1", False), ("1f1b", True)])
+def test_a_split_backward_hides_nothing(schedule, hides) -> None:
     """Zero-bubble's I runs the sum, its W the weight gradients, later: the schedule plays I and W."""
     hw = hardware("h100")
-    args = dict(hardware=hw, schedule="zb-h1", microbatches=4)
-    on, off = compiled("1x2x2x1x1", **args), compiled("1x2x2x1x1", overlap=False, **args)
-    assert marked(on) and on.time.compute_seconds == pytest.approx(off.time.compute_seconds)
-    assert compiled("1x2x2x1x1", hardware=hw, microbatches=4).time.compute_seconds < \
-        compiled("1x2x2x1x1", hardware=hw, microbatches=4, overlap=False).time.compute_seconds
+    plan = compiled("1x2x2x1x1", hardware=hw, schedule=schedule, microbatches=4)
+    assert marked(plan)
+    stripped = replace(plan.graph, body=without_backward_overlaps(plan.graph.body))
+    assert step_seconds(plan, plan.graph, hw) == pytest.approx(plan.time.compute_seconds)
+    assert (step_seconds(plan, plan.graph, hw) < step_seconds(plan, stripped, hw)) == hides
+    if not hides:
+        assert step_seconds(plan, plan.graph, hw) == pytest.approx(step_seconds(plan, stripped, hw))
 
 
 @pytest.mark.parametrize("sp", [False, True])

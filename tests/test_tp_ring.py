@@ -1,20 +1,22 @@
-"""SP's collectives beside their linears in rings (collective matmul).
+"""Tensor parallelism's forward collectives beside their linears (collective matmul).
 
-The gather before a column-parallel linear runs in a ring, the linear multiplying each
-chunk as it arrives; the reduce-scatter after a row-parallel linear runs in a ring, the
-linear making each chunk as the ring needs it.
+Under SP, the gather before a column-parallel linear runs in a ring, the linear
+multiplying each chunk as it arrives, and the reduce-scatter after a row-parallel linear
+runs in a ring, the linear making each chunk as the ring needs it; without SP, the
+all-reduce after a row-parallel linear runs by chunks, each summed while the next is made.
 
 Plan level: with overlap on, the forward all-gathers whose next op is a linear reading
-them, and the reduce-scatters of the linear just before, are marked (`overlaps` names
-the matmul); none with overlap off or without SP. Runtime (gloo, 4 ranks): the gather's
-ring brings chunk i, i-1, i-2, i-3 and posts the next hop before the product of the
-chunk just in; the sum's ring makes chunk i-1, i-2, i-3, i, each before waiting for the
-hop that brings the previous member's sum of it; so one hop is always in flight while a
-chunk multiplies. The products, the gathered tensor and the sums are those of the
-all-gather and reduce-scatter. A model at tp4 with SP and full recomputation trains to
-the gradients of the run without rings. The step-time model is tested in
-tests/test_tp_overlap.py, the hops against what the runtime calls in
-tests/test_agreement.py.
+them, and the reduce-scatters and all-reduces of the linear just before, are marked
+(`overlaps` names the matmul; an all-reduce's `dim` is the one it is cut along); none with
+overlap off. Runtime (gloo, 4 ranks): the gather's ring brings chunk i, i-1, i-2, i-3 and
+posts the next hop before the product of the chunk just in; the sum's ring makes chunk
+i-1, i-2, i-3, i, each before waiting for the hop that brings the previous member's sum
+of it; so one hop is always in flight while a chunk multiplies. The chunked all-reduce
+starts each chunk's sum (async) before making the next. The products, the gathered
+tensor and the sums are those of the whole collectives. A model at tp4, with and
+without SP, with full recomputation, trains to the gradients of the run without them.
+The step-time model is tested in tests/test_tp_overlap.py, the hops and chunks against
+what the runtime calls in tests/test_agreement.py.
 """
 
 from __future__ import annotations
@@ -52,8 +54,13 @@ def test_the_collectives_beside_a_linear_are_run_in_rings() -> None:
         [("reduce_scatter", False), ("all_gather", True)]  # the embedding's (no linear makes it), the head's input
     off = compiled(sequence_parallel=True, overlap=False)
     assert rings(off, "all_gather") == rings(off, "reduce_scatter") == []
-    no_sp = compiled()  # the linears read a replicated input and all-reduce: nothing in rings
+    no_sp = compiled()  # the linears read a replicated input; the row-parallel ones' all-reduces go by chunks
     assert rings(no_sp, "all_gather") == rings(no_sp, "reduce_scatter") == []
+    assert rings(no_sp, "all_reduce") == ["wo", "w_down"]
+    chunked = [node.forward[0] for node, _ in walk_ops(no_sp.graph.body) if isinstance(node, Redistribute)
+               and node.forward and node.forward[0].overlaps]
+    assert [(c.dim, c.overlaps.split(", ")[1]) for c in chunked] == [("batch", "in 2 chunks along batch")] * 2
+    assert rings(compiled(overlap=False), "all_reduce") == []
 
 
 def ring_job(info, payload) -> dict:
@@ -100,11 +107,13 @@ def grads_job(info, plans) -> list:
     return out
 
 
-def test_a_model_in_rings_trains_as_with_all_gathers(worker_pool) -> None:
-    """tp4 with SP (rings of three hops) and full recomputation (they run again in backward)."""
-    on = compiled("examples/gpt.5d", "1x1x4x1x1", sequence_parallel=True, recompute="full")
-    off = compiled("examples/gpt.5d", "1x1x4x1x1", sequence_parallel=True, recompute="full", overlap=False)
-    assert rings(on, "all_gather") and rings(on, "reduce_scatter")
+@pytest.mark.parametrize("sp", [True, False])
+def test_a_model_in_rings_trains_as_with_whole_collectives(sp, worker_pool) -> None:
+    """tp4 with SP (rings of three hops) or without (all-reduces by 4 chunks), and full
+    recomputation (they run again in backward)."""
+    on = compiled("examples/gpt.5d", "1x1x4x1x1", sequence_parallel=sp, recompute="full")
+    off = compiled("examples/gpt.5d", "1x1x4x1x1", sequence_parallel=sp, recompute="full", overlap=False)
+    assert (rings(on, "all_gather") and rings(on, "reduce_scatter")) if sp else rings(on, "all_reduce")
     for grads, grads_off in worker_pool.run(grads_job, world=4, payload=[on, off]):
         assert grads.keys() == grads_off.keys()
         for name in grads:
@@ -155,6 +164,41 @@ def test_each_chunk_is_made_while_the_last_ones_sum_moves_on(worker_pool) -> Non
         first, second, third = ((rank - t) % 4 for t in (1, 2, 3))
         assert got["events"] == [first, "posted", second, "waited", "posted", third, "waited", "posted", rank,
                                  "waited"]
+
+
+def chunked_job(info, payload) -> dict:
+    """On a 4-rank tp group: each rank's seeded product x_r @ w summed in 4 chunks along dim 1
+    as `summed_product` makes them; the order of chunks made and sums started, and the sum."""
+    import torch.distributed as dist
+    from fivedc.runtime import tp_ring
+    from fivedc.runtime.groups import MeshGroups
+    from fivedc.ir.mesh import MeshAxis
+
+    groups = MeshGroups(Mesh.parse("1x1x4x1x1"), device_type="cpu")
+    xs = [torch.randn(2, 8, 5, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(4)]
+    w = torch.randn(5, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    ring, events, real = tp_ring.ChunkedSum(1, (MeshAxis.TP,), groups), [], dist.all_reduce
+    run = ring.run
+
+    def logged_all_reduce(t, *args, async_op=False, **kwargs):
+        events.append(("sum", async_op, tuple(t.shape)))
+        return real(t, *args, async_op=async_op, **kwargs)
+
+    ring.run = lambda part: run(lambda j: (events.append(j), part(j))[1])
+    dist.all_reduce = logged_all_reduce
+    try:
+        partial = tp_ring.summed_product(xs[info.rank], w, 1, ring)
+    finally:
+        dist.all_reduce = real
+    total = sum(x @ w for x in xs)
+    return dict(events=events, partial=torch.equal(partial, xs[info.rank] @ w),
+                summed=torch.allclose(ring.out, total, rtol=1e-14, atol=1e-14))
+
+
+def test_each_chunk_is_summed_while_the_next_is_made(worker_pool) -> None:
+    for rank, got in enumerate(worker_pool.run(chunked_job, world=4, payload=None)):
+        assert got["partial"] and got["summed"], rank
+        assert got["events"] == [e for j in range(4) for e in (j, ("sum", True, (2, 2, 3)))]
 
 
 @pytest.mark.parametrize("contracted", [False, True])

@@ -70,8 +70,8 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
                    "(e.g. layers.4; * matches one path element); repeat for more")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="sum gradients after backward, no ZeRO-3 prefetch, tensor parallelism's backward sums "
-                   "not behind the weight gradients, SP's gathers and reduce-scatters not in rings beside their "
-                   "linears (to measure what overlap gains)")
+                   "not behind the weight gradients, its forward collectives not beside their linears (to measure "
+                   "what overlap gains)")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
                    help="activation recomputation: none, selective (attention recomputed in backward) or "
                    "full (each layer keeps only its input); default: the model's @recompute, else none")

@@ -22,9 +22,11 @@ plan says they overlap (`Collective.overlaps`): ring attention's hops hide behin
 attention they feed; an all-gather run in a ring (collective matmul) behind its next
 linear's matmul on the chunks before the last, (n-1)/n of it (the last chunk's product
 waits for the last hop), and a reduce-scatter run in a ring behind the matmul making
-its input on the chunks after the first, (n-1)/n of it; and a linear input's backward sum behind the weight gradients of
-the linears reading it, with under SP that input's gather for dW behind their input
-gradients (`UnitTime.hidden`, as much of each as those take, in a whole backward B
+its input on the chunks after the first, (n-1)/n of it; an all-reduce run in n chunks
+behind that matmul's next chunks: (n-1)/n of the lesser of the two (the last chunk's sum
+waits); and a linear input's backward
+sum behind the weight gradients of the linears reading it, with under SP that input's
+gather for dW behind their input gradients (`UnitTime.hidden`, as much of each as those take, in a whole backward B
 only: a split one runs W later).
 
 `unit_costs` gives the seconds of each unit once; the schedule simulator and the
@@ -216,8 +218,13 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
                 n = c.mesh.size(*node.forward[0].axes)
                 if node.forward[0].kind == K.ALL_GATHER:  # behind the next linear
                     ring[node.out] = (f, n)
-                else:  # a reduce-scatter behind the linear that makes its input
+                elif node.forward[0].kind == K.REDUCE_SCATTER:  # behind the linear that makes its input
                     ahead += min(f, made.pop(node.src, 0.0) * (n - 1) / n)
+                else:  # an all-reduce by chunks (n of them: n times the latency), each but the last
+                    x = node.forward[0]  # behind the next chunk's matmul
+                    chunked = n * collective_seconds(x.kind, x.axes, x.bytes * scale / n, c.mesh, hw) * x.count / per
+                    fwd, comm = fwd + chunked - f, comm + chunked - f
+                    ahead += min(chunked, made.pop(node.src, 0.0)) * (n - 1) / n
             continue
         if not isinstance(node, Op):
             continue

@@ -98,8 +98,8 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     "balanced" | "contiguous". zero: 0-3, the ZeRO stage (the parameters become
     this rank's flat chunks; any torch optimizer over them keeps sharded state).
     overlap, bucket_mb: gradient buckets reduced during backward, and tp's backward
-    sums run behind the weight gradients (`fivedc/runtime/tp_overlap.py`), SP's gathers
-    and reduce-scatters in rings beside their linears (`fivedc/runtime/tp_ring.py`). schedule
+    sums run behind the weight gradients (`fivedc/runtime/tp_overlap.py`), tp's
+    forward collectives beside their linears (`fivedc/runtime/tp_ring.py`). schedule
     ("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "dualpipev"), microbatches,
     virtual, pp_layout (layers per chunk): the pipeline, when pp > 1; the forward
     then runs the whole schedule. recompute: activation recomputation, "none",

@@ -15,23 +15,24 @@ line. Consumers that need the same thing share one node. Per mesh axis:
     replicated -> replicated  -                all-reduce if partial grads (Megatron's f)
 
 With overlap on, an all-gather whose next op is a linear reading it (SP's gather before a
-column-parallel linear) runs in a ring of point-to-point hops, and the linear multiplies
-each chunk as it arrives while the next hop runs (collective matmul,
-`fivedc/runtime/tp_ring.py`); its `overlaps` names that matmul, and the step time hides
-the ring behind it (`fivedc/estimates/costs.py`); so does a reduce-scatter of the linear just
-before it (SP's row-parallel output), each chunk summed on around the ring as the linear
-makes it. And a backward sum (one all-reduce or
-reduce-scatter) of a linear's input runs behind that linear's weight gradient, as
-Megatron's async tensor parallelism: the
-linears that read the redistributed value put off dW = X^T dY until their input
-gradient's sum has started, then compute it while the sum runs
-(`fivedc/runtime/tp_overlap.py`). The collective's `overlaps` names those weights; the
-step time hides it behind their weight-gradient seconds (`UnitTime.hidden`) except
-under a split backward (zero-bubble's W runs later). The sum is not marked under ZeRO-3 without
-a pipeline (a weight there is gathered at its use and its gradient reduce-scattered
-by its group's gather, `fivedc/runtime/zero3.py`, whose order of collectives this
-would move), nor for a weight whose gradient is kept on one rank only
-(`ArgSpec.grad_once`).
+column-parallel linear) runs in a ring of point-to-point hops, the linear multiplying
+each chunk as it arrives while the next hop runs; so does a reduce-scatter of the linear
+just before it (SP's row-parallel output), each chunk summed on around the ring as the
+linear makes it; and without SP, the all-reduce of the linear just before it runs in n
+chunks, each summed (async) while the linear makes the next (collective matmul,
+`fivedc/runtime/tp_ring.py`). Their `overlaps` names the matmul, and the step time hides
+them behind it (`fivedc/estimates/costs.py`).
+
+And a backward sum (one all-reduce or reduce-scatter) of a linear's input runs behind
+that linear's weight gradient, as Megatron's async tensor parallelism: the linears that
+read the redistributed value put off dW = X^T dY until their input gradient's sum has
+started, then compute it while the sum runs (`fivedc/runtime/tp_overlap.py`). The
+collective's `overlaps` names those weights; the step time hides it behind their
+weight-gradient seconds (`UnitTime.hidden`) except under a split backward (zero-bubble's
+W runs later). The sum is not marked under ZeRO-3 without a pipeline (a weight there is
+gathered at its use and its gradient reduce-scattered by its group's gather,
+`fivedc/runtime/zero3.py`, whose order of collectives this would move), nor for a weight
+whose gradient is kept on one rank only (`ArgSpec.grad_once`).
 """
 
 from __future__ import annotations
@@ -97,20 +98,35 @@ def gathered_in_rings(items: list, params: set[str]) -> list:
     return out
 
 
-def summed_in_rings(items: list, params: set[str], types: dict) -> list:
-    """`items` with each reduce-scatter of the item just before it marked to run in a ring as
-    that item makes it (collective matmul): the item is a linear with a parameter as its
-    weight, and the scattered dim is one of its input's it keeps."""
+def summed_in_rings(items: list, mesh: Mesh, params: set[str], types: dict, cuts) -> list:
+    """`items` with the sum of the linear just before each redistribution marked to run beside
+    that linear's matmul (collective matmul): a reduce-scatter in a ring, the linear making
+    each chunk as the ring needs it (where it keeps the scattered dim); an all-reduce in n
+    chunks along the first dim of the linear's input it keeps that a rank can cut into n
+    (`cuts(value, dim, n)`), each summed while the next is made. The linear has a parameter
+    as its weight."""
     out = list(items)
     for index, node in enumerate(out[1:], start=1):
         maker = out[index - 1]
-        if not (isinstance(node, Redistribute) and len(node.forward) == 1
-                and node.forward[0].kind == K.REDUCE_SCATTER and isinstance(maker, Op) and maker.kind == "linear"
-                and maker.out == node.src and maker.args[1] in params and maker.args[0] not in params
-                and node.forward[0].dim in types[maker.args[0]].dims and node.forward[0].dim in maker.type.dims):
+        if not (isinstance(node, Redistribute) and len(node.forward) == 1 and isinstance(maker, Op)
+                and maker.kind == "linear" and maker.out == node.src and maker.args[1] in params
+                and maker.args[0] not in params):
             continue
-        overlaps = f"the matmul of {maker.args[1]}, chunk by chunk, each chunk summed on in a ring (collective matmul)"
-        out[index] = replace(node, forward=(replace(node.forward[0], overlaps=overlaps),))
+        (step,), x, weight = node.forward, maker.args[0], maker.args[1]
+        kept = [d for d in types[x].dims if d in maker.type.dims]
+        if step.kind == K.REDUCE_SCATTER and step.dim in kept:
+            step = replace(step, overlaps=f"the matmul of {weight}, chunk by chunk, each chunk summed on in a ring "
+                                          "(collective matmul)")
+        elif step.kind == K.ALL_REDUCE:
+            n = mesh.size(*step.axes)
+            dim = next((d for d in kept if cuts(x, d, n)), None)
+            if dim is None:
+                continue
+            step = replace(step, dim=dim, overlaps=f"the matmul of {weight}, in {n} chunks along {dim}, each summed "
+                                                   "while the next is made (collective matmul)")
+        else:
+            continue
+        out[index] = replace(node, forward=(step,))
     return out
 
 
@@ -239,10 +255,20 @@ class _Inserter:
             env[item.out] = (item.sharding, f"{item.kind} at {item.loc}", item.type)
         if self.options.overlap:
             params = {name for name, (_, producer, _) in env.items() if producer.startswith("parameter ")}
-            items = summed_in_rings(gathered_in_rings(items, params), params, {n: t for n, (_, _, t) in env.items()})
+            types = {name: t for name, (_, _, t) in env.items()}
+
+            items = summed_in_rings(gathered_in_rings(items, params), self.mesh, params, types,
+                                    lambda value, dim, n: self.cuts(env[value][0], dim, n))
             if not (self.options.zero == 3 and self.mesh.size(MeshAxis.PP) == 1):
                 items = behind_weight_grads(items, params)
         return replace(block, items=tuple(items))
+
+    def cuts(self, sharding: Sharding, dim: str, n: int) -> bool:
+        """Whether a rank's part of `dim` (split by `sharding`) cuts into n; not the batch under
+        a pipeline, whose microbatches cut it at run time."""
+        size = self.graph.local_size(dim, sharding, self.mesh)
+        pipelined_batch = dim == self.graph.batch_dim and self.mesh.size(MeshAxis.PP) > 1
+        return size >= n and size % n == 0 and not pipelined_batch
 
     def repeat(self, item: Repeat, env: dict, cache: dict, *, count: int) -> list:
         before: list = []

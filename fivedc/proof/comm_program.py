@@ -6,8 +6,9 @@ actions). So the ranks fall into *classes*, one per pp rank, and `class_programs
 expands each class's step into the collectives and transfers it issues, in the
 runtime's order: the schedule's actions (without a pipeline, one forward and one
 backward of the whole graph); in a forward, each node in program order (a
-redistribution's steps, a gather or reduce-scatter run in a ring as its n - 1 hops; what a kernel sends inside: vocab-parallel cross-entropy's
-all-reduces, ring attention's hops, MoE's count exchange, dispatch and combine); in a
+redistribution's steps, a gather or reduce-scatter run in a ring as its n - 1 hops, an
+all-reduce run by chunks as its n chunks'; what
+a kernel sends inside: vocab-parallel cross-entropy's all-reduces, ring attention's hops, MoE's count exchange, dispatch and combine); in a
 backward, the nodes in reverse (a recomputed attention's forward hops first, the
 gradient buckets as their last gradient arrives when overlap is on; under sequence parallelism, at the first backward of a gathered
 linear input's readers, the all-gather that makes it again); pipeline sends and
@@ -252,7 +253,8 @@ class _Expander(KernelEvents):
 
     def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None, *,
                rings: bool = False) -> list[Event]:
-        """`rings`: a forward all-gather or reduce-scatter the plan runs in a ring is its n - 1 hops."""
+        """`rings`: a forward all-gather or reduce-scatter the plan runs in a ring is its n - 1 hops,
+        an all-reduce it runs by chunks its n chunks' all-reduces."""
         out = []
         for c in collectives:
             n = self.mesh.size(*c.axes)
@@ -262,6 +264,9 @@ class _Expander(KernelEvents):
                 hop = numel if c.kind == "all_gather" else numel // n  # a chunk, or a chunk's sum so far
                 out += [Event("send_recv", c.axes, hop, dtype or self.dtype, f"{what}: a chunk to the next "
                               "member (collective matmul)", loc, tag=RING_TAG)] * (n - 1)
+            elif rings and c.kind == "all_reduce" and c.overlaps:  # by chunks, each as the linear makes it
+                out += [Event("all_reduce", c.axes, numel // n, dtype or self.dtype, f"{what}: a chunk's sum "
+                              "(collective matmul)", loc)] * n
             elif c.kind != "slice":
                 out.append(Event(str(c.kind), c.axes, numel, dtype or self.dtype, what, loc))
             numel = numel // n if c.kind in ("slice", "reduce_scatter") else numel * n if c.kind == "all_gather" \

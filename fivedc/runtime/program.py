@@ -41,7 +41,7 @@ from fivedc.runtime.recompute import run_recomputed
 from fivedc.runtime.regions import CompiledLayers, outer_reads
 from fivedc.runtime.saved import mark_regathered
 from fivedc.runtime.tp_overlap import PutOff, mark_put_off
-from fivedc.runtime.tp_ring import RingGather, RingSum, mark_ring, start_ring
+from fivedc.runtime.tp_ring import ChunkedSum, RingGather, RingSum, mark_ring, start_ring
 from fivedc.runtime.weight_grads import store_of
 
 
@@ -141,11 +141,13 @@ class Program:
             for node, _ in walk_ops(graph.body)
             if isinstance(node, Redistribute)
         }
-        self.summing: dict[str, RingSum] = {}  # a linear's output being summed in a ring: for its redistribution
-        # a linear's output the plan reduce-scatters in a ring as the linear makes it -> that step
+        self.summing: dict[str, RingSum | ChunkedSum] = {}  # a linear's output being summed as made: for its
+        # redistribution
+        # a linear's output the plan sums as the linear makes it (a reduce-scatter in a ring, an
+        # all-reduce in chunks) -> that step
         self.summed_in_ring = {node.src: self.steps[node.out][0][0] for node, _ in walk_ops(graph.body)
                                if isinstance(node, Redistribute) and len(node.forward) == 1
-                               and node.forward[0].kind == "reduce_scatter" and node.forward[0].overlaps}
+                               and node.forward[0].kind in ("reduce_scatter", "all_reduce") and node.forward[0].overlaps}
 
     def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
         env: dict[str, Tensor] = dict(inputs)
@@ -220,7 +222,7 @@ class Program:
             ring.finish()
 
     def _redistribute(self, block: Block, item: Redistribute, env: dict, dims: dict, params: dict, scope: dict,
-                      layer: int | None, summing: RingSum | None) -> RingGather | None:
+                      layer: int | None, summing: RingSum | ChunkedSum | None) -> RingGather | None:
         """Run a redistribution into `env`; the ring still bringing its value, if it runs in one.
         `summing`: the ring its source was summed in as it was made (finished here if it was not)."""
         forward, backward = self.steps[item.out]
@@ -263,13 +265,13 @@ class Program:
             return None
         return start_ring(src, forward[0].dim, forward[0].axes, self.ctx.groups)
 
-    def _sum_ring(self, op) -> RingSum | None:
-        """The ring to sum `op`'s output in over tp as it is made, where the plan reduce-scatters
-        it so (`fivedc/runtime/tp_ring.py`); not inside a compiled region."""
+    def _sum_ring(self, op) -> RingSum | ChunkedSum | None:
+        """How to sum `op`'s output over tp as it is made, where the plan says so (a reduce-scatter
+        in a ring, an all-reduce by chunks: `fivedc/runtime/tp_ring.py`); not inside a compiled region."""
         step = self.summed_in_ring.get(op.out)
         if step is None or self.ctx.groups.size(step.axes) == 1 or torch.compiler.is_compiling():
             return None
-        return RingSum(step.dim, step.axes, self.ctx.groups)
+        return (RingSum if step.kind == "reduce_scatter" else ChunkedSum)(step.dim, step.axes, self.ctx.groups)
 
     def _reads_by_chunks(self, op, repeat: Repeat | None, value: str) -> bool:
         """Whether `op` multiplies `value` chunk by chunk as its ring brings them (a linear reading

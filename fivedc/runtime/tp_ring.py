@@ -17,7 +17,10 @@ hop beside one chunk's matmul:
 - the reduce-scatter (`RingSum`): the linear making the partial output (through
   `summed_product`) makes its part of chunk i - 1 and sends it on; then its part of
   chunk i - 2 while that hop runs, adds what the previous member summed of that chunk,
-  sends it on; and so on, ending with its own chunk summed over the group.
+  sends it on; and so on, ending with its own chunk summed over the group;
+- the all-reduce (`ChunkedSum`, without SP): the linear makes its product in n chunks,
+  each chunk's all-reduce started as it is made, so all but the last run beside a
+  chunk's matmul.
 
 Either product enters autograd as the linear's (`Product`), so backward is unchanged.
 The program finishes a gather before anything else reads the value, and runs a sum's
@@ -29,6 +32,7 @@ same hops in the same order; the agreement proof lists them as `send_recv` event
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fivedc.errors import ShapeError
@@ -185,10 +189,37 @@ class RingSum(_Ring):
         return self.out  # type: ignore[return-value]
 
 
-def summed_product(x: Tensor, w: Tensor, k: int, ring: RingSum) -> Tensor | None:
+class ChunkedSum(_Ring):
+    """An all-reduce over the group of `axes` in n chunks along `dim`, fed chunk by chunk: each
+    chunk's all-reduce starts (async) as it is made, while the next one is; `out` is the
+    whole sum, once every chunk's is done."""
+
+    def __init__(self, dim: int, axes, groups: MeshGroups) -> None:
+        super().__init__(dim, axes, groups)
+        self.out: Tensor | None = None
+
+    def run(self, part) -> None:
+        """`part(j)`: this rank's addend of chunk j, made when its sum is to start."""
+        summed, works = [], []
+        for j in range(self.n):
+            summed.append(part(j).contiguous())
+            works.append(dist.all_reduce(summed[-1], group=self.group, async_op=True))
+        for work in works:
+            work.wait()
+        self.out = torch.cat(summed, dim=self.dim)
+
+    def finish(self, whole: Tensor) -> Tensor:
+        """The sum; where no product fed the chunks, their sums run on `whole` now."""
+        if self.out is None:
+            size = self.chunk_size(whole)
+            self.run(lambda j: whole.detach().narrow(self.dim, j * size, size).clone())
+        return self.out  # type: ignore[return-value]
+
+
+def summed_product(x: Tensor, w: Tensor, k: int, ring: RingSum | ChunkedSum) -> Tensor | None:
     """`tensordot(x, w, dims=k)` without autograd (the partial product, whole) made chunk by chunk
-    along the ring's dim in the ring's order, each chunk summed on around the ring as it is
-    made (`RingSum.run`); None where the ring's dim is one the product contracts."""
+    along the ring's dim in the order its sums need them (`RingSum.run`, `ChunkedSum.run`);
+    None where that dim is one the product contracts."""
     lead = x.dim() - k
     if ring.dim >= lead:
         return None
