@@ -197,9 +197,9 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
     weights: dict[str, float] = {}  # and the weight-gradient seconds of the linears reading it
     early: dict[str, float] = {}  # there, SP's input gathered again: started before the readers' dX
     inputs: dict[str, float] = {}  # and the readers' input-gradient seconds
-    ring: dict[str, tuple[float, int]] = {}  # a forward all-gather in a ring: its seconds and group size
+    gathering: dict[str, tuple[float, int]] = {}  # a forward all-gather in a ring: its seconds, group size
     made: dict[str, float] = {}  # a linear's output: its forward seconds
-    ahead = 0.0  # of the forward's collectives, what rings hide behind the matmuls beside them
+    ahead = 0.0  # of the forward's collectives, what the matmuls beside them hide
     per = repeat.count if repeat else 1
     for node in items:
         if isinstance(node, Redistribute):
@@ -214,26 +214,24 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             fwd, bwd_in, bwd_w, comm = fwd + f, bwd_in + i, bwd_w + w, comm + f + i + w
             if any(x.overlaps for x in node.backward):
                 behind[node.out], early[node.out] = i, w
-            if len(node.forward) == 1 and node.forward[0].overlaps:  # in a ring (collective matmul)
-                n = c.mesh.size(*node.forward[0].axes)
-                if node.forward[0].kind == K.ALL_GATHER:  # behind the next linear
-                    ring[node.out] = (f, n)
-                elif node.forward[0].kind == K.REDUCE_SCATTER:  # behind the linear that makes its input
-                    ahead += min(f, made.pop(node.src, 0.0) * (n - 1) / n)
-                else:  # an all-reduce by chunks (n of them: n times the latency), each but the last
-                    x = node.forward[0]  # behind the next chunk's matmul
+            if len(node.forward) == 1 and node.forward[0].overlaps:  # beside a linear (collective matmul)
+                x, n = node.forward[0], c.mesh.size(*node.forward[0].axes)
+                if x.kind == K.ALL_REDUCE:  # n all-reduces of 1/n: n times the latency
                     chunked = n * collective_seconds(x.kind, x.axes, x.bytes * scale / n, c.mesh, hw) * x.count / per
-                    fwd, comm = fwd + chunked - f, comm + chunked - f
-                    ahead += min(chunked, made.pop(node.src, 0.0)) * (n - 1) / n
+                    fwd, comm, f = fwd + chunked - f, comm + chunked - f, chunked
+                if x.kind == K.ALL_GATHER:  # beside the next linear
+                    gathering[node.out] = (f, n)
+                else:  # beside the linear making its input
+                    ahead += hidden_beside(x.kind, f, made.pop(node.src, 0.0), n)
             continue
         if not isinstance(node, Op):
             continue
         f, i, w = op_times(c, node, hw)
         if node.kind == "linear":
             made[node.out] = f
-        if node.kind == "linear" and node.args[0] in ring:  # collective matmul: all but the last chunk's
-            seconds, n = ring.pop(node.args[0])  # matmul run beside the hops
-            ahead += min(seconds, f * (n - 1) / n)
+        if node.kind == "linear" and node.args[0] in gathering:
+            seconds, n = gathering.pop(node.args[0])
+            ahead += hidden_beside(K.ALL_GATHER, seconds, f, n)
         if node.kind == "linear" and node.args[0] in behind:
             weights[node.args[0]] = weights.get(node.args[0], 0.0) + w
             inputs[node.args[0]] = inputs.get(node.args[0], 0.0) + i
@@ -248,6 +246,17 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
     hidden = sum(min(seconds, weights.get(name, 0.0)) + min(early[name], inputs.get(name, 0.0))
                  for name, seconds in behind.items())
     return UnitTime(fwd, bwd_in, bwd_w, comm, hidden)
+
+
+def hidden_beside(kind: CollectiveKind, seconds: float, matmul: float, n: int) -> float:
+    """Of a forward collective run beside a linear's matmul over a group of n (collective
+    matmul), the seconds that matmul hides: a ring (all-gather, reduce-scatter) is n - 1
+    hops, each beside one chunk's product, so all but one chunk's product hide it:
+    min(C, (n-1)/n M); an all-reduce by n chunks sums each while the next is made, the last
+    one waited for: (n-1)/n min(C, M)."""
+    if kind == K.ALL_REDUCE:
+        return (n - 1) / n * min(seconds, matmul)
+    return min(seconds, (n - 1) / n * matmul)
 
 
 def _op_collectives(c: SaveContext, op: Op, hw: Hardware, compute: float, *, backward: bool = False) -> float:

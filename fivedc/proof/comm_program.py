@@ -13,8 +13,9 @@ backward, the nodes in reverse (a recomputed attention's forward hops first, the
 gradient buckets as their last gradient arrives when overlap is on; under sequence parallelism, at the first backward of a gathered
 linear input's readers, the all-gather that makes it again); pipeline sends and
 receives with their buffers; the tied parameters' sums over the pp ranks holding
-them; then the buckets left (ZeRO-1's all of them, reduce-scattered), DualPipe's exchange of the two copies' gradients, the loss's
-all-reduce, and ZeRO-1/2's gathers after the update. ZeRO-3 without a pipeline
+them; then the buckets left (ZeRO-1's all of them, reduce-scattered), DualPipe's
+exchange of the two copies' gradients, the loss's all-reduce, and ZeRO-1/2's gathers
+after the update (those: `fivedc/proof/sync_events.py`). ZeRO-3 without a pipeline
 gathers and reduce-scatters by group inside forward and backward
 (`fivedc/proof/zero3_program.py`).
 
@@ -31,13 +32,12 @@ from __future__ import annotations
 
 from fivedc.ir.graph import DType, Graph, Op, Redistribute, Repeat, param_instances, walk_ops, walk_params
 from fivedc.ir.mesh import MeshAxis
-from fivedc.passes.overlap import expand_buckets
-from fivedc.passes.param_sync import zero_chunk
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
 from fivedc.proof.events import RING_TAG, Event
 from fivedc.proof.kernel_events import KernelEvents
+from fivedc.proof.sync_events import Buckets, SyncEvents
 from fivedc.proof.zero3_program import zero3_step
 from fivedc.passes.stages import chunk_param_names, value_types
 from fivedc.passes.tied import tied_groups
@@ -49,7 +49,6 @@ TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16"
 SAVES_NOTHING = frozenset({"add", "sub"})
 # Kernels whose backward does not read their parameter: ZeRO-3 does not gather it again.
 KEEPS_NO_PARAMETER = frozenset({"embedding"})
-GATHER_BUCKET_BYTES = 25 * 2**20  # fivedc/runtime/flat_shard.gather_flat's cap for parameters in no bucket
 
 
 def class_programs(plan) -> dict[int, tuple[Event, ...]]:
@@ -58,7 +57,7 @@ def class_programs(plan) -> dict[int, tuple[Event, ...]]:
     return {rank: tuple(expander.program(rank)) for rank in range(plan.mesh.size(MeshAxis.PP))}
 
 
-class _Expander(KernelEvents):
+class _Expander(KernelEvents, SyncEvents):
     def __init__(self, plan) -> None:
         self.plan, self.graph, self.mesh = plan, plan.graph, plan.mesh
         self.dtype = TORCH_DTYPES[plan.dtype]
@@ -78,7 +77,7 @@ class _Expander(KernelEvents):
     # ---- one class ----------------------------------------------------------------------------
     def program(self, pp_rank: int) -> list[Event]:
         mine = self._held(pp_rank)
-        buckets = _Buckets(self, mine, overlap=self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2))
+        buckets = Buckets(self, mine, overlap=self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2))
         out: list[Event] = []
         if self.pipeline is None and self.plan.zero == 3:  # gathered and reduce-scattered by group
             out += zero3_step(self)
@@ -282,88 +281,6 @@ class _Expander(KernelEvents):
         finally:
             self.m = m
 
-    # ---- after backward ------------------------------------------------------------------------
-    def _loss(self) -> list[Event]:
-        output = next(n for n, _ in walk_ops(self.graph.body) if getattr(n, "out", None) == self.graph.output)
-        axes = set(output.sharding.partial) | ({MeshAxis.PP} if self.mesh.size(MeshAxis.PP) > 1 else set())
-        axes = tuple(a for a in MeshAxis if a in axes)
-        if self.mesh.size(*axes) == 1:
-            return []
-        dtype = "float64" if self.pipeline is not None else self.dtype
-        return [Event("all_reduce", axes, 1, dtype, "the step's loss, summed over its parts", output.loc)]
-
-    def _gathers(self, held: list[str], what: str) -> list[Event]:
-        """`gather_flat`: one all-gather per bucket (the part of it this class holds), then
-        the parameters in no bucket by group, in name order, closed at 25 MiB."""
-        wanted = [n for n in held if self.mesh.size(*self.params[n].grad_partial) > 1]
-        given = [kept for b in expand_buckets(self.plan.buckets) if (kept := [n for n in b if n in wanted])]
-        covered = {n for b in given for n in b}
-        open_: dict[tuple, tuple[list[str], int]] = {}
-        done: list[list[str]] = []
-        for name in sorted(n for n in wanted if n not in covered):
-            param = self.params[name]
-            n, chunk = self.mesh.size(*param.grad_partial), zero_chunk(self.graph, self.mesh, param)
-            names, filled = open_.get(param.grad_partial, ([], 0))
-            size = n * chunk * self.plan_bytes
-            if names and filled + size > GATHER_BUCKET_BYTES:
-                done.append(names)
-                names, filled = [], 0
-            open_[param.grad_partial] = (names + [name], filled + size)
-        groups = given + sorted(done + [names for names, _ in open_.values()], key=lambda names: names[0])
-        return [Event("all_gather", self.params[g[0]].grad_partial,
-                      sum(zero_chunk(self.graph, self.mesh, self.params[n]) for n in g), self.dtype, what)
-                for g in groups]
-
-    def _zero3_pipeline_sync(self, held: list[str]) -> list[Event]:
-        """ZeRO-3 under a pipeline: each bucket's gradients reduce-scattered after the last
-        microbatch (the rest one by one)."""
-        buckets = [b for b in expand_buckets(self.plan.buckets) if all(n in held for n in b)]
-        out = [self._bucket_event(b, stage=2) for b in buckets]
-        covered = {n for b in buckets for n in b}
-        for name in held:
-            param = self.params[name]
-            n = self.mesh.size(*param.grad_partial)
-            if name not in covered and n > 1:
-                out.append(Event("reduce_scatter", param.grad_partial, n * zero_chunk(self.graph, self.mesh, param),
-                                 self.dtype, f"ZeRO-3 gradient of {name}", param.loc))
-        return out
-
-    def _tied(self, pp_rank: int) -> list[Event]:
-        """Tied parameters (`fivedc/passes/tied.py`): after the last microbatch, the pp ranks that
-        hold copies of them sum their local gradients, one all-reduce per holder set."""
-        out = []
-        for group in self.tied:
-            if pp_rank not in group.pp_ranks:
-                continue
-            numel = sum(self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh)
-                        for n in group.names)
-            some = group.pp_ranks if len(group.pp_ranks) < self.mesh.size(MeshAxis.PP) else ()
-            out.append(Event("all_reduce", (MeshAxis.PP,), numel, self.dtype,
-                             f"tied {', '.join(group.names)}: the gradients of the copies, summed", pp_ranks=some))
-        return out
-
-    def _copies(self, pp_rank: int, held: list[str]) -> list[Event]:
-        """DualPipe: pp ranks r and p-1-r hold the two copies of the same chunks and exchange
-        their summed gradients (ZeRO's chunks), in name order, after the sync (but the tied
-        parameters', summed over all their holders before)."""
-        tied = {n for g in self.tied for n in g.names}
-        held = [n for n in held if n not in tied]
-        peer = self.mesh.size(MeshAxis.PP) - 1 - pp_rank
-        numel = sum(zero_chunk(self.graph, self.mesh, self.params[n]) if self.plan.zero else
-                    self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh) for n in held)
-        what = f"DualPipe: the summed gradients of the chunks pp ranks {pp_rank} and {peer} both hold"
-        return [Event("send", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2),
-                Event("recv", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2)]
-
-    def _bucket_event(self, names: tuple[str, ...], *, stage: int) -> Event:
-        axes = self.params[names[0]].grad_partial
-        if stage in (1, 2):
-            n = self.mesh.size(*axes)
-            numel = n * sum(zero_chunk(self.graph, self.mesh, self.params[p]) for p in names)
-            return Event("reduce_scatter", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
-        numel = sum(self.graph.local_numel(self.params[p].dims, self.params[p].sharding, self.mesh) for p in names)
-        return Event("all_reduce", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
-
     @property
     def plan_bytes(self) -> int:
         return {"float64": 8, "float32": 4}.get(self.dtype, 2)
@@ -371,41 +288,6 @@ class _Expander(KernelEvents):
     def numel(self, dims: tuple[str, ...], sharding: Sharding) -> int:
         total = self.graph.local_numel(dims, sharding, self.mesh)
         return total // self.m if self.graph.batch_dim in dims else total
-
-
-class _Buckets:
-    """A class's gradient buckets: started from backward as their last gradient arrives
-    (overlap on, no pipeline), each once every earlier one has started; the rest after."""
-
-    def __init__(self, expander: _Expander, held: list[str], *, overlap: bool) -> None:
-        self.x, self.overlap = expander, overlap
-        stage = expander.plan.zero
-        self.buckets = [] if stage == 3 else [b for b in expand_buckets(expander.plan.buckets) if all(n in held for n in b)]
-        self.stage = stage
-        self.started = 0
-        self.ready: set[str] = set()
-        self.remaining = {}  # parameter -> the uses (sites) whose backward has not run yet
-        for site in expander.sites:
-            for p in expander._param_args(site):
-                self.remaining[p] = self.remaining.get(p, 0) + 1
-
-    def after(self, site: Site) -> list[Event]:
-        if not self.overlap:
-            return []
-        for p in self.x._param_args(site):
-            self.remaining[p] -= 1
-            if self.remaining[p] == 0:
-                self.ready.add(p)
-        out = []
-        while self.started < len(self.buckets) and set(self.buckets[self.started]) <= self.ready:
-            out.append(self.x._bucket_event(self.buckets[self.started], stage=self.stage))
-            self.started += 1
-        return out
-
-    def rest(self) -> list[Event]:
-        out = [self.x._bucket_event(b, stage=self.stage) for b in self.buckets[self.started:]]
-        self.started = len(self.buckets)
-        return out
 
 
 def _dims(graph: Graph) -> dict[str, tuple[str, ...]]:

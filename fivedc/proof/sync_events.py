@@ -1,0 +1,139 @@
+"""What a rank issues for the gradients and the parameters around a step, expanded from the plan.
+
+A mixin of the class-program expander (`fivedc/proof/comm_program._Expander`, which holds
+the plan and the sites): the gradient buckets, started from backward as their last
+gradient arrives or after it (`Buckets`); then, after backward, ZeRO-3's reduce-scatters
+under a pipeline, the tied parameters' sums over the pp ranks holding them, DualPipe's
+exchange of the two copies' gradients, the loss's sum and ZeRO's gathers of the
+parameters (`gather_flat`).
+"""
+
+from __future__ import annotations
+
+from fivedc.ir.graph import walk_ops
+from fivedc.ir.mesh import MeshAxis
+from fivedc.passes.overlap import expand_buckets
+from fivedc.passes.param_sync import zero_chunk
+from fivedc.plan.sites import Site
+from fivedc.proof.events import Event
+
+GATHER_BUCKET_BYTES = 25 * 2**20  # fivedc/runtime/flat_shard.gather_flat's cap for parameters in no bucket
+
+
+class SyncEvents:
+    def _loss(self) -> list[Event]:
+        output = next(n for n, _ in walk_ops(self.graph.body) if getattr(n, "out", None) == self.graph.output)
+        axes = set(output.sharding.partial) | ({MeshAxis.PP} if self.mesh.size(MeshAxis.PP) > 1 else set())
+        axes = tuple(a for a in MeshAxis if a in axes)
+        if self.mesh.size(*axes) == 1:
+            return []
+        dtype = "float64" if self.pipeline is not None else self.dtype
+        return [Event("all_reduce", axes, 1, dtype, "the step's loss, summed over its parts", output.loc)]
+
+    def _gathers(self, held: list[str], what: str) -> list[Event]:
+        """`gather_flat`: one all-gather per bucket (the part of it this class holds), then
+        the parameters in no bucket by group, in name order, closed at 25 MiB."""
+        wanted = [n for n in held if self.mesh.size(*self.params[n].grad_partial) > 1]
+        given = [kept for b in expand_buckets(self.plan.buckets) if (kept := [n for n in b if n in wanted])]
+        covered = {n for b in given for n in b}
+        open_: dict[tuple, tuple[list[str], int]] = {}
+        done: list[list[str]] = []
+        for name in sorted(n for n in wanted if n not in covered):
+            param = self.params[name]
+            n, chunk = self.mesh.size(*param.grad_partial), zero_chunk(self.graph, self.mesh, param)
+            names, filled = open_.get(param.grad_partial, ([], 0))
+            size = n * chunk * self.plan_bytes
+            if names and filled + size > GATHER_BUCKET_BYTES:
+                done.append(names)
+                names, filled = [], 0
+            open_[param.grad_partial] = (names + [name], filled + size)
+        groups = given + sorted(done + [names for names, _ in open_.values()], key=lambda names: names[0])
+        return [Event("all_gather", self.params[g[0]].grad_partial,
+                      sum(zero_chunk(self.graph, self.mesh, self.params[n]) for n in g), self.dtype, what)
+                for g in groups]
+
+    def _zero3_pipeline_sync(self, held: list[str]) -> list[Event]:
+        """ZeRO-3 under a pipeline: each bucket's gradients reduce-scattered after the last
+        microbatch (the rest one by one)."""
+        buckets = [b for b in expand_buckets(self.plan.buckets) if all(n in held for n in b)]
+        out = [self._bucket_event(b, stage=2) for b in buckets]
+        covered = {n for b in buckets for n in b}
+        for name in held:
+            param = self.params[name]
+            n = self.mesh.size(*param.grad_partial)
+            if name not in covered and n > 1:
+                out.append(Event("reduce_scatter", param.grad_partial, n * zero_chunk(self.graph, self.mesh, param),
+                                 self.dtype, f"ZeRO-3 gradient of {name}", param.loc))
+        return out
+
+    def _tied(self, pp_rank: int) -> list[Event]:
+        """Tied parameters (`fivedc/passes/tied.py`): after the last microbatch, the pp ranks that
+        hold copies of them sum their local gradients, one all-reduce per holder set."""
+        out = []
+        for group in self.tied:
+            if pp_rank not in group.pp_ranks:
+                continue
+            numel = sum(self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh)
+                        for n in group.names)
+            some = group.pp_ranks if len(group.pp_ranks) < self.mesh.size(MeshAxis.PP) else ()
+            out.append(Event("all_reduce", (MeshAxis.PP,), numel, self.dtype,
+                             f"tied {', '.join(group.names)}: the gradients of the copies, summed", pp_ranks=some))
+        return out
+
+    def _copies(self, pp_rank: int, held: list[str]) -> list[Event]:
+        """DualPipe: pp ranks r and p-1-r hold the two copies of the same chunks and exchange
+        their summed gradients (ZeRO's chunks), in name order, after the sync (but the tied
+        parameters', summed over all their holders before)."""
+        tied = {n for g in self.tied for n in g.names}
+        held = [n for n in held if n not in tied]
+        peer = self.mesh.size(MeshAxis.PP) - 1 - pp_rank
+        numel = sum(zero_chunk(self.graph, self.mesh, self.params[n]) if self.plan.zero else
+                    self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh) for n in held)
+        what = f"DualPipe: the summed gradients of the chunks pp ranks {pp_rank} and {peer} both hold"
+        return [Event("send", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2),
+                Event("recv", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2)]
+
+    def _bucket_event(self, names: tuple[str, ...], *, stage: int) -> Event:
+        axes = self.params[names[0]].grad_partial
+        if stage in (1, 2):
+            n = self.mesh.size(*axes)
+            numel = n * sum(zero_chunk(self.graph, self.mesh, self.params[p]) for p in names)
+            return Event("reduce_scatter", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
+        numel = sum(self.graph.local_numel(self.params[p].dims, self.params[p].sharding, self.mesh) for p in names)
+        return Event("all_reduce", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
+
+
+
+class Buckets:
+    """A class's gradient buckets: started from backward as their last gradient arrives
+    (overlap on, no pipeline), each once every earlier one has started; the rest after."""
+
+    def __init__(self, expander, held: list[str], *, overlap: bool) -> None:
+        self.x, self.overlap = expander, overlap
+        stage = expander.plan.zero
+        self.buckets = [] if stage == 3 else [b for b in expand_buckets(expander.plan.buckets) if all(n in held for n in b)]
+        self.stage = stage
+        self.started = 0
+        self.ready: set[str] = set()
+        self.remaining = {}  # parameter -> the uses (sites) whose backward has not run yet
+        for site in expander.sites:
+            for p in expander._param_args(site):
+                self.remaining[p] = self.remaining.get(p, 0) + 1
+
+    def after(self, site: Site) -> list[Event]:
+        if not self.overlap:
+            return []
+        for p in self.x._param_args(site):
+            self.remaining[p] -= 1
+            if self.remaining[p] == 0:
+                self.ready.add(p)
+        out = []
+        while self.started < len(self.buckets) and set(self.buckets[self.started]) <= self.ready:
+            out.append(self.x._bucket_event(self.buckets[self.started], stage=self.stage))
+            self.started += 1
+        return out
+
+    def rest(self) -> list[Event]:
+        out = [self.x._bucket_event(b, stage=self.stage) for b in self.buckets[self.started:]]
+        self.started = len(self.buckets)
+        return out
