@@ -5,7 +5,7 @@ arithmetic, `arange`, masks) to its example value, answers shape queries
 (`x.size(1)`) from the example run, then routes by canonical op name
 (`fivedc.frontends.fx.recognise.op_name`) to a handler: elementwise ops and activations here,
 views and transposes here (they only change the torch layout), layer-sized ops in
-`fivedc/frontends/fx/layers.py`. An op without a handler, or a use its handler does not follow
+`fivedc/frontends/fx/layers.py` (attention in `attention_lower.py`). An op without a handler, or a use its handler does not follow
 (`Unrecognised`), runs replicated as its ATen call (`fivedc/frontends/fx/generic.py`) where it
 is one; otherwise it is a `NotSupportedError` that names it and the user's line.
 """
@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fivedc.frontends.fx import layers
+from fivedc.frontends.fx import attention_lower, layers
 from fivedc.frontends.fx.moe_lower import moe_block
 from fivedc.frontends.fx.build import DParam
 from fivedc.frontends.fx.layers import arg
@@ -287,5 +287,6 @@ HANDLERS = {
     "linear": layers.linear, "matmul": layers.matmul, "addmm": layers.addmm, "split": layers.split, "chunk": layers.split,
     "embedding": layers.embedding, "layer_norm": layers.layer_norm, "rms_norm": layers.rms_norm, "rope": layers.rope,
     "moe": moe_block,
-    "sdpa": layers.attention, "repeat_interleave": layers.repeat_interleave, "cross_entropy": layers.cross_entropy,
+    "sdpa": attention_lower.attention, "repeat_interleave": attention_lower.repeat_interleave,
+    "cross_entropy": layers.cross_entropy,
 }
