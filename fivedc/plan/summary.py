@@ -13,14 +13,14 @@ memory estimate per rank (the busiest class of ranks in bytes, then every class)
 terminal (each collective is one line of facts with its reason wrapped below it);
 `wide=True` gives one table row per collective, reason last, for 140 columns or
 more. Every cell is a `Text`, never markup, because reasons quote shardings in
-brackets (`[batch:dp seq:tp]`). `format_bytes` is shared with `fivedc.plan.diff`.
+brackets (`[batch:dp seq:tp]`). `format_bytes` (`fivedc/plan/tables.py`) is shared with
+`fivedc.plan.diff`; the estimate tables are in `fivedc/plan/summary_estimates.py`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from rich import box
 from rich.console import Console, Group
 from rich.padding import Padding
 from rich.table import Table
@@ -29,30 +29,15 @@ from rich.text import Text
 from fivedc.ir.aten_layout import whole_dims
 from fivedc.ir.graph import Collective, Graph, Op, Param, Phase, Repeat, walk_ops, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.estimates.memory import CATEGORIES
-from fivedc.passes.base import DTYPE_BYTES
 from fivedc.plan.execution_plan import ExecutionPlan, qualified
+from fivedc.plan.summary_estimates import memory_classes_table, memory_table, time_table, transient_text
+from fivedc.plan.tables import format_bytes, text_row, titled_table
 from fivedc.passes.recompute import recomputed_regions
 from fivedc.ir.seq_layout import describe
 from fivedc.ir.sharding import Sharding
 from fivedc.passes.stages import CUTS, has_marks
 
 MAX_PARAM_ROWS = 40  # without --verbose, a longer parameter table is cut here
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-
-
-def format_bytes(n: int) -> str:
-    """Binary units, one decimal: `512 B`, `1.5 MiB`, `-2.0 GiB`."""
-    sign, value = ("-" if n < 0 else ""), float(abs(n))
-    if value < 1024:
-        return f"{sign}{int(value)} B"
-    unit = 0
-    while value >= 1024 and unit < len(_UNITS) - 1:
-        value /= 1024
-        unit += 1
-    return f"{sign}{value:.1f} {_UNITS[unit]}"
-
-
 def axes_text(axes: tuple[str, ...]) -> str:
     """`dp*tp`, or `-` for no axes."""
     return "*".join(axes) if axes else "-"
@@ -101,18 +86,6 @@ def op_shardings(graph: Graph) -> dict[str, Counter[str]]:
     return found
 
 
-def _table(title: str, *columns: str) -> Table:
-    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
-                  padding=(0, 1, 0, 0))
-    for column in columns:
-        table.add_column(column)
-    return table
-
-
-def _row(table: Table, *cells: object) -> None:
-    table.add_row(*(Text(str(cell)) for cell in cells))
-
-
 def _header(plan: ExecutionPlan) -> Table:
     graph = plan.graph
     grid = Table.grid(padding=(0, 2))
@@ -157,10 +130,11 @@ def pipeline_bubble(plan: ExecutionPlan) -> float:
 
 def _pipeline(plan: ExecutionPlan) -> Table:
     spec = plan.pipeline
-    table = _table(f"Pipeline chunks ({CUTS[spec.cut]})", "chunk", "pp rank", "layers", "cost (share)", "parameters", "sends")
+    table = titled_table(f"Pipeline chunks ({CUTS[spec.cut]})", "chunk", "pp rank", "layers", "cost (share)",
+                         "parameters", "sends")
     total = sum(c.cost for c in spec.chunks) or 1.0
     for c in spec.chunks:
-        _row(table, c.index, c.rank, c.what, f"{c.cost / total:.1%}", format_bytes(c.param_bytes),
+        text_row(table, c.index, c.rank, c.what, f"{c.cost / total:.1%}", format_bytes(c.param_bytes),
              ", ".join(c.sends) or "-")
     return table
 
@@ -210,21 +184,21 @@ def cp_text(plan: ExecutionPlan) -> str:
 
 
 def _groups(plan: ExecutionPlan) -> Table:
-    table = _table("Groups", "axes", "group size", "groups", "strides")
+    table = titled_table("Groups", "axes", "group size", "groups", "strides")
     for group in plan.groups:
-        _row(table, axes_text(group.axes), group.size, group.count, ", ".join(map(str, group.strides)))
+        text_row(table, axes_text(group.axes), group.size, group.count, ", ".join(map(str, group.strides)))
     return table
 
 
 def _params(plan: ExecutionPlan, *, verbose: bool) -> Table:
     graph, mesh = plan.graph, plan.mesh
-    table = _table("Parameters", "parameter", "global shape", "sharding", "local shape", "grad reduced over")
+    table = titled_table("Parameters", "parameter", "global shape", "sharding", "local shape", "grad reduced over")
     params = list(walk_params(graph.body))
     table.columns[0].overflow = "fold"  # a narrow terminal folds a long name instead of cutting it
     table.columns[0].min_width = min(24, max((len(qualified(p.name, r)) for p, r in params), default=1))
     shown = params if verbose or len(params) <= MAX_PARAM_ROWS else params[:MAX_PARAM_ROWS]
     for param, repeat in shown:
-        _row(
+        text_row(
             table,
             _param_name(param, repeat),
             _global_shape(param.dims, graph),
@@ -239,9 +213,9 @@ def _params(plan: ExecutionPlan, *, verbose: bool) -> Table:
 
 
 def _op_kinds(plan: ExecutionPlan) -> Table:
-    table = _table("Output sharding per op kind", "op kind", "output shardings (ops per step)")
+    table = titled_table("Output sharding per op kind", "op kind", "output shardings (ops per step)")
     for kind, counts in op_shardings(plan.graph).items():
-        _row(table, kind, ", ".join(f"{sharding} ×{n}" for sharding, n in counts.most_common()))
+        text_row(table, kind, ", ".join(f"{sharding} ×{n}" for sharding, n in counts.most_common()))
     return table
 
 
@@ -255,9 +229,9 @@ def _replicated(plan: ExecutionPlan) -> Table | None:
     found = replicated_ops(plan.graph)
     if not found:
         return None
-    table = _table("Replicated ops: no sharding rule, computed whole on every rank", "op", "at", "×", "reason")
+    table = titled_table("Replicated ops: no sharding rule, computed whole on every rank", "op", "at", "×", "reason")
     for op, count in found:
-        _row(table, f"{op.out} = {op.attr('target')}", _where(op, plan.graph), count, op.attr("reason"))
+        text_row(table, f"{op.out} = {op.attr('target')}", _where(op, plan.graph), count, op.attr("reason"))
     return table
 
 
@@ -273,7 +247,7 @@ def _reason(c: Collective) -> str:
 
 
 def _collectives(plan: ExecutionPlan, *, wide: bool) -> Table:
-    table = _collective_table(plan) if wide else _collective_list(plan)
+    table = _collectivetable(plan) if wide else _collective_list(plan)
     if not plan.collectives:
         table.caption = Text("no collectives: every rank computes independently")
         table.caption_justify = "left"
@@ -282,7 +256,7 @@ def _collectives(plan: ExecutionPlan, *, wide: bool) -> Table:
 
 def _collective_list(plan: ExecutionPlan) -> Table:
     """Narrow form: per collective a line of facts, then its reason indented below."""
-    table = _table("Collectives", "phase", "collective: bytes × count, where; why below")
+    table = titled_table("Collectives", "phase", "collective: bytes × count, where; why below")
     table.columns[1].ratio = 1
     for c in plan.collectives:
         dim = _collective_dim(c)
@@ -294,83 +268,16 @@ def _collective_list(plan: ExecutionPlan) -> Table:
     return table
 
 
-def _collective_table(plan: ExecutionPlan) -> Table:
-    table = _table("Collectives", "phase", "kind", "axes", "tensor", "dim", "bytes", "count", "at", "reason")
+def _collectivetable(plan: ExecutionPlan) -> Table:
+    table = titled_table("Collectives", "phase", "kind", "axes", "tensor", "dim", "bytes", "count", "at", "reason")
     for column in table.columns:
         column.overflow = "fold"
     table.columns[-1].ratio = 1
     table.columns[-1].min_width = 24
     for c in plan.collectives:
-        _row(table, c.phase, c.kind, axes_text(c.axes), c.tensor, _collective_dim(c), format_bytes(c.bytes),
+        text_row(table, c.phase, c.kind, axes_text(c.axes), c.tensor, _collective_dim(c), format_bytes(c.bytes),
              c.count, _where(c, plan.graph), _reason(c))
     return table
-
-
-def _memory(plan: ExecutionPlan) -> Table:
-    m = plan.memory
-    busiest = m.busiest
-    which = "" if len(m.ranks) == 1 else f" ({busiest.ranks})"
-    table = _table(f"Memory per rank{which}", "category", "bytes", "exact")
-    for name in CATEGORIES:
-        value = getattr(busiest, name)
-        _row(table, name, format_bytes(value), f"{value:,}")
-    return table
-
-
-def _memory_classes(plan: ExecutionPlan) -> Table | None:
-    """One row per class of ranks holding different bytes (pipeline stages); with a GPU,
-    whether each fits its usable memory."""
-    if len(plan.memory.ranks) == 1 and plan.time is None:
-        return None
-    gpu = plan.time.hardware if plan.time else None
-    extra = (f"on {gpu.key}",) if gpu else ()
-    table = _table("Memory per class of ranks", "ranks", *CATEGORIES, *extra)
-    for entry in plan.memory.ranks:
-        fits = (("fits" if entry.total <= gpu.usable_bytes else "does not fit"),) if gpu else ()
-        _row(table, entry.ranks, *(format_bytes(getattr(entry, name)) for name in CATEGORIES), *fits)
-    return table
-
-
-def _time(plan: ExecutionPlan) -> Table:
-    """The step-time model's figures (`fivedc/estimates/step_time.py`)."""
-    t, gpu = plan.time, plan.time.hardware
-    grid = _table(f"Step time on {gpu.name} ({gpu.key})", "figure", "value")
-    parts = [f"forward and backward {t.compute_seconds:.3g} s"]
-    if plan.pipeline is not None:
-        parts.append(f"bubble {t.bubble:.1%}")
-    parts += [f"collectives in the layers {t.layer_comm_seconds:.3g} s", f"gradient sync {t.grad_sync_seconds:.3g} s"]
-    if t.zero_gather_seconds:
-        parts.append(f"ZeRO gathers {t.zero_gather_seconds:.3g} s")
-    parts.append(f"optimizer {t.optimizer_seconds:.3g} s")
-    fit = "every class of ranks fits" if all(e.total <= gpu.usable_bytes for e in plan.memory.ranks) else \
-        "does not fit"
-    for key, value in (
-        ("step", f"{t.step_seconds:.3g} s ({'; '.join(parts)})"),
-        ("throughput", f"{t.tokens_per_second:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU, "
-                       f"MFU {t.mfu:.1%}"),
-        ("memory", f"{fit} in {format_bytes(gpu.usable_bytes)} ({gpu.memory_gib:g} GiB less {gpu.reserved_gib:g} "
-                   f"reserved); the busiest, {plan.memory.busiest.ranks}, holds {format_bytes(plan.memory.total)}"),
-    ):
-        grid.add_row(Text(key), Text(value, overflow="fold"))
-    grid.columns[1].ratio = 1
-    return grid
-
-
-def transient_text(plan: ExecutionPlan) -> str:
-    """Which momentary buffer the busiest class's transient is (`fivedc/estimates/transient.py`)."""
-    from fivedc.estimates.memory import rank_activations
-    from fivedc.estimates.transient import transients
-
-    kw = dict(dtype=plan.dtype, dtype_bytes=DTYPE_BYTES[plan.dtype], pipeline=plan.pipeline, recompute=plan.recompute)
-    _, regions = rank_activations(plan.graph, plan.mesh, **kw)
-    parts = transients(plan.graph, plan.mesh, zero=plan.zero, regions=regions, buckets=plan.buckets,
-                       overlap=plan.overlap, **kw)
-    pp = plan.mesh.size(MeshAxis.PP)
-    rank = plan.memory.busiest.pp_ranks(pp)[0] if plan.pipeline else 0
-    name, value = max(parts[rank].items(), key=lambda item: item[1])
-    if not value:
-        return "transient: no buffer beyond what is kept"
-    return f"transient: the largest buffer held only for a moment, here the {name} ({format_bytes(value)})"
 
 
 def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = False, wide: bool = False) -> None:
@@ -398,8 +305,8 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     total = format_bytes(sum(totals.values()))
     console.print(Text(f"bytes per step (bytes × count): {line}; total {total}"))
     console.print()
-    console.print(_memory(plan))
-    classes = _memory_classes(plan)
+    console.print(memory_table(plan))
+    classes = memory_classes_table(plan)
     if classes is not None:
         console.print(classes)
     layers, alone = recomputed_regions(plan.graph, plan.recompute)
@@ -407,7 +314,7 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     console.print(Text(f"note: {transient_text(plan)}"))
     if plan.time is not None:
         console.print()
-        console.print(_time(plan))
+        console.print(time_table(plan))
 
 
 __all__ = ["MAX_PARAM_ROWS", "format_bytes", "op_shardings", "phase_totals", "render_summary", "replicated_ops"]
