@@ -189,7 +189,7 @@ def test_diff_of_a_plan_with_itself_is_empty() -> None:
     assert data["identical"] is True
     assert data["mesh"] == {} and data["options"] == {} and data["memory"] == {}
     assert data["groups"] == [] and data["params"] == []
-    assert data["collectives"] == {"added": [], "removed": [], "resized": [], "bytes_per_step": {}}
+    assert data["collectives"] == {"added": [], "removed": [], "resized": [], "overlapped": [], "bytes_per_step": {}}
 
 
 def test_diff_tp1_vs_tp2() -> None:
@@ -241,12 +241,31 @@ def test_diff_sp_off_vs_on_swaps_all_reduce_for_reduce_scatter_and_all_gather() 
     assert "- forward all_reduce over tp of x" in text and "+ forward reduce_scatter over tp of x along seq" in text
 
 
+def test_diff_overlap_off_vs_on_names_what_each_collective_runs_beside() -> None:
+    """The same collectives, now beside compute: the backward sums behind the weight gradients,
+    the row-parallel all-reduces in chunks beside their matmul (matched though they gain a dim)."""
+    def compiled(**fields) -> ExecutionPlan:
+        return compile_graph(load_model(str(TINY)), CompileOptions(mesh=Mesh.parse("1x1x2x1x1"), **fields))
+
+    d = diff_plans(compiled(overlap=False), compiled())
+    assert not d.collectives_with("added") and not d.collectives_with("removed")
+    beside = {(c.phase, c.tensor): c.overlaps for c in d.collectives_with("overlapped")}
+    assert beside[("forward", "linear#2")] == \
+        ("", "the matmul of wo, in 2 chunks along batch, each summed while the next is made (collective matmul)")
+    assert beside[("backward", "h")] == ("", "the weight gradients of wq, wk, wv (computed while it runs)")
+    assert {phase for phase, _ in beside} == {"forward", "backward"}
+    text = diff_text(d)
+    assert "~ forward all_reduce over tp of linear#2 along batch: 2.0 KiB x 2; overlaps nothing -> the matmul of wo" \
+        in text
+    assert d.to_json()["collectives"]["overlapped"][0]["overlaps"][0] == ""
+
+
 def test_to_json_is_serialisable_with_stable_keys() -> None:
     d = diff_plans(plan("2x1x1x1x1", False), plan("2x1x2x1x1", True))
     data = json.loads(json.dumps(d.to_json()))
     assert set(data) == {"mesh", "options", "groups", "params", "collectives", "memory", "replicated", "identical"}
     assert data["identical"] is False
-    assert set(data["collectives"]) == {"added", "removed", "resized", "bytes_per_step"}
+    assert set(data["collectives"]) == {"added", "removed", "resized", "overlapped", "bytes_per_step"}
     mem = data["memory"]["params"]
     assert mem["b"] / mem["a"] == pytest.approx(mem["ratio"])
     assert json.dumps(d.to_json(), sort_keys=True) == json.dumps(d.to_json(), sort_keys=True)

@@ -7,8 +7,9 @@ parameter shardings (matched by qualified name, `layers.*.wq`), the collectives,
 the ops that run replicated (no sharding rule; matched by target and line) and the
 memory estimate per rank (the busiest class's categories, and with pipeline stages
 each pp rank's, `pp=R category`). Collectives are matched by the key (phase, kind, axes,
-tensor, dim); a key that occurs several times is paired up in plan order, and a pair
-whose bytes or count differ is "resized". A `PlanDiff` holds only what changed, as
+tensor, dim; not an all-reduce's, the chunks it runs in); a key that occurs several times is
+paired up in plan order, a pair whose bytes or count differ is "resized", and one that
+runs beside other compute (`overlaps`, e.g. with overlap turned on) is "overlapped". A `PlanDiff` holds only what changed, as
 frozen dataclasses with tuple fields; `to_json()` gives a stable dict for scripts
 and `render_diff` a short report marked `+` added, `-` removed, `~` changed.
 """
@@ -29,7 +30,7 @@ from fivedc.ir.sharding import Sharding
 from fivedc.plan.summary import axes_text, format_bytes, phase_totals, replicated_ops
 
 MEMORY_CATEGORIES = CATEGORIES  # params, grads, optimizer, activations, transient, total
-MARK = {"added": "+", "removed": "-", "resized": "~", "changed": "~"}
+MARK = {"added": "+", "removed": "-", "resized": "~", "changed": "~", "overlapped": "~"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class ParamChange:
 
 @dataclass(frozen=True)
 class CollectiveChange:
-    change: str  # added | removed | resized
+    change: str  # added | removed | resized | overlapped (what it runs beside changed)
     phase: str
     kind: str
     axes: str
@@ -69,6 +70,7 @@ class CollectiveChange:
     bytes: tuple[int | None, int | None]  # per execution
     count: tuple[int | None, int | None]  # executions per step
     reason: str  # from b, or from a when removed
+    overlaps: tuple[str | None, str | None] = (None, None)  # the compute it runs beside ("": none)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class PlanDiff:
         """Stable for scripts: every top-level key always present, lists in plan order.
 
         `mesh`, `options`: {name: [a, b]} for what changed. `groups`, `params`: lists of
-        entries with a `change` field. `collectives`: {"added", "removed", "resized": lists,
+        entries with a `change` field. `collectives`: {"added", "removed", "resized", "overlapped": lists,
         "bytes_per_step": {phase: {"a", "b"}}}. `memory`: {category: {"a", "b", "ratio"}}.
         """
         return {
@@ -136,7 +138,7 @@ class PlanDiff:
             ],
             "collectives": {
                 **{change: [_collective_json(c) for c in self.collectives_with(change)]
-                   for change in ("added", "removed", "resized")},
+                   for change in ("added", "removed", "resized", "overlapped")},
                 "bytes_per_step": {t.name: {"a": t.a, "b": t.b} for t in self.bytes_per_step},
             },
             "memory": {t.name: {"a": t.a, "b": t.b, "ratio": t.ratio} for t in self.memory},
@@ -173,7 +175,7 @@ def canonical_values(graph: Graph) -> Graph:
 
 def _collective_json(c: CollectiveChange) -> dict:
     return {"phase": c.phase, "kind": c.kind, "axes": c.axes, "tensor": c.tensor, "dim": c.dim,
-            "bytes": list(c.bytes), "count": list(c.count), "reason": c.reason}
+            "bytes": list(c.bytes), "count": list(c.count), "reason": c.reason, "overlaps": list(c.overlaps)}
 
 
 # ---- comparison ------------------------------------------------------------------------
@@ -220,16 +222,19 @@ def _params(a: ExecutionPlan, b: ExecutionPlan) -> tuple[ParamChange, ...]:
 
 
 def collective_key(c: Collective) -> tuple[str, str, str, str, str | None]:
-    return (str(c.phase), str(c.kind), axes_text(c.axes), c.tensor, c.dim)
+    """What matches a collective in two plans; not an all-reduce's dim, which only says what
+    it is cut along to run beside a matmul (`Collective.overlaps`)."""
+    return (str(c.phase), str(c.kind), axes_text(c.axes), c.tensor, None if c.kind == "all_reduce" else c.dim)
 
 
 def _entry(change: str, x: Collective | None, y: Collective | None) -> CollectiveChange:
-    phase, kind, axes, tensor, dim = collective_key(y or x)
+    phase, kind, axes, tensor, _ = collective_key(y or x)
     return CollectiveChange(
-        change, phase, kind, axes, tensor, dim,
+        change, phase, kind, axes, tensor, (y or x).dim,
         (x.bytes if x else None, y.bytes if y else None),
         (x.count if x else None, y.count if y else None),
         (y or x).reason,
+        (x.overlaps if x else None, y.overlaps if y else None),
     )
 
 
@@ -247,6 +252,8 @@ def _collectives(a: ExecutionPlan, b: ExecutionPlan) -> tuple[CollectiveChange, 
         y = b.collectives[same_key.pop(0)]
         if (x.bytes, x.count) != (y.bytes, y.count):
             changed.append(_entry("resized", x, y))
+        elif x.overlaps != y.overlaps:
+            changed.append(_entry("overlapped", x, y))
     left = sorted(i for indices in pending.values() for i in indices)
     added = [_entry("added", None, b.collectives[i]) for i in left]
     return tuple(removed + changed + added)
@@ -367,8 +374,10 @@ def _lines(d: PlanDiff) -> list[str]:
         lines.append("collectives (bytes per execution x count per step):")
         for c in d.collectives:
             dim = f" along {c.dim}" if c.dim else ""
+            beside = f"; overlaps {_pair(c.overlaps, lambda o: o or 'nothing')}" \
+                if c.change in ("resized", "overlapped") and c.overlaps[0] != c.overlaps[1] else ""
             lines.append(f"  {MARK[c.change]} {c.phase} {c.kind} over {c.axes} of {c.tensor}{dim}: "
-                         f"{_pair(c.bytes, format_bytes)} x {_pair(c.count)}")
+                         f"{_pair(c.bytes, format_bytes)} x {_pair(c.count)}{beside}")
     if d.bytes_per_step:
         lines.append("bytes per step: " + ", ".join(
             f"{t.name} {format_bytes(t.a)} -> {format_bytes(t.b)}" for t in d.bytes_per_step))
