@@ -6,12 +6,12 @@ microbatches, how its chunks were cut and what each holds), the mesh groups (mat
 parameter shardings (matched by qualified name, `layers.*.wq`), the collectives,
 the ops that run replicated (no sharding rule; matched by target and line) and the
 memory estimate per rank (the busiest class's categories, and with pipeline stages
-each pp rank's, `pp=R category`). Collectives are matched by the key (phase, kind, axes,
-tensor, dim; not an all-reduce's, the chunks it runs in); a key that occurs several times is
-paired up in plan order, a pair whose bytes or count differ is "resized", and one that
-runs beside other compute (`overlaps`, e.g. with overlap turned on) is "overlapped". A `PlanDiff` holds only what changed, as
-frozen dataclasses with tuple fields; `to_json()` gives a stable dict for scripts
-and `render_diff` a short report marked `+` added, `-` removed, `~` changed.
+each pp rank's, `pp=R category`). Collectives are matched by (phase, kind, axes, tensor,
+dim; not an all-reduce's); a key that occurs several times is paired up in plan order, a
+pair whose bytes or count differ is "resized", one whose `overlaps` differ "overlapped".
+A `PlanDiff` holds only what changed, as frozen dataclasses with tuple fields;
+`to_json()` gives a stable dict for scripts and `render_diff` a short report marked `+`
+added, `-` removed, `~` changed.
 """
 
 from __future__ import annotations
@@ -222,8 +222,7 @@ def _params(a: ExecutionPlan, b: ExecutionPlan) -> tuple[ParamChange, ...]:
 
 
 def collective_key(c: Collective) -> tuple[str, str, str, str, str | None]:
-    """What matches a collective in two plans; not an all-reduce's dim, which only says what
-    it is cut along to run beside a matmul (`Collective.overlaps`)."""
+    """What matches a collective across plans: not an all-reduce's dim (the chunks it runs in)."""
     return (str(c.phase), str(c.kind), axes_text(c.axes), c.tensor, None if c.kind == "all_reduce" else c.dim)
 
 
@@ -374,8 +373,7 @@ def _lines(d: PlanDiff) -> list[str]:
         lines.append("collectives (bytes per execution x count per step):")
         for c in d.collectives:
             dim = f" along {c.dim}" if c.dim else ""
-            beside = f"; overlaps {_pair(c.overlaps, lambda o: o or 'nothing')}" \
-                if c.change in ("resized", "overlapped") and c.overlaps[0] != c.overlaps[1] else ""
+            beside = f"; overlaps {_pair(c.overlaps, lambda o: o or 'nothing')}" if c.change == "overlapped" else ""
             lines.append(f"  {MARK[c.change]} {c.phase} {c.kind} over {c.axes} of {c.tensor}{dim}: "
                          f"{_pair(c.bytes, format_bytes)} x {_pair(c.count)}{beside}")
     if d.bytes_per_step:

@@ -141,13 +141,13 @@ class Program:
             for node, _ in walk_ops(graph.body)
             if isinstance(node, Redistribute)
         }
-        self.summing: dict[str, RingSum | ChunkedSum] = {}  # a linear's output being summed as made: for its
-        # redistribution
         # a linear's output the plan sums as the linear makes it (a reduce-scatter in a ring, an
-        # all-reduce in chunks) -> that step
+        # all-reduce by chunks) -> that step; and the sums under way, for their redistribution
         self.summed_in_ring = {node.src: self.steps[node.out][0][0] for node, _ in walk_ops(graph.body)
                                if isinstance(node, Redistribute) and len(node.forward) == 1
-                               and node.forward[0].kind in ("reduce_scatter", "all_reduce") and node.forward[0].overlaps}
+                               and node.forward[0].kind in ("reduce_scatter", "all_reduce")
+                               and node.forward[0].overlaps}
+        self.summing: dict[str, RingSum | ChunkedSum] = {}
 
     def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
         env: dict[str, Tensor] = dict(inputs)

@@ -256,7 +256,8 @@ class Product(torch.autograd.Function):
         lead = x.dim() - fctx.k
         grad_x = grad_w = None
         if fctx.needs_input_grad[0]:
-            grad_x = torch.tensordot(grad_out, w, dims=(list(range(lead, grad_out.dim())), list(range(fctx.k, w.dim()))))
+            outputs = (list(range(lead, grad_out.dim())), list(range(fctx.k, w.dim())))
+            grad_x = torch.tensordot(grad_out, w, dims=outputs)
         if fctx.needs_input_grad[1]:
             dims = list(range(lead))
             grad_w = torch.tensordot(x, grad_out, dims=(dims, dims)).to(w.dtype)
