@@ -61,14 +61,21 @@ def hidden_seconds(c: SaveContext, items, hw) -> float:
     gloo or NCCL reduce-scatter (n-1)/n of the bytes), or its readers' weight gradients (2 x
     output x contracted FLOPs each) if those take less; under SP, plus the all-gather of the
     readers' input for dW ((n-1)/n of the bytes), or their input gradients (the op's
-    roofline, tested in test_step_time.py) if those take less."""
+    roofline, tested in test_step_time.py) if those take less; and a ring reduce-scatter's
+    gradient gathered back in a ring ((n-1)/n of the bytes), or (n-1)/n of its linear's
+    input gradient if that takes less."""
     total = 0.0
     link = hw.nvlink_bytes_per_s * hw.link_efficiency
-    for node in items:
+    for before, node in zip([None, *items], items):
         if not (isinstance(node, Redistribute) and node.backward and node.backward[0].overlaps):
             continue
         (sum_,) = node.backward
         n = c.mesh.size(*sum_.axes)
+        if sum_.kind == CollectiveKind.ALL_GATHER:  # a reduce-scatter's gradient, back in a ring
+            assert node.forward[0].kind == CollectiveKind.REDUCE_SCATTER and before.out == node.src
+            seconds = (n - 1) / n * sum_.bytes / link + (n - 1) * hw.nvlink_latency_s
+            total += min(seconds, (n - 1) / n * op_times(c, before, hw)[1])
+            continue
         share = 2 * (n - 1) / n if sum_.kind == CollectiveKind.ALL_REDUCE else (n - 1) / n
         steps = 2 * (n - 1) if sum_.kind == CollectiveKind.ALL_REDUCE else n - 1
         ring = share * sum_.bytes / link + steps * hw.nvlink_latency_s

@@ -11,7 +11,9 @@ them, and the reduce-scatters and all-reduces of the linear just before, are mar
 overlap off. Runtime (gloo, 4 ranks): the gather's ring brings chunk i, i-1, i-2, i-3 and
 posts the next hop before the product of the chunk just in; the sum's ring makes chunk
 i-1, i-2, i-3, i, each before waiting for the hop that brings the previous member's sum
-of it; so one hop is always in flight while a chunk multiplies. The chunked all-reduce
+of it; so one hop is always in flight while a chunk multiplies; in backward the sum's
+gradient comes back in a ring, the linear's input gradient made a chunk at a time, bitwise
+the gradients without it. The chunked all-reduce
 starts each chunk's sum (async) before making the next. The products, the gathered
 tensor and the sums are those of the whole collectives. A model at tp4, with and
 without SP, with full recomputation, trains to the gradients of the run without them.
@@ -47,6 +49,10 @@ def test_the_collectives_beside_a_linear_are_run_in_rings() -> None:
     plan = compiled(sequence_parallel=True)
     assert rings(plan, "all_gather") == ["wq", "w_gate", "w_head"]  # the first reader of each gathered input
     assert rings(plan, "reduce_scatter") == ["wo", "w_down"]  # the row-parallel linears making them
+    back = [node.backward[0].overlaps for node, _ in walk_ops(plan.graph.body) if isinstance(node, Redistribute)
+            and node.forward and node.forward[0].kind == "reduce_scatter" and node.forward[0].overlaps]
+    assert back == [f"the input gradient of {w}, chunk by chunk as a ring brings them (collective matmul)"
+                    for w in ("wo", "w_down")]  # their gradients' gathers, in backward
     in_layers = [c for c in plan.collectives if c.phase == Phase.FORWARD and c.count == 2]
     assert in_layers and all(c.overlaps.endswith("(collective matmul)") for c in in_layers)
     top = [node.forward[0] for node in plan.graph.body.items if isinstance(node, Redistribute) and node.forward]
@@ -199,6 +205,53 @@ def test_each_chunk_is_summed_while_the_next_is_made(worker_pool) -> None:
     for rank, got in enumerate(worker_pool.run(chunked_job, world=4, payload=None)):
         assert got["partial"] and got["summed"], rank
         assert got["events"] == [e for j in range(4) for e in (j, ("sum", True, (2, 2, 3)))]
+
+
+def grad_ring_job(info, payload) -> dict:
+    """On a 4-rank tp group: a row-parallel product summed in a ring, trained one backward with
+    its gradient gathered in a ring (the linear's input gradient a chunk at a time) and
+    without rings; the chunks' order as the linear's backward took them, and both gradients."""
+    from fivedc.ir.mesh import MeshAxis
+    from fivedc.runtime import tp_ring
+    from fivedc.runtime.collectives import Step, redistribute
+    from fivedc.runtime.groups import MeshGroups
+
+    groups = MeshGroups(Mesh.parse("1x1x4x1x1"), device_type="cpu")
+    seeded = lambda shape, seed: torch.randn(*shape, generator=torch.Generator().manual_seed(seed),  # noqa: E731
+                                             dtype=torch.float64)
+    up = seeded((2, 2, 3), 10 + info.rank)  # the gradient of this rank's chunk of the sum
+    steps = ([Step("reduce_scatter", (MeshAxis.TP,), 1)], [Step("all_gather", (MeshAxis.TP,), 1)])
+    seen, arrivals = [], tp_ring.RingGather.arrivals
+
+    def logged(ring):
+        for index, chunk in arrivals(ring):
+            seen.append((index, len(ring.transfers)))
+            yield index, chunk
+
+    def trained(ringed: bool):
+        x, w = seeded((2, 8, 5), info.rank).requires_grad_(), seeded((5, 3), 9).requires_grad_()
+        if ringed:
+            ring = tp_ring.RingSum(1, (MeshAxis.TP,), groups, gather_grad=True)
+            y = tp_ring.Product.apply(x, w, 1, tp_ring.summed_product(x, w, 1, ring), ring)
+            out = redistribute(y, *steps, groups, None, ring)
+        else:
+            out = redistribute(torch.tensordot(x, w, dims=1), *steps, groups)
+        (out * up).sum().backward()
+        return x.grad, w.grad
+
+    tp_ring.RingGather.arrivals = logged
+    try:
+        ringed = trained(True)
+    finally:
+        tp_ring.RingGather.arrivals = arrivals
+    whole = trained(False)
+    return dict(seen=seen, equal=all(torch.equal(a, b) for a, b in zip(ringed, whole)))
+
+
+def test_a_sums_gradient_comes_back_by_chunks_into_the_input_gradient(worker_pool) -> None:
+    for rank, got in enumerate(worker_pool.run(grad_ring_job, world=4, payload=None)):
+        assert got["equal"], rank  # bitwise: dX by rows, dW from the whole gradient
+        assert got["seen"] == [(rank, 1), ((rank - 1) % 4, 2), ((rank - 2) % 4, 3), ((rank - 3) % 4, 3)]
 
 
 @pytest.mark.parametrize("contracted", [False, True])

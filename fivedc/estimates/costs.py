@@ -24,10 +24,11 @@ linear's matmul on the chunks before the last, (n-1)/n of it (the last chunk's p
 waits for the last hop), and a reduce-scatter run in a ring behind the matmul making
 its input on the chunks after the first, (n-1)/n of it; an all-reduce run in n chunks
 behind that matmul's next chunks: (n-1)/n of the lesser of the two (the last chunk's sum
-waits); and a linear input's backward
-sum behind the weight gradients of the linears reading it, with under SP that input's
-gather for dW behind their input gradients (`UnitTime.hidden`, as much of each as those take, in a whole backward B
-only: a split one runs W later).
+waits). In backward, a linear input's sum hides behind the weight gradients of the
+linears reading it, under SP that input's gather for dW behind their input gradients,
+and a ring reduce-scatter's gradient, gathered back in a ring, behind (n-1)/n of its
+linear's input gradient (`UnitTime.hidden`, as much of each as those take, in a whole
+backward B only: a split one runs W later).
 
 `unit_costs` gives the seconds of each unit once; the schedule simulator and the
 step-time model (`fivedc/estimates/step_time.py`) only add them up, so a layout search can
@@ -198,8 +199,9 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
     early: dict[str, float] = {}  # there, SP's input gathered again: started before the readers' dX
     inputs: dict[str, float] = {}  # and the readers' input-gradient seconds
     gathering: dict[str, tuple[float, int]] = {}  # a forward all-gather in a ring: its seconds, group size
-    made: dict[str, float] = {}  # a linear's output: its forward seconds
+    made: dict[str, tuple[float, float]] = {}  # a linear's output: its forward and input-gradient seconds
     ahead = 0.0  # of the forward's collectives, what the matmuls beside them hide
+    back = 0.0  # of the backward's gathers of a sum's gradient in a ring, what the input gradient hides
     per = repeat.count if repeat else 1
     for node in items:
         if isinstance(node, Redistribute):
@@ -222,13 +224,16 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
                 if x.kind == K.ALL_GATHER:  # beside the next linear
                     gathering[node.out] = (f, n)
                 else:  # beside the linear making its input
-                    ahead += hidden_beside(x.kind, f, made.pop(node.src, 0.0), n)
+                    f_made, i_made = made.pop(node.src, (0.0, 0.0))
+                    ahead += hidden_beside(x.kind, f, f_made, n)
+                    if node.backward and node.backward[0].overlaps:  # its gradient back in a ring, beside dX
+                        back += hidden_beside(K.ALL_GATHER, i, i_made, n)
             continue
         if not isinstance(node, Op):
             continue
         f, i, w = op_times(c, node, hw)
         if node.kind == "linear":
-            made[node.out] = f
+            made[node.out] = (f, i)
         if node.kind == "linear" and node.args[0] in gathering:
             seconds, n = gathering.pop(node.args[0])
             ahead += hidden_beside(K.ALL_GATHER, seconds, f, n)
@@ -243,8 +248,8 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
     fwd, comm = fwd - ahead, comm - ahead
     if repeat is not None and recomputes_layer(repeat, recompute):
         bwd_in += fwd  # the whole layer's forward again (its rings hidden again)
-    hidden = sum(min(seconds, weights.get(name, 0.0)) + min(early[name], inputs.get(name, 0.0))
-                 for name, seconds in behind.items())
+    hidden = back + sum(min(seconds, weights.get(name, 0.0)) + min(early[name], inputs.get(name, 0.0))
+                        for name, seconds in behind.items())
     return UnitTime(fwd, bwd_in, bwd_w, comm, hidden)
 
 

@@ -18,8 +18,10 @@ With overlap on, an all-gather whose next op is a linear reading it (SP's gather
 column-parallel linear) runs in a ring of point-to-point hops, the linear multiplying
 each chunk as it arrives while the next hop runs; so does a reduce-scatter of the linear
 just before it (SP's row-parallel output), each chunk summed on around the ring as the
-linear makes it; and without SP, the all-reduce of the linear just before it runs in n
-chunks, each summed (async) while the linear makes the next (collective matmul,
+linear makes it, and in backward that sum's gradient comes back in a ring, the linear
+making its input gradient a chunk at a time; and without SP, the all-reduce of the
+linear just before it runs in n chunks, each summed (async) while the linear makes the
+next (collective matmul,
 `fivedc/runtime/tp_ring.py`). Their `overlaps` names the matmul, and the step time hides
 them behind it (`fivedc/estimates/costs.py`).
 
@@ -101,7 +103,8 @@ def gathered_in_rings(items: list, params: set[str]) -> list:
 def summed_in_rings(items: list, mesh: Mesh, params: set[str], types: dict, cuts) -> list:
     """`items` with the sum of the linear just before each redistribution marked to run beside
     that linear's matmul (collective matmul): a reduce-scatter in a ring, the linear making
-    each chunk as the ring needs it (where it keeps the scattered dim); an all-reduce in n
+    each chunk as the ring needs it (where it keeps the scattered dim), and its backward's
+    gather in a ring, the linear's input gradient made a chunk at a time; an all-reduce in n
     chunks along the first dim of the linear's input it keeps that a rank can cut into n
     (`cuts(value, dim, n)`), each summed while the next is made. The linear has a parameter
     as its weight."""
@@ -114,9 +117,13 @@ def summed_in_rings(items: list, mesh: Mesh, params: set[str], types: dict, cuts
             continue
         (step,), x, weight = node.forward, maker.args[0], maker.args[1]
         kept = [d for d in types[x].dims if d in maker.type.dims]
+        backward = node.backward
         if step.kind == K.REDUCE_SCATTER and step.dim in kept:
             step = replace(step, overlaps=f"the matmul of {weight}, chunk by chunk, each chunk summed on in a ring "
                                           "(collective matmul)")
+            if len(backward) == 1 and backward[0].kind == K.ALL_GATHER:  # its gradient back in a ring
+                backward = (replace(backward[0], overlaps=f"the input gradient of {weight}, chunk by chunk as a "
+                                                          "ring brings them (collective matmul)"),)
         elif step.kind == K.ALL_REDUCE:
             n = mesh.size(*step.axes)
             dim = next((d for d in kept if cuts(x, d, n)), None)
@@ -126,7 +133,7 @@ def summed_in_rings(items: list, mesh: Mesh, params: set[str], types: dict, cuts
                                                    "while the next is made (collective matmul)")
         else:
             continue
-        out[index] = replace(node, forward=(step,))
+        out[index] = replace(node, forward=(step,), backward=backward)
     return out
 
 

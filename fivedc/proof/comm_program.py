@@ -194,7 +194,8 @@ class _Expander(KernelEvents, SyncEvents):
         node = site.node
         if isinstance(node, Redistribute):
             return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding), f"forward of {site.id}",
-                               node.loc, "int64" if node.type.dtype == DType.INT else self.dtype, rings=True)
+                               node.loc, "int64" if node.type.dtype == DType.INT else self.dtype,
+                               rings=("all_gather", "reduce_scatter", "all_reduce"))
         return self._kernel_forward(site)
 
     def _backward(self, site: Site) -> list[Event]:
@@ -203,7 +204,7 @@ class _Expander(KernelEvents, SyncEvents):
             return []
         if isinstance(node, Redistribute):
             return self._steps(node.backward, self.numel(node.type.dims, node.sharding), f"backward of {site.id}",
-                               node.loc)
+                               node.loc, rings=("all_gather",))  # a sum's gradient back in a ring
         return [e for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
             + self._kernel_backward(site)
 
@@ -251,19 +252,20 @@ class _Expander(KernelEvents, SyncEvents):
         return [f"{site.repeat}.{site.layer}.{a}" if a in body else a for a in node.value_args if a in body | top]
 
     def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None, *,
-               rings: bool = False) -> list[Event]:
-        """`rings`: a forward all-gather or reduce-scatter the plan runs in a ring is its n - 1 hops,
-        an all-reduce it runs by chunks its n chunks' all-reduces."""
+               rings: tuple[str, ...] = ()) -> list[Event]:
+        """`rings`: the kinds that run beside a matmul where the plan says so (`overlaps`): an
+        all-gather or reduce-scatter in a ring is its n - 1 hops, an all-reduce by chunks its n
+        chunks' all-reduces."""
         out = []
         for c in collectives:
             n = self.mesh.size(*c.axes)
             if n == 1:
                 continue
-            if rings and c.kind in ("all_gather", "reduce_scatter") and c.overlaps:
+            if c.kind in rings and c.kind in ("all_gather", "reduce_scatter") and c.overlaps:
                 hop = numel if c.kind == "all_gather" else numel // n  # a chunk, or a chunk's sum so far
                 out += [Event("send_recv", c.axes, hop, dtype or self.dtype, f"{what}: a chunk to the next "
                               "member (collective matmul)", loc, tag=RING_TAG)] * (n - 1)
-            elif rings and c.kind == "all_reduce" and c.overlaps:  # by chunks, each as the linear makes it
+            elif c.kind in rings and c.kind == "all_reduce" and c.overlaps:  # by chunks, each as the linear makes it
                 out += [Event("all_reduce", c.axes, numel // n, dtype or self.dtype, f"{what}: a chunk's sum "
                               "(collective matmul)", loc)] * n
             elif c.kind != "slice":

@@ -79,7 +79,9 @@ def redistribute(
     `put_off` (a `fivedc.runtime.tp_overlap.PutOff`), the backward's one sum starts async,
     the readers' weight gradients are computed while it runs and given to the weights.
     With `ring` (a `fivedc.runtime.tp_ring.RingGather` of x, started), the forward's one
-    all-gather is that ring: the value is its `out`, filled as the hops complete."""
+    all-gather is that ring: the value is its `out`, filled as the hops complete; a
+    `RingSum` or `ChunkedSum` has summed x already: the value is its `out` (and a `RingSum`
+    whose gradient's gather the plan runs in a ring runs it so in backward)."""
     weights = put_off.weights if put_off is not None else ()
     return _Redistribute.apply(x, tuple(forward), tuple(backward), groups, put_off, ring, *weights)
 
@@ -91,10 +93,13 @@ class _Redistribute(torch.autograd.Function):
         ring: Any, *weights: Tensor,
     ) -> Tensor:
         ctx.backward_steps, ctx.groups, ctx.put_off = backward, groups, put_off
-        return apply_steps(x, forward, groups) if ring is None else ring.out
+        ctx.gather_grad = ring if getattr(ring, "gather_grad", False) else None  # a sum whose gradient's gather
+        return apply_steps(x, forward, groups) if ring is None else ring.out  # runs in a ring
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        if ctx.gather_grad is not None:
+            return ctx.gather_grad.gather_grad_of(grad), None, None, None, None, None
         if ctx.put_off is None:
             return apply_steps(grad, ctx.backward_steps, ctx.groups), None, None, None, None, None
         (step,) = ctx.backward_steps

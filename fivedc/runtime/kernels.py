@@ -156,8 +156,9 @@ def _linear(ctx, op, args, dims):
     store = weight_grads.store_of(ctx)  # a zero-bubble pipeline: the weight gradient may wait for W
     if store is not None and torch.is_grad_enabled() and w.requires_grad:
         return weight_grads.DeferrableLinear.apply(*for_matmul(x), w, k, store, value)  # casts the leaf w itself
-    if value is not None:
-        return tp_ring.Product.apply(*for_matmul(x, w), k, value)
+    if value is not None:  # a ring summing it can bring its gradient back by chunks
+        return tp_ring.Product.apply(*for_matmul(x, w), k, value, sum_ring if isinstance(sum_ring, tp_ring.RingSum)
+                                     else None)
     return torch.tensordot(*for_matmul(x, w), dims=k)
 
 

@@ -142,10 +142,12 @@ class Program:
             if isinstance(node, Redistribute)
         }
         # a linear's output the plan sums as the linear makes it (a reduce-scatter in a ring, an
-        # all-reduce by chunks) -> that step; and the sums under way, for their redistribution
-        self.summed_in_ring = {node.src: self.steps[node.out][0][0] for node, _ in walk_ops(graph.body)
-                               if isinstance(node, Redistribute) and len(node.forward) == 1
-                               and node.forward[0].kind in ("reduce_scatter", "all_reduce")
+        # all-reduce by chunks) -> that step, and whether backward gathers its gradient in a ring;
+        # and the sums under way, for their redistribution
+        self.summed_in_ring = {node.src: (self.steps[node.out][0][0], len(node.backward) == 1
+                                          and bool(node.backward[0].overlaps))
+                               for node, _ in walk_ops(graph.body) if isinstance(node, Redistribute)
+                               and len(node.forward) == 1 and node.forward[0].kind in ("reduce_scatter", "all_reduce")
                                and node.forward[0].overlaps}
         self.summing: dict[str, RingSum | ChunkedSum] = {}
 
@@ -268,10 +270,12 @@ class Program:
     def _sum_ring(self, op) -> RingSum | ChunkedSum | None:
         """How to sum `op`'s output over tp as it is made, where the plan says so (a reduce-scatter
         in a ring, an all-reduce by chunks: `fivedc/runtime/tp_ring.py`); not inside a compiled region."""
-        step = self.summed_in_ring.get(op.out)
+        step, gather_grad = self.summed_in_ring.get(op.out, (None, False))
         if step is None or self.ctx.groups.size(step.axes) == 1 or torch.compiler.is_compiling():
             return None
-        return (RingSum if step.kind == "reduce_scatter" else ChunkedSum)(step.dim, step.axes, self.ctx.groups)
+        if step.kind == "all_reduce":
+            return ChunkedSum(step.dim, step.axes, self.ctx.groups)
+        return RingSum(step.dim, step.axes, self.ctx.groups, gather_grad=gather_grad)
 
     def _reads_by_chunks(self, op, repeat: Repeat | None, value: str) -> bool:
         """Whether `op` multiplies `value` chunk by chunk as its ring brings them (a linear reading

@@ -17,7 +17,10 @@ hop beside one chunk's matmul:
 - the reduce-scatter (`RingSum`): the linear making the partial output (through
   `summed_product`) makes its part of chunk i - 1 and sends it on; then its part of
   chunk i - 2 while that hop runs, adds what the previous member summed of that chunk,
-  sends it on; and so on, ending with its own chunk summed over the group;
+  sends it on; and so on, ending with its own chunk summed over the group. In backward
+  the sum's gradient is gathered back in a ring (`RingSum.gather_grad_of`), and the
+  linear's `Product` makes its input gradient a chunk at a time as the hops land, then
+  its weight gradient from the whole gradient;
 - the all-reduce (`ChunkedSum`, without SP): the linear makes its product in n chunks,
   each chunk's all-reduce started as it is made, so all but the last run beside a
   chunk's matmul.
@@ -164,9 +167,23 @@ class RingSum(_Ring):
     posted at step t - 1, which ran while this part was made) and sends it on; at the last
     step the chunk is its own, summed over the group: `out`."""
 
-    def __init__(self, dim: int, axes, groups: MeshGroups) -> None:
+    def __init__(self, dim: int, axes, groups: MeshGroups, *, gather_grad: bool = False) -> None:
         super().__init__(dim, axes, groups)
+        self.axes, self.groups = axes, groups
         self.out: Tensor | None = None
+        self.gather_grad = gather_grad  # the plan runs the backward's gather of the sum's gradient in a ring
+        self.fed_product = False  # the linear's autograd node (`Product`) can take that gradient by chunks
+        self.grad_ring: RingGather | None = None  # that gather, started by the sum's backward
+
+    def gather_grad_of(self, grad: Tensor) -> Tensor:
+        """The backward of the sum: its gradient gathered in a ring. Where the linear's `Product`
+        takes it by chunks, the ring is left to it (the tensor returned fills as it runs);
+        else it is waited for here."""
+        ring = start_ring(grad, self.dim, self.axes, self.groups)
+        if self.fed_product:
+            self.grad_ring = ring
+            return ring.out
+        return ring.finish()
 
     def run(self, part) -> None:
         """`part(j)`: this rank's addend of chunk j, made when the ring needs it."""
@@ -242,11 +259,16 @@ def summed_product(x: Tensor, w: Tensor, k: int, ring: RingSum | ChunkedSum) -> 
 
 
 class Product(torch.autograd.Function):
-    """`tensordot(x, w, dims=k)` whose forward value was computed already (`product`)."""
+    """`tensordot(x, w, dims=k)` whose forward value was computed already (`product`,
+    `summed_product`). With `summing` (a `RingSum` whose gradient the plan gathers in a ring),
+    backward takes the output's gradient as that ring brings it: the input gradient of each
+    chunk as it arrives, while the next hop runs; then the weight gradient, whole."""
 
     @staticmethod
-    def forward(fctx, x: Tensor, w: Tensor, k: int, value: Tensor) -> Tensor:
-        fctx.k = k
+    def forward(fctx, x: Tensor, w: Tensor, k: int, value: Tensor, summing: RingSum | None = None) -> Tensor:
+        fctx.k, fctx.summing = k, summing
+        if summing is not None:
+            summing.fed_product = summing.gather_grad
         fctx.save_for_backward(x, w)
         return value
 
@@ -254,11 +276,19 @@ class Product(torch.autograd.Function):
     def backward(fctx, grad_out: Tensor):
         x, w = fctx.saved_tensors
         lead = x.dim() - fctx.k
+        ring = fctx.summing.grad_ring if fctx.summing is not None else None
+        outputs = (list(range(lead, grad_out.dim())), list(range(fctx.k, w.dim())))
         grad_x = grad_w = None
-        if fctx.needs_input_grad[0]:
-            outputs = (list(range(lead, grad_out.dim())), list(range(fctx.k, w.dim())))
+        if ring is not None:  # the gradient arriving by chunks: dX a chunk at a time beside the hops
+            fctx.summing.grad_ring, size = None, ring.chunk_size(grad_out)
+            if fctx.needs_input_grad[0]:
+                grad_x = x.new_empty(x.shape)
+                for index, chunk in ring.arrivals():
+                    grad_x.narrow(ring.dim, index * size, size).copy_(torch.tensordot(chunk, w, dims=outputs))
+            grad_out = ring.finish()
+        elif fctx.needs_input_grad[0]:
             grad_x = torch.tensordot(grad_out, w, dims=outputs)
         if fctx.needs_input_grad[1]:
             dims = list(range(lead))
             grad_w = torch.tensordot(x, grad_out, dims=(dims, dims)).to(w.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
