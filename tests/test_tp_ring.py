@@ -103,13 +103,22 @@ def test_each_chunk_multiplies_while_the_next_hop_runs(worker_pool) -> None:
 
 
 def grads_job(info, plans) -> list:
-    from fivedc.runtime import verify
+    """Per plan: the gradients of one step, and after a forward of the plan's program the
+    rings' values still held by them (none: a ring lets go of its value once it is done)."""
+    import gc
+
+    from fivedc.runtime import tp_ring, verify
 
     out = []
     for plan in plans:
         settings = TrainSettings(steps=1)
         program, params, inputs, _ = verify.setup_rank(plan, info, settings)
-        out.append(verify.train_plan(plan, program, params, inputs, settings).grads[0])
+        loss = program.loss({k: v.detach().requires_grad_() for k, v in params.items()}, inputs)
+        rings = (tp_ring.RingGather, tp_ring.RingSum, tp_ring.ChunkedSum)
+        held = [o for o in gc.get_objects() if isinstance(o, rings)
+                and isinstance(getattr(o, "out", None), torch.Tensor)]
+        del loss
+        out.append((verify.train_plan(plan, program, params, inputs, settings).grads[0], len(held)))
     return out
 
 
@@ -120,7 +129,8 @@ def test_a_model_in_rings_trains_as_with_whole_collectives(sp, worker_pool) -> N
     on = compiled("examples/gpt.5d", "1x1x4x1x1", sequence_parallel=sp, recompute="full")
     off = compiled("examples/gpt.5d", "1x1x4x1x1", sequence_parallel=sp, recompute="full", overlap=False)
     assert (rings(on, "all_gather") and rings(on, "reduce_scatter")) if sp else rings(on, "all_reduce")
-    for grads, grads_off in worker_pool.run(grads_job, world=4, payload=[on, off]):
+    for (grads, held), (grads_off, _) in worker_pool.run(grads_job, world=4, payload=[on, off]):
+        assert held == 0  # the values (whole activations) are the program's to keep or let go
         assert grads.keys() == grads_off.keys()
         for name in grads:
             torch.testing.assert_close(grads[name], grads_off[name], rtol=1e-12, atol=1e-12, msg=name)

@@ -233,6 +233,8 @@ class Program:
             summing.finish(env[item.src])
         ring = self._ring(item, env[item.src], forward)
         out = redistribute(env[item.src], forward, backward, self.ctx.groups, put_off, ring or summing)
+        if summing is not None:
+            summing.out = None  # the value is `out` now: the sum (kept for backward's ring) lets go of it
         if ring is not None:
             mark_ring(out, ring)
             if self.tracer is not None:  # the tracer copies the value now: the same hops, waited at once

@@ -109,15 +109,18 @@ class RingGather(_Ring):
             self._take(hop)
             yield self._holding_after(hop), self.chunks[self._holding_after(hop)]
 
-    def finish(self) -> Tensor:
-        """Wait for every hop and put the chunks together in `out` (the gathered value)."""
-        if not self.done:
-            for hop in range(1, self.n):
-                self._take(hop)
-            with torch.no_grad():
-                torch.cat(self.chunks, dim=self.dim, out=self.out)  # type: ignore[arg-type]
-            self.chunks, self.transfers, self.done = [], [], True
-        return self.out
+    def finish(self) -> Tensor | None:
+        """Wait for every hop and put the chunks together in `out`, the gathered value, which
+        the first call returns (the ring lets go of it: the value marked with its ring would
+        otherwise keep itself alive)."""
+        if self.done:
+            return None
+        for hop in range(1, self.n):
+            self._take(hop)
+        with torch.no_grad():
+            torch.cat(self.chunks, dim=self.dim, out=self.out)  # type: ignore[arg-type]
+        out, self.out, self.chunks, self.transfers, self.done = self.out, None, [], [], True
+        return out
 
 
 def start_ring(shard: Tensor, dim: int, axes, groups: MeshGroups) -> RingGather:
