@@ -6,15 +6,15 @@ with `overlap=True` (each column-parallel linear input's backward all-reduce, or
 SP reduce-scatter, starts async and the readers' weight gradients are computed while
 it runs: `fivedc/runtime/tp_overlap.py`; and the forward's collectives run beside their
 linears, under SP each gather before a column-parallel linear and each reduce-scatter
-after a row-parallel one in a ring, without SP each all-reduce after a row-parallel
-linear by chunks: `fivedc/runtime/tp_ring.py`), once with `overlap=False` (they block). The variants alternate round by round in the same processes,
-so machine load hits them alike. Per variant: rank 0's median step time over
+after a row-parallel one in a ring (that one's gradient gathered back in a ring beside
+the linear's dX), without SP each all-reduce after a row-parallel linear by chunks:
+`fivedc/runtime/tp_ring.py`), once with `overlap=False` (they block). The variants
+alternate round by round in the same processes, so machine load hits them alike. Per variant: rank 0's median step time over
 `--steps` steps after a warm-up step, then the median over `--rounds` rounds; and the
-seconds one step spends waiting in those sums and SP's gathers again for dW (the `wait` of
-the async ones, the whole call of the blocking ones), and in the forward's collectives
-(each hop's wait in a ring, each chunk's in a chunked all-reduce, the whole call of a
-blocking one: also the embedding's sum, which nothing hides), which is what overlap can
-hide.
+seconds one step spends waiting in tensor parallelism's collectives, forward and backward
+(the `wait` of the async ones, each hop's in a ring, each chunk's in a chunked
+all-reduce, the whole call of a blocking one; also the embedding's sum and its
+gradient's, which nothing hides), which is what overlap can hide.
 
     python benchmarks/tp_overlap.py [--dim 512] [--steps 5] [--rounds 5]
 """
@@ -42,12 +42,11 @@ def build(dim: int):
 
 
 def timed_waits():
-    """Patch the collectives that overlap hides to add the seconds a rank waits in them to
-    lists: in backward, the sums of the linears' input gradients and SP's inputs gathered
-    again for dW (the `finish` of the async ones, the whole call of the blocking ones; not
-    the gathers of gradients, which nothing hides); in forward, every collective (the whole
-    call of a blocking one; the waits of a ring's hops and of a chunked all-reduce's
-    chunks). The lists by phase and an undo."""
+    """Patch the collectives to add the seconds a rank waits in them to lists by phase: the
+    whole call of a blocking one; the `finish` of an async sum or gather (backward's sums
+    of the linears' input gradients, SP's inputs gathered again for dW); the waits of a
+    ring's hops (forward's gathers and reduce-scatters, backward's gathers of their
+    gradients) and of a chunked all-reduce's chunks. The lists and an undo."""
     import torch.distributed as dist
     from fivedc.runtime import collectives, p2p, saved
 
@@ -70,13 +69,9 @@ def timed_waits():
     def started(start):
         return lambda *args, **kwargs: timed(start(*args, **kwargs))
 
-    def blocking(apply, kinds):
+    def blocking(apply):
         def call(x, steps, groups):
-            if forward():
-                return timed(apply, "forward")(x, steps, groups)
-            if not any(s.kind in kinds for s in steps):
-                return apply(x, steps, groups)  # another kind (a gradient's gather)
-            return timed(apply)(x, steps, groups)
+            return timed(apply, "forward" if forward() else "backward")(x, steps, groups)
         return call
 
     class TimedWork:  # a chunked all-reduce's chunk: its wait
@@ -91,9 +86,8 @@ def timed_waits():
         return TimedWork(work) if async_op and forward() and work is not None else work
 
     collectives.start_sum, saved.start_gather = started(real["start_sum"]), started(real["start_gather"])
-    collectives.apply_steps = blocking(real["apply_steps"], ("all_reduce", "reduce_scatter"))
-    saved.apply_steps = blocking(real["saved_apply_steps"], ("all_gather",))
-    p2p.Transfer.wait = lambda self: timed(real["hop_wait"], "forward")(self)
+    collectives.apply_steps, saved.apply_steps = blocking(real["apply_steps"]), blocking(real["saved_apply_steps"])
+    p2p.Transfer.wait = lambda self: timed(real["hop_wait"], "forward" if forward() else "backward")(self)
     dist.all_reduce = all_reduce
 
     def undo():
@@ -148,8 +142,8 @@ def main() -> None:
                 payload = (args.dim, sp, overlap, args.steps)
                 results[(sp, overlap)].append(pool.run(variant_job, world=WORLD, payload=payload)[0])
     print(f"Llama 4 layers, hidden {args.dim}, tp={WORLD}, fp32, AdamW; medians of {args.steps} steps x {args.rounds} rounds")
-    print("| SP | overlap | step (ms) | waiting in the sums and SP's gathers again (ms/step) "
-          "| waiting in the forward's collectives (ms/step) | step vs overlap off |")
+    print("| SP | overlap | step (ms) | waiting in backward's collectives (ms/step) "
+          "| waiting in forward's collectives (ms/step) | step vs overlap off |")
     print("|---|---|---|---|---|---|")
     for sp in (False, True):
         base = statistics.median(r["step_s"] for r in results[(sp, False)])
