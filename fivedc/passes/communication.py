@@ -21,9 +21,8 @@ just before it (SP's row-parallel output), each chunk summed on around the ring 
 linear makes it, and in backward that sum's gradient comes back in a ring, the linear
 making its input gradient a chunk at a time; and without SP, the all-reduce of the
 linear just before it runs in n chunks, each summed (async) while the linear makes the
-next (collective matmul,
-`fivedc/runtime/tp_ring.py`). Their `overlaps` names the matmul, and the step time hides
-them behind it (`fivedc/estimates/costs.py`).
+next (collective matmul, `fivedc/runtime/tp_ring.py`). Their `overlaps` names the
+matmul, and the step time hides them behind it (`fivedc/estimates/costs.py`).
 
 And a backward sum (one all-reduce or reduce-scatter) of a linear's input runs behind
 that linear's weight gradient, as Megatron's async tensor parallelism: the linears that
@@ -263,7 +262,6 @@ class _Inserter:
         if self.options.overlap:
             params = {name for name, (_, producer, _) in env.items() if producer.startswith("parameter ")}
             types = {name: t for name, (_, _, t) in env.items()}
-
             items = summed_in_rings(gathered_in_rings(items, params), self.mesh, params, types,
                                     lambda value, dim, n: self.cuts(env[value][0], dim, n))
             if not (self.options.zero == 3 and self.mesh.size(MeshAxis.PP) == 1):
