@@ -69,6 +69,25 @@ def test_the_collectives_beside_a_linear_are_run_in_rings() -> None:
     assert rings(compiled(overlap=False), "all_reduce") == []
 
 
+def test_the_summary_counts_the_collectives_beside_compute() -> None:
+    """tiny_llama's 2 layers under SP: per layer the q and gate gathers, the o and down
+    reduce-scatters, their gradients' gathers and the q and gate inputs' gradient sums, all
+    8; at the top the head's gather and its gradient's sum, not the embedding's
+    reduce-scatter nor its gradient's gather: 2 of 4."""
+    from rich.console import Console
+
+    from fivedc.plan.summary import render_summary
+
+    def header(plan) -> str:
+        console = Console(width=200, record=True)
+        render_summary(plan, console=console)
+        return next(line for line in console.export_text().splitlines() if line.startswith("overlap"))
+
+    assert "18 of the 20 redistributions' collectives per step run beside compute" in header(
+        compiled(sequence_parallel=True))
+    assert "beside compute" not in header(compiled(sequence_parallel=True, overlap=False))
+
+
 def ring_job(info, payload) -> dict:
     """On a 4-rank tp group: a ring gathers a seeded shard per rank along dim 1, `product`
     multiplies it; each chunk's group index and how many hops were posted when it multiplied."""

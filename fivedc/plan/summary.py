@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fivedc.ir.aten_layout import whole_dims
-from fivedc.ir.graph import Collective, Graph, Op, Param, Phase, Repeat, walk_ops, walk_params
+from fivedc.ir.graph import Collective, Graph, Op, Param, Phase, Redistribute, Repeat, walk_ops, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.plan.execution_plan import ExecutionPlan, qualified
 from fivedc.plan.summary_estimates import memory_classes_table, memory_table, time_table, transient_text
@@ -99,7 +99,7 @@ def _header(plan: ExecutionPlan) -> Table:
         *((("context parallel", cp_text(plan)),) if plan.mesh.size(MeshAxis.CP) > 1 else ()),
         *((("pipeline", _pipeline_text(plan)),) if plan.pipeline or has_marks(graph) else ()),
         ("ZeRO", f"stage {plan.zero}" if plan.zero else "off"),
-        ("overlap", _overlap_text(plan)),
+        ("overlap", _overlap_text(plan) + _beside_compute_text(plan)),
         ("recompute", recompute_text(plan)),
         ("dtype", plan.dtype),
         ("plan version", str(plan.version)),
@@ -143,7 +143,7 @@ def _overlap_text(plan: ExecutionPlan) -> str:
     if not plan.overlap:
         return "off: gradients are summed after backward"
     if plan.pipeline is not None:
-        return "off under a pipeline: gradients accumulate over microbatches and are summed after the last"
+        return "gradients accumulate over the microbatches and are summed after the last"
     if plan.zero == 3:
         return "on: each parameter's next use is gathered while the current op computes"
     if plan.zero == 1:
@@ -151,6 +151,19 @@ def _overlap_text(plan: ExecutionPlan) -> str:
                 "buckets reduce-scattered then")
     size = format_bytes(plan.bucket_bytes)
     return f"on: {len(plan.buckets)} gradient buckets of up to {size}, summed during backward"
+
+
+def _beside_compute_text(plan: ExecutionPlan) -> str:
+    """How many of the redistributions' collectives in a step run beside compute (`overlaps`:
+    tensor parallelism's sums behind weight gradients, its collectives beside the matmuls)."""
+    total = beside = 0
+    for node, repeat in walk_ops(plan.graph.body):
+        if isinstance(node, Redistribute):
+            for c in node.forward + node.backward:
+                if c.kind != "slice" and plan.mesh.size(*c.axes) > 1:
+                    total += repeat.count if repeat else 1
+                    beside += (repeat.count if repeat else 1) if c.overlaps else 0
+    return f"; {beside} of the {total} redistributions' collectives per step run beside compute" if beside else ""
 
 
 def recompute_text(plan: ExecutionPlan) -> str:
