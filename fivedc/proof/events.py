@@ -8,7 +8,7 @@ from fivedc.errors import SourceLoc
 from fivedc.ir.mesh import MeshAxis
 
 
-RING_TAG = 2  # a gather's chunk passed around a tp ring (fivedc/runtime/tp_ring.py); ring attention's are 0 and 1
+RING_TAG = 2  # a chunk passed around a tp ring (fivedc/runtime/tp_ring.py); ring attention's are 0 and 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,7 +20,7 @@ class Event:
     what: str  # where it comes from, for a reader
     loc: SourceLoc | None = None
     peer: int | None = None  # send, recv: the other pp rank
-    tag: int = 0  # send, recv: 0 activations, 1 gradients; a ring hop: 0 K/V, 1 their gradients, 2 a gather's chunk
+    tag: int = 0  # send, recv: 0 activations, 1 gradients; a ring hop: 0 K/V, 1 their gradients, 2 a tp ring's chunk
     level: str = ""  # a part of the group (a hierarchical all-to-all: intra or inter)
     pp_ranks: tuple[int, ...] = ()  # a group over pp of only these pp ranks (a tied weight's holders); (): all
 
