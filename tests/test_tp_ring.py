@@ -31,6 +31,7 @@ from fivedc.ir.graph import Phase, Redistribute, walk_ops
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
+from fivedc.runtime.collectives import Step
 from fivedc.runtime.train import TrainSettings
 
 
@@ -98,7 +99,7 @@ def ring_job(info, payload) -> dict:
     groups = MeshGroups(Mesh.parse("1x1x4x1x1"), device_type="cpu")
     shards = [torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(4)]
     w = torch.randn(5, 7, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    ring = tp_ring.start_ring(shards[info.rank], 1, (MeshAxis.TP,), groups)
+    ring = tp_ring.start_ring(shards[info.rank], Step("all_gather", (MeshAxis.TP,), 1), groups)
     seen, arrivals = [], ring.arrivals
 
     def logged():
@@ -165,7 +166,7 @@ def sum_job(info, payload) -> dict:
     groups = MeshGroups(Mesh.parse("1x1x4x1x1"), device_type="cpu")
     xs = [torch.randn(2, 8, 5, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(4)]
     w = torch.randn(5, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    ring, events = tp_ring.RingSum(1, (MeshAxis.TP,), groups), []
+    ring, events = tp_ring.RingSum(Step("reduce_scatter", (MeshAxis.TP,), 1), groups), []
     exchange, run = ring._exchange, ring.run
 
     class Logged:
@@ -212,7 +213,7 @@ def chunked_job(info, payload) -> dict:
     groups = MeshGroups(Mesh.parse("1x1x4x1x1"), device_type="cpu")
     xs = [torch.randn(2, 8, 5, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(4)]
     w = torch.randn(5, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-    ring, events, real = tp_ring.ChunkedSum(1, (MeshAxis.TP,), groups), [], dist.all_reduce
+    ring, events, real = tp_ring.ChunkedSum(Step("all_reduce", (MeshAxis.TP,), 1), groups), [], dist.all_reduce
     run = ring.run
 
     def logged_all_reduce(t, *args, async_op=False, **kwargs):
@@ -242,7 +243,7 @@ def grad_ring_job(info, payload) -> dict:
     without rings; the chunks' order as the linear's backward took them, and both gradients."""
     from fivedc.ir.mesh import MeshAxis
     from fivedc.runtime import tp_ring
-    from fivedc.runtime.collectives import Step, redistribute
+    from fivedc.runtime.collectives import redistribute
     from fivedc.runtime.groups import MeshGroups
 
     groups = MeshGroups(Mesh.parse("1x1x4x1x1"), device_type="cpu")
@@ -260,7 +261,7 @@ def grad_ring_job(info, payload) -> dict:
     def trained(ringed: bool):
         x, w = seeded((2, 8, 5), info.rank).requires_grad_(), seeded((5, 3), 9).requires_grad_()
         if ringed:
-            ring = tp_ring.RingSum(1, (MeshAxis.TP,), groups, gather_grad=True)
+            ring = tp_ring.RingSum(steps[0][0], groups, grad_step=steps[1][0])
             y = tp_ring.Product.apply(x, w, 1, tp_ring.summed_product(x, w, 1, ring), ring)
             out = redistribute(y, *steps, groups, None, ring)
         else:
@@ -298,7 +299,7 @@ def contracted_job(info, contracted: bool) -> bool:
     groups = MeshGroups(Mesh.parse("1x1x2x1x1"), device_type="cpu")
     shards = [torch.full((3, 4), float(r + 1), dtype=torch.float64) for r in range(2)]
     dim = 1 if contracted else 0
-    ring = tp_ring.start_ring(shards[info.rank], dim, (MeshAxis.TP,), groups)
+    ring = tp_ring.start_ring(shards[info.rank], Step("all_gather", (MeshAxis.TP,), dim), groups)
     value = tp_ring.mark_ring(ring.out, ring)
     w = torch.ones(value.shape[1], 2, dtype=torch.float64)
     product = tp_ring.product(value, w, 1)

@@ -93,8 +93,8 @@ class _Redistribute(torch.autograd.Function):
         ring: Any, *weights: Tensor,
     ) -> Tensor:
         ctx.backward_steps, ctx.groups, ctx.put_off = backward, groups, put_off
-        ctx.gather_grad = ring if getattr(ring, "gather_grad", False) else None  # a sum whose gradient's gather
-        return apply_steps(x, forward, groups) if ring is None else ring.out  # runs in a ring
+        ctx.gather_grad = ring if getattr(ring, "grad_step", None) is not None else None  # a sum whose
+        return apply_steps(x, forward, groups) if ring is None else ring.out  # gradient's gather runs in a ring
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -134,14 +134,14 @@ def start_sum(x: Tensor, step: Step, groups: MeshGroups):
         return lambda: out
     group = groups.group(step.axes)
     if step.kind == "reduce_scatter" and _native(x, group):
-        _chunk_size(x, step, n)
+        chunk_size(x, step, n)
         chunks = x.chunk(n, dim=step.dim)  # type: ignore[arg-type]
         inputs = [chunks[i].contiguous() for i in groups.positions(step.axes)]
         out = torch.empty_like(inputs[0])
         work = dist.reduce_scatter(out, inputs, group=group, async_op=True)
     else:  # gloo's reduce_scatter is n all_reduces (torch >= 2.8) or missing: an all-reduce and a slice
         if step.kind == "reduce_scatter":
-            _chunk_size(x, step, n)
+            chunk_size(x, step, n)
         elif step.kind != "all_reduce":
             raise PassError(f"{step} cannot run behind weight gradients: only a sum can")
         out = x.clone(memory_format=torch.contiguous_format)  # all_reduce is in place
@@ -154,7 +154,8 @@ def start_sum(x: Tensor, step: Step, groups: MeshGroups):
 
 
 # ---- one function per step kind ---------------------------------------------------
-def _chunk_size(x: Tensor, step: Step, n: int) -> int:
+def chunk_size(x: Tensor, step: Step, n: int) -> int:
+    """The size of one of n chunks of `x` along `step`'s dim; a clear error where n does not divide it."""
     assert step.dim is not None
     size = x.shape[step.dim]
     if size % n:
@@ -179,7 +180,7 @@ def _all_gather(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
 
 
 def _slice(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
-    size = _chunk_size(x, step, n)
+    size = chunk_size(x, step, n)
     part = x.narrow(step.dim, groups.index(step.axes) * size, size)  # type: ignore[arg-type]
     return part.clone(memory_format=torch.contiguous_format)
 
@@ -189,7 +190,7 @@ def _reduce_scatter(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor
 
 
 def _all_to_all(x: Tensor, step: Step, n: int, groups: MeshGroups) -> Tensor:
-    _chunk_size(x, step, n)
+    chunk_size(x, step, n)
     chunks = x.chunk(n, dim=step.dim)  # type: ignore[arg-type]
     positions = groups.positions(step.axes)
     send = torch.stack([chunks[i] for i in positions])  # row p goes to process-group rank p

@@ -142,17 +142,16 @@ def _linear(ctx, op, args, dims):
     order = None
     if tuple(dims[1][:k]) != tuple(dims[0][-k:]):  # stored [out, in] (a tied embedding table): in first
         order = (*range(w.dim() - k, w.dim()), *range(w.dim() - k))
+    oriented = w if order is None else w.permute(order)
     # collective matmul: the product made chunk by chunk as a ring brings x, or as a ring sums it
     sum_ring = ctx.sum_rings.pop(op.out, None)
-    value = tp_ring.product(x, w if order is None else w.permute(order), k) if sum_ring is None \
-        else tp_ring.summed_product(x, w if order is None else w.permute(order), k, sum_ring)
+    value = tp_ring.product(x, oriented, k) if sum_ring is None else tp_ring.summed_product(x, oriented, k, sum_ring)
     put_off = tp_overlap.put_off_of(x)  # dW computed while x's gradient is summed over tp
     if put_off is not None and (index := put_off.index(w)) is not None and torch.is_grad_enabled():
         undo = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
-        x, held = for_matmul(x, w.detach() if order is None else w.detach().permute(order))
+        x, held = for_matmul(x, oriented.detach())
         return tp_overlap.PutOffLinear.apply(x, held, k, put_off, index, undo, value)
-    if order is not None:
-        w = w.permute(order)
+    w = oriented
     store = weight_grads.store_of(ctx)  # a zero-bubble pipeline: the weight gradient may wait for W
     if store is not None and torch.is_grad_enabled() and w.requires_grad:
         return weight_grads.DeferrableLinear.apply(*for_matmul(x), w, k, store, value)  # casts the leaf w itself

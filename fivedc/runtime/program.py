@@ -142,10 +142,10 @@ class Program:
             if isinstance(node, Redistribute)
         }
         # a linear's output the plan sums as the linear makes it (a reduce-scatter in a ring, an
-        # all-reduce by chunks) -> that step, and whether backward gathers its gradient in a ring;
-        # and the sums under way, for their redistribution
-        self.summed_in_ring = {node.src: (self.steps[node.out][0][0], len(node.backward) == 1
-                                          and bool(node.backward[0].overlaps))
+        # all-reduce by chunks) -> that step, and the backward's gather of its gradient where it
+        # runs in a ring too; and the sums under way, for their redistribution
+        self.summed_in_ring = {node.src: (self.steps[node.out][0][0], self.steps[node.out][1][0]
+                                          if len(node.backward) == 1 and node.backward[0].overlaps else None)
                                for node, _ in walk_ops(graph.body) if isinstance(node, Redistribute)
                                and len(node.forward) == 1 and node.forward[0].kind in ("reduce_scatter", "all_reduce")
                                and node.forward[0].overlaps}
@@ -267,17 +267,17 @@ class Program:
         if not (len(forward) == 1 and item.forward[0].overlaps and forward[0].kind == "all_gather"
                 and self.ctx.groups.size(forward[0].axes) > 1 and not torch.compiler.is_compiling()):
             return None
-        return start_ring(src, forward[0].dim, forward[0].axes, self.ctx.groups)
+        return start_ring(src, forward[0], self.ctx.groups)
 
     def _sum_ring(self, op) -> RingSum | ChunkedSum | None:
         """How to sum `op`'s output over tp as it is made, where the plan says so (a reduce-scatter
         in a ring, an all-reduce by chunks: `fivedc/runtime/tp_ring.py`); not inside a compiled region."""
-        step, gather_grad = self.summed_in_ring.get(op.out, (None, False))
+        step, grad_step = self.summed_in_ring.get(op.out, (None, None))
         if step is None or self.ctx.groups.size(step.axes) == 1 or torch.compiler.is_compiling():
             return None
         if step.kind == "all_reduce":
-            return ChunkedSum(step.dim, step.axes, self.ctx.groups)
-        return RingSum(step.dim, step.axes, self.ctx.groups, gather_grad=gather_grad)
+            return ChunkedSum(step, self.ctx.groups)
+        return RingSum(step, self.ctx.groups, grad_step=grad_step)
 
     def _reads_by_chunks(self, op, repeat: Repeat | None, value: str) -> bool:
         """Whether `op` multiplies `value` chunk by chunk as its ring brings them (a linear reading

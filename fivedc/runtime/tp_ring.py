@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fivedc.errors import ShapeError
 from fivedc.proof.events import RING_TAG
+from fivedc.runtime.collectives import Step, chunk_size
 from fivedc.runtime.groups import MeshGroups
 from fivedc.runtime.p2p import Transfer, exchange
 from fivedc.runtime.precision import for_matmul
@@ -48,32 +48,28 @@ _ATTR = "_fivedc_ring"
 
 
 class _Ring:
-    """This rank's place in the ring of its group over `axes` (group-index order), `dim` the
-    tensor dim cut into its n chunks."""
+    """This rank's place in the ring of the group of `step` (the plan's collective: its axes,
+    in group-index order, and the tensor dim cut into n chunks)."""
 
-    def __init__(self, dim: int, axes, groups: MeshGroups) -> None:
-        self.n, self.index, self.dim = groups.size(axes), groups.index(axes), dim
-        members = groups.members(axes)
+    def __init__(self, step: Step, groups: MeshGroups) -> None:
+        self.step, self.groups, self.dim = step, groups, step.dim
+        self.n, self.index = groups.size(step.axes), groups.index(step.axes)
+        members = groups.members(step.axes)
         self.next_rank, self.prev_rank = members[(self.index + 1) % self.n], members[(self.index - 1) % self.n]
-        self.group = groups.group(axes)
+        self.group = groups.group(step.axes)
 
     def chunk_size(self, t: Tensor) -> int:
-        size = t.shape[self.dim]
-        if size % self.n:
-            raise ShapeError(f"a ring over {self.n} ranks cuts tensor dim {self.dim} of size {size} into chunks: "
-                             f"{size} does not divide by {self.n}",
-                             hint="pick a tp size that divides this dim (the sequence under SP), or pad it")
-        return size // self.n
+        return chunk_size(t, self.step, self.n)
 
     def _exchange(self, send: Tensor) -> tuple[Tensor, Transfer]:
         return exchange(send, next_rank=self.next_rank, prev_rank=self.prev_rank, group=self.group, tag=RING_TAG)
 
 
 class RingGather(_Ring):
-    """The chunks of one all-gather along `dim` over the group of `axes`, one hop at a time."""
+    """The chunks of one all-gather `step`, one hop at a time."""
 
-    def __init__(self, shard: Tensor, dim: int, axes, groups: MeshGroups, out: Tensor) -> None:
-        super().__init__(dim, axes, groups)
+    def __init__(self, shard: Tensor, step: Step, groups: MeshGroups, out: Tensor) -> None:
+        super().__init__(step, groups)
         self.out = out
         self.chunks: list[Tensor | None] = [None] * self.n
         self.chunks[self.index] = shard.detach().contiguous()
@@ -123,11 +119,12 @@ class RingGather(_Ring):
         return out
 
 
-def start_ring(shard: Tensor, dim: int, axes, groups: MeshGroups) -> RingGather:
-    """The ring that fills `.out`, the gathered tensor (empty until the chunks are in)."""
+def start_ring(shard: Tensor, step: Step, groups: MeshGroups) -> RingGather:
+    """The ring of the all-gather `step` that fills `.out`, the gathered tensor (empty until
+    the chunks are in)."""
     shape = list(shard.shape)
-    shape[dim] *= groups.size(axes)
-    return RingGather(shard, dim, axes, groups, shard.new_empty(shape))
+    shape[step.dim] *= groups.size(step.axes)  # type: ignore[index]
+    return RingGather(shard, step, groups, shard.new_empty(shape))
 
 
 def mark_ring(value: Tensor, ring: RingGather) -> Tensor:
@@ -162,19 +159,42 @@ def product(x: Tensor, w: Tensor, k: int) -> Tensor | None:
         return out
 
 
-class RingSum(_Ring):
-    """A reduce-scatter along `dim` over the group of `axes` in a ring, fed chunk by chunk.
+class _Sum(_Ring):
+    """A sum over the group fed chunk by chunk (`run`, subclasses), whose result is `out`."""
+
+    sums_in_place = False  # whether `run` overwrites the addends it is given
+
+    def __init__(self, step: Step, groups: MeshGroups) -> None:
+        super().__init__(step, groups)
+        self.out: Tensor | None = None
+
+    def run(self, part) -> None:
+        raise NotImplementedError
+
+    def finish(self, whole: Tensor) -> Tensor:
+        """The sum; where no product fed it, it runs on the chunks of `whole` now."""
+        if self.out is None:
+            size = self.chunk_size(whole)
+
+            def part(j: int) -> Tensor:
+                chunk = whole.detach().narrow(self.dim, j * size, size)
+                return chunk.clone() if self.sums_in_place else chunk
+            self.run(part)
+        return self.out  # type: ignore[return-value]
+
+
+class RingSum(_Sum):
+    """A reduce-scatter `step` in a ring, fed chunk by chunk.
 
     The sum of chunk j starts on member j + 1 and goes around: at step t (0..n-1) this rank
     makes its part of chunk i - t - 1, adds what the previous member summed of it (the hop
     posted at step t - 1, which ran while this part was made) and sends it on; at the last
-    step the chunk is its own, summed over the group: `out`."""
+    step the chunk is its own, summed over the group: `out`. `grad_step`: the backward's
+    all-gather of the sum's gradient, where the plan runs it in a ring too."""
 
-    def __init__(self, dim: int, axes, groups: MeshGroups, *, gather_grad: bool = False) -> None:
-        super().__init__(dim, axes, groups)
-        self.axes, self.groups = axes, groups
-        self.out: Tensor | None = None
-        self.gather_grad = gather_grad  # the plan runs the backward's gather of the sum's gradient in a ring
+    def __init__(self, step: Step, groups: MeshGroups, *, grad_step: Step | None = None) -> None:
+        super().__init__(step, groups)
+        self.grad_step = grad_step
         self.fed_product = False  # the linear's autograd node (`Product`) can take that gradient by chunks
         self.grad_ring: RingGather | None = None  # that gather, started by the sum's backward
 
@@ -182,7 +202,7 @@ class RingSum(_Ring):
         """The backward of the sum: its gradient gathered in a ring. Where the linear's `Product`
         takes it by chunks, the ring is left to it (the tensor returned fills as it runs);
         else it is waited for here."""
-        ring = start_ring(grad, self.dim, self.axes, self.groups)
+        ring = start_ring(grad, self.grad_step, self.groups)  # type: ignore[arg-type]
         if self.fed_product:
             self.grad_ring = ring
             return ring.out
@@ -201,22 +221,13 @@ class RingSum(_Ring):
             else:
                 self.out = summed
 
-    def finish(self, whole: Tensor) -> Tensor:
-        """The sum of this rank's chunk; where no product fed the ring, the hops run on `whole` now."""
-        if self.out is None:
-            size = self.chunk_size(whole)
-            self.run(lambda j: whole.detach().narrow(self.dim, j * size, size))
-        return self.out  # type: ignore[return-value]
 
+class ChunkedSum(_Sum):
+    """An all-reduce `step` in n chunks along its dim, fed chunk by chunk: each chunk's
+    all-reduce starts (async) as it is made, while the next one is; `out` is the whole sum,
+    once every chunk's is done."""
 
-class ChunkedSum(_Ring):
-    """An all-reduce over the group of `axes` in n chunks along `dim`, fed chunk by chunk: each
-    chunk's all-reduce starts (async) as it is made, while the next one is; `out` is the
-    whole sum, once every chunk's is done."""
-
-    def __init__(self, dim: int, axes, groups: MeshGroups) -> None:
-        super().__init__(dim, axes, groups)
-        self.out: Tensor | None = None
+    sums_in_place = True  # all-reduce sums into its input
 
     def run(self, part) -> None:
         """`part(j)`: this rank's addend of chunk j, made when its sum is to start."""
@@ -227,13 +238,6 @@ class ChunkedSum(_Ring):
         for work in works:
             work.wait()
         self.out = torch.cat(summed, dim=self.dim)
-
-    def finish(self, whole: Tensor) -> Tensor:
-        """The sum; where no product fed the chunks, their sums run on `whole` now."""
-        if self.out is None:
-            size = self.chunk_size(whole)
-            self.run(lambda j: whole.detach().narrow(self.dim, j * size, size).clone())
-        return self.out  # type: ignore[return-value]
 
 
 def summed_product(x: Tensor, w: Tensor, k: int, ring: RingSum | ChunkedSum) -> Tensor | None:
@@ -263,7 +267,8 @@ def summed_product(x: Tensor, w: Tensor, k: int, ring: RingSum | ChunkedSum) -> 
 
 class Product(torch.autograd.Function):
     """`tensordot(x, w, dims=k)` whose forward value was computed already (`product`,
-    `summed_product`). With `summing` (a `RingSum` whose gradient the plan gathers in a ring),
+    `summed_product`). With `summing` (a `RingSum` whose gradient the plan gathers in a ring:
+    `grad_step`),
     backward takes the output's gradient as that ring brings it: the input gradient of each
     chunk as it arrives, while the next hop runs; then the weight gradient, whole."""
 
@@ -271,7 +276,7 @@ class Product(torch.autograd.Function):
     def forward(fctx, x: Tensor, w: Tensor, k: int, value: Tensor, summing: RingSum | None = None) -> Tensor:
         fctx.k, fctx.summing = k, summing
         if summing is not None:
-            summing.fed_product = summing.gather_grad
+            summing.fed_product = summing.grad_step is not None
         fctx.save_for_backward(x, w)
         return value
 
