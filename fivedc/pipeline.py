@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from fivedc.errors import FivedcError, PassError
 from fivedc.estimates.memo import Memo
 from fivedc.ir.graph import Graph
+from fivedc.passes.attention_kernel import ChooseAttentionKernel
 from fivedc.passes.base import CompileOptions, Pass
 from fivedc.passes.communication import InsertCommunication
 from fivedc.passes.context import SplitSequence
@@ -54,6 +55,7 @@ class ProveAgreement(PlanningPass):
 PIPELINE: tuple[Pass | PlanningPass, ...] = (
     VerifyIR(stage="entry"),
     InferShapes(),
+    ChooseAttentionKernel(),
     SplitSequence(),
     PlaceExperts(),
     PropagateShardings(),

@@ -96,8 +96,8 @@ def test_ring_attention_holds_two_kv_blocks_and_their_gradients() -> None:
     backward the accumulators (6 x at float32); a block is 2 x batch x seq/cp x kv_heads x d."""
     plan = compile_text("1x1x1x2x1", cp_attention="ring")
     kv = 2 * 8 * (32 // 2) * 2 * 8
-    assert parts_of(plan)[0]["ring K/V"] == 4 * kv * 2 + 6 * kv * 4
-    assert parts_of(compile_text("1x1x1x2x1", cp_attention="allgather"))[0]["ring K/V"] == 0
+    assert parts_of(plan)[0]["attention buffers"] == 4 * kv * 2 + 6 * kv * 4
+    assert parts_of(compile_text("1x1x1x2x1", cp_attention="allgather"))[0]["attention buffers"] == 0
 
 
 def test_the_transient_is_the_largest_part_and_the_summary_names_it() -> None:

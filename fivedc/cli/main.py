@@ -48,11 +48,14 @@ def _mesh_args(p: argparse.ArgumentParser, *, required: bool) -> None:
 
 def _plan_option_args(p: argparse.ArgumentParser) -> None:
     """What besides the mesh and --sp shapes a plan: CP, ZeRO and buckets, the pipeline, recomputation."""
-    from fivedc.passes.base import CP_LAYOUTS, CP_VARIANTS, DEFAULT_BUCKET_MB
+    from fivedc.passes.base import ATTENTION_KERNELS, CP_LAYOUTS, CP_VARIANTS, DEFAULT_BUCKET_MB
     from fivedc.passes.recompute import RECOMPUTE_MODES
 
     p.add_argument("--cp-attention", choices=CP_VARIANTS, default=None,
                    help="attention across cp: ring (default) or allgather; an op's @cp(...) wins")
+    p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None,
+                   help="attention's kernel: flash (default; scores never held) or math (scores "
+                   "materialised and kept, as Megatron-LM before flash attention); an op's kernel= wins")
     p.add_argument("--cp-layout", choices=CP_LAYOUTS, default=None,
                    help="sequence layout over cp (default balanced when attention is causal)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",

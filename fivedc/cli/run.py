@@ -78,7 +78,7 @@ def _write_report(args, plan, report) -> None:
     print(f"wrote {args.report}: per rank, the plan's memory estimate and what the run measured")
 
 
-PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",
+PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "attention_kernel", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",
               "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute")
 
 

@@ -108,6 +108,10 @@ def _module_options(args, mesh) -> dict:
     from fivedc.cli.shared import compile_options
 
     given = compile_options(args, mesh, dtype=args.dtype)  # the same options a compile of the module takes
+    if given.attention_kernel is not None:
+        raise FivedcError(f"--attention-kernel {given.attention_kernel}: a file.py:factory model is checked as "
+                          "fivedc.parallelize runs it, with each attention's default kernel",
+                          hint="drop --attention-kernel, or compile the model with it to see its estimates")
     return dict(sequence_parallel=given.sequence_parallel, cp_attention=given.cp_attention,
                 cp_layout=given.cp_layout, overlap=given.overlap, bucket_mb=given.bucket_mb, zero=given.zero,
                 schedule=given.schedule, microbatches=given.microbatches, virtual=given.virtual,

@@ -5,8 +5,9 @@ peak and its memory traffic at the achievable share of HBM bandwidth (`Hardware`
 
     linear, matmul   2 x output x contracted FLOPs; backward: as much again for the
                      input gradient (I) and for the weight gradient (W)
-    attention        4 x batch x heads x sq x sk x head dim (half of it causal), at
-                     the attention efficiency; backward 2.5 x (flash attention)
+    attention        flash: 4 x batch x heads x sq x sk x head dim (half of it causal),
+                     at the attention efficiency; backward 2.5 x; math (the scores
+                     materialised): kernel by kernel, `attention_cost.py`
     moe              the experts' matmuls on its routed rows (top_k per token) and the
                      router's; backward 2 x, half of it weight gradients
     everything else  memory-bound: its inputs and output read and written once
@@ -47,7 +48,9 @@ from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
+from fivedc.estimates.attention_cost import math_attention_times
 from fivedc.estimates.saved import SaveContext, regathered
+from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.stages import Unit
 
 K = CollectiveKind
@@ -139,6 +142,8 @@ def op_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]
     """(forward, input-gradient, weight-gradient) seconds of one op: a matmul's backward
     is one matmul per operand needing a gradient (the weight's is W), attention's 2.5 x
     its forward, memory-bound work twice its traffic."""
+    if op.kind == "attention" and kernel_of(op) == "math":
+        return math_attention_times(c, op, hw)
     work = op_work(c, op)
     forward = work_seconds(work, hw)
     if op.kind == "attention":

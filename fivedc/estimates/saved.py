@@ -201,10 +201,13 @@ def _rope(c: SaveContext, op: Op) -> list[Saved]:
 
 
 def _attention(c: SaveContext, op: Op) -> list[Saved]:
-    """q, k, v, the output and the log-sum-exp per (batch, head, query row)."""
+    """q, k, v, the output and the log-sum-exp per (batch, head, query row); the `math`
+    kernel keeps the softmax's output instead, every score (batch x heads x sq x sk)."""
     rows = c.numel(op.type.dims[:-1], op.sharding)
-    return [s for arg in op.args[:3] for s in c.value(arg)] + c.value(op.out) + \
-        [c.own(op, "lse", rows * c.compute_bytes)]
+    kept = c.own(op, "lse", rows * c.compute_bytes)
+    if op.attr("kernel", "flash") == "math":
+        kept = c.own(op, "softmax", rows * c.graph.dim(c.graph.seq_dim) * c.dtype_bytes)
+    return [s for arg in op.args[:3] for s in c.value(arg)] + c.value(op.out) + [kept]
 
 
 def _cross_entropy(c: SaveContext, op: Op) -> list[Saved]:

@@ -23,6 +23,8 @@ largest, not their sum, is added to what the rank keeps):
 - MoE all-to-all: the rows sent to the experts and back ([R, hidden] each way);
 - ring attention: the K/V block in hand and the one arriving, and in backward their
   gradient accumulators (4 x the packed K/V block at the dtype, 6 x at float32);
+  the `math` attention kernel: the scores and their softmax at once (forward), or dP
+  and dS (backward), 2 x the score elements at the dtype;
 - weight gradients put off behind a tensor-parallel sum: the output gradients of the
   linears reading the summed input, the input's gradient and the sum's buffer (and
   under SP the input gathered again for dW);
@@ -39,6 +41,7 @@ from __future__ import annotations
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
+from fivedc.estimates.attention_cost import score_elements
 from fivedc.estimates.saved import VALUE, SaveContext, op_saves, regathered
 from fivedc.passes.communication import weight_readers
 from fivedc.passes.held_params import HeldParams, param_count
@@ -105,7 +108,7 @@ def _zero_parts(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec 
     return out
 
 
-UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "ring K/V", "weight gradients put off")
+UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "attention buffers", "weight gradients put off")
 
 
 def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit], recompute: str) -> list[tuple[int, ...]]:
@@ -182,6 +185,8 @@ def _kernel_buffers(c: SaveContext, graph: Graph, unit: Unit, kind: str) -> int:
         if kind == "attention" and ring and c.mesh.size(MeshAxis.CP) > 1:
             kv = 2 * c.value_numel(op.args[1])
             best = max(best, 4 * kv * c.dtype_bytes + 6 * kv * c.compute_bytes)
+        if kind == "attention" and op.attr("kernel", "flash") == "math":  # the scores and P, or dP and dS
+            best = max(best, 2 * score_elements(c, op) * c.dtype_bytes)
     return best
 
 

@@ -70,9 +70,10 @@ OP_SPECS: dict[str, OpSpec] = {
             "attention",
             ("q", "k", "v"),
             3,
-            (("causal", True), ("softcap", 0.0)),
+            (("causal", True), ("softcap", 0.0), ("kernel", "flash")),
             doc="softmax(q k^T / sqrt(d)) v; GQA when k, v have fewer heads; @cp(ring|allgather) under cp; "
-                "softcap c > 0: each score s capped at c * tanh(s / c) before the mask (Gemma 2)",
+                "softcap c > 0: each score s capped at c * tanh(s / c) before the mask (Gemma 2); kernel: "
+                "flash (fused, scores never held) or math (scores materialised and kept for backward)",
         ),
         OpSpec("cross_entropy", ("logits", "targets"), 2, (("ignore_index", -100),),
                doc="mean token cross-entropy (scalar); with ignore_index given, targets equal to it are left out "

@@ -21,6 +21,7 @@ from fivedc.ir.seq_layout import SeqLayout
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 CP_VARIANTS = ("ring", "allgather")  # how attention spans the cp axis (fivedc/passes/context.py)
 CP_LAYOUTS = tuple(str(layout) for layout in SeqLayout)
+ATTENTION_KERNELS = ("flash", "math")  # fivedc/passes/attention_kernel.py
 ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_BUCKET_MB = 25.0  # gradient bucket size: PyTorch DDP's default
 
@@ -42,6 +43,7 @@ class CompileOptions:
     virtual: int | None = None  # chunks per pp rank; None: the schedule's (interleaved: 2)
     pp_layout: tuple[int, ...] | None = None  # layers per chunk; None: balanced by cost
     recompute: str | None = None  # activation recomputation (fivedc/passes/recompute.py); None: the model's @recompute, else none
+    attention_kernel: str | None = None  # flash | math where the model's attention does not say; None: flash
     hardware: Hardware | None = None  # the GPU the step-time model and the fit check assume (fivedc/ir/hardware.py)
 
     def __post_init__(self) -> None:
@@ -49,6 +51,7 @@ class CompileOptions:
             ("dtype", self.dtype, tuple(DTYPE_BYTES)),
             ("cp attention variant", self.cp_attention, CP_VARIANTS),
             ("cp layout", self.cp_layout, CP_LAYOUTS),
+            ("attention kernel", self.attention_kernel, ATTENTION_KERNELS),
         ):
             if value is not None and value not in choices:
                 raise FivedcError(f"unknown {what} {value!r}", hint=f"choose one of {', '.join(choices)}")

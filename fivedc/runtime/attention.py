@@ -263,8 +263,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor) -> No
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor,
-                causal: bool, kv_blocks: int, softcap: float) -> Tensor:
-        fused = attention_fused.available(q) and not softcap  # torch's kernel has no softcap
+                causal: bool, kv_blocks: int, softcap: float, fused: bool) -> Tensor:
+        fused = fused and attention_fused.available(q) and not softcap  # torch's kernel has no softcap
         block = _Block(k, v, kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks, tiles=not fused),
                        softcap)
         out, lse = _empty_partial(q)
@@ -285,21 +285,22 @@ class _BlockwiseAttention(torch.autograd.Function):
             attention_fused.backward_into(dq, dkv, q, q_pos, block, dout, out, lse)
         else:
             _backward_into(dq, dkv, q, q_pos, block, (dout, lse, _delta(dout, out)))
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor, *,
-                        causal: bool, kv_blocks: int = 1, softcap: float = 0.0) -> Tensor:
+                        causal: bool, kv_blocks: int = 1, softcap: float = 0.0, fused: bool = True) -> Tensor:
     """Softmax attention of q to k/v [batch, heads, sq, head_dim], computed without ever
     holding the scores of more than one (q run x k/v run) pair; exact, differentiable.
 
     q_pos [sq] and kv_pos [sk] are global positions; under `causal`, a query sees the
     keys at positions up to its own. k/v are cut into `kv_blocks` equal blocks. softcap > 0: scores
-    capped at softcap * tanh(score / softcap).
+    capped at softcap * tanh(score / softcap). fused=False: by explicit matmuls and softmax
+    (the `math` attention kernel), never torch's fused kernel.
     """
     q, k, v, width = _one_head_dim(q, k, v)
     _check(q, k, v, q_pos, kv_pos)
-    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks, float(softcap))[..., :width]
+    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks, float(softcap), fused)[..., :width]
 
 
 # ---- ring attention --------------------------------------------------------------------
@@ -346,9 +347,9 @@ def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool, 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, causal: bool,
-                softcap: float) -> Tensor:
+                softcap: float, fused: bool) -> Tensor:
         out, lse = _empty_partial(q)
-        fused = attention_fused.available(q) and not softcap  # torch's kernel has no softcap
+        fused = fused and attention_fused.available(q) and not softcap  # torch's kernel has no softcap
         kv = torch.stack((k, v))  # one packed buffer to send
         for step in range(ring.size):
             last = step == ring.size - 1
@@ -384,17 +385,18 @@ class _RingAttention(torch.autograd.Function):
             kv_transfer.wait()
             kv = arriving
         acc_transfer.wait()  # the extra hop: every accumulator is home
-        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *, causal: bool,
-                   softcap: float = 0.0) -> Tensor:
+                   softcap: float = 0.0, fused: bool = True) -> Tensor:
     """Softmax attention of this rank's q rows to the K/V blocks of every ring member,
-    exact and differentiable; K/V blocks travel the ring, the sequence is never gathered.
+    exact and differentiable; K/V blocks travel the ring, the sequence is never gathered
+    (fused=False: each block by explicit matmuls, as `blockwise_attention`).
 
     Every member calls it with its own q/k/v block; q_pos are the global positions of
     the q rows, `ring.block_positions` those of every member's K/V block.
     """
     q, k, v, width = _one_head_dim(q, k, v)
     _check(q, k, v, q_pos, ring.block_positions[ring.index])
-    return _RingAttention.apply(q, k, v, q_pos, ring, causal, float(softcap))[..., :width]
+    return _RingAttention.apply(q, k, v, q_pos, ring, causal, float(softcap), fused)[..., :width]

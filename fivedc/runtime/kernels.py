@@ -11,12 +11,14 @@ explicit autograd, and the plan lists those collectives on the op.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fivedc.errors import NotSupportedError
 from fivedc.ir.graph import Graph, Op
@@ -304,23 +306,28 @@ def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
 def _attention(ctx, op, args, dims):
     """SDPA on one device; across cp, blockwise attention at global positions: ring
     attention, or over the gathered K/V (one block per cp rank) for @cp(allgather).
-    Scores capped by a `softcap` (which SDPA has not) take the blockwise kernel on one device too."""
+    Scores capped by a `softcap` (which SDPA has not) take the blockwise kernel on one device too.
+    The op's kernel (`fivedc/passes/attention_kernel.py`): `math` runs SDPA's math backend
+    (the scores materialised), and across cp the blocks by explicit matmuls."""
     q, k, v = [t.transpose(1, 2) for t in for_matmul(*args)]  # [batch, heads, seq, head_dim]
     causal, softcap = bool(op.attr("causal", True)), float(op.attr("softcap", 0.0) or 0.0)
+    fused = op.attr("kernel", "flash") != "math"
     cp = ctx.mesh.size(MeshAxis.CP)
     if cp == 1 and softcap:
         pos = torch.arange(q.shape[2], device=q.device)
-        return blockwise_attention(q, k, v, pos, pos, causal=causal, softcap=softcap).transpose(1, 2)
+        return blockwise_attention(q, k, v, pos, pos, causal=causal, softcap=softcap, fused=fused).transpose(1, 2)
     if cp == 1:  # grouped-query heads share K/V inside the kernel: no repeated copies are kept
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                              enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
+        with contextlib.nullcontext() if fused else sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                  enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
     seq = ctx.graph.seq_dim
     q_pos = ctx.positions(seq, op.arg_sharding(0)).to(q.device)
     if op.annotation("cp").args[0] == "ring":
-        out = ring_attention(q, k, v, q_pos, ctx.ring(op.arg_sharding(1), q.device), causal=causal, softcap=softcap)
+        out = ring_attention(q, k, v, q_pos, ctx.ring(op.arg_sharding(1), q.device), causal=causal, softcap=softcap,
+                             fused=fused)
     else:
         kv_pos = ctx.positions(seq, op.arg_sharding(1)).to(q.device)
-        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap)
+        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap, fused=fused)
     return out.transpose(1, 2)
 
 

@@ -1,0 +1,265 @@
+"""Published training runs against fivedc's estimates: predicted / measured step time and activations.
+
+Each row is a run a paper measured, compiled at its exact shape, layout, batch,
+microbatch, schedule, recomputation and GPU with fivedc's own option builder (at the
+plan level: every pass but the agreement proof). The measured figure is the paper's;
+the predicted one is fivedc's; nothing is fitted to either (the hardware profile is
+`fivedc/ir/hardware.toml`'s, the same for every row).
+
+Sources (read from the papers, never from fivedc's output):
+
+- Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM" (SC'21, arXiv 2104.04473), table 1: GPT models 1.7B to 1T on
+  A100 80GB (Selene: DGX A100 nodes of 8, 8 x 200 Gb/s HDR per node), sequence 2048,
+  vocabulary 51200, full recomputation, mixed precision. The paper gives achieved
+  TFLOP/s per GPU counting its formula's FLOPs, 96 B s l h^2 (1 + s/6h + V/16lh)
+  (recomputation included, section 5.1), so measured seconds = that / (GPUs x TFLOP/s).
+  Micro-batch sizes, data-parallel flavour and virtual stages: Megatron-LM's
+  `examples/sc21/run_table_1.sh` (the paper's own scripts).
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models" (MLSys 2023, arXiv 2205.05198), table 3 (22B, 175B, 530B, 1T: tensor 8,
+  pipeline 1/8/35/64, 8/64/280/512 A100 80GB, global batch 4/64/280/512, sequence 2048)
+  and table 5 (iteration seconds with full recomputation, and with sequence parallelism
+  plus selective recomputation), and table 2 (activation bytes per layer by technique:
+  s b h (34 + 5 a s / h) with no parallelism, (10 + 24/t + 5as/ht) tensor parallel,
+  (34/t + 5as/ht) with sequence parallel, (10 + 24/t) selective, 34/t both, 2 full).
+
+    python benchmarks/validation.py             # the table (about a minute on 2 cores)
+    python benchmarks/validation.py --write     # also replaces the table in benchmarks/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
+GPT = ROOT / "examples" / "gpt3_175b.5d"  # Megatron's GPT: the shape is each row's
+SEQ, VOCAB = 2048, 51200
+# What both papers' Megatron-LM ran, besides the layout: attention by separate kernels
+# (q k^T, the fused scale-mask-softmax, p v: the scores materialised; flash attention
+# came later) and tensor parallelism's collectives blocking, not beside the matmuls.
+# --no-overlap also leaves the gradient all-reduce after backward: what Megatron's
+# "local" DDP did (every row with a pipeline); the rows without one ran torch's DDP,
+# which overlaps it (there it is 1-3 % of the step, counted whole here).
+MEGATRON = "--attention-kernel math --no-overlap"
+NARAYANAN = "Narayanan et al. 2021, table 1"
+KORTHIKANTI = "Korthikanti et al. 2022, table 5"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One published run: the model's shape, its layout, and what was measured."""
+
+    key: str
+    source: str
+    layers: int
+    hidden: int
+    heads: int
+    batch: int  # global batch, sequences
+    gpus: int
+    tp: int
+    pp: int
+    micro: int  # sequences per microbatch
+    flags: str  # fivedc compile flags beyond the mesh and the microbatches
+    measured_s: float  # seconds per step as the paper gives it, or as follows from its TFLOP/s
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def microbatches(self) -> int:
+        return self.batch // (self.dp * self.micro)
+
+    def argv(self) -> list[str]:
+        mesh = f"{self.dp}x{self.pp}x{self.tp}x1x1"
+        # without a pipeline fivedc runs a rank's sequences as one batch (18B's 4 accumulated
+        # microbatches of 8 as one of 32: the same FLOPs and traffic, once per step)
+        more = ["--microbatches", str(self.microbatches)] if self.pp > 1 else []
+        return ["compile", f"gpt-{self.key}.5d", "--mesh", mesh, *more, *self.flags.split(), *MEGATRON.split(),
+                "--gpu", "a100"]
+
+    def command(self) -> str:
+        return "fivedc " + " ".join(self.argv())
+
+
+def narayanan_seconds(layers: int, hidden: int, batch: int, gpus: int, tflops: float) -> float:
+    """The step that table 1's TFLOP/s per GPU means, by the paper's own FLOP count."""
+    s, h, V = SEQ, hidden, VOCAB
+    flops = 96 * batch * s * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h))
+    return flops / (gpus * tflops * 1e12)
+
+
+def _narayanan(key, layers, hidden, heads, tp, pp, gpus, batch, micro, virtual, tflops) -> Run:
+    schedule = "" if pp == 1 else (f"--schedule interleaved --virtual {virtual}" if virtual > 1 else "--schedule 1f1b")
+    return Run(key, NARAYANAN, layers, hidden, heads, batch, gpus, tp, pp, micro,
+               f"{schedule} --recompute full".strip(),
+               narayanan_seconds(layers, hidden, batch, gpus, tflops))
+
+
+# (key, layers, hidden, heads, tp, pp, GPUs, global batch, microbatch, chunks per pp rank,
+#  TFLOP/s per GPU): table 1, with run_table_1.sh's microbatch and virtual stages
+#  (layers / pp / layers-per-virtual-stage chunks per rank).
+RUNS = (
+    _narayanan("1.7b", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137),
+    _narayanan("3.6b", 30, 3072, 32, 2, 1, 64, 512, 16, 1, 138),
+    _narayanan("7.5b", 36, 4096, 32, 4, 1, 128, 512, 16, 1, 142),
+    _narayanan("18b", 40, 6144, 48, 8, 1, 256, 1024, 8, 1, 135),
+    _narayanan("39b", 48, 8192, 64, 8, 2, 512, 1536, 4, 1, 138),
+    _narayanan("76b", 60, 10240, 80, 8, 4, 1024, 1792, 2, 3, 140),
+    _narayanan("145b", 80, 12288, 96, 8, 8, 1536, 2304, 2, 2, 148),
+    _narayanan("310b", 96, 16384, 128, 8, 16, 1920, 2160, 1, 2, 155),
+    _narayanan("530b", 105, 20480, 128, 8, 35, 2520, 2520, 1, 3, 163),
+    _narayanan("1t", 128, 25600, 160, 8, 64, 3072, 3072, 1, 1, 163),
+    # Korthikanti et al. table 3 layouts (data parallel 1, microbatch 1 under a pipeline),
+    # table 5's measured iteration seconds: full recomputation, then SP + selective.
+    *(Run(f"{key}-{mode}", KORTHIKANTI, layers, hidden, heads, batch, gpus, 8, pp, micro,
+          ("--schedule 1f1b " if pp > 1 else "") + flags, seconds)
+      for key, layers, hidden, heads, pp, gpus, batch, micro, full, present in (
+          ("22b", 48, 6144, 64, 1, 8, 4, 4, 1.42, 1.10),
+          ("175b", 96, 12288, 96, 8, 64, 64, 1, 18.13, 13.75),
+          ("530b", 105, 20480, 128, 35, 280, 280, 1, 49.05, 37.83),
+          ("1t", 128, 25600, 160, 64, 512, 512, 1, 94.42, 71.49))
+      for mode, flags, seconds in (("full", "--recompute full", full),
+                                   ("sp-selective", "--sp --recompute selective", present))),
+)
+
+
+def model_text(run: Run) -> str:
+    """Megatron's GPT (examples/gpt3_175b.5d) at the run's shape."""
+    text = GPT.read_text()
+    for name, value in (("batch", run.batch), ("seq", SEQ), ("hidden", run.hidden), ("heads", run.heads),
+                        ("vocab", VOCAB), ("layers", run.layers)):
+        text, n = re.subn(rf"(?m)^(\s+{name} = )\S+", rf"\g<1>{value}", text, count=1)
+        if n != 1:
+            raise SystemExit(f"{GPT} has no dim {name} to set")
+    return text
+
+
+def compile_run(run: Run):
+    """The run's plan (every pass but the agreement proof), with `fivedc compile`'s options."""
+    from fivedc.cli.main import build_parser
+    from fivedc.cli.shared import compile_options
+    from fivedc.frontends.dsl_file import parse_model
+    from fivedc.ir.mesh import Mesh
+    from fivedc.pipeline import PIPELINE, run_passes
+    from fivedc.plan.planning import Draft, assemble
+
+    args = build_parser().parse_args(run.argv())
+    options = compile_options(args, Mesh.parse(args.mesh, rank_order=args.rank_order), dtype=args.dtype)
+    graph = parse_model(model_text(run), filename=f"gpt-{run.key}.5d")
+    return assemble(run_passes(Draft(graph), options, PIPELINE[:-1]), options)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    run: Run
+    predicted_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted_s / self.run.measured_s
+
+
+def rows(only: tuple[str, ...] = ()) -> list[Row]:
+    return [Row(run, compile_run(run).time.step_seconds) for run in RUNS if not only or run.key in only]
+
+
+def speedups(found: list[Row]) -> list[tuple[str, float, float]]:
+    """Korthikanti's SP + selective over full recomputation: (model, predicted, measured)."""
+    by = {r.run.key: r for r in found}
+    out = []
+    for key in by:
+        if key.endswith("-full") and key.replace("-full", "-sp-selective") in by:
+            full, present = by[key], by[key.replace("-full", "-sp-selective")]
+            out.append((key[:-5], full.predicted_s / present.predicted_s, full.run.measured_s / present.run.measured_s))
+    return out
+
+
+# Korthikanti et al. table 2: activation bytes per layer over s b h, by technique, less the
+# dropout terms (Megatron's GPT has three dropouts, fivedc's none: the attention's mask
+# and output, a s^2 b x 3 bytes, and two masks of s b h bytes), as the paper's section
+# 4.1 itemises them: t the tensor-parallel size, r = a s / h.
+ACTIVATION_FORMULAS = (
+    ("tensor parallel", "", "none", lambda t, r: 8 + 24 / t + 2 * r / t),
+    ("+ sequence parallel", "--sp", "none", lambda t, r: 32 / t + 2 * r / t),
+    ("tensor parallel + selective", "", "selective", lambda t, r: 8 + 24 / t),
+    ("+ sequence parallel + selective", "--sp", "selective", lambda t, r: 32 / t),
+    ("full recomputation", "", "full", lambda t, r: 2),
+)
+
+
+def activation_rows(key: str = "22b-full") -> list[tuple[str, float, float]]:
+    """(technique, fivedc's bytes per layer, the paper's) for one sequence of a Korthikanti
+    run's model at tp 8: what one layer keeps for backward (`layer_saves`)."""
+    from dataclasses import replace
+
+    from fivedc.estimates.activations import layer_saves
+    from fivedc.estimates.saved import SaveContext
+    from fivedc.ir.graph import Repeat
+
+    base = next(r for r in RUNS if r.key == key)
+    out = []
+    for name, sp, mode, formula in ACTIVATION_FORMULAS:
+        run = replace(base, batch=1, gpus=base.tp, pp=1, micro=1, flags=f"{sp} --recompute {mode}")
+        plan = compile_run(run)
+        c = SaveContext.of(plan.graph, plan.mesh, dtype=plan.dtype, dtype_bytes=2, recompute=mode)
+        repeat = next(item for item in plan.graph.body.items if isinstance(item, Repeat))
+        saves = layer_saves(c, repeat, recompute=mode)
+        predicted = saves.own + sum(b for _, b in saves.args)
+        out.append((name, predicted, SEQ * run.hidden * formula(run.tp, run.heads * SEQ / run.hidden)))
+    return out
+
+
+def activation_table(found: list[tuple[str, float, float]]) -> str:
+    lines = ["| technique (22B, tp 8, one sequence) | fivedc MiB per layer | paper MiB | fivedc / paper |",
+             "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {ours / 2**20:.1f} | {paper / 2**20:.1f} | {ours / paper:.2f} |"
+              for name, ours, paper in found]
+    return "\n".join(lines)
+
+
+def table(found: list[Row]) -> str:
+    lines = ["| run | layout (fivedc compile flags) | measured s | predicted s | predicted / measured |",
+             "|---|---|---:|---:|---:|"]
+    for r in found:
+        flags = " ".join(r.run.argv()[3:-2 - len(MEGATRON.split())])
+        lines.append(f"| {r.run.key} ({r.run.source}) | `{flags}` | {r.run.measured_s:.3g} | "
+                     f"{r.predicted_s:.3g} | {r.ratio:.2f} |")
+    ratios = [r.ratio for r in found]
+    lines += ["", f"Every row also has `{MEGATRON} --gpu a100`.", "", f"Step time, predicted / measured over {len(ratios)} runs: median "
+              f"{statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}."]
+    for model, predicted, measured in speedups(found):
+        lines.append(f"- {model}: SP + selective over full recomputation, predicted {predicted:.2f}x, "
+                     f"measured {measured:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"replace the table in {RESULTS.name}")
+    parser.add_argument("--only", default="", help="comma-separated run keys")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    text = table(rows(tuple(k for k in args.only.split(",") if k))) + "\n\n" + activation_table(activation_rows())
+    print(text)
+    print(f"({time.perf_counter() - start:.0f} s)")
+    if args.write:
+        old = RESULTS.read_text()
+        if BEGIN not in old:
+            raise SystemExit(f"{RESULTS} has no {BEGIN} ... {END} block")
+        head, rest = old.split(BEGIN, 1)
+        RESULTS.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
