@@ -236,7 +236,8 @@ def table(found: list[Row]) -> str:
                      f"{r.predicted_s:.3g} | {r.ratio:.2f} |")
     ratios = [r.ratio for r in found]
     lines += ["", f"Every row also has `{MEGATRON} --gpu a100`.", "", f"Step time, predicted / measured over {len(ratios)} runs: median "
-              f"{statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}."]
+              f"{statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f} "
+              "(`fivedc/estimates/model_error.py` holds these figures for `fivedc search`)."]
     for model, predicted, measured in speedups(found):
         lines.append(f"- {model}: SP + selective over full recomputation, predicted {predicted:.2f}x, "
                      f"measured {measured:.2f}x")

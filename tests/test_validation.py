@@ -117,3 +117,16 @@ def test_the_math_kernel_trains_as_one_device(mesh: str) -> None:
     """On one device SDPA's math backend, across cp the blocks by explicit matmuls."""
     assert main(["verify", "examples/tiny_llama.5d", "--mesh", mesh, "--attention-kernel", "math",
                  "--steps", "2"]) == 0
+
+
+def test_the_search_reports_the_error_it_measured(published, capsys) -> None:
+    """fivedc search's figures are this benchmark's, to two decimals, and it names the ties."""
+    from fivedc.estimates.model_error import STEP_TIME
+
+    ratios = [r.ratio for r in published]
+    assert (STEP_TIME.runs, STEP_TIME.median, STEP_TIME.low, STEP_TIME.high) == (
+        len(ratios), round(statistics.median(ratios), 2), round(min(ratios), 2), round(max(ratios), 2))
+    assert main(["search", "examples/gpt.5d", "--gpus", "8", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert STEP_TIME.line() in out
+    assert f"are within {STEP_TIME.spread:.0%} of the best: a tie" in out

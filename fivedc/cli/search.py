@@ -107,9 +107,22 @@ def _print_top(result, top: int, console, graph, gpus: int, hw, seconds: float) 
                       f"{t.bubble:.1%}", f"{t.step_seconds:.3g} s", f"{t.tokens_per_second:,.0f}", f"{t.mfu:.1%}",
                       f"{s.comm_share:.0%}")
     console.print(table)
+    _print_ties(result, top)
     rejected = sum(result.rejected.values())
     print(f"{len(result.ranked)} layouts ranked, {rejected} rejected, over {result.meshes} meshes in {seconds:.1f} s")
     print(f"best: fivedc compile {graph.source or graph.name} {result.best.candidate.flags()} --gpu {hw.key}")
+
+
+def _print_ties(result, top: int) -> None:
+    """The model's error on published runs, and the layouts it cannot tell from the best."""
+    from fivedc.estimates.model_error import STEP_TIME
+
+    best = result.ranked[0].time.step_seconds
+    ties = sum(s.time.step_seconds <= best * (1 + STEP_TIME.spread) for s in result.ranked)
+    print(STEP_TIME.line())
+    if ties > 1:
+        shown = f"#1-#{ties}" if ties <= top else f"#1-#{ties} ({ties - top} not shown)"
+        print(f"layouts {shown} are within {STEP_TIME.spread:.0%} of the best: a tie by this model's error")
 
 
 def _print_rejected(result, console) -> None:
