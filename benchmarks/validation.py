@@ -31,6 +31,7 @@ Sources (read from the papers, never from fivedc's output):
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import statistics
 import sys
@@ -56,36 +57,38 @@ KORTHIKANTI = "Korthikanti et al. 2022, table 5"
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """One published run: the model's shape, its layout, and what was measured."""
+    """One published run: the model at its shape, its layout, and what was measured."""
 
     key: str
     source: str
-    layers: int
-    hidden: int
-    heads: int
-    batch: int  # global batch, sequences
-    gpus: int
-    tp: int
-    pp: int
+    shape: tuple[tuple[str, int], ...]  # the model's dims as the run had them
+    mesh: str  # DPxPPxTPxCPxEP
     micro: int  # sequences per microbatch
     flags: str  # fivedc compile flags beyond the mesh and the microbatches
-    measured_s: float  # seconds per step as the paper gives it, or as follows from its TFLOP/s
+    measured_s: float | None = None  # seconds per step as the source gives it, or as its TFLOP/s mean
+    measured_mfu: float | None = None  # or the model FLOPs utilisation it gives
+    model: Path = GPT
+    gpu: str = "a100"
+    held_out: bool = False  # not one of issue 35's two tables: the model's generalisation
 
     @property
-    def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+    def dims(self) -> dict[str, int]:
+        return dict(self.shape)
+
+    @property
+    def gpus(self) -> int:
+        return math.prod(int(n) for n in self.mesh.split("x"))
 
     @property
     def microbatches(self) -> int:
-        return self.batch // (self.dp * self.micro)
+        dp, pp = (int(n) for n in self.mesh.split("x")[:2])
+        return self.dims["batch"] // (dp * self.micro)
 
     def argv(self) -> list[str]:
-        mesh = f"{self.dp}x{self.pp}x{self.tp}x1x1"
         # without a pipeline fivedc runs a rank's sequences as one batch (18B's 4 accumulated
         # microbatches of 8 as one of 32: the same FLOPs and traffic, once per step)
-        more = ["--microbatches", str(self.microbatches)] if self.pp > 1 else []
-        return ["compile", f"gpt-{self.key}.5d", "--mesh", mesh, *more, *self.flags.split(), *MEGATRON.split(),
-                "--gpu", "a100"]
+        more = ["--microbatches", str(self.microbatches)] if self.mesh.split("x")[1] != "1" else []
+        return ["compile", f"{self.key}.5d", "--mesh", self.mesh, *more, *self.flags.split(), "--gpu", self.gpu]
 
     def command(self) -> str:
         return "fivedc " + " ".join(self.argv())
@@ -98,16 +101,54 @@ def narayanan_seconds(layers: int, hidden: int, batch: int, gpus: int, tflops: f
     return flops / (gpus * tflops * 1e12)
 
 
+def _gpt(layers: int, hidden: int, heads: int, batch: int) -> tuple[tuple[str, int], ...]:
+    return (("batch", batch), ("seq", SEQ), ("hidden", hidden), ("heads", heads), ("vocab", VOCAB),
+            ("layers", layers))
+
+
 def _narayanan(key, layers, hidden, heads, tp, pp, gpus, batch, micro, virtual, tflops) -> Run:
     schedule = "" if pp == 1 else (f"--schedule interleaved --virtual {virtual}" if virtual > 1 else "--schedule 1f1b")
-    return Run(key, NARAYANAN, layers, hidden, heads, batch, gpus, tp, pp, micro,
-               f"{schedule} --recompute full".strip(),
+    return Run(f"gpt-{key}", NARAYANAN, _gpt(layers, hidden, heads, batch), f"{gpus // (tp * pp)}x{pp}x{tp}x1x1",
+               micro, f"{schedule} --recompute full {MEGATRON}".strip(),
                narayanan_seconds(layers, hidden, batch, gpus, tflops))
 
 
-# (key, layers, hidden, heads, tp, pp, GPUs, global batch, microbatch, chunks per pp rank,
-#  TFLOP/s per GPU): table 1, with run_table_1.sh's microbatch and virtual stages
-#  (layers / pp / layers-per-virtual-stage chunks per rank).
+def _korthikanti(key, layers, hidden, heads, pp, gpus, batch, micro, full, present) -> tuple[Run, Run]:
+    schedule = "--schedule 1f1b " if pp > 1 else ""
+    return tuple(Run(f"{key}-{mode}", KORTHIKANTI, _gpt(layers, hidden, heads, batch), f"{gpus // (8 * pp)}x{pp}x8x1x1",
+                     micro, f"{schedule}{flags} {MEGATRON}", seconds)
+                 for mode, flags, seconds in (("full", "--recompute full", full),
+                                              ("sp-selective", "--sp --recompute selective", present)))
+
+
+def _mt_nlg(nodes: int, seconds: float) -> Run:
+    """MT-NLG 530B (Smith et al. 2022, arXiv 2201.11990, section 2.4 and table of
+    throughput): 105 layers, hidden 20480, 128 heads, sequence 2048, tensor 8 x pipeline 35
+    on DGX A100 nodes (8 x A100 80GB), global batch 1920, microbatch 1, DeepSpeed's 1F1B
+    pipeline, activation checkpointing, ZeRO-1; 60.1 / 50.2 / 44.4 s per iteration on
+    280 / 350 / 420 nodes. Megatron's attention and blocking TP, as above."""
+    shape = (("batch", 1920), ("seq", SEQ), ("hidden", 20480), ("heads", 128), ("vocab", VOCAB), ("layers", 105))
+    return Run(f"mt-nlg-{nodes}n", "Smith et al. 2022, section 2.4", shape, f"{nodes * 8 // 280}x35x8x1x1", 1,
+               f"--schedule 1f1b --zero 1 --recompute full {MEGATRON}", seconds, held_out=True)
+
+
+def _llama3(gpus: int, mesh: str, seq: int, mfu: float) -> Run:
+    """Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4 and section
+    3.3.2): BF16 MFU of the pre-training runs on H100s, 16M tokens a step; tensor 8 (SP),
+    pipeline 16 interleaved (microbatch 1: a microbatch per sequence of a data-parallel
+    rank), context 16 at 128K by all-gathering K and V, FSDP keeping the gathered
+    parameters through the step (ZeRO-2 here); flash attention and overlapped TP as
+    fivedc's defaults."""
+    cp = "--cp-attention allgather " if mesh.split("x")[3] != "1" else ""
+    return Run(f"llama3-405b-{gpus}-{seq // 1024}k", "Dubey et al. 2024, table 4",
+               (("batch", 2**24 // seq), ("seq", seq)), mesh, 1,
+               f"--sp {cp}--zero 2 --schedule interleaved", measured_mfu=mfu,
+               model=ROOT / "examples" / "llama3_405b.5d", gpu="h100", held_out=True)
+
+
+# Narayanan et al. table 1: (key, layers, hidden, heads, tp, pp, GPUs, global batch,
+# microbatch, chunks per pp rank, TFLOP/s per GPU), with run_table_1.sh's microbatch and
+# virtual stages (layers / pp / layers-per-virtual-stage chunks per rank).
 RUNS = (
     _narayanan("1.7b", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137),
     _narayanan("3.6b", 30, 3072, 32, 2, 1, 64, 512, 16, 1, 138),
@@ -121,26 +162,45 @@ RUNS = (
     _narayanan("1t", 128, 25600, 160, 8, 64, 3072, 3072, 1, 1, 163),
     # Korthikanti et al. table 3 layouts (data parallel 1, microbatch 1 under a pipeline),
     # table 5's measured iteration seconds: full recomputation, then SP + selective.
-    *(Run(f"{key}-{mode}", KORTHIKANTI, layers, hidden, heads, batch, gpus, 8, pp, micro,
-          ("--schedule 1f1b " if pp > 1 else "") + flags, seconds)
-      for key, layers, hidden, heads, pp, gpus, batch, micro, full, present in (
-          ("22b", 48, 6144, 64, 1, 8, 4, 4, 1.42, 1.10),
-          ("175b", 96, 12288, 96, 8, 64, 64, 1, 18.13, 13.75),
-          ("530b", 105, 20480, 128, 35, 280, 280, 1, 49.05, 37.83),
-          ("1t", 128, 25600, 160, 64, 512, 512, 1, 94.42, 71.49))
-      for mode, flags, seconds in (("full", "--recompute full", full),
-                                   ("sp-selective", "--sp --recompute selective", present))),
+    *_korthikanti("22b", 48, 6144, 64, 1, 8, 4, 4, 1.42, 1.10),
+    *_korthikanti("175b", 96, 12288, 96, 8, 64, 64, 1, 18.13, 13.75),
+    *_korthikanti("530b", 105, 20480, 128, 35, 280, 280, 1, 49.05, 37.83),
+    *_korthikanti("1t", 128, 25600, 160, 64, 512, 512, 1, 94.42, 71.49),
+    # held out: runs of other teams, other systems and other GPUs
+    _mt_nlg(280, 60.1), _mt_nlg(350, 50.2), _mt_nlg(420, 44.4),
+    _llama3(8192, "64x16x8x1x1", 8192, 0.43),
+    _llama3(16384, "128x16x8x1x1", 8192, 0.41),
+    _llama3(16384, "8x16x8x16x1", 131072, 0.38),
 )
 
 
+def measured_seconds(run: Run, graph) -> float:
+    """The run's step: as the source gives it, or from its MFU by PaLM's FLOP count
+    (Chowdhery et al. 2022, appendix B: 6 N + 12 L H Q T per token, N the parameters)."""
+    if run.measured_s is not None:
+        return run.measured_s
+    from fivedc.ir.graph import param_instances
+
+    params = sum(math.prod(graph.dim(d) for d in p.dims) for _, p in param_instances(graph))
+    seq, layers, hidden = graph.dim("seq"), graph.dim("layers"), graph.dim("hidden")
+    flops = graph.dim("batch") * seq * (6 * params + 12 * layers * hidden * seq)
+    hw = hardware_of(run)
+    return flops / (run.gpus * run.measured_mfu * hw.bf16_flops)
+
+
+def hardware_of(run: Run):
+    from fivedc.ir.hardware import hardware
+
+    return hardware(run.gpu)
+
+
 def model_text(run: Run) -> str:
-    """Megatron's GPT (examples/gpt3_175b.5d) at the run's shape."""
-    text = GPT.read_text()
-    for name, value in (("batch", run.batch), ("seq", SEQ), ("hidden", run.hidden), ("heads", run.heads),
-                        ("vocab", VOCAB), ("layers", run.layers)):
+    """The run's model (Megatron's GPT, examples/gpt3_175b.5d, or an example) at its shape."""
+    text = run.model.read_text()
+    for name, value in run.shape:
         text, n = re.subn(rf"(?m)^(\s+{name} = )\S+", rf"\g<1>{value}", text, count=1)
         if n != 1:
-            raise SystemExit(f"{GPT} has no dim {name} to set")
+            raise SystemExit(f"{run.model} has no dim {name} to set")
     return text
 
 
@@ -155,22 +215,28 @@ def compile_run(run: Run):
 
     args = build_parser().parse_args(run.argv())
     options = compile_options(args, Mesh.parse(args.mesh, rank_order=args.rank_order), dtype=args.dtype)
-    graph = parse_model(model_text(run), filename=f"gpt-{run.key}.5d")
+    graph = parse_model(model_text(run), filename=f"{run.key}.5d")
     return assemble(run_passes(Draft(graph), options, PIPELINE[:-1]), options)
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
     run: Run
+    measured_s: float
     predicted_s: float
 
     @property
     def ratio(self) -> float:
-        return self.predicted_s / self.run.measured_s
+        return self.predicted_s / self.measured_s
+
+
+def row(run: Run) -> Row:
+    plan = compile_run(run)
+    return Row(run, measured_seconds(run, plan.graph), plan.time.step_seconds)
 
 
 def rows(only: tuple[str, ...] = ()) -> list[Row]:
-    return [Row(run, compile_run(run).time.step_seconds) for run in RUNS if not only or run.key in only]
+    return [row(run) for run in RUNS if not only or run.key in only]
 
 
 def speedups(found: list[Row]) -> list[tuple[str, float, float]]:
@@ -180,7 +246,7 @@ def speedups(found: list[Row]) -> list[tuple[str, float, float]]:
     for key in by:
         if key.endswith("-full") and key.replace("-full", "-sp-selective") in by:
             full, present = by[key], by[key.replace("-full", "-sp-selective")]
-            out.append((key[:-5], full.predicted_s / present.predicted_s, full.run.measured_s / present.run.measured_s))
+            out.append((key[:-5], full.predicted_s / present.predicted_s, full.measured_s / present.measured_s))
     return out
 
 
@@ -207,15 +273,18 @@ def activation_rows(key: str = "22b-full") -> list[tuple[str, float, float]]:
     from fivedc.ir.graph import Repeat
 
     base = next(r for r in RUNS if r.key == key)
+    tp = int(base.mesh.split("x")[2])
     out = []
     for name, sp, mode, formula in ACTIVATION_FORMULAS:
-        run = replace(base, batch=1, gpus=base.tp, pp=1, micro=1, flags=f"{sp} --recompute {mode}")
+        run = replace(base, shape=tuple((k, 1 if k == "batch" else v) for k, v in base.shape),
+                      mesh=f"1x1x{tp}x1x1", micro=1, flags=f"{sp} --recompute {mode} {MEGATRON}")
         plan = compile_run(run)
         c = SaveContext.of(plan.graph, plan.mesh, dtype=plan.dtype, dtype_bytes=2, recompute=mode)
         repeat = next(item for item in plan.graph.body.items if isinstance(item, Repeat))
         saves = layer_saves(c, repeat, recompute=mode)
         predicted = saves.own + sum(b for _, b in saves.args)
-        out.append((name, predicted, SEQ * run.hidden * formula(run.tp, run.heads * SEQ / run.hidden)))
+        h, a = run.dims["hidden"], run.dims["heads"]
+        out.append((name, predicted, SEQ * h * formula(tp, a * SEQ / h)))
     return out
 
 
@@ -227,17 +296,28 @@ def activation_table(found: list[tuple[str, float, float]]) -> str:
     return "\n".join(lines)
 
 
-def table(found: list[Row]) -> str:
-    lines = ["| run | layout (fivedc compile flags) | measured s | predicted s | predicted / measured |",
-             "|---|---|---:|---:|---:|"]
-    for r in found:
-        flags = " ".join(r.run.argv()[3:-2 - len(MEGATRON.split())])
-        lines.append(f"| {r.run.key} ({r.run.source}) | `{flags}` | {r.run.measured_s:.3g} | "
-                     f"{r.predicted_s:.3g} | {r.ratio:.2f} |")
+def summary(found: list[Row]) -> tuple[int, float, float, float]:
+    """(runs, median, lowest, highest) of predicted / measured."""
     ratios = [r.ratio for r in found]
-    lines += ["", f"Every row also has `{MEGATRON} --gpu a100`.", "", f"Step time, predicted / measured over {len(ratios)} runs: median "
-              f"{statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f} "
-              "(`fivedc/estimates/model_error.py` holds these figures for `fivedc search`)."]
+    return len(ratios), statistics.median(ratios), min(ratios), max(ratios)
+
+
+def table(found: list[Row]) -> str:
+    lines = ["| run (source) | layout: `fivedc compile` flags | GPU | measured s | predicted s | predicted / measured |",
+             "|---|---|---|---:|---:|---:|"]
+    for r in found:
+        flags = " ".join(r.run.argv()[3:-2]).replace(MEGATRON, "(Megatron)")
+        lines.append(f"| {r.run.key} ({r.run.source}) | `{flags}` | {r.run.gpu} | {r.measured_s:.3g} | "
+                     f"{r.predicted_s:.3g} | {r.ratio:.2f} |")
+    lines += ["", f"(Megatron) stands for `{MEGATRON}`.", ""]
+    for title, group in (("issue 35's two tables", [r for r in found if not r.run.held_out]),
+                         ("held out (other teams, systems and GPUs)", [r for r in found if r.run.held_out])):
+        if group:
+            n, median, low, high = summary(group)
+            lines.append(f"- Step time, predicted / measured, {title}: {n} runs, median {median:.2f}, "
+                         f"range {low:.2f}-{high:.2f}.")
+    lines.append("- `fivedc/estimates/model_error.py` holds the figures of all runs for `fivedc search`: "
+                 "{} runs, median {:.2f}, range {:.2f}-{:.2f}.".format(*summary(found)))
     for model, predicted, measured in speedups(found):
         lines.append(f"- {model}: SP + selective over full recomputation, predicted {predicted:.2f}x, "
                      f"measured {measured:.2f}x")

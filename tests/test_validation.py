@@ -38,10 +38,20 @@ def published() -> list:
 
 
 def test_step_time_holds_to_the_published_runs(published) -> None:
-    ratios = {r.run.key: r.ratio for r in published}
-    assert len(ratios) == 18
-    assert 0.93 <= statistics.median(ratios.values()) <= 1.07, ratios
-    assert all(0.80 <= ratio <= 1.20 for ratio in ratios.values()), ratios
+    tables = {r.run.key: r.ratio for r in published if not r.run.held_out}
+    assert len(tables) == 18
+    assert 0.93 <= statistics.median(tables.values()) <= 1.07, tables
+    assert all(0.80 <= ratio <= 1.20 for ratio in tables.values()), tables
+
+
+def test_runs_the_model_was_not_built_on_stay_within_thirty_percent(published) -> None:
+    """MT-NLG 530B and Llama 3 405B: every run within issue 35's 0.70-1.30. Their median
+    (0.76) is short of the 0.85 the issue asks: the model is still optimistic on them, and
+    this bound keeps it from getting worse."""
+    held_out = {r.run.key: r.ratio for r in published if r.run.held_out}
+    assert len(held_out) == 6
+    assert all(0.70 <= ratio <= 1.30 for ratio in held_out.values()), held_out
+    assert statistics.median(held_out.values()) >= 0.74, held_out
 
 
 def test_sp_and_selective_gain_what_korthikanti_measured(published) -> None:
@@ -130,3 +140,29 @@ def test_the_search_reports_the_error_it_measured(published, capsys) -> None:
     out = capsys.readouterr().out
     assert STEP_TIME.line() in out
     assert f"are within {STEP_TIME.spread:.0%} of the best: a tie" in out
+
+
+def test_what_runs_beside_compute_holds_some_of_its_sms(tmp_path) -> None:
+    """A collective hidden beside compute still costs the SMs it holds: with the profile's
+    share the step is longer than with none, by no more than the share of what hides."""
+    import dataclasses
+
+    from fivedc.ir.hardware import HardwareError, profiles
+
+    h100 = hardware("h100")
+    assert 0.1 < h100.overlap_sm_share < 0.15
+    free = dataclasses.replace(h100, overlap_sm_share=0.0)
+    graph = parse_model(TEXT, filename="m.5d")
+    steps = [compile_graph(graph, CompileOptions(mesh=Mesh.parse("2x1x2x1x1"), sequence_parallel=True,
+                                                 hardware=hw)).time.step_seconds for hw in (free, h100)]
+    assert steps[1] > steps[0]
+    mine = tmp_path / "gpus.toml"
+    fields = dict(bf16_flops=1e12, hbm_bytes_per_s=1e12, memory_gib=8, reserved_gib=1, nvlink_bytes_per_s=1e11,
+                  internode_bytes_per_s=1e10, gpus_per_node=8, matmul_efficiency=0.5, attention_efficiency=0.5,
+                  memory_efficiency=0.5, link_efficiency=0.5, nvlink_latency_s=1e-6, internode_latency_s=1e-6)
+    body = "\n".join(f"{k} = {v}" for k, v in fields.items())
+    mine.write_text(f"[old]\n{body}\n")
+    assert profiles((mine,))["old"].overlap_sm_share == 0.0  # optional: a profile without it hides for free
+    mine.write_text(f"[bad]\n{body}\noverlap_sm_share = 1.5\n")
+    with pytest.raises(HardwareError, match="overlap_sm_share = 1.5 must be a number in"):
+        profiles((mine,))

@@ -29,7 +29,9 @@ waits). In backward, a linear input's sum hides behind the weight gradients of t
 linears reading it, under SP that input's gather for dW behind their input gradients,
 and a ring reduce-scatter's gradient, gathered back in a ring, behind (n-1)/n of its
 linear's input gradient (`UnitTime.hidden`, as much of each as those take, in a whole
-backward B only: a split one runs W later).
+backward B only: a split one runs W later). What hides is not free: a collective beside
+compute holds a share of the compute units for its duration (`Hardware.overlap_sm_share`),
+so of each hidden second that share still adds to the compute beside it.
 
 `unit_costs` gives the seconds of each unit once; the schedule simulator and the
 step-time model (`fivedc/estimates/step_time.py`) only add them up, so a layout search can
@@ -250,11 +252,12 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
         if recomputes_op(node, repeat, recompute):
             i += f  # its forward runs again in backward
         fwd, bwd_in, bwd_w = fwd + f, bwd_in + i, bwd_w + w
-    fwd, comm = fwd - ahead, comm - ahead
+    keep = hw.overlap_keep  # what runs beside compute slows it by the SMs it holds
+    fwd, comm = fwd - ahead * keep, comm - ahead * keep
     if repeat is not None and recomputes_layer(repeat, recompute):
         bwd_in += fwd  # the whole layer's forward again (its rings hidden again)
-    hidden = back + sum(min(seconds, weights.get(name, 0.0)) + min(early[name], inputs.get(name, 0.0))
-                        for name, seconds in behind.items())
+    hidden = keep * (back + sum(min(seconds, weights.get(name, 0.0)) + min(early[name], inputs.get(name, 0.0))
+                                for name, seconds in behind.items()))
     return UnitTime(fwd, bwd_in, bwd_w, comm, hidden)
 
 
@@ -271,7 +274,8 @@ def hidden_beside(kind: CollectiveKind, seconds: float, matmul: float, n: int) -
 
 def _op_collectives(c: SaveContext, op: Op, hw: Hardware, compute: float, *, backward: bool = False) -> float:
     """The op's own collectives in one phase: blocking ones add; overlapped ones (ring hops)
-    only beyond the compute they hide behind."""
+    beyond the compute they hide behind, and behind it the SMs they hold
+    (`Hardware.overlap_sm_share`)."""
     from fivedc.ir.graph import Phase
 
     phase = Phase.BACKWARD if backward else Phase.FORWARD
@@ -284,7 +288,7 @@ def _op_collectives(c: SaveContext, op: Op, hw: Hardware, compute: float, *, bac
             hidden += seconds
         else:
             blocking += seconds
-    return blocking + max(0.0, hidden - compute)
+    return blocking + max(0.0, hidden - compute) + min(hidden, compute) * hw.overlap_sm_share
 
 
 def unit_times(c: SaveContext, graph: Graph, units: list[Unit], hw: Hardware, *, recompute: str) -> list[UnitTime]:

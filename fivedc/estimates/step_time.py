@@ -13,7 +13,8 @@ A step (`estimate_time`) is
 2. the gradient sync the compute does not hide: summed over each parameter's ZeRO
    group (all-reduce; ZeRO-1/2 reduce-scatter), during backward when the plan overlaps
    it (no pipeline, overlap on, not ZeRO-1: only what exceeds the backward before the
-   last bucket), else all after it;
+   last bucket, and of what runs beside it the SMs it holds, `overlap_sm_share`), else
+   all after it;
 3. ZeRO's gathers: ZeRO-1/2 all-gather the updated parameters after the step; ZeRO-3
    gathers each group (a layer's parameters) at its use (forward gathers prefetched behind compute,
    backward ones and the reduce-scatters not) or, under a pipeline, once per step;
@@ -159,10 +160,13 @@ def after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipe
     gather = sum(collective_seconds(K.ALL_GATHER, axes, b, mesh, hw) for axes, b in groups.items())
     if zero == 3 and pipeline is None:  # by group: gathered forward (prefetched), again in backward, reduce-scattered
         scatter = sum(collective_seconds(K.REDUCE_SCATTER, axes, b, mesh, hw) for axes, b in groups.items())
-        exposed_sync, gathers = scatter, max(0.0, gather - (makespan - backward)) + gather
+        forward = makespan - backward  # the forward's gathers are prefetched behind it
+        exposed_sync = scatter
+        gathers = max(0.0, gather - forward) + min(gather, forward) * hw.overlap_sm_share + gather
     else:
         hidden = max(0.0, backward - last) if (pipeline is None and overlap and zero in (0, 2)) else 0.0
-        exposed_sync = max(sync - hidden, sync / max(len(buckets), 1)) if hidden else sync
+        beside = min(sync, hidden)  # run beside the backward, holding some of its SMs
+        exposed_sync = max(sync - beside * hw.overlap_keep, sync / max(len(buckets), 1)) if hidden else sync
         gathers = gather if zero >= 1 else 0.0
     state = 2 * dtype_bytes + dtype_bytes + 2 * OPTIMIZER_BYTES[dtype]  # p read+write, g read, state read+write
     optimizer = owned * state / (hw.hbm_bytes_per_s * hw.memory_efficiency)

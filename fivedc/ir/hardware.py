@@ -42,6 +42,13 @@ class Hardware:
     link_efficiency: float
     nvlink_latency_s: float
     internode_latency_s: float
+    overlap_sm_share: float = 0.0  # of the compute units, what a collective beside compute takes
+
+    @property
+    def overlap_keep(self) -> float:
+        """Of a collective's seconds run beside compute, the share that is hidden: the rest
+        slows that compute (the collective's kernels hold SMs meanwhile)."""
+        return 1.0 - self.overlap_sm_share
 
     @property
     def usable_bytes(self) -> int:
@@ -49,7 +56,8 @@ class Hardware:
         return int((self.memory_gib - self.reserved_gib) * GiB)
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name"))
+OPTIONAL = {"overlap_sm_share": 0.0}  # a profile may leave these out
+FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name", *OPTIONAL))
 
 
 def builtin_text() -> str:
@@ -97,6 +105,10 @@ def _parse(text: str, source: str) -> dict[str, Hardware]:
                 raise HardwareError(f"{source}: [{key}] {field} = {value!r} must be a positive number")
         if table["gpus_per_node"] != int(table["gpus_per_node"]) or table["reserved_gib"] >= table["memory_gib"]:
             raise HardwareError(f"{source}: [{key}] needs a whole gpus_per_node and reserved_gib below memory_gib")
+        share = table.get("overlap_sm_share", OPTIONAL["overlap_sm_share"])
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+            raise HardwareError(f"{source}: [{key}] overlap_sm_share = {share!r} must be a number in [0, 1)")
         values = {f: (int(table[f]) if f == "gpus_per_node" else float(table[f])) for f in FIELDS}
+        values["overlap_sm_share"] = float(share)
         out[key.lower()] = Hardware(key.lower(), str(table.get("name", key)), **values)
     return out
