@@ -166,3 +166,31 @@ def test_what_runs_beside_compute_holds_some_of_its_sms(tmp_path) -> None:
     mine.write_text(f"[bad]\n{body}\noverlap_sm_share = 1.5\n")
     with pytest.raises(HardwareError, match="overlap_sm_share = 1.5 must be a number in"):
         profiles((mine,))
+
+
+def test_deepseek_v3_under_zero3_counts_what_a_moe_layers_backward_holds_at_once() -> None:
+    """The layout the search once proposed for DeepSeek-V3 at 77.6 GiB (issue 35): at the last
+    MoE layer's backward a rank holds its shards, every layer's kept input, the layer's
+    experts gathered again and their gradients, and the layer rebuilt (full recomputation),
+    all at once: over an H100's memory, so the plan must not say it fits."""
+    from fivedc.cli.main import build_parser
+    from fivedc.cli.shared import compile_options, load_graph
+    from fivedc.estimates.memory import rank_activations
+    from fivedc.ir.graph import walk_params
+    from fivedc.pipeline import PIPELINE, run_passes
+    from fivedc.plan.planning import Draft, assemble
+
+    args = build_parser().parse_args(["compile", "examples/deepseek_v3.5d", "--mesh", "1024x1x2x1x1", "--sp",
+                                      "--zero", "3", "--recompute", "full", "--gpu", "h100"])
+    options = compile_options(args, Mesh.parse(args.mesh), dtype=args.dtype)
+    plan = assemble(run_passes(Draft(load_graph("examples/deepseek_v3.5d")), options, PIPELINE[:-1]), options)
+    graph, mesh, m = plan.graph, plan.mesh, plan.memory.busiest
+    moe = next(item for item in graph.body.items if isinstance(item, Repeat) and item.name == "moe")
+    layer = sum(graph.local_numel(p.dims, p.sharding, mesh) * 2 for p, r in walk_params(graph.body) if r is moe)
+    tokens = graph.dim("batch") // 1024 * graph.dim("seq") // 2  # per rank: dp splits the batch, SP the sequence
+    inputs = (3 + 58) * tokens * graph.dim("hidden") * 2  # each layer keeps its input, bf16
+    _, regions = rank_activations(graph, mesh, dtype=plan.dtype, dtype_bytes=2, pipeline=None, recompute="full")
+    together = m.params + m.grads + m.optimizer + inputs + 2 * layer + regions[0]
+    assert layer > 10 * 2**30  # 256 experts' three matrices at tp 2
+    assert m.transient >= 2 * layer + regions[0]  # the gathered layer is beside the rebuilt one
+    assert m.total >= together > plan.time.hardware.usable_bytes

@@ -14,7 +14,7 @@ largest, not their sum, is added to what the rank keeps):
 - ZeRO-3: without a pipeline, gathered by group (the buckets): in forward the groups
   of the unit running (a layer's, or the top level's) and the next group, prefetched;
   in backward a group gathered again, its gradients and their reduce-scatter buffer
-  (3 x the group): the larger (`fivedc/runtime/zero3.py`); under a pipeline the whole
+  (3 x the group): the larger (and beside the recomputed region, below) (`fivedc/runtime/zero3.py`); under a pipeline the whole
   gathered parameters of the rank's chunks and their gradients for the step (2 x the
   local parameters);
 - gradient buckets: ZeRO-0/1 copy a bucket's gradients into one flat buffer (the
@@ -32,6 +32,11 @@ largest, not their sum, is added to what the rank keeps):
   largest boundary);
 - tied parameters: the flat buffer their holders all-reduce their gradients in (the
   largest group the rank holds), beside the gradients it is made of.
+
+ZeRO-3's gathers are the exception: they are live together with the others (a layer's
+backward holds its gathered group and its gradients while its recomputed region is
+rebuilt; under a pipeline the gathered parameters stay for the step), so their sums
+with what is beside them are parts too.
 
 `transients` gives every part per pp rank, so the summary can say which one it is.
 """
@@ -66,8 +71,23 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
         parts |= theirs
         parts |= {name: mine[name] for name in (*UNIT_PARTS[2:], "pipeline sends", "tied gradient sum")
                   if name in mine}
-        out.append(parts)
+        out.append(parts | _zero3_beside(parts, zero, pipeline, buckets))
     return out
+
+
+def _zero3_beside(parts: dict[str, int], zero: int, pipeline: PipelineSpec | None, buckets) -> dict[str, int]:
+    """ZeRO-3's gathered weights are live together with other parts, not at another moment:
+    without a pipeline a layer's backward holds its unit's groups gathered again (a
+    recomputed layer reads them all), their gradients as they come back, one group's
+    reduce-scatter buffer, and its recomputed region; under a pipeline the gathered parameters and their gradients stay
+    for the whole step, beside every other part."""
+    if zero != 3 or not parts.get("ZeRO-3 gathers"):
+        return {}
+    if pipeline is None:
+        unit, group = zero3_unit_and_group(buckets)
+        return {ZERO3_BACKWARD: 2 * unit + group + parts["recomputed region"]}
+    others = max(v for k, v in parts.items() if k != "ZeRO-3 gathers")
+    return {ZERO3_STEP: parts["ZeRO-3 gathers"] + others}
 
 
 def _kept_parts(memo: Memo, dtype_bytes: int, pipeline: PipelineSpec | None, recompute: str,
@@ -108,6 +128,8 @@ def _zero_parts(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec 
     return out
 
 
+ZERO3_BACKWARD = "ZeRO-3 layer gathered, its gradients and its recomputed region"
+ZERO3_STEP = "ZeRO-3 gathers and the largest other part"
 UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "attention buffers", "weight gradients put off")
 
 
@@ -197,11 +219,17 @@ def zero3_gathers(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, pipelin
     if pipeline is not None:
         return 2 * sum(graph.local_numel(p.dims, p.sharding, mesh) * dtype_bytes * param_count(held, p.name, r)
                        for p, r in walk_params(graph.body) if mesh.size(*p.grad_partial) > 1)
-    units: dict[str | None, int] = {}  # a layer of a repeat (all alike), or the top level
+    unit, group = zero3_unit_and_group(buckets)
+    return max(unit + group, 3 * group)
+
+
+def zero3_unit_and_group(buckets) -> tuple[int, int]:
+    """(the largest unit's groups, the largest group) in bytes: a unit is a layer of a repeat
+    (all alike) or the top level, a group one of the buckets."""
+    units: dict[str | None, int] = {}
     for bucket in buckets:
         units[bucket.repeat] = units.get(bucket.repeat, 0) + bucket.bytes
-    group = max((b.bytes for b in buckets), default=0)
-    return max(max(units.values(), default=0) + group, 3 * group)
+    return max(units.values(), default=0), max((b.bytes for b in buckets), default=0)
 
 
 def _buckets(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, buckets, held: HeldParams | None) -> int:
