@@ -275,12 +275,15 @@ def grad_ring_job(info, payload) -> dict:
     finally:
         tp_ring.RingGather.arrivals = arrivals
     whole = trained(False)
-    return dict(seen=seen, equal=all(torch.equal(a, b) for a, b in zip(ringed, whole)))
+    # dW from the whole gradient: bitwise. dX by rows: a matmul's rows made apart equal the
+    # whole's only up to the BLAS kernel's blocking (one ulp on some CPUs), so to reassociation
+    (dx, dw), (whole_dx, whole_dw) = ringed, whole
+    return dict(seen=seen, equal=torch.equal(dw, whole_dw) and torch.allclose(dx, whole_dx, rtol=1e-14, atol=0))
 
 
 def test_a_sums_gradient_comes_back_by_chunks_into_the_input_gradient(worker_pool) -> None:
     for rank, got in enumerate(worker_pool.run(grad_ring_job, world=4, payload=None)):
-        assert got["equal"], rank  # bitwise: dX by rows, dW from the whole gradient
+        assert got["equal"], rank  # dX by rows (to reassociation), dW from the whole gradient (bitwise)
         assert got["seen"] == [(rank, 1), ((rank - 1) % 4, 2), ((rank - 2) % 4, 3), ((rank - 3) % 4, 3)]
 
 
