@@ -18,6 +18,7 @@ from fivedc.estimates.memory import MemoryEstimate
 from fivedc.estimates.step_time import TimeEstimate
 from fivedc.ir.graph import Collective, CollectiveKind, Graph, Op, Repeat, Redistribute, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.ir.aten_allow import refuse_unlisted
 from fivedc.ir.serialize import decode, encode
 from fivedc.passes.overlap import Bucket
 from fivedc.passes.param_sync import DEFAULT_BUCKET_BYTES
@@ -89,7 +90,7 @@ class ExecutionPlan:
                 hint="recompile the model with this fivedc: fivedc compile MODEL.5d --mesh ...",
             )
         try:
-            return decode(ExecutionPlan, data)
+            plan = decode(ExecutionPlan, data)
         except PlanError as error:
             raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {error.message}",
                             hint="recompile the model rather than editing the plan") from None
@@ -97,6 +98,8 @@ class ExecutionPlan:
             raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {error.message}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {type(error).__name__}: {error}") from None
+        refuse_unlisted(plan.graph, source=source)  # before anything calls an operator the plan names
+        return plan
 
 
 def groups_of(mesh: Mesh, collectives: tuple[Collective, ...]) -> tuple[GroupInfo, ...]:

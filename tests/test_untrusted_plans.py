@@ -1,0 +1,172 @@
+"""A plan or model from someone else is safe to open, and the work it asks for is bounded (issue 40).
+
+A plan names ATen operators, sizes and a model file: `fivedc check` and `fivedc run` must
+refuse an operator outside the frontend's allow-list before calling anything, compare the
+plan's model with its source where the source is there, refuse sizes no real model has
+in seconds, and treat a model file that exits as bad input.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from fivedc.cli.main import main
+from fivedc.ir.aten_allow import check_allowed
+from fivedc.ir.aten_call import AtenCallError, resolve
+from fivedc.ir.graph import Op, walk_ops
+
+GPT = "examples/gpt.5d"
+
+
+# ---- a model file that exits, a fault with no op ---------------------------------------------
+def test_a_model_file_that_exits_at_import_is_a_located_error(tmp_path, capsys) -> None:
+    model = tmp_path / "quits.py"
+    model.write_text("import sys\n\nsys.exit(3)\n")
+    out = tmp_path / "quits.plan.json"
+    assert main(["compile", f"{model}:factory", "--mesh", "1x1x1x1x1", "-q", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{model}:3:1: error" in err and "exited during import" in err and "SystemExit(3)" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_a_factory_that_exits_is_a_located_error(tmp_path, capsys) -> None:
+    model = tmp_path / "quits_later.py"
+    model.write_text("def factory():\n    raise SystemExit('bye')\n")
+    assert main(["compile", f"{model}:factory", "--mesh", "1x1x1x1x1", "-q", "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"{model}:2:5: error" in err and "factory() exited" in err and "SystemExit('bye')" in err
+
+
+def test_an_empty_fault_is_refused_with_the_ops_hint(capsys) -> None:
+    assert main(["verify", GPT, "--mesh", "1x1x1x1x1", "--inject-fault", ""]) == 2
+    err = capsys.readouterr().err
+    assert "names no op" in err and "fivedc show PLAN --ops" in err
+    assert main(["verify", GPT, "--mesh", "1x1x1x1x1", "--inject-fault", "@0"]) == 2
+    assert "names no op" in capsys.readouterr().err
+
+
+# ---- an allow-list of operators ---------------------------------------------------------------
+def _aten_ops(data):
+    """The `aten` op objects of a plan's JSON."""
+    found = []
+
+    def walk(obj):
+        if isinstance(obj, dict):
+            if obj.get("kind") == "aten":
+                found.append(obj)
+            for value in obj.values():
+                walk(value)
+        elif isinstance(obj, list):
+            for value in obj:
+                walk(value)
+
+    walk(data["graph"])
+    return found
+
+
+def _set_attr(op: dict, key: str, value) -> None:
+    op["attrs"] = [[k, value if k == key else v] for k, v in op["attrs"]]
+
+
+@pytest.fixture(scope="module")
+def flipped_plan(tmp_path_factory) -> dict:
+    """The plan of a model with one replicated `aten` op (aten.flip)."""
+    out = tmp_path_factory.mktemp("flipped") / "flipped.plan.json"
+    assert main(["compile", "tests/replicated_models.py:flipped", "--mesh", "1x1x1x1x1", "-q", "-o", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture
+def called_ops(monkeypatch) -> list[str]:
+    """Every ATen operator called in this process (a spy on `OpOverload.__call__`)."""
+    calls: list[str] = []
+    original = torch._ops.OpOverload.__call__
+
+    def spy(self, *args, **kwargs):
+        calls.append(str(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", spy)
+    return calls
+
+
+@pytest.mark.parametrize("command", ["check", "run", "show"])
+def test_a_plan_naming_a_file_reading_operator_is_refused_before_it_runs(command, flipped_plan, tmp_path, capsys,
+                                                                         called_ops) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"\x00" * 4096)
+    data = copy.deepcopy(flipped_plan)
+    (op,) = _aten_ops(data)
+    _set_attr(op, "target", "aten.from_file.default")
+    _set_attr(op, "call", json.dumps({"args": [str(secret)], "kwargs": {"size": 512, "dtype": {"dtype": "float64"}}}))
+    plan = tmp_path / "stolen.plan.json"
+    plan.write_text(json.dumps(data))
+    argv = {"check": ["check", str(plan)], "run": ["run", str(plan), "--steps", "1"],
+            "show": ["show", str(plan), "--ops"]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "op flip_default" in err and "aten.from_file.default" in err and "allow-list" in err
+    assert "replicated_models.py:59:9" in err and "Traceback" not in err
+    assert not any("from_file" in name for name in called_ops)  # never called, not even on meta tensors
+
+
+@pytest.mark.parametrize("target", ["aten.save.default", "aten._assert_async.msg", "aten.sleep.default"])
+def test_io_and_process_operators_are_not_on_the_list(target: str) -> None:
+    with pytest.raises(AtenCallError, match="allow-list"):
+        check_allowed(target)
+
+
+def test_the_list_holds_every_operator_the_examples_and_library_models_emit() -> None:
+    """Measured with every factory of examples/hf_models.py, tests/replicated_models.py,
+    tests/flex_models.py and the examples (the list the frontend emitted before the allow-list)."""
+    emitted = ("add.Tensor bmm.default cat.default chunk.default clone.default cumsum.default expand.default "
+               "flip.default index.Tensor layer_norm.default masked_fill.Scalar matmul.default mean.dim "
+               "mul.Tensor new_zeros.default pad.default pow.Tensor_Scalar repeat_interleave.self_int "
+               "rms_norm.default rsqrt.default rsub.Scalar scaled_dot_product_attention.default select.int "
+               "slice.Tensor slice_scatter.default softmax.int split.Tensor split_with_sizes.default "
+               "square.default sum.dim_IntList where.self").split()
+    for name in emitted:
+        resolve(f"aten.{name}")  # allowed, and a pure operator of this torch
+
+
+@pytest.mark.parametrize("spec", ["examples/hf_models.py:bloom", "examples/hf_models.py:codegen",
+                                  "tests/replicated_models.py:alibi"])
+def test_library_models_still_compile(spec: str) -> None:
+    from fivedc.frontends.python_file import graph_from_spec
+
+    graph = graph_from_spec(spec)
+    assert any(isinstance(op, Op) and op.kind == "aten" for op, _ in walk_ops(graph.body))
+
+
+def test_the_frontend_refuses_an_operator_off_the_list_at_its_line(tmp_path, capsys) -> None:
+    model = tmp_path / "cdist.py"
+    model.write_text(CDIST_MODEL)
+    out = tmp_path / "cdist.plan.json"
+    assert main(["compile", f"{model}:factory", "--mesh", "1x1x1x1x1", "-q", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{model}:13:" in err and "allow-list" in err and not out.exists()
+
+
+CDIST_MODEL = """import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx, targets):
+        h = self.emb(idx)
+        h = torch.cdist(h, h).sum(-1, keepdim=True) + h
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def factory():
+    return Model().double(), (torch.randint(0, 16, (2, 4)), torch.randint(0, 16, (2, 4)))
+"""
