@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +172,97 @@ class Model(nn.Module):
 def factory():
     return Model().double(), (torch.randint(0, 16, (2, 4)), torch.randint(0, 16, (2, 4)))
 """
+
+
+# ---- bounded work ---------------------------------------------------------------------------
+def _timed(argv: list[str]) -> tuple[int, float]:
+    start = time.perf_counter()
+    code = main(argv)
+    return code, time.perf_counter() - start
+
+
+def test_divisors_come_from_the_factors() -> None:
+    from fivedc.search.space import divisors
+
+    assert divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(1) == [1] and divisors(97) == [1, 97]
+    assert all(divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 300))
+    start = time.perf_counter()
+    assert len(divisors(10**12)) == 169 and divisors(2 * (2**61 - 1)) == [1, 2, 2**61 - 1, 2 * (2**61 - 1)]
+    assert time.perf_counter() - start < 0.5
+
+
+def test_a_search_of_a_billion_gpus_is_refused_at_once(capsys) -> None:
+    code, seconds = _timed(["search", GPT, "--gpus", "1000000000", "--gpu", "h100"])
+    err = capsys.readouterr().err
+    assert code == 2 and seconds < 2 and "--gpus 1000000000" in err and "2^20 = 1048576" in err
+
+
+def test_a_search_with_a_huge_global_batch_answers_in_seconds(capsys) -> None:
+    code, seconds = _timed(["search", GPT, "--gpus", "1024", "--gpu", "h100", "--global-batch", str(2**30)])
+    assert code in (0, 2) and seconds < 2 * 3  # within 2 s on an idle machine; this one is shared
+    code, seconds = _timed(["search", GPT, "--gpus", "1024", "--gpu", "h100", "--global-batch", str(10**12)])
+    err = capsys.readouterr().err
+    assert code == 2 and seconds < 2 and "--global-batch 1000000000000" in err and "2^31" in err
+
+
+def test_a_model_of_a_million_layers_is_refused_at_its_repeat(tmp_path, capsys) -> None:
+    model = tmp_path / "deep.5d"
+    model.write_text(Path(GPT).read_text().replace("    layers = 2\n", "    layers = 1000000\n"))
+    out = tmp_path / "deep.plan.json"
+    code, seconds = _timed(["compile", str(model), "--mesh", "1x1x1x1x1", "-q", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and seconds < 10 and not out.exists()
+    assert f"{model}:27:3: error: the model has 1000000 layers" in err and "at most 2048" in err
+
+
+def test_a_mesh_beyond_two_to_the_twenty_ranks_is_refused(capsys) -> None:
+    assert main(["compile", GPT, "--mesh", "1048576x1x2x1x1", "-q", "-o", "/dev/null"]) == 2
+    assert "mesh 1048576x1x2x1x1 has 2097152 ranks" in capsys.readouterr().err
+
+
+def test_too_many_microbatches_are_refused_with_the_most_that_fit(capsys) -> None:
+    argv = ["compile", "examples/tiny_llama.5d", "--mesh", "1x2x1x1x1", "--microbatches", "4097", "--global-batch",
+            "4097", "-q", "-o", "/dev/null"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "4097 microbatches x 2 pipeline chunks = 8194 schedule slots" in err and "at most 2048 here" in err
+
+
+@pytest.fixture(scope="module")
+def gpt_plan(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gpt") / "gpt.plan.json"
+    assert main(["compile", GPT, "--mesh", "1x2x1x1x1", "-q", "-o", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: _repeat(d).update(count=10**9), "1000000000 layers in its repeats; fivedc plans for at most 2048"),
+    (lambda d: d["pipeline"].update(microbatches=10**9), "1000000000 microbatches x 2 pipeline chunks"),
+    (lambda d: d["mesh"]["sizes"].update(dp=2**30), "has 2147483648 ranks"),
+    (lambda d: d["graph"]["dims"][0].__setitem__(1, 10**15), "dim batch = 1000000000000000 is larger"),
+])
+def test_a_plan_asking_for_unbounded_work_is_refused_on_load(edit, message, gpt_plan, tmp_path, capsys) -> None:
+    data = copy.deepcopy(gpt_plan)
+    edit(data)
+    plan = tmp_path / "edited.plan.json"
+    plan.write_text(json.dumps(data))
+    code, seconds = _timed(["check", str(plan)])
+    err = capsys.readouterr().err
+    assert code == 2 and seconds < 10 and message in err and "Traceback" not in err
+
+
+def _repeat(data: dict) -> dict:
+    return next(i for i in data["graph"]["body"]["items"] if i.get("node") == "repeat")
+
+
+@pytest.mark.parametrize("command", ["check", "diff"])
+def test_a_plan_nested_a_hundred_thousand_deep_is_bad_input(command, tmp_path, capsys) -> None:
+    plan = tmp_path / "deep.plan.json"
+    plan.write_text('{"version": 1, "graph": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    argv = ["check", str(plan)] if command == "check" else ["diff", str(plan), str(plan)]
+    assert main(argv) == 2
+    assert "nests deeper than 64 levels" in capsys.readouterr().err
+    shallow = tmp_path / "shallow.plan.json"  # deep enough to pass json but not the depth bound
+    shallow.write_text('{"version": 1, "graph": ' + "[" * 500 + "]" * 500 + "}")
+    assert main(["check", str(shallow)]) == 2
+    assert "nests deeper than 64 levels" in capsys.readouterr().err

@@ -95,12 +95,18 @@ def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = (), *
 def with_shape(graph, *, batch: int | None, seq: int | None):
     """The model at another global batch or sequence length (its batch and sequence dims):
     `--global-batch` and `--seq` of `fivedc compile` and `fivedc search`."""
+    from fivedc.ir.limits import MAX_DIM
+
     changes = {}
     for what, dim, value in (("--global-batch", graph.batch_dim, batch), ("--seq", graph.seq_dim, seq)):
         if value is None:
             continue
         if value < 1:
             raise FivedcError(f"{what} {value} must be at least 1")
+        if value > MAX_DIM:
+            raise FivedcError(f"{what} {value} is larger than fivedc plans for (at most 2^31 = {MAX_DIM})",
+                              hint=f"{what} counts {'sequences' if what == '--global-batch' else 'tokens'}; "
+                              "give a real size, e.g. 1024")
         if dim is None:
             kind = "batch" if what == "--global-batch" else "sequence"
             raise FivedcError(f"{what}: the model {graph.name} has no {kind} dim", hint=f"drop {what}")

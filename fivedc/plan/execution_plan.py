@@ -19,6 +19,7 @@ from fivedc.estimates.step_time import TimeEstimate
 from fivedc.ir.graph import Collective, CollectiveKind, Graph, Op, Repeat, Redistribute, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.ir.aten_allow import refuse_unlisted
+from fivedc.ir.limits import MAX_JSON_DEPTH, json_depth
 from fivedc.ir.serialize import decode, encode
 from fivedc.passes.overlap import Bucket
 from fivedc.passes.param_sync import DEFAULT_BUCKET_BYTES
@@ -74,12 +75,18 @@ class ExecutionPlan:
             raise PlanError(f"cannot read plan file {path}: {error.strerror}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise PlanError(f"{path} is not a fivedc plan (not JSON: {error})") from None
+        except RecursionError:  # nested deeper than Python's stack: no plan is
+            raise PlanError(f"{path} is not a fivedc plan: its JSON nests deeper than {MAX_JSON_DEPTH} levels",
+                            hint="give the .json file that fivedc compile -o wrote") from None
         return ExecutionPlan.from_json(data, source=str(path))
 
     @staticmethod
     def from_json(data: object, *, source: str = "<plan>") -> ExecutionPlan:
         if not isinstance(data, dict) or "version" not in data:
             raise PlanError(f"{source} is not a fivedc plan (no version field)")
+        if json_depth(data) > MAX_JSON_DEPTH:  # before decoding it recursively
+            raise PlanError(f"{source} is not a fivedc plan: its JSON nests deeper than {MAX_JSON_DEPTH} levels",
+                            hint="give the .json file that fivedc compile -o wrote")
         version = data["version"]
         if not isinstance(version, int) or isinstance(version, bool):
             raise PlanError(f"{source}: the version field is {version!r}, not a number",
