@@ -9,6 +9,7 @@ in seconds, and treat a model file that exits as bad input.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -266,3 +267,64 @@ def test_a_plan_nested_a_hundred_thousand_deep_is_bad_input(command, tmp_path, c
     shallow.write_text('{"version": 1, "graph": ' + "[" * 500 + "]" * 500 + "}")
     assert main(["check", str(shallow)]) == 2
     assert "nests deeper than 64 levels" in capsys.readouterr().err
+
+
+# ---- the model a plan was made from -----------------------------------------------------------
+def _body_op(data: dict, kind: str) -> dict:
+    return next(op for op in _repeat(data)["body"]["items"] if op.get("kind") == kind)
+
+
+@pytest.mark.parametrize("kind,key,value", [("attention", "causal", False), ("gelu", "approximate", "none")])
+@pytest.mark.parametrize("command", ["check", "run"])
+def test_a_consistently_edited_model_is_not_the_one_its_source_compiles_to(kind, key, value, command, gpt_plan,
+                                                                           tmp_path, capsys) -> None:
+    data = copy.deepcopy(gpt_plan)
+    _set_attr(_body_op(data, kind), key, value)
+    plan = tmp_path / "edited.plan.json"
+    plan.write_text(json.dumps(data))
+    argv = ["check", str(plan)] if command == "check" else ["run", str(plan), "--steps", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"is not the plan {GPT} compiles to" in err and "attrs" in err
+    assert "Traceback" not in err
+
+
+def test_a_plan_whose_source_changed_names_both_hashes(gpt_plan, tmp_path, capsys) -> None:
+    model = tmp_path / "gpt.5d"
+    model.write_text(Path(GPT).read_text())
+    plan = tmp_path / "gpt.plan.json"
+    assert main(["compile", str(model), "--mesh", "1x2x1x1x1", "-q", "-o", str(plan)]) == 0
+    recorded = json.loads(plan.read_text())["graph"]["model_hash"]
+    assert recorded == "sha256:" + hashlib.sha256(model.read_bytes()).hexdigest()
+    capsys.readouterr()
+    assert main(["check", str(plan)]) == 0
+    assert f"model: {model} (sha256:" in " ".join(capsys.readouterr().out.split())
+    model.write_text(Path(GPT).read_text().replace('approximate="tanh"', 'approximate="none"'))
+    assert main(["check", str(plan)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    actual = "sha256:" + hashlib.sha256(model.read_bytes()).hexdigest()
+    assert f"{model} is not the model" in err and recorded[:23] in err and actual[:23] in err
+
+
+def test_a_missing_source_is_said_plainly(gpt_plan, tmp_path, capsys) -> None:
+    data = copy.deepcopy(gpt_plan)
+    data["graph"]["model_file"] = str(tmp_path / "gone.5d")  # a plan from a machine with another tree
+    plan = tmp_path / "moved.plan.json"
+    plan.write_text(json.dumps(data))
+    gone = tmp_path / "gone.5d"
+    for argv in (["check", str(plan)], ["check", str(plan), "--source", str(gone)]):
+        capsys.readouterr()
+        assert main(argv) == 0
+        printed = capsys.readouterr().out
+        out = " ".join(printed.split())
+        assert f"model: {gone} not found: the plan's model cannot be checked against its source" in out
+        assert all(len(line) <= 100 for line in printed.splitlines())
+
+
+def test_a_python_source_is_hashed_never_imported(tmp_path, capsys) -> None:
+    plan = tmp_path / "flipped.plan.json"
+    assert main(["compile", "tests/replicated_models.py:flipped", "--mesh", "1x1x1x1x1", "-q", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["check", str(plan)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "model: tests/replicated_models.py (sha256:" in out and "its traced model is not compared" in out

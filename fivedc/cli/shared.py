@@ -81,15 +81,20 @@ def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = (), *
         raise FivedcError(f"{model} is a plan file, and this command takes a model",
                           hint="compile the model it came from (.5d or file.py:factory); "
                           "a plan runs with fivedc run PLAN.json and checks with fivedc check PLAN.json")
+    from fivedc.cli.model_source import stamp
+
     if is_spec(model):
-        return graph_from_spec(model, stage_boundaries=tuple(stage_boundaries), weights=weights)
+        from fivedc.frontends.python_file import parse_spec
+
+        graph = graph_from_spec(model, stage_boundaries=tuple(stage_boundaries), weights=weights)
+        return stamp(graph, parse_spec(model)[0])
     check_no_stage_boundaries(model, stage_boundaries)
     if not weights:
         raise FivedcError(f"--no-weights builds a file.py:factory model without its parameters; {model} is a DSL "
                           "model, which never allocates any at compile", hint="leave --no-weights out")
     from fivedc.frontends.dsl_file import load_model
 
-    return load_model(model)
+    return stamp(load_model(model), model)
 
 
 def with_shape(graph, *, batch: int | None, seq: int | None):

@@ -223,6 +223,8 @@ class Graph:
     source: str = ""  # file the model came from
     loc: SourceLoc | None = None
     seq_layout: SeqLayout = SeqLayout.CONTIGUOUS  # over cp; chosen by the sequence-split pass
+    model_file: str = ""  # the file compiled (a .5d, or the file.py of file.py:factory), as given
+    model_hash: str = ""  # sha256:HEX of its bytes at compile (fivedc/cli/model_source.py)
     dim_locs: tuple[tuple[str, SourceLoc], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
