@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     r.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default 0.1)")
     r.add_argument("--seed", type=int, default=0, help="seed of the parameters and the synthetic batch")
+    r.add_argument("--source", default=None, metavar="MODEL",
+                   help="for a plan: the model file it was compiled from (default: the file the plan names)")
     r.add_argument("--report", default=None, metavar="OUT.json",
                    help="write per rank the plan's memory estimate and what the run measured (bytes kept for "
                    "backward, parameters, gradients and optimizer state held; on CUDA the allocator's peak)")
@@ -175,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     search_args(sub.add_parser("search", help=COMMANDS["search"], description=COMMANDS["search"]))
     k = sub.add_parser("check", help=COMMANDS["check"], description=COMMANDS["check"])
     k.add_argument("plan", help="a plan .json written by fivedc compile")
+    k.add_argument("--source", default=None, metavar="MODEL",
+                   help="the model file the plan was compiled from (default: the file the plan names)")
     k.add_argument("--collectives", action="store_true",
                    help="list what each class of ranks (one per pp rank) issues in one step, in order")
     return parser
@@ -320,9 +324,15 @@ def cmd_check(args) -> int:
 
     from fivedc.proof.agreement import prove_agreement
 
+    from fivedc.cli.model_source import check_source
+
     plan = load_plan(args.plan)
-    print(f"{args.plan}: a valid plan for mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype}, "
-          f"{len(plan.collectives)} collectives): exactly what this fivedc compiles from its model and options")
+    model_line = check_source(plan, plan_name=args.plan, source=args.source)
+    width = _console(wide=False).width
+    print(textwrap.fill(f"{args.plan}: a valid plan for mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype}, "
+                        f"{len(plan.collectives)} collectives): exactly what this fivedc compiles from the model "
+                        "in the plan and its options", width=min(width, 100)))
+    print(textwrap.fill(model_line, width=min(width, 100)))
     print(textwrap.fill(str(prove_agreement(plan)), width=_console(wide=False).width))
     if args.collectives:
         from fivedc.proof.comm_program import class_programs

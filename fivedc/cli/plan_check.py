@@ -53,8 +53,8 @@ def check_plan(plan: ExecutionPlan, *, source: str = "<plan>") -> None:
     difference = first_difference(plan, fresh, "plan")
     if difference is not None:
         where, saved, compiled = difference
-        raise PlanError(f"{source} is not the plan its model compiles to: {where} is {_show(saved)} in the file, "
-                        f"{_show(compiled)} when compiled", hint=RECOMPILE_HINT)
+        raise PlanError(f"{source} is not the plan its model compiles to: {where} is {show(saved)} in the file, "
+                        f"{show(compiled)} when compiled", hint=RECOMPILE_HINT)
 
 
 def options_of(plan: ExecutionPlan) -> CompileOptions:
@@ -140,9 +140,10 @@ def first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
     return path, a, b
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
+    """A field's value in a message, at most 80 characters."""
     text = str(value) if isinstance(value, (int, float, str)) else repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-__all__ = ["check_plan", "load_plan", "source_graph", "options_of", "first_difference"]
+__all__ = ["check_plan", "load_plan", "source_graph", "options_of", "first_difference", "show"]

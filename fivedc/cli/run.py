@@ -38,6 +38,13 @@ def run_run(args, *, defaults) -> int:
 
         check_output(args.report, inputs=(args.model.split(":")[0],))
     plan = load_plan_or_compile(args.model, args, dtype=args.dtype or "fp32")
+    if args.model.endswith(".json"):
+        from fivedc.cli.model_source import check_source
+
+        print(check_source(plan, plan_name=args.model, source=args.source))
+    elif args.source is not None:
+        raise FivedcError(f"--source names the model of a plan; {args.model} is itself the model",
+                          hint="drop --source")
     check_trainable(plan.graph)
     if plan.dtype not in DTYPES:
         raise FivedcError(f"the plan trains in {plan.dtype}; run trains in {', '.join(DTYPES)}",

@@ -82,26 +82,37 @@ def load_graph(model: str, stage_boundaries: list[str] | tuple[str, ...] = (), *
         raise FivedcError(f"{model} is a plan file, and this command takes a model",
                           hint="compile the model it came from (.5d or file.py:factory); "
                           "a plan runs with fivedc run PLAN.json and checks with fivedc check PLAN.json")
+    from fivedc.cli.model_source import stamp
+
     if is_spec(model):
-        return graph_from_spec(model, stage_boundaries=tuple(stage_boundaries), weights=weights)
+        from fivedc.frontends.python_file import parse_spec
+
+        graph = graph_from_spec(model, stage_boundaries=tuple(stage_boundaries), weights=weights)
+        return stamp(graph, parse_spec(model)[0])
     check_no_stage_boundaries(model, stage_boundaries)
     if not weights:
         raise FivedcError(f"--no-weights builds a file.py:factory model without its parameters; {model} is a DSL "
                           "model, which never allocates any at compile", hint="leave --no-weights out")
     from fivedc.frontends.dsl_file import load_model
 
-    return load_model(model)
+    return stamp(load_model(model), model)
 
 
 def with_shape(graph, *, batch: int | None, seq: int | None):
     """The model at another global batch or sequence length (its batch and sequence dims):
     `--global-batch` and `--seq` of `fivedc compile` and `fivedc search`."""
+    from fivedc.ir.limits import MAX_DIM
+
     changes = {}
     for what, dim, value in (("--global-batch", graph.batch_dim, batch), ("--seq", graph.seq_dim, seq)):
         if value is None:
             continue
         if value < 1:
             raise FivedcError(f"{what} {value} must be at least 1")
+        if value > MAX_DIM:
+            raise FivedcError(f"{what} {value} is larger than fivedc plans for (at most 2^31 = {MAX_DIM})",
+                              hint=f"{what} counts {'sequences' if what == '--global-batch' else 'tokens'}; "
+                              "give a real size, e.g. 1024")
         if dim is None:
             kind = "batch" if what == "--global-batch" else "sequence"
             raise FivedcError(f"{what}: the model {graph.name} has no {kind} dim", hint=f"drop {what}")

@@ -41,6 +41,7 @@ def run_verify(args) -> int:
     if args.steps < 1:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
     check_local_run(args)
+    check_fault_flag(args)
     mesh = Mesh.parse(args.mesh, rank_order=args.rank_order)
     tol = args.tol if args.tol is not None else DEFAULT_TOL[args.dtype]
     if not (math.isfinite(tol) and tol >= 0):
@@ -86,12 +87,20 @@ def run_verify(args) -> int:
     return judge(report, tol, what=what, fault=fault)
 
 
+def check_fault_flag(args) -> None:
+    """`--inject-fault` names an op: an empty id would skip the self-test and pass."""
+    if args.inject_fault is not None and not args.inject_fault.partition("@")[0].strip():
+        raise FivedcError(f"--inject-fault {args.inject_fault!r} names no op: the self-test needs an op id",
+                          hint="fivedc show PLAN --ops lists the ids (compile the model first, "
+                          "fivedc compile MODEL --mesh ... -o PLAN.json), e.g. --inject-fault logits")
+
+
 def _diagnosis(args, plan, tol: float):
     """What --trace-divergence and --inject-fault ask of the run (None: a plain run)."""
     from fivedc.plan.faults import resolve_fault
     from fivedc.runtime.verify import Diagnosis
 
-    fault = resolve_fault(plan, args.inject_fault) if args.inject_fault else None
+    fault = resolve_fault(plan, args.inject_fault) if args.inject_fault is not None else None
     return Diagnosis(tol, fault) if fault is not None or args.trace_divergence else None
 
 
@@ -136,7 +145,7 @@ def _module_under_launcher(args, mesh, tol: float) -> int:
     from fivedc.parallel.check import check_module
     from fivedc.runtime.pool import check_world, init_from_env
 
-    if args.inject_fault or args.trace_divergence:
+    if args.inject_fault is not None or args.trace_divergence:
         raise FivedcError("--inject-fault and --trace-divergence of a file.py:factory module run local processes",
                           hint="run fivedc verify without torchrun for them")
     check_world(mesh.world, mesh=mesh)

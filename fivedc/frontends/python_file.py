@@ -120,8 +120,10 @@ def import_file(path: str | Path):
         del sys.modules[name]
         if isinstance(error, FivedcError):
             raise
-        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+        if isinstance(error, KeyboardInterrupt):
             raise
+        if isinstance(error, SystemExit):
+            raise _exit_error(f"{path} exited during import", error) from None
         raise _user_error(f"importing {path} failed", error) from None
     finally:
         sys.path.remove(str(resolved.parent))
@@ -134,6 +136,9 @@ def _call(factory, kwargs: dict, what: str):
         return factory(**kwargs)
     except FivedcError:
         raise
+    except SystemExit as error:
+        raise _exit_error(f"{what}() exited", error,
+                          hint="return (module, example_inputs) from it; raise an exception to refuse") from None
     except Exception as error:
         raise _user_error(f"{what}() failed", error) from None
 
@@ -142,6 +147,16 @@ def _user_error(what: str, error: BaseException) -> FivedcError:
     from fivedc.frontends.fx.locs import error_loc
 
     return FivedcError(f"{what}: {type(error).__name__}: {error}", loc=error_loc(error))
+
+
+def _exit_error(what: str, error: SystemExit, *,
+                hint: str = 'move the script\'s code under `if __name__ == "__main__":`') -> FivedcError:
+    """A model file that calls `sys.exit` (or `exit`) while fivedc reads it: bad input at the call,
+    never fivedc's own exit status."""
+    from fivedc.frontends.fx.locs import error_loc
+
+    return FivedcError(f"{what} (SystemExit({error.code!r})): a model file must define the model, not end the "
+                       "process", loc=error_loc(error), hint=hint)
 
 
 def _def_loc(fn) -> SourceLoc | None:

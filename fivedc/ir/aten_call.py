@@ -11,8 +11,10 @@ user sees where parallelism is lost.
 An `aten` op's attributes say everything the kernel needs:
 
 - `target`: the operator overload, `aten.constant_pad_nd.default`. Only operators
-  that neither mutate their arguments nor draw random numbers are allowed (`resolve`):
-  a plan file can name nothing else. Besides ATen's, a library's own custom operator
+  that neither mutate their arguments nor draw random numbers, and are on the allow-list
+  of pure tensor operators the frontend emits (`fivedc/ir/aten_allow.py`: never a file,
+  process, seeding or I/O operator), are allowed (`resolve`): a plan file can name
+  nothing else. Besides ATen's, a library's own custom operator
   (`transformers.grouped_mm_fallback.default`, registered with `torch.library`) is
   allowed where the library has registered it in the process: it always runs
   replicated, and a process that has not imported the library is told to.
@@ -65,6 +67,7 @@ import torch
 from torch import Tensor
 
 from fivedc.errors import ShapeError
+from fivedc.ir.aten_allow import check_allowed
 from fivedc.ir.aten_layout import (  # noqa: F401 (the whole kind importable from here)
     ALONG, MATMULS, PADS, RULES, UNTAGGED_POINTWISE, AtenCallError, Layout, along_of, lines_up, arg_layouts,
     layout_text, matmul_layouts, out_layout, parse_layout, rows_of, rule_of, whole_dims)
@@ -97,6 +100,7 @@ def resolve(target: str, args: tuple | list | None = None, kwargs: dict | None =
     if torch.Tag.nondeterministic_seeded in getattr(overload, "tags", ()) and _draws(schema, args, kwargs):
         raise AtenCallError(f"aten op target {target!r} draws random numbers; the ranks and the reference would "
                             "draw different ones")
+    check_allowed(target, overload)  # a plan is untrusted: only the pure operators the frontend emits
     return overload
 
 

@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Union
 
 from fivedc.errors import SourceLoc
+from fivedc.ir.limits import check_dim, check_layers
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.ir.sharding import Sharding
 from fivedc.ir.seq_layout import SeqLayout
@@ -222,7 +223,19 @@ class Graph:
     source: str = ""  # file the model came from
     loc: SourceLoc | None = None
     seq_layout: SeqLayout = SeqLayout.CONTIGUOUS  # over cp; chosen by the sequence-split pass
+    model_file: str = ""  # the file compiled (a .5d, or the file.py of file.py:factory), as given
+    model_hash: str = ""  # sha256:HEX of its bytes at compile (fivedc/cli/model_source.py)
     dim_locs: tuple[tuple[str, SourceLoc], ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        """Sizes within what fivedc plans for (`fivedc/ir/limits.py`): a model's and a plan file's."""
+        for name, size in self.dims:
+            if isinstance(size, int):
+                check_dim(name, size, loc=self.dim_loc(name))
+        repeats = [node for node, _ in walk_ops(self.body) if isinstance(node, Repeat)]
+        if repeats:
+            check_layers(sum(r.count for r in repeats if isinstance(r.count, int)),
+                         loc=max(repeats, key=lambda r: r.count if isinstance(r.count, int) else 0).loc)
 
     def dim(self, name: str) -> int:
         for key, value in self.dims:

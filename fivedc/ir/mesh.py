@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from fivedc.errors import MeshError
+from fivedc.ir.limits import check_world
 
 
 class MeshAxis(StrEnum):
@@ -56,6 +57,7 @@ class Mesh:
             raise MeshError(
                 f"rank order {','.join(self.rank_order)} must name each of dp, pp, tp, cp, ep once"
             )
+        check_world(math.prod(self.sizes), what=f"mesh {'x'.join(map(str, self.sizes))}")
 
     # ---- construction -------------------------------------------------------------
     @staticmethod

@@ -13,6 +13,7 @@ from typing import ClassVar, Protocol
 from fivedc.errors import FivedcError
 from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import Graph
+from fivedc.ir.limits import check_microbatches
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import check_mode, model_mode
 from fivedc.schedule.generators import SCHEDULES
@@ -64,6 +65,9 @@ class CompileOptions:
             if value is not None and (not _is_int(value) or value < 1):
                 raise FivedcError(f"{what} {value!r} must be an integer >= 1",
                                   hint="e.g. --microbatches 8" if what == "microbatches" else "e.g. --virtual 2")
+        if self.microbatches is not None:
+            virtual = (self.virtual or 2) if self.schedule == "interleaved" else 2 if "dualpipe" in self.schedule else 1
+            check_microbatches(self.microbatches, chunks=self.mesh.size(MeshAxis.PP) * virtual)
         if self.pp_layout is not None and (not self.pp_layout or not all(_is_int(n) and n >= 0 for n in self.pp_layout)):
             raise FivedcError(f"pipeline layout {self.pp_layout} must be layer counts >= 0, one per chunk",
                               hint="e.g. --pp-layout 3,5,5,3")

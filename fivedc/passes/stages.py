@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from fivedc.errors import PlanError
 from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.sharding import Sharding
+from fivedc.ir.limits import check_microbatches
 from fivedc.ir.mesh import Mesh
 from fivedc.schedule import Schedule, make_schedule
 
@@ -82,6 +83,8 @@ class PipelineSpec:
     def __post_init__(self) -> None:
         if self.cut not in CUTS:
             raise PlanError(f"unknown pipeline cut {self.cut!r}; one of {', '.join(CUTS)}")
+        if isinstance(self.microbatches, int):
+            check_microbatches(self.microbatches, chunks=len(self.chunks))
 
     def build_schedule(self, pp: int) -> Schedule:
         """The schedule as data (`fivedc/schedule/`), regenerated from its name."""

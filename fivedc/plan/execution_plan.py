@@ -18,6 +18,8 @@ from fivedc.estimates.memory import MemoryEstimate
 from fivedc.estimates.step_time import TimeEstimate
 from fivedc.ir.graph import Collective, CollectiveKind, Graph, Op, Repeat, Redistribute, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.ir.aten_allow import refuse_unlisted
+from fivedc.ir.limits import MAX_JSON_DEPTH, json_depth
 from fivedc.ir.serialize import decode, encode
 from fivedc.passes.overlap import Bucket
 from fivedc.passes.param_sync import DEFAULT_BUCKET_BYTES
@@ -73,12 +75,18 @@ class ExecutionPlan:
             raise PlanError(f"cannot read plan file {path}: {error.strerror}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise PlanError(f"{path} is not a fivedc plan (not JSON: {error})") from None
+        except RecursionError:  # nested deeper than Python's stack: no plan is
+            raise PlanError(f"{path} is not a fivedc plan: its JSON nests deeper than {MAX_JSON_DEPTH} levels",
+                            hint="give the .json file that fivedc compile -o wrote") from None
         return ExecutionPlan.from_json(data, source=str(path))
 
     @staticmethod
     def from_json(data: object, *, source: str = "<plan>") -> ExecutionPlan:
         if not isinstance(data, dict) or "version" not in data:
             raise PlanError(f"{source} is not a fivedc plan (no version field)")
+        if json_depth(data) > MAX_JSON_DEPTH:  # before decoding it recursively
+            raise PlanError(f"{source} is not a fivedc plan: its JSON nests deeper than {MAX_JSON_DEPTH} levels",
+                            hint="give the .json file that fivedc compile -o wrote")
         version = data["version"]
         if not isinstance(version, int) or isinstance(version, bool):
             raise PlanError(f"{source}: the version field is {version!r}, not a number",
@@ -89,7 +97,7 @@ class ExecutionPlan:
                 hint="recompile the model with this fivedc: fivedc compile MODEL.5d --mesh ...",
             )
         try:
-            return decode(ExecutionPlan, data)
+            plan = decode(ExecutionPlan, data)
         except PlanError as error:
             raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {error.message}",
                             hint="recompile the model rather than editing the plan") from None
@@ -97,6 +105,8 @@ class ExecutionPlan:
             raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {error.message}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise PlanError(f"{source} is not a valid version {PLAN_VERSION} plan: {type(error).__name__}: {error}") from None
+        refuse_unlisted(plan.graph, source=source)  # before anything calls an operator the plan names
+        return plan
 
 
 def groups_of(mesh: Mesh, collectives: tuple[Collective, ...]) -> tuple[GroupInfo, ...]:

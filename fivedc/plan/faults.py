@@ -31,6 +31,9 @@ class Fault:
 def resolve_fault(plan, text: str) -> Fault:
     """The `Fault` that `OP[@RANK]` names in `plan`, or a `FivedcError` saying what to give."""
     op, at, rank_text = text.partition("@")
+    if not op.strip():
+        raise FivedcError(f"--inject-fault {text!r} names no op: the self-test needs an op id",
+                          hint="fivedc show PLAN --ops lists the ids, e.g. --inject-fault logits")
     site = find_site(plan.graph, op)
     if not is_float(site):
         raise FivedcError(f"{site.id} ({site.kind}) computes integers: a fault goes into a floating-point value",

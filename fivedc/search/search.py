@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from fivedc.errors import FivedcError, PassError
 from fivedc.ir.graph import Graph
 from fivedc.ir.hardware import Hardware
+from fivedc.ir.limits import check_world
 from fivedc.passes.base import DTYPE_BYTES
 from fivedc.passes.stages import units
 from fivedc.pipeline import compile_graph
@@ -89,6 +90,7 @@ def search(graph: Graph, *, gpus: int, hardware: Hardware, dtype: str = "bf16", 
 def check_cluster(gpus: int, hardware: Hardware) -> None:
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise SearchError(f"--gpus {gpus!r} must be a whole number of GPUs >= 1", hint="e.g. --gpus 1024")
+    check_world(gpus, what=f"--gpus {gpus}", hint="search a cluster of at most 2^20 GPUs, e.g. --gpus 1024")
     per_node = hardware.gpus_per_node
     if gpus > per_node and gpus % per_node:
         raise SearchError(

@@ -34,6 +34,7 @@ from fivedc.ir.graph import Graph, Op, walk_ops
 from fivedc.ir.mesh import DEFAULT_RANK_ORDER, Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.schedule import min_microbatches
+from fivedc.search.divisors import divisors
 
 A = MeshAxis
 MIN_TOKENS_PER_CP_RANK = 1024
@@ -103,10 +104,6 @@ class Candidate:
         if self.mesh.rank_order != DEFAULT_RANK_ORDER:
             parts.append("order " + ",".join(a for a in self.mesh.rank_order if self.mesh.size(a) > 1))
         return " ".join(p for p in parts if p) or "-"
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def model_traits(graph: Graph) -> tuple[bool, bool]:
