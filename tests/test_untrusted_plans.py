@@ -222,11 +222,11 @@ def test_a_mesh_beyond_two_to_the_twenty_ranks_is_refused(capsys) -> None:
 
 
 def test_too_many_microbatches_are_refused_with_the_most_that_fit(capsys) -> None:
-    argv = ["compile", "examples/tiny_llama.5d", "--mesh", "1x2x1x1x1", "--microbatches", "4097", "--global-batch",
-            "4097", "-q", "-o", "/dev/null"]
+    argv = ["compile", "examples/tiny_llama.5d", "--mesh", "1x2x1x1x1", "--microbatches", "32769", "--global-batch",
+            "32769", "-q", "-o", "/dev/null"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "4097 microbatches x 2 pipeline chunks = 8194 schedule slots" in err and "at most 2048 here" in err
+    assert "32769 microbatches x 2 pipeline chunks = 65538 schedule slots" in err and "at most 32768 here" in err
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,18 @@ def test_activations_per_layer_are_korthikantis_by_technique() -> None:
         assert abs(ours / paper - 1) <= 0.10, (name, ours, paper)
 
 
+def test_the_largest_published_pipeline_is_within_what_fivedc_plans_for() -> None:
+    """Narayanan et al.'s 1T run: 512 microbatches through 64 stages (32768 schedule slots)."""
+    from fivedc.ir.limits import MAX_SLOTS
+
+    def chunks(run) -> int:
+        flags = run.flags.split()
+        virtual = int(flags[flags.index("--virtual") + 1]) if "--virtual" in flags else 1
+        return int(run.mesh.split("x")[1]) * virtual
+
+    assert max(r.microbatches * chunks(r) for r in validation.RUNS) == 512 * 64 <= MAX_SLOTS
+
+
 def test_the_measured_step_follows_from_the_papers_flop_count() -> None:
     """Table 1's 1T row: 163 TFLOP/s on 3072 GPUs at batch 3072 is a 103 s step."""
     assert validation.narayanan_seconds(128, 25600, 3072, 3072, 163) == pytest.approx(102.6, abs=0.1)
@@ -109,6 +121,7 @@ def test_a_plan_with_the_math_kernel_checks_and_the_option_is_refused_when_unkno
                  "-q", "-o", str(out)]) == 0
     plan = load_plan(out)
     check_plan(plan)  # recompiled from its own graph: the kernel is on the op
+    assert main(["check", str(out)]) == 0  # and from its model file, with the option read off the ops
     assert [op.attr("kernel") for op in _attention_ops(plan)] == ["math"]
     with pytest.raises(FivedcError, match="attention kernel"):
         CompileOptions(mesh=Mesh.parse("1x1x1x1x1"), attention_kernel="xformers")

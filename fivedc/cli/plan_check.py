@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from fivedc.errors import FivedcError, PlanError
-from fivedc.ir.graph import Block, Graph, Redistribute, Repeat, walk_ops
+from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import MeshAxis
+from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan.execution_plan import ExecutionPlan
@@ -73,8 +74,17 @@ def options_of(plan: ExecutionPlan) -> CompileOptions:
         virtual=pipeline.virtual if pipeline and pipeline.schedule == "interleaved" else None,
         pp_layout=_layers_per_chunk(plan) if pipeline and pipeline.cut == "layout" else None,
         recompute=plan.recompute,
+        attention_kernel=recorded_attention_kernel(plan.graph),
         hardware=plan.time.hardware if plan.time else None,
     )
+
+
+def recorded_attention_kernel(graph: Graph) -> str | None:
+    """The --attention-kernel a plan was compiled with, read off its attention ops: the
+    option sets every op the model leaves unset, so it was math exactly when every op
+    runs math (or the model said math on each, where the option changes nothing)."""
+    kernels = [kernel_of(op) for op, _ in walk_ops(graph.body) if isinstance(op, Op) and op.kind == "attention"]
+    return "math" if kernels and all(k == "math" for k in kernels) else None
 
 
 def _layers_per_chunk(plan: ExecutionPlan) -> tuple[int, ...]:

@@ -15,12 +15,11 @@ meets the same bounds when it is loaded. The bounds and why they are generous:
   the layers: 10^5 take 22 s and 1.2 GB without a pipeline, 10^6 minutes and 5 GB).
 - `MAX_DIM` 2^31 for one dim (a vocabulary, a global batch in sequences, a sequence in
   tokens): kernels index with 32-bit offsets, and no run comes near it.
-- `MAX_SLOTS` 4096 microbatches x pipeline chunks (pp x virtual stages) per step: the
+- `MAX_SLOTS` 2^16 microbatches x pipeline chunks (pp x virtual stages) per step: the
   schedule lists every microbatch's actions on every chunk, and the planning passes and
-  the agreement proof walk it (2048 layers on 32 stages of 2 chunks with 64 microbatches:
-  about 4 s to compile and 7 s to check on a busy 2-core machine; twice the slots take
-  9 s and 22 s); large published runs use 16 to 32 chunks and a few dozen to 200
-  microbatches.
+  the agreement proof walk it. Published runs reach 32768 (Narayanan et al. 2021's 1T
+  GPT: 512 microbatches through 64 stages; benchmarks/validation.py), which compiles
+  in about 4 s and checks in about 7 s with 135 MB on 2 cores.
 - `MAX_JSON_DEPTH` 64 levels in a plan file: a plan nests about 15 deep; a deeper file
   would exhaust Python's stack while it is read.
 """
@@ -32,7 +31,7 @@ from fivedc.errors import FivedcError, SourceLoc
 MAX_WORLD = 2**20
 MAX_LAYERS = 2048
 MAX_DIM = 2**31
-MAX_SLOTS = 4096
+MAX_SLOTS = 2**16
 MAX_JSON_DEPTH = 64
 
 
