@@ -14,9 +14,9 @@ largest, not their sum, is added to what the rank keeps):
 - ZeRO-3: without a pipeline, gathered by group (the buckets): in forward the groups
   of the unit running (a layer's, or the top level's) and the next group, prefetched;
   in backward a group gathered again, its gradients and their reduce-scatter buffer
-  (3 x the group): the larger (and beside the recomputed region, below) (`fivedc/runtime/zero3.py`); under a pipeline the whole
+  (3 x the group): the larger (`fivedc/runtime/zero3.py`); under a pipeline the whole
   gathered parameters of the rank's chunks and their gradients for the step (2 x the
-  local parameters);
+  local parameters); both also beside other parts (below);
 - gradient buckets: ZeRO-0/1 copy a bucket's gradients into one flat buffer (the
   largest bucket); ZeRO-2 lays every bucket out whole before reduce-scattering it,
   two at a time (2 x the largest);
@@ -79,8 +79,8 @@ def _zero3_beside(parts: dict[str, int], zero: int, pipeline: PipelineSpec | Non
     """ZeRO-3's gathered weights are live together with other parts, not at another moment:
     without a pipeline a layer's backward holds its unit's groups gathered again (a
     recomputed layer reads them all), their gradients as they come back, one group's
-    reduce-scatter buffer, and its recomputed region; under a pipeline the gathered parameters and their gradients stay
-    for the whole step, beside every other part."""
+    reduce-scatter buffer, and its recomputed region; under a pipeline the gathered
+    parameters and their gradients stay for the whole step, beside every other part."""
     if zero != 3 or not parts.get("ZeRO-3 gathers"):
         return {}
     if pipeline is None:
