@@ -38,7 +38,7 @@ REVIEWED = frozenset({
     # views, reshapes and copies
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "numpy_T", "unsqueeze", "squeeze",
     "flatten", "unflatten", "contiguous", "alias", "clone", "lift_fresh_copy", "expand_as", "view_as",
-    "movedim", "diagonal", "unbind", "type_as", "to", "_to_copy",
+    "movedim", "diagonal", "unbind", "type_as", "to", "_to_copy", "broadcast_tensors", "broadcast_to",
     # joins, repeats, flips
     "stack", "hstack", "vstack", "repeat", "tile", "flip", "roll", "rot90",
     # indexing and gathers
@@ -49,12 +49,17 @@ REVIEWED = frozenset({
     # masks, positions and constants built in the graph (of a shape the graph computes)
     "arange", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
     "new_full", "scalar_tensor", "linspace", "fill", "masked_fill", "tril_indices", "triu_indices",
+    "empty", "empty_like", "new_empty", "empty_strided",
     # products and fused blocks the patterns do not read
     "addmm", "baddbmm", "addbmm", "einsum", "outer", "linear", "tensordot", "dot", "mv", "addmv",
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_attention_math", "group_norm", "native_layer_norm", "_softmax_backward_data",
     "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss_nd", "log_softmax", "glu",
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "soft_margin_loss", "cosine_similarity", "cosine_embedding_loss",
     "cumsum", "cummax", "cummin", "sort", "argsort", "topk", "kthvalue", "median", "mode",
+    # counts (an MoE's tokens per expert: transformers' grouped experts)
+    "histc", "bincount",
 })
 DENIED_FRAGMENTS = ("file", "save", "load", "seed", "print", "sleep", "_assert", "record", "profil", "storage")
 TORCH_NAMESPACES = frozenset({"aten", "prim", "prims", "higher_order", "debug_mode_ops", "quantized", "_c10d_functional",
