@@ -97,6 +97,17 @@ class PlanError(FivedcError):
     """A plan file that cannot be read: wrong version, not JSON, missing fields."""
 
 
+class CheckpointError(FivedcError):
+    """A checkpoint that must not be read: a field of the wrong type, a piece outside its
+    folder, a shard whose bytes changed. Its hint names another checkpoint, never itself."""
+
+
+class NonFiniteError(FivedcError):
+    """Training reached a NaN or infinite loss or gradient norm: nothing of it is saved."""
+
+    exit_code = 1
+
+
 class PassError(FivedcError):
     """A compiler pass failed on a valid-looking graph: a bug in fivedc, reported with context."""
 

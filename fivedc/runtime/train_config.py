@@ -15,6 +15,10 @@ from dataclasses import asdict, dataclass
 
 from fivedc.errors import FivedcError
 
+# torch generators take seeds below 2**64; fivedc seeds one with seed * 1_000_003 + a
+# 32-bit offset (a parameter's name, an epoch): `runtime/program.init_params`, `runtime/data`
+SEED_MAX = (2**64 - 1 - 2**32) // 1_000_003
+
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
@@ -37,6 +41,10 @@ class TrainConfig:
         _at_least("--val-batches", self.val_batches, 1)
         _at_least("--save-every", self.save_every, 0)
         _at_least("--keep", self.keep, 1)
+        _at_least("--seed", self.seed, 0)
+        if self.seed > SEED_MAX:
+            raise FivedcError(f"--seed {self.seed} is above the largest seed, {SEED_MAX}",
+                              hint=f"give --seed between 0 and {SEED_MAX}")
         for flag, value in (("--lr", self.lr), ("--min-lr", self.floor), ("--weight-decay", self.weight_decay),
                             ("--clip", self.clip)):
             if not (math.isfinite(value) and value >= 0):
