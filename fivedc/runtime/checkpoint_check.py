@@ -116,11 +116,13 @@ def _check_tensor(check: _Checker, key, entry) -> None:
     pieces = entry.get("pieces")
     if not isinstance(pieces, list) or not pieces:
         check.fail(f"{where}.pieces", f"is {_show(pieces)}, not a list of pieces")
-    for n, piece in enumerate(pieces):
-        _check_piece(check, f"{where}.pieces[{n}]", piece, shape)
+    held = sum(_check_piece(check, f"{where}.pieces[{n}]", piece, shape) for n, piece in enumerate(pieces))
+    if held != math.prod(shape):
+        check.fail(f"{where}.pieces", f"hold {held} elements; its shape {shape} has {math.prod(shape)}")
 
 
-def _check_piece(check: _Checker, where: str, piece, shape: list[int]) -> None:
+def _check_piece(check: _Checker, where: str, piece, shape: list[int]) -> int:
+    """Check one piece; the number of elements it holds."""
     if not isinstance(piece, dict):
         check.fail(where, "is not an object")
     name = piece.get("file")
@@ -140,6 +142,7 @@ def _check_piece(check: _Checker, where: str, piece, shape: list[int]) -> None:
     if flat is not None and not (isinstance(flat, list) and len(flat) == 2 and all(_is_int(v) for v in flat)
                                  and 0 <= flat[0] <= flat[1] <= numel):
         check.fail(f"{where}.flat", f"is {_show(flat)}, not null or [start, stop] within the block's {numel}")
+    return numel if flat is None else flat[1] - flat[0]
 
 
 def _runs(block) -> list[list[tuple[int, int]]] | None:

@@ -15,6 +15,7 @@ about 1-2 GB/s, a small share of writing or reading the same bytes.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 
@@ -59,13 +60,21 @@ def check_files(folder: Path, index: dict) -> bool:
     for key, entry in index["tensors"].items():
         for piece in entry["pieces"]:
             by_file.setdefault(piece["file"], []).append((key, entry, piece))
-    names = sorted(set(by_file) | {f"rank-{r:05d}.safetensors" for r in range(index["world"])})
-    for name in names:
+    ranks = (f"rank-{r:05d}.safetensors" for r in range(index["world"]))  # lazily: a huge world fails at once
+    for name in _unique(itertools.chain(sorted(by_file), ranks)):
         path = _inside(folder, name)
         if digests is not None:
             _check_digest(path, digests.get(name), folder)
         _check_header(path, by_file.get(name, []), folder)
     return digests is not None
+
+
+def _unique(names):
+    seen = set()
+    for name in names:
+        if name not in seen:
+            seen.add(name)
+            yield name
 
 
 def check_digest_field(files, fail) -> None:
