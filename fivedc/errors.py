@@ -99,7 +99,14 @@ class PlanError(FivedcError):
 
 class CheckpointError(FivedcError):
     """A checkpoint that must not be read: a field of the wrong type, a piece outside its
-    folder, a shard whose bytes changed. Its hint names another checkpoint, never itself."""
+    folder, a shard whose bytes changed. Its hint names another checkpoint, never itself.
+    Its message quotes paths and fields, so it is wrapped at 100 columns."""
+
+    def render(self) -> str:
+        import textwrap
+
+        return "\n".join(textwrap.fill(line, width=100, subsequent_indent="  ", break_long_words=False,
+                                        break_on_hyphens=False) for line in FivedcError.render(self).splitlines())
 
 
 class NonFiniteError(FivedcError):

@@ -58,8 +58,10 @@ def _check_one(out: Output, inputs: tuple[PathLike, ...]) -> Path:
         return check_save_dir_path(out.path, flag=out.flag)
     try:
         target = check_output(out.path, inputs=inputs, what=out.what)
-    except OutputError as error:
-        error.message = f"{out.flag}: {error.message}"
+    except OutputError as error:  # name the flag: "--log run.jsonl is a directory"
+        lead = f"{out.what} output "
+        error.message = (out.flag + " " + error.message[len(lead):] if error.message.startswith(lead)
+                         else f"{out.flag}: {error.message}")
         raise
     if out.what == "log":
         from fivedc.log_file import check_log_contents

@@ -86,13 +86,14 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
 
 
 def refused(argv: list[str], capsys, root: Path, *, code: int = 2) -> str:
-    """The command exits `code` with a message and no traceback, and changes nothing under root."""
+    """The command exits `code` with a message and no traceback, and changes nothing under
+    root; the message with its lines joined (a checkpoint's is wrapped at 100 columns)."""
     before = snapshot(root)
     assert main(argv) == code
     err = capsys.readouterr().err
     assert "Traceback" not in err and "internal error" not in err and err.startswith("error: ")
     assert snapshot(root) == before
-    return err
+    return " ".join(err.split())
 
 
 TRAIN = ["train", MODEL, "--mesh", "1x1x1x1x1", "--data", "train.bin", "--steps", "2"]

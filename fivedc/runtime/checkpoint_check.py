@@ -33,9 +33,8 @@ def damaged_hint(folder: Path) -> str:
     here = folder.resolve()
     others = [p for _, p in committed(folder.parent) if p.resolve() != here]
     if others:
-        return (f"this checkpoint is damaged or not fivedc's; resume from another one, e.g. --resume {others[-1]}"
-                f", or train afresh")
-    return "this checkpoint is damaged or not fivedc's, and its directory holds no other: train afresh"
+        return f"it is damaged or not fivedc's: use --resume {others[-1]}, or train afresh"
+    return "it is damaged or not fivedc's, and its directory holds no other checkpoint: train afresh"
 
 
 def check_index(index: dict, path: Path) -> None:
