@@ -116,6 +116,7 @@ TRAIN = ["train", MODEL, "--mesh", "1x1x1x1x1", "--data", "train.bin", "--steps"
     ("pruned", ["--resume", "ck", "--steps", "6", "--log", f"ck/{STEP2}/run.jsonl"], "a checkpoint this"),
     ("save dir link", ["--save-dir", "linkdir"], "is a symlink to"),
     ("save dir file", ["--save-dir", "train.bin"], "is not a directory"),
+    ("best model fifo", ["--resume", "ck", "--steps", "6"], "--save-dir ck: ck/best_model.safetensors is not a regular"),
 ])
 def test_train_outputs_follow_the_one_rule(tree: Path, tmp_path: Path, capsys, case, flags, message) -> None:
     shutil.copy(MODEL, tree / "model.5d")
@@ -125,6 +126,9 @@ def test_train_outputs_follow_the_one_rule(tree: Path, tmp_path: Path, capsys, c
     (tree / "link.jsonl").symlink_to(outside)
     (tree / "linkdir").symlink_to(tmp_path)
     os.mkfifo(tree / "fifo.jsonl")
+    if case == "best model fifo":
+        (tree / "ck" / "best_model.safetensors").unlink()
+        os.mkfifo(tree / "ck" / "best_model.safetensors")
     argv = [*TRAIN, *flags]
     if case == "model":
         argv[1] = "model.5d"

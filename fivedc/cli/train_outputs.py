@@ -6,7 +6,8 @@ The inputs they must not be are the model's file (or the plan), the token files 
 every file of the checkpoint resumed from; no output may lie inside the checkpoint
 read, inside one of the save directory's checkpoints (a save prunes them), or take a
 name the save directory uses for itself (`best_model.safetensors`, the lock,
-`step-N`, `.tmp-step-N`).
+`step-N`, `.tmp-step-N`). The save directory's `best_model.safetensors`, replaced on a
+new best validation loss, is checked by the same rule at the start.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def check_train_outputs(args) -> TrainOutputs:
                Output("--plot", args.plot, "picture") if args.plot is not None else None,
                Output("--save-dir", save_dir, "save directory") if save_dir is not None else None]
     targets = check_outputs(outputs, inputs=_inputs(args, resume), read_dirs=read)
+    if save_dir is not None and Path(save_dir).is_dir():  # the best model: no directory, FIFO or link out there
+        check_outputs([Output(f"--save-dir {save_dir}:", str(Path(save_dir) / BEST), "model")])
     if save_dir is not None:
         for out in outputs[:2]:
             if out is not None:

@@ -28,56 +28,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fivedc.errors import CheckpointError, FivedcError, NonFiniteError
+from fivedc.errors import CheckpointError, NonFiniteError
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.tied import shared_instances
 from fivedc.runtime.moe import moe_state
+from fivedc.runtime.checkpoint_dirs import INDEX, STEP_DIR, committed, find_checkpoint, step_dir  # noqa: F401
 from fivedc.runtime.reshard import as_block, block_of, block_text, first_holder, shape_of, whole
 
 FORMAT, VERSION = "fivedc-checkpoint", 1
-INDEX = "index.json"
-STEP_DIR = re.compile(r"step-(\d{8})")
 STATES = ("exp_avg", "exp_avg_sq", "master")  # AdamW's moments and the 16-bit master copy
-
-
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
-
-
-def committed(root: str | Path) -> list[tuple[int, Path]]:
-    """The committed checkpoints of a save directory (those with an index), by step."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_DIR.fullmatch(p.name)) and (p / INDEX).is_file()]
-    return sorted(found)
-
-
-def find_checkpoint(path: str | Path, *, flag: str = "--resume") -> Path:
-    """A checkpoint folder, or a save directory's latest committed checkpoint."""
-    path = Path(path)
-    if (path / INDEX).is_file():
-        return path
-    found = committed(path)
-    if not found:
-        what = "does not exist" if not path.exists() else "holds no committed checkpoint (no step-N/index.json)"
-        raise FivedcError(f"{flag} {path} {what}".lstrip(), hint="give a save directory written by fivedc train "
-                          "--save-dir, or one of its step-N folders")
-    return found[-1][1]
 
 
 def read_index(folder: str | Path) -> dict:
     """The index of a checkpoint folder, every field type-checked (`checkpoint_check.py`):
     a checkpoint is untrusted input."""
-    from fivedc.runtime.checkpoint_check import check_index, damaged_hint
+    from fivedc.runtime.checkpoint_check import check_index
+    from fivedc.runtime.checkpoint_dirs import damaged_hint
     from fivedc.runtime.checkpoint_files import check_digest_field
 
     path = Path(folder) / INDEX
@@ -97,7 +69,7 @@ def read_index(folder: str | Path) -> dict:
 
 
 def _bad_field(path: Path, field: str, what: str):
-    from fivedc.runtime.checkpoint_check import damaged_hint
+    from fivedc.runtime.checkpoint_dirs import damaged_hint
 
     raise CheckpointError(f"the checkpoint index {path}: {field} {what}", hint=damaged_hint(path.parent))
 

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from fivedc.errors import CheckpointError
+from fivedc.runtime.checkpoint_dirs import damaged_hint
 
 RANK_FILE = re.compile(r"rank-\d{5,}\.safetensors")
 KINDS = ("param", "exp_avg", "exp_avg_sq", "master", "moe_bias")
@@ -24,17 +25,6 @@ DTYPES = ("float64", "float32", "bfloat16", "float16")
 CONFIG = {"steps": int, "lr": float, "min_lr": (float, None), "warmup": int, "weight_decay": float,
           "clip": float, "seed": int, "val_every": int, "val_batches": int, "save_every": int, "keep": int}
 PLAN = {"hash": str, "model": str, "mesh": str, "zero": int, "dtype": str}
-
-
-def damaged_hint(folder: Path) -> str:
-    """What to do instead: another committed checkpoint of the same save directory, or a fresh run."""
-    from fivedc.runtime.checkpoint import committed
-
-    here = folder.resolve()
-    others = [p for _, p in committed(folder.parent) if p.resolve() != here]
-    if others:
-        return f"it is damaged or not fivedc's: use --resume {others[-1]}, or train afresh"
-    return "it is damaged or not fivedc's, and its directory holds no other checkpoint: train afresh"
 
 
 def check_index(index: dict, path: Path) -> None:
@@ -199,4 +189,4 @@ class _Checker:
             self.fail(where + name, f"is {_show(value)}, not {want}")
 
 
-__all__ = ["RANK_FILE", "check_index", "damaged_hint"]
+__all__ = ["RANK_FILE", "check_index"]

@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 
 from fivedc.errors import CheckpointError
-from fivedc.runtime.checkpoint_check import RANK_FILE, damaged_hint
+from fivedc.runtime.checkpoint_check import RANK_FILE
+from fivedc.runtime.checkpoint_dirs import damaged_hint
 
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "U8": "uint8"}
 DIGEST_SUFFIX = ".digest.json"  # a rank's digest beside its file until rank 0 collects it
