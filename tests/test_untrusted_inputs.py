@@ -116,7 +116,8 @@ TRAIN = ["train", MODEL, "--mesh", "1x1x1x1x1", "--data", "train.bin", "--steps"
     ("pruned", ["--resume", "ck", "--steps", "6", "--log", f"ck/{STEP2}/run.jsonl"], "a checkpoint this"),
     ("save dir link", ["--save-dir", "linkdir"], "is a symlink to"),
     ("save dir file", ["--save-dir", "train.bin"], "is not a directory"),
-    ("best model fifo", ["--resume", "ck", "--steps", "6"], "--save-dir ck: ck/best_model.safetensors is not a regular"),
+    ("best model fifo", ["--resume", "ck", "--steps", "6"],
+     "--save-dir ck: ck/best_model.safetensors is not a regular"),
 ])
 def test_train_outputs_follow_the_one_rule(tree: Path, tmp_path: Path, capsys, case, flags, message) -> None:
     shutil.copy(MODEL, tree / "model.5d")
@@ -287,7 +288,18 @@ def _outside_link(folder: Path) -> None:
     (folder / SHARD).symlink_to(moved)
 
 
+def _names(**change) -> dict:
+    """A traced model's parameter map for layers.0.attn_norm (shape [32]), with `change`."""
+    mapping = {"ir_name": "layers.0.attn_norm", "param": "attn_norm", "repeat": "layers", "key": "norm.weight",
+               "module_path": "norm", "pattern": "norm", "ir_shape": [32], "key_shape": [32], **change}
+    return {"params": [mapping], "aliases": {}}
+
+
 DAMAGE = {
+    "names of a wrong type": (lambda f: edit_index(f, _set("names", _names(ir_shape="32"))),
+                              "names.params[0].ir_shape is '32'"),
+    "names that do not fit": (lambda f: edit_index(f, _set("names", _names(key_shape=[4, 4], transpose=True))),
+                              "has parameter names (names.params) that do not fit its tensors"),
     "string step": (lambda f: edit_index(f, _set("step", "4")), "step is '4', not a whole number >= 0"),
     "negative step": (lambda f: edit_index(f, _set("step", -1)), "step is -1, not a whole number >= 0"),
     "missing tensors": (lambda f: edit_index(f, lambda i: i.pop("tensors")), "tensors is missing"),
@@ -336,8 +348,8 @@ def test_a_checkpoint_without_digests_is_read_unchecked_with_a_note(tree: Path, 
 # The fields a reader uses, and what a JSON value of another kind there must be refused.
 FIELDS = ["step", "world", "val_loss", "best", "best.step", "best.val_loss", "data.train", "config", "config.lr",
           "config.steps", "config.seed", "config.min_lr", "optimizer", "optimizer.steps_taken", "optimizer.lr",
-          "plan", "plan.hash", "plan.zero", "plan.mesh", "tensors", "T", "T.dtype", "T.shape", "T.dims", "T.pieces",
-          "P", "P.file", "P.key", "P.block", "P.flat", "files", "F", "F.sha256", "F.bytes"]
+          "plan", "plan.hash", "plan.zero", "plan.mesh", "names", "tensors", "T", "T.dtype", "T.shape", "T.dims",
+          "T.pieces", "P", "P.file", "P.key", "P.block", "P.flat", "files", "F", "F.sha256", "F.bytes"]
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                   max_size=3), max_leaves=6)

@@ -27,6 +27,19 @@ CONFIG = {"steps": int, "lr": float, "min_lr": (float, None), "warmup": int, "we
 PLAN = {"hash": str, "model": str, "mesh": str, "zero": int, "dtype": str}
 
 
+def _sizes(value, length: int | None = None) -> bool:
+    return (isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value)
+            and (length is None or len(value) == length))
+
+
+MAPPING = {  # a traced model's parameter map (`fx/params.ParamMapping`), field by field
+    **{name: lambda v: isinstance(v, str) for name in ("ir_name", "param", "key", "module_path", "pattern")},
+    "repeat": lambda v: v is None or isinstance(v, str), "ir_shape": _sizes, "key_shape": _sizes,
+    "rows": lambda v: v is None or _sizes(v, 2), "transpose": lambda v: isinstance(v, bool),
+    "index": lambda v: v is None or (_is_int(v) and v >= 0), "axis": lambda v: _is_int(v) and v >= 0,
+}
+
+
 def check_index(index: dict, path: Path) -> None:
     """Every field of the index at `path` (format and version already checked)."""
     check = _Checker(path)
@@ -82,6 +95,9 @@ def _check_names(check: _Checker, names) -> None:
             ParamMapping(**{k: tuple(v) if isinstance(v, list) else v for k, v in mapping.items()})
         except (TypeError, AttributeError):
             check.fail(f"names.params[{n}]", "is not a parameter mapping")
+        for field, ok in MAPPING.items():
+            if not ok(mapping.get(field)) and (field in mapping or field in ("ir_name", "key", "ir_shape")):
+                check.fail(f"names.params[{n}].{field}", f"is {_show(mapping.get(field))}")
     aliases = names.get("aliases", {})
     if not isinstance(aliases, dict) or not all(isinstance(v, list) and all(isinstance(s, str) for s in v)
                                                 for v in aliases.values()):

@@ -51,7 +51,14 @@ def model_tensors(folder: str | Path, index: dict, *, strip_prefix: str = "", dt
     if names:
         mappings = tuple(ParamMapping(**{k: tuple(v) if isinstance(v, list) else v for k, v in m.items()})
                          for m in names["params"])
-        params = from_ir_params(mappings, params)
+        try:
+            params = from_ir_params(mappings, params)
+        except (IndexError, RuntimeError, ValueError) as error:  # well-typed names that do not fit the tensors
+            from fivedc.errors import CheckpointError
+            from fivedc.runtime.checkpoint_dirs import damaged_hint
+
+            raise CheckpointError(f"the checkpoint {folder} has parameter names (names.params) that do not fit "
+                                  f"its tensors: {error}", hint=damaged_hint(Path(folder))) from None
         for key, others in names.get("aliases", {}).items():
             params.update({other: params[key] for other in others if key in params})
     if strip_prefix:
