@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fivedc.errors import CheckpointError
 from fivedc.runtime.checkpoint_dirs import damaged_hint
+from fivedc.runtime.train_config import MAX_STEPS
 
 RANK_FILE = re.compile(r"rank-\d{5,}\.safetensors")
 KINDS = ("param", "exp_avg", "exp_avg_sq", "master", "moe_bias")
@@ -43,7 +44,7 @@ MAPPING = {  # a traced model's parameter map (`fx/params.ParamMapping`), field 
 def check_index(index: dict, path: Path) -> None:
     """Every field of the index at `path` (format and version already checked)."""
     check = _Checker(path)
-    check.number(index, "step", int, least=0)
+    check.number(index, "step", int, least=0, most=MAX_STEPS)
     check.number(index, "world", int, least=1)
     check.number(index, "val_loss", (float, None))
     best = check.mapping(index, "best", optional=True)
@@ -190,7 +191,8 @@ class _Checker:
         if not isinstance(parent.get(name), str):
             self.fail(where + name, "is missing" if name not in parent else f"is {_show(parent[name])}, not a string")
 
-    def number(self, parent: dict, name: str, kind, *, least: int | None = None, where: str = "") -> None:
+    def number(self, parent: dict, name: str, kind, *, least: int | None = None, most: int | None = None,
+               where: str = "") -> None:
         value, kinds = parent.get(name), kind if isinstance(kind, tuple) else (kind,)
         if value is None and None in kinds:
             return
@@ -199,9 +201,10 @@ class _Checker:
         whole = int in kinds
         ok = _is_int(value) if whole else (isinstance(value, (int, float)) and not isinstance(value, bool)
                                            and math.isfinite(value))
-        if not ok or (least is not None and value < least):
+        if not ok or (least is not None and value < least) or (most is not None and value > most):
             want = f"a whole number >= {least}" if whole and least is not None else (
                 "a whole number" if whole else "a finite number")
+            want += f" and <= {most}" if most is not None else ""
             self.fail(where + name, f"is {_show(value)}, not {want}")
 
 

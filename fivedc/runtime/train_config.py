@@ -18,6 +18,7 @@ from fivedc.errors import FivedcError
 # torch generators take seeds below 2**64; fivedc seeds one with seed * 1_000_003 + a
 # 32-bit offset (a parameter's name, an epoch): `runtime/program.init_params`, `runtime/data`
 SEED_MAX = (2**64 - 1 - 2**32) // 1_000_003
+MAX_STEPS = 2**32 - 1  # so that an epoch number (at most the step) stays a 32-bit offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _at_least("--steps", self.steps, 1)
+        if self.steps > MAX_STEPS:
+            raise FivedcError(f"--steps {self.steps} is above the largest, {MAX_STEPS}", hint="give fewer steps")
         _at_least("--warmup", self.warmup, 0)
         _at_least("--val-every", self.val_every, 0)
         _at_least("--val-batches", self.val_batches, 1)
