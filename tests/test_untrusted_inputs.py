@@ -449,3 +449,20 @@ def test_sigterm_removes_the_runs_temp_folders(tree: Path, tmp_path: Path) -> No
             proc.kill()
             proc.wait()
     assert proc.returncode != 0 and list(scratch.iterdir()) == []
+
+
+def test_a_rank_refusing_the_resumed_checkpoint_is_not_told_to_resume_from_it(saved: Path) -> None:
+    """The hint a failed run gets names its save directory's last checkpoint, unless that
+    is the very checkpoint it resumed from and the failure is bad input (exit 2)."""
+    from types import SimpleNamespace
+
+    from fivedc.cli.train import _with_resume_hint
+    from fivedc.errors import FivedcError
+
+    job = SimpleNamespace(save_dir=str(saved / "ck"), resume=str(saved / "ck" / STEP4))
+    bad, crash = FivedcError("a piece is missing", hint="h"), FivedcError("rank 1 died")
+    crash.exit_code = 3
+    assert _with_resume_hint(bad, job).hint == "h"
+    assert f"continue with --resume {saved / 'ck'}" in _with_resume_hint(crash, job).hint
+    earlier = SimpleNamespace(save_dir=str(saved / "ck"), resume=str(saved / "ck" / STEP2))
+    assert "continue with --resume" in _with_resume_hint(FivedcError("a piece is missing"), earlier).hint

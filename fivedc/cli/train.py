@@ -209,19 +209,18 @@ def _local(job, progress, args) -> None:
         try:
             run_once(train_job, world=plan.mesh.world, payload=job, timeout_s=args.timeout, on_progress=progress.line)
         except FivedcError as error:
-            raise _with_resume_hint(error, job.save_dir) from None
+            raise _with_resume_hint(error, job) from None
 
 
-def _with_resume_hint(error: FivedcError, save_dir: str | None) -> FivedcError:
-    """A failed run that saved: say where to continue from (not after a damaged checkpoint,
-    whose own hint names another)."""
+def _with_resume_hint(error: FivedcError, job) -> FivedcError:
+    """A failed run that saved: say where to continue from; never the checkpoint this run
+    resumed from when that is what the error is about (bad input: exit 2)."""
     from fivedc.runtime.checkpoint import committed
 
-    from fivedc.errors import CheckpointError
-
-    found = committed(save_dir) if save_dir is not None and not isinstance(error, CheckpointError) else []
-    if found:
-        more = f"the last checkpoint is {found[-1][1]} (step {found[-1][0]}): continue with --resume {save_dir}"
+    found = committed(job.save_dir) if job.save_dir is not None else []
+    same = bool(found) and job.resume is not None and found[-1][1].resolve() == Path(job.resume).resolve()
+    if found and not (same and error.exit_code == 2):
+        more = f"the last checkpoint is {found[-1][1]} (step {found[-1][0]}): continue with --resume {job.save_dir}"
         error.hint = f"{error.hint}; {more}" if error.hint else more
     return error
 
