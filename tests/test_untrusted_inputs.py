@@ -466,3 +466,25 @@ def test_a_rank_refusing_the_resumed_checkpoint_is_not_told_to_resume_from_it(sa
     assert f"continue with --resume {saved / 'ck'}" in _with_resume_hint(crash, job).hint
     earlier = SimpleNamespace(save_dir=str(saved / "ck"), resume=str(saved / "ck" / STEP2))
     assert "continue with --resume" in _with_resume_hint(FivedcError("a piece is missing"), earlier).hint
+
+
+def test_a_save_of_non_finite_state_is_refused(saved: Path, tmp_path: Path, monkeypatch) -> None:
+    """Should a NaN reach the parameters with a finite loss, the save refuses it (every
+    rank agrees by one all-reduce) and leaves no committed checkpoint."""
+    from fivedc.runtime import checkpoint
+
+    real = checkpoint.rank_pieces
+
+    def poisoned(run):
+        tensors, pieces = real(run)
+        name = next(k for k in sorted(tensors) if k.startswith("param/"))
+        tensors[name] = torch.full_like(tensors[name], math.inf)
+        return tensors, pieces
+
+    monkeypatch.setattr(checkpoint, "rank_pieces", poisoned)
+    job = dataclasses.replace(job_for(plan_of("tiny_llama", "1x1x1x1x1", dtype="fp32"),
+                                      (str(saved / "train.bin"), str(saved / "val.bin")), steps=2, save_every=1),
+                              save_dir=str(tmp_path / "ck"))
+    with pytest.raises(NonFiniteError, match="step 1's state holds NaN or infinite values"):
+        one_device(job)
+    assert committed(tmp_path / "ck") == [] and not (tmp_path / "ck" / "best_model.safetensors").exists()
