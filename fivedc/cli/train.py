@@ -9,6 +9,9 @@ then trains on the mesh's world of local processes (or as one rank under torchru
 module's own weights (written once to a temporary safetensors file the ranks read
 their shards from); a DSL model from seeded weights. Rank 0's rows become progress
 lines, the `--log` JSONL file and the `--plot` picture (`fivedc/cli/train_report.py`).
+Everything the run writes is checked first, before the model is compiled
+(`fivedc/cli/train_outputs.py`), and the save directory is locked for the whole run
+(`fivedc/runtime/save_lock.py`).
 """
 
 from __future__ import annotations
@@ -71,12 +74,12 @@ def run_train(args, *, defaults) -> int:
     job = _job(args, plan, module, saves)
     launched = "WORLD_SIZE" in os.environ
     talk = not launched or os.environ.get("RANK") == "0"
-    with _holding(saves.save_dir if talk else None):
+    with _holding(saves.save_dir if talk else None):  # the save directory is this run's to the end
         if talk:
             _header(args, job, roles, saves)
         progress = _train(job, saves, args, launched=launched, log_target=outputs.log if talk else None)
-    if talk:
-        _finish(progress, args, plan, saves)
+        if talk:
+            _finish(progress, args, plan, saves)
     return 0
 
 
