@@ -97,6 +97,24 @@ class PlanError(FivedcError):
     """A plan file that cannot be read: wrong version, not JSON, missing fields."""
 
 
+class CheckpointError(FivedcError):
+    """A checkpoint that must not be read: a field of the wrong type, a piece outside its
+    folder, a shard whose bytes changed. Its hint names another checkpoint, never itself.
+    Its message quotes paths and fields, so it is wrapped at 100 columns."""
+
+    def render(self) -> str:
+        import textwrap
+
+        return "\n".join(textwrap.fill(line, width=100, subsequent_indent="  ", break_long_words=False,
+                                        break_on_hyphens=False) for line in FivedcError.render(self).splitlines())
+
+
+class NonFiniteError(FivedcError):
+    """Training reached a NaN or infinite loss or gradient norm: nothing of it is saved."""
+
+    exit_code = 1
+
+
 class PassError(FivedcError):
     """A compiler pass failed on a valid-looking graph: a bug in fivedc, reported with context."""
 

@@ -9,7 +9,8 @@ fix); `/dev/null` is the one device allowed: the output is discarded and the dev
 left alone. The data then goes to a temp file beside the final target, is fsynced, gets
 the mode a plain `open()` would give (0o666 & ~umask, or the mode of the file it
 replaces) and is renamed onto the target. The temp file is removed on every
-failure, Ctrl-C included, so nothing is written unless everything is.
+failure, Ctrl-C included, so nothing is written unless everything is. A command
+checks all its outputs together, before any work, with `fivedc/outputs.check_outputs`.
 """
 
 from __future__ import annotations

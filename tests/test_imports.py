@@ -22,7 +22,7 @@ import networkx as nx
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"fivedc": ROOT / "fivedc"}
 LAYERS = (  # bottom to top
-    ("fivedc.errors", "fivedc.files"),
+    ("fivedc.errors", "fivedc.files", "fivedc.outputs", "fivedc.log_file"),
     ("fivedc.ir",),
     ("fivedc.schedule",),
     ("fivedc.passes",),

@@ -11,7 +11,6 @@ own parser off the command's flags.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import socket
 import time
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fivedc.cli.main import main
+from fivedc.log_file import rows_of
 from fivedc.runtime.checkpoint import committed, find_checkpoint, read_index
 from fivedc.runtime.data import RankBatches
 from fivedc.runtime.pool import WorkerError
@@ -107,5 +107,5 @@ def test_train_runs_as_one_rank_of_a_launcher(tmp_path, monkeypatch, capsys) -> 
             dist.destroy_process_group()
     assert code == 0 and not dist.is_initialized()
     assert "step 2/2" in capsys.readouterr().out
-    assert [json.loads(line)["step"] for line in (tmp_path / "run.jsonl").read_text().splitlines()] == [1, 2]
+    assert [row["step"] for row in rows_of(tmp_path / "run.jsonl")] == [1, 2]
     assert [step for step, _ in committed(tmp_path / "ck")] == [2]

@@ -3,6 +3,7 @@
 main.py           the parser and dispatch: compile, show, verify, run, train, export, diff, check, search
 shared.py         what commands share: models and plans loaded, options read
 run.py, verify.py, verify_report.py, train.py, train_report.py, train_resume.py: one command each
+train_outputs.py  what fivedc train writes, checked by the one output rule before any work
 plan_check.py     a saved plan runs only if it is what this fivedc compiles
 search.py         fivedc search: the layout search's flags, progress bar, top-K table, --json, -o
 fit.py            does a plan fit its GPU, and what would make it fit

@@ -270,6 +270,12 @@ def cmd_show(args) -> int:
     if not args.ops and args.schedule is None:
         raise FivedcError("fivedc show needs --ops (list the ops) or --schedule OUT (draw the schedule)",
                           hint=f"e.g. fivedc show {args.plan} --ops")
+    if args.schedule is not None:  # the picture's target, before any work
+        from fivedc.outputs import Output, check_outputs
+
+        if Path(args.schedule).suffix not in (".png", ".svg"):
+            raise FivedcError(f"cannot draw to {args.schedule}: the picture is .png or .svg")
+        check_outputs([Output("--schedule", args.schedule, "picture")], inputs=(args.plan,))
     plan = load_plan(args.plan)
     if args.ops:
         from fivedc.plan.op_list import render_ops
@@ -281,8 +287,6 @@ def cmd_show(args) -> int:
         raise FivedcError(f"{args.plan} has no pipeline (pp = 1): nothing to draw",
                           hint="compile with pp > 1, e.g. --mesh 1x4x1x1x1 --schedule 1f1b")
     out = Path(args.schedule)
-    if out.suffix not in (".png", ".svg"):
-        raise FivedcError(f"cannot draw to {out}: the picture is .png or .svg")
     from fivedc.files import write_output
     from fivedc.ir.mesh import MeshAxis
 

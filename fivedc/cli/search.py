@@ -36,7 +36,8 @@ def search_args(p) -> None:
 
 def run_search(args, console) -> int:
     from fivedc.cli.shared import load_graph, with_shape
-    from fivedc.files import check_output, write_output
+    from fivedc.files import write_output
+    from fivedc.outputs import Output, check_outputs
     from fivedc.frontends.python_file import parse_spec
     from fivedc.ir.hardware import hardware
     from fivedc.search.search import SearchError, search
@@ -44,9 +45,9 @@ def run_search(args, console) -> int:
     if args.top < 1:
         raise SearchError(f"--top {args.top} must be at least 1", hint="e.g. --top 5")
     model_file = parse_spec(args.model)[0]
-    for out in (args.output, args.json):
-        if out is not None:
-            check_output(out, inputs=(model_file,))
+    check_outputs([Output("-o", args.output) if args.output is not None else None,
+                   Output("--json", args.json, "search results") if args.json is not None else None],
+                  inputs=(model_file,))  # two outputs: never one file
     hw = hardware(args.gpu, tuple(args.hardware))
     if args.gpus_per_node is not None:
         if args.gpus_per_node < 1:

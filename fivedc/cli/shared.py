@@ -17,9 +17,13 @@ import time
 from fivedc.errors import FivedcError
 
 
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 7 * 24 * 3600.0  # a collective waits at least a second, at most a week
+
+
 def check_local_run(args) -> None:
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise FivedcError(f"--timeout {args.timeout} must be a number of seconds > 0", hint="e.g. --timeout 600")
+    if not (math.isfinite(args.timeout) and MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S):
+        raise FivedcError(f"--timeout {args.timeout:g} must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:g} seconds "
+                          "(how long a rank waits in one collective)", hint="e.g. --timeout 600")
 
 
 def progress_printer():

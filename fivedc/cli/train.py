@@ -9,15 +9,19 @@ then trains on the mesh's world of local processes (or as one rank under torchru
 module's own weights (written once to a temporary safetensors file the ranks read
 their shards from); a DSL model from seeded weights. Rank 0's rows become progress
 lines, the `--log` JSONL file and the `--plot` picture (`fivedc/cli/train_report.py`).
+Everything the run writes is checked first, before the model is compiled
+(`fivedc/cli/train_outputs.py`), and the save directory is locked for the whole run
+(`fivedc/runtime/save_lock.py`).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from fivedc.errors import FivedcError
+
+SCRATCH_PREFIX = "fivedc-train-"  # + pid + "-" + random, in the temp directory
 
 
 def train_args(p) -> None:
@@ -53,13 +57,13 @@ def train_args(p) -> None:
 def run_train(args, *, defaults) -> int:
     """`defaults`: the train command's arguments as parsed with no flags (which flags were given)."""
     from fivedc.cli.shared import check_local_run
+    from fivedc.cli.train_outputs import check_train_outputs
     from fivedc.runtime.data import input_roles
     from fivedc.runtime.train import DTYPES, check_trainable
-    from fivedc.cli.train_report import check_plot, open_log
     from fivedc.cli.train_resume import resolve_saves
 
     check_local_run(args)
-    check_plot(args.plot, inputs=(args.data,))
+    outputs = check_train_outputs(args)  # every file the run writes, before any work
     plan, module = _plan(args, defaults)
     check_trainable(plan.graph)
     if plan.dtype not in DTYPES:
@@ -70,9 +74,29 @@ def run_train(args, *, defaults) -> int:
     job = _job(args, plan, module, saves)
     launched = "WORLD_SIZE" in os.environ
     talk = not launched or os.environ.get("RANK") == "0"
-    if talk:
-        _header(args, job, roles, saves)
-    log = open_log(args.log) if talk else None
+    with _holding(saves.save_dir if talk else None):  # the save directory is this run's to the end
+        if talk:
+            _header(args, job, roles, saves)
+        progress = _train(job, saves, args, launched=launched, log_target=outputs.log if talk else None)
+        if talk:
+            _finish(progress, args, plan, saves)
+    return 0
+
+
+def _holding(save_dir: str | None):
+    """The save directory's lock for the run (`fivedc/runtime/save_lock.py`)."""
+    import contextlib
+
+    from fivedc.runtime.save_lock import hold_save_dir
+
+    return hold_save_dir(save_dir) if save_dir is not None else contextlib.nullcontext()
+
+
+def _train(job, saves, args, *, launched: bool, log_target):
+    """Run the job; rows go to the progress printer and the log (opened at the first row)."""
+    from fivedc.log_file import LogFile
+
+    log = LogFile(log_target, args.log) if log_target is not None else None
     try:
         progress = _progress(job, saves.start, log)
         if launched:
@@ -82,9 +106,7 @@ def run_train(args, *, defaults) -> int:
     finally:
         if log is not None:
             log.close()
-    if talk:
-        _finish(progress, args, plan, saves)
-    return 0
+    return progress
 
 
 def _job(args, plan, module, saves):
@@ -182,22 +204,26 @@ def _local(job, progress, args) -> None:
     plan = job.plan
     check_local_resources(world=plan.mesh.world, bytes_per_rank=plan.memory.total, force=args.force,
                           what=f"training {args.model} on mesh {plan.mesh}")
-    with tempfile.TemporaryDirectory(prefix="fivedc-train-") as scratch:
+    from fivedc.runtime.pool_cleanup import Scratch
+
+    with Scratch(SCRATCH_PREFIX) as scratch:  # removed on SIGTERM too; a killed run's by the next
         if isinstance(job.init, dict):
             job = dataclasses.replace(job, init=_write_init(job.init, Path(scratch) / "init.safetensors"))
         try:
             run_once(train_job, world=plan.mesh.world, payload=job, timeout_s=args.timeout, on_progress=progress.line)
         except FivedcError as error:
-            raise _with_resume_hint(error, job.save_dir) from None
+            raise _with_resume_hint(error, job) from None
 
 
-def _with_resume_hint(error: FivedcError, save_dir: str | None) -> FivedcError:
-    """A failed run that saved: say where to continue from."""
+def _with_resume_hint(error: FivedcError, job) -> FivedcError:
+    """A failed run that saved: say where to continue from; never the checkpoint this run
+    resumed from when that is what the error is about (bad input: exit 2)."""
     from fivedc.runtime.checkpoint import committed
 
-    found = committed(save_dir) if save_dir is not None else []
-    if found:
-        more = f"the last checkpoint is {found[-1][1]} (step {found[-1][0]}): continue with --resume {save_dir}"
+    found = committed(job.save_dir) if job.save_dir is not None else []
+    same = bool(found) and job.resume is not None and found[-1][1].resolve() == Path(job.resume).resolve()
+    if found and not (same and error.exit_code == 2):
+        more = f"the last checkpoint is {found[-1][1]} (step {found[-1][0]}): continue with --resume {job.save_dir}"
         error.hint = f"{error.hint}; {more}" if error.hint else more
     return error
 

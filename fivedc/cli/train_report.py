@@ -4,8 +4,8 @@ Rank 0 of the run hands over one row per step (`fivedc/runtime/train_loop.py`:
 `{"step", "loss", "lr", "grad_norm", "tokens", "seconds"}`, `"val_loss"` where
 measured). `Progress` prints a line with a bar, the loss, tokens per second and the
 time left (from the last ten steps), at most about 50 lines a run plus every
-validation, and appends each row to the `--log` file as one JSON object, flushed,
-so that a run that dies leaves every step it finished. `draw_losses` draws the
+validation, and appends each row to the `--log` file as one JSON object (written at
+once: a run that dies leaves every step it finished; `fivedc/log_file.py`). `draw_losses` draws the
 training and validation loss against the step with matplotlib (Agg canvas, the
 global backend untouched).
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TextIO
 
 from fivedc.errors import FivedcError
+from fivedc.log_file import LogFile
 
 BAR = 20
 RECENT = 10
@@ -25,7 +25,7 @@ RECENT = 10
 class Progress:
     """Prints and logs the rows of a run of `steps` steps (from `first`, when resumed)."""
 
-    def __init__(self, *, steps: int, first: int = 0, log: TextIO | None = None, print_fn=print) -> None:
+    def __init__(self, *, steps: int, first: int = 0, log: LogFile | None = None, print_fn=print) -> None:
         self.steps, self.first, self.log, self.print = steps, first, log, print_fn
         self.every = max(1, (steps - first) // 50)
         self.rows: list[dict] = []
@@ -40,8 +40,7 @@ class Progress:
     def row(self, row: dict) -> None:
         self.rows.append(row)
         if self.log is not None:
-            self.log.write(json.dumps(row) + "\n")
-            self.log.flush()
+            self.log.write(row)
         step = row["step"]
         if "val_loss" in row or step % self.every == 0 or step in (self.first + 1, self.steps):
             self.print(self.format(row), flush=True)
@@ -86,30 +85,10 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-def open_log(path: str | None) -> TextIO | None:
-    """The `--log` file, opened for appending (it keeps the rows of earlier runs)."""
-    if path is None:
-        return None
-    target = Path(path)
-    if target.is_dir():
-        raise FivedcError(f"--log {path} is a directory", hint="give a file name, e.g. --log run.jsonl")
-    if not target.parent.is_dir():
-        raise FivedcError(f"--log {path}: the directory {target.parent} does not exist",
-                          hint=f"create it first (mkdir -p {target.parent})")
-    try:
-        return target.open("a", encoding="utf-8")
-    except OSError as error:
-        raise FivedcError(f"cannot open --log {path}: {error.strerror}") from None
-
-
-def check_plot(path: str | None, inputs: tuple = ()) -> None:
-    if path is None:
-        return
-    from fivedc.files import check_output
-
-    if Path(path).suffix.lower() not in (".png", ".svg", ".pdf"):
+def check_plot(path: str | None) -> None:
+    """The picture's format (the file itself is checked with the other outputs: train_outputs.py)."""
+    if path is not None and Path(path).suffix.lower() not in (".png", ".svg", ".pdf"):
         raise FivedcError(f"--plot {path}: the picture is .png, .svg or .pdf", hint="e.g. --plot loss.png")
-    check_output(path, inputs=inputs, what="picture")
 
 
 def draw_losses(rows: list[dict], path: str, *, title: str) -> None:

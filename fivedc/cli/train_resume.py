@@ -45,8 +45,11 @@ def resolve_saves(args, defaults, plan) -> Saves:
             _check_save_dir(args.save_dir, committed(args.save_dir))
         return Saves(config, save_dir=args.save_dir)
     folder = find_checkpoint(args.resume)
-    index = read_index(folder)
+    index = read_index(folder)  # every field checked
+    from fivedc.runtime.checkpoint_files import check_files
     from fivedc.runtime.resume import check_same_model
+
+    digests = check_files(folder, index)  # inside the folder, whole, the bytes saved
 
     check_same_model(index, plan, where=str(folder))
     config = _config(args, defaults, index.get("config"))
@@ -60,6 +63,9 @@ def resolve_saves(args, defaults, plan) -> Saves:
     if Path(save_dir).resolve() != folder.parent.resolve():
         _check_save_dir(save_dir, committed(save_dir))
     notes = [_resume_line(folder, index, plan)] + _changes(args, defaults, index)
+    if not digests:
+        notes.append("note: the checkpoint records no digests (saved before fivedc kept them): its shards' "
+                     "bytes are not checked")
     if step_dir(save_dir, start).resolve() != folder.resolve() and committed(save_dir):
         notes.append(f"note: saving into {save_dir}")
     return Saves(config, start, str(folder), save_dir, tuple(notes))
@@ -104,14 +110,11 @@ def _resume_line(folder: Path, index: dict, plan) -> str:
 
 
 def _check_save_dir(save_dir: str, found: list) -> None:
-    """A save directory that holds no other run's checkpoints; created here."""
+    """A save directory that holds no other run's checkpoints (created, and locked, when
+    the run starts: `fivedc/runtime/save_lock.py`)."""
     path = Path(save_dir)
     if path.exists() and not path.is_dir():
         raise FivedcError(f"--save-dir {save_dir} is not a directory", hint="give a directory (it is created)")
     if found:
         raise FivedcError(f"--save-dir {save_dir} already holds checkpoints (the latest at step {found[-1][0]})",
                           hint=f"continue that run with --resume {save_dir}, or give another --save-dir")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise FivedcError(f"cannot create --save-dir {save_dir}: {error.strerror}") from None

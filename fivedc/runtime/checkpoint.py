@@ -28,63 +28,50 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fivedc.errors import FivedcError
+from fivedc.errors import CheckpointError, NonFiniteError
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.tied import shared_instances
 from fivedc.runtime.moe import moe_state
+from fivedc.runtime.checkpoint_dirs import INDEX, STEP_DIR, committed, find_checkpoint, step_dir  # noqa: F401
 from fivedc.runtime.reshard import as_block, block_of, block_text, first_holder, shape_of, whole
 
 FORMAT, VERSION = "fivedc-checkpoint", 1
-INDEX = "index.json"
-STEP_DIR = re.compile(r"step-(\d{8})")
 STATES = ("exp_avg", "exp_avg_sq", "master")  # AdamW's moments and the 16-bit master copy
 
 
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step-{step:08d}"
-
-
-def committed(root: str | Path) -> list[tuple[int, Path]]:
-    """The committed checkpoints of a save directory (those with an index), by step."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_DIR.fullmatch(p.name)) and (p / INDEX).is_file()]
-    return sorted(found)
-
-
-def find_checkpoint(path: str | Path, *, flag: str = "--resume") -> Path:
-    """A checkpoint folder, or a save directory's latest committed checkpoint."""
-    path = Path(path)
-    if (path / INDEX).is_file():
-        return path
-    found = committed(path)
-    if not found:
-        what = "does not exist" if not path.exists() else "holds no committed checkpoint (no step-N/index.json)"
-        raise FivedcError(f"{flag} {path} {what}".lstrip(), hint="give a save directory written by fivedc train "
-                          "--save-dir, or one of its step-N folders")
-    return found[-1][1]
-
-
 def read_index(folder: str | Path) -> dict:
+    """The index of a checkpoint folder, every field type-checked (`checkpoint_check.py`):
+    a checkpoint is untrusted input."""
+    from fivedc.runtime.checkpoint_check import check_index
+    from fivedc.runtime.checkpoint_dirs import damaged_hint
+    from fivedc.runtime.checkpoint_files import check_digest_field
+
     path = Path(folder) / INDEX
+    hint = damaged_hint(Path(folder))
     try:
         index = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise FivedcError(f"cannot read the checkpoint index {path}: {error}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise CheckpointError(f"cannot read the checkpoint index {path}: {error}", hint=hint) from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise FivedcError(f"{path} is not a fivedc checkpoint index")
+        raise CheckpointError(f"{path} is not a fivedc checkpoint index (no \"format\": \"{FORMAT}\")", hint=hint)
     if index.get("version") != VERSION:
-        raise FivedcError(f"{path} is a version {index.get('version')} checkpoint; this fivedc reads version {VERSION}")
+        raise CheckpointError(f"{path} is a version {index.get('version')!r} checkpoint; this fivedc reads version "
+                              f"{VERSION}", hint=hint)
+    check_index(index, path)
+    check_digest_field(index.get("files"), lambda field, what: _bad_field(path, field, what))
     return index
+
+
+def _bad_field(path: Path, field: str, what: str):
+    from fivedc.runtime.checkpoint_dirs import damaged_hint
+
+    raise CheckpointError(f"the checkpoint index {path}: {field} {what}", hint=damaged_hint(path.parent))
 
 
 def plan_hash(plan) -> str:
@@ -136,6 +123,8 @@ def save_checkpoint(run, *, root: str | Path, step: int, meta: dict, rank: int, 
     collective: every rank calls it. `meta` goes into the index as it is."""
     from safetensors.torch import save_file
 
+    from fivedc.runtime.checkpoint_files import record_digest
+
     root = Path(root)
     tmp, final = root / f".tmp-{step_dir(root, step).name}", step_dir(root, step)
     if rank == 0:
@@ -143,9 +132,11 @@ def save_checkpoint(run, *, root: str | Path, step: int, meta: dict, rank: int, 
         tmp.mkdir(parents=True)
     _barrier()
     tensors, pieces = rank_pieces(run)
+    _check_finite(tensors, step, run.device)
     path = tmp / rank_file(rank)
     save_file(tensors, str(path), metadata={"fivedc": json.dumps({"rank": rank, "pieces": pieces})})
     _fsync(path)
+    record_digest(path)
     _barrier()
     if rank == 0:
         index = build_index(run, tmp, world=world, meta=meta)
@@ -156,6 +147,18 @@ def save_checkpoint(run, *, root: str | Path, step: int, meta: dict, rank: int, 
     return final
 
 
+def _check_finite(tensors: dict[str, torch.Tensor], step: int, device: torch.device) -> None:
+    """Every rank's state finite, or no rank writes (agreed over the world, so none waits)."""
+    bad = [key for key, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    flag = torch.tensor([float(len(bad))], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag)
+    if flag.item():
+        where = f" ({', '.join(bad[:3])} on this rank)" if bad else " (on another rank)"
+        raise NonFiniteError(f"step {step}'s state holds NaN or infinite values{where}: no checkpoint is written",
+                             hint="lower --lr or clip the gradients (--clip 1); resume from an earlier checkpoint")
+
+
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
 
@@ -163,6 +166,8 @@ def rank_file(rank: int) -> str:
 def build_index(run, folder: Path, *, world: int, meta: dict) -> dict:
     """The index of a checkpoint folder from its rank files' headers and the plan."""
     from safetensors import safe_open
+
+    from fivedc.runtime.checkpoint_files import collect_digests
 
     plan, graph = run.plan, run.plan.graph
     tensors: dict[str, dict] = {}
@@ -188,6 +193,7 @@ def build_index(run, folder: Path, *, world: int, meta: dict) -> dict:
                      "sequence_parallel": plan.sequence_parallel,
                      "schedule": plan.pipeline.schedule if plan.pipeline else None},
             "rng": "rng/torch in each rank's file (torch.get_rng_state)",
+            "files": collect_digests(folder, [rank_file(r) for r in range(world)]),
             "tensors": dict(sorted(tensors.items()))}
 
 

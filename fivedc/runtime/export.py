@@ -51,7 +51,14 @@ def model_tensors(folder: str | Path, index: dict, *, strip_prefix: str = "", dt
     if names:
         mappings = tuple(ParamMapping(**{k: tuple(v) if isinstance(v, list) else v for k, v in m.items()})
                          for m in names["params"])
-        params = from_ir_params(mappings, params)
+        try:
+            params = from_ir_params(mappings, params)
+        except (IndexError, RuntimeError, ValueError) as error:  # well-typed names that do not fit the tensors
+            from fivedc.errors import CheckpointError
+            from fivedc.runtime.checkpoint_dirs import damaged_hint
+
+            raise CheckpointError(f"the checkpoint {folder} has parameter names (names.params) that do not fit "
+                                  f"its tensors: {error}", hint=damaged_hint(Path(folder))) from None
         for key, others in names.get("aliases", {}).items():
             params.update({other: params[key] for other in others if key in params})
     if strip_prefix:
@@ -77,22 +84,26 @@ EXPORT_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfl
 
 def run_export(args) -> int:
     """`fivedc export CHECKPOINT -o model.safetensors [--strip-prefix P] [--dtype D]`."""
+    from fivedc.outputs import Output, check_outputs
     from fivedc.runtime.checkpoint import find_checkpoint, read_index
+    from fivedc.runtime.checkpoint_files import check_files
 
-    folder = find_checkpoint(args.checkpoint, flag="")
-    index = read_index(folder)
     if args.dtype is not None and args.dtype not in EXPORT_DTYPES:
         raise FivedcError(f"--dtype {args.dtype} is not one of {', '.join(EXPORT_DTYPES)}")
     if Path(args.output).suffix != ".safetensors":
         raise FivedcError(f"-o {args.output}: the model file is .safetensors", hint="e.g. -o model.safetensors")
-    from fivedc.files import check_output
-
-    check_output(args.output, what="model")
+    folder = find_checkpoint(args.checkpoint, flag="")
+    check_outputs([Output("-o", args.output, "model")], inputs=tuple(folder.iterdir()),
+                  read_dirs=(args.checkpoint, folder))  # never into the checkpoint read
+    index = read_index(folder)
+    digests = check_files(folder, index)
     tensors = model_tensors(folder, index, strip_prefix=args.strip_prefix or "",
                             dtype=EXPORT_DTYPES.get(args.dtype) if args.dtype else None)
     write_model(args.output, tensors, index=index)
     count = sum(t.numel() for t in tensors.values())
     names = "the module's state_dict names" if index.get("names") else "the IR's parameter names"
+    if not digests:
+        print(f"note: {folder} records no digests (saved before fivedc kept them): its bytes were not checked")
     print(f"wrote {args.output}: {len(tensors)} tensors, {count} parameters, step {index['step']} of {folder} "
           f"(saved on mesh {index['plan']['mesh']}), in {names}")
     return 0

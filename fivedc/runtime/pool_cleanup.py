@@ -1,8 +1,9 @@
 """How a `WorkerPool`'s processes and files go away, whatever ends the parent.
 
-Each pool's temporary folder is named after the parent's pid and holds an `owner`
-file (host and pid), so a new pool removes the folders of pools whose process was
-killed (SIGKILL runs no cleanup; their workers die with them, see `pool_worker`).
+Each pool's temporary folder (and `fivedc train`'s scratch folder, `Scratch`) is named
+after the parent's pid and holds an `owner` file (host and pid), so a new one removes
+the folders of processes that were killed (SIGKILL runs no cleanup; the workers die
+with their parent, see `pool_worker`).
 On SIGTERM, where the program left its default action, the live pools' workers are
 stopped and their folders removed before the process dies of SIGTERM as before.
 Workers start with SIGINT blocked, so that a Ctrl-C in the terminal reaches only
@@ -35,12 +36,22 @@ class Abandonable(Protocol):
 _LIVE: weakref.WeakSet[Abandonable] = weakref.WeakSet()
 
 
-def new_folder() -> str:
+def new_folder(prefix: str = PREFIX) -> str:
     """A temporary folder named after this process, after removing the folders of
     pools whose process is gone (on this host: the owner file names both)."""
+    sweep(prefix)
     host = socket.gethostname()
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}*-*")):
-        pid = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
+    path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+    with open(os.path.join(path, "owner"), "w") as owner:
+        owner.write(f"{host} {os.getpid()}\n")
+    return path
+
+
+def sweep(prefix: str = PREFIX) -> None:
+    """Remove the `new_folder(prefix)` folders of processes of this host that are gone."""
+    host = socket.gethostname()
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}*-*")):
+        pid = os.path.basename(path)[len(prefix):].split("-", 1)[0]
         try:
             with open(os.path.join(path, "owner")) as owner:
                 mine = owner.read().split() == [host, pid]
@@ -50,10 +61,23 @@ def new_folder() -> str:
             continue
         if mine and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-    path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
-    with open(os.path.join(path, "owner"), "w") as owner:
-        owner.write(f"{host} {os.getpid()}\n")
-    return path
+
+
+class Scratch:
+    """A `new_folder` removed when the `with` block ends and on SIGTERM (`abandon`)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.path = new_folder(prefix)
+
+    def __enter__(self) -> str:
+        abandon_on_sigterm(self)
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        self.abandon()
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _older_than(path: str, seconds: float) -> bool:

@@ -15,6 +15,11 @@ from dataclasses import asdict, dataclass
 
 from fivedc.errors import FivedcError
 
+# torch generators take seeds below 2**64; fivedc seeds one with seed * 1_000_003 + a
+# 32-bit offset (a parameter's name, an epoch): `runtime/program.init_params`, `runtime/data`
+SEED_MAX = (2**64 - 1 - 2**32) // 1_000_003
+MAX_STEPS = 2**32 - 1  # so that an epoch number (at most the step) stays a 32-bit offset
+
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
@@ -32,11 +37,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _at_least("--steps", self.steps, 1)
+        if self.steps > MAX_STEPS:
+            raise FivedcError(f"--steps {self.steps} is above the largest, {MAX_STEPS}", hint="give fewer steps")
         _at_least("--warmup", self.warmup, 0)
         _at_least("--val-every", self.val_every, 0)
         _at_least("--val-batches", self.val_batches, 1)
         _at_least("--save-every", self.save_every, 0)
         _at_least("--keep", self.keep, 1)
+        _at_least("--seed", self.seed, 0)
+        if self.seed > SEED_MAX:
+            raise FivedcError(f"--seed {self.seed} is above the largest seed, {SEED_MAX}",
+                              hint=f"give --seed between 0 and {SEED_MAX}")
         for flag, value in (("--lr", self.lr), ("--min-lr", self.floor), ("--weight-decay", self.weight_decay),
                             ("--clip", self.clip)):
             if not (math.isfinite(value) and value >= 0):

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from fivedc.errors import NonFiniteError
 from fivedc.ir.mesh import MeshAxis
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.data import RankBatches, Sampler, TokenFile, token_shape
@@ -95,6 +97,7 @@ def train_rank(info, job: TrainJob, *, on_row=None) -> dict:
         start = time.perf_counter()
         loss = run.trainer.forward_backward(run.batches.at(step))
         norm = clip_grad_norm(optimizer, run.counted, config.clip)
+        check_finite(step + 1, loss=loss, grad_norm=norm)  # the same on every rank: all stop
         optimizer.lr = config.lr_at(step)
         optimizer.step()
         run.trainer.end_step()
@@ -105,6 +108,7 @@ def train_rank(info, job: TrainJob, *, on_row=None) -> dict:
         saving = job.save_dir is not None and (config.saves_at(done) or done == job.stop)
         if run.val is not None and (config.validates_at(done, saving=saving) or done == job.stop):
             row["val_loss"] = validate(run, config.val_batches)
+            check_finite(done, val_loss=row["val_loss"])
         if saving:
             row["checkpoint"] = str(save(run, job, info, step=done, val_loss=row.get("val_loss")))
         rows.append(row)
@@ -119,7 +123,7 @@ def save(run: RankRun, job: TrainJob, info, *, step: int, val_loss: float | None
     from fivedc.runtime.checkpoint import prune, save_checkpoint
 
     config, optimizer = job.config, run.trainer.optimizer
-    better = val_loss is not None and (run.best is None or val_loss < run.best["val_loss"])
+    better = val_loss is not None and math.isfinite(val_loss) and (run.best is None or val_loss < run.best["val_loss"])
     if better:
         run.best = {"step": step, "val_loss": val_loss}
     batch, seq = token_shape(run.plan.graph)
@@ -141,6 +145,16 @@ def save(run: RankRun, job: TrainJob, info, *, step: int, val_loss: float | None
             index = read_index(folder)
             write_model(Path(job.save_dir) / "best_model.safetensors", model_tensors(folder, index), index=index)
     return folder
+
+
+def check_finite(step: int, **values: float) -> None:
+    """Stop (exit 1) at a NaN or infinite loss or gradient norm: nothing of it is saved."""
+    bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+    if bad:
+        what = ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in bad.items())
+        raise NonFiniteError(f"step {step} reached a {what}: training stops, nothing of it is saved",
+                             hint="lower --lr, or clip the gradients (--clip 1); the checkpoints before it are "
+                             "intact")
 
 
 def validate(run: RankRun, batches: int) -> float:
