@@ -295,8 +295,7 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: 
 
     q_pos [sq] and kv_pos [sk] are global positions; under `causal`, a query sees the
     keys at positions up to its own. k/v are cut into `kv_blocks` equal blocks. softcap > 0: scores
-    capped at softcap * tanh(score / softcap). fused=False: by explicit matmuls and softmax
-    (the `math` attention kernel), never torch's fused kernel.
+    capped at softcap * tanh(score / softcap). fused=False (the `math` kernel): explicit matmuls.
     """
     q, k, v, width = _one_head_dim(q, k, v)
     _check(q, k, v, q_pos, kv_pos)
@@ -391,11 +390,10 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *, causal: bool,
                    softcap: float = 0.0, fused: bool = True) -> Tensor:
     """Softmax attention of this rank's q rows to the K/V blocks of every ring member,
-    exact and differentiable; K/V blocks travel the ring, the sequence is never gathered
-    (fused=False: each block by explicit matmuls, as `blockwise_attention`).
+    exact and differentiable; K/V blocks travel the ring, the sequence is never gathered.
 
     Every member calls it with its own q/k/v block; q_pos are the global positions of
-    the q rows, `ring.block_positions` those of every member's K/V block.
+    the q rows, `ring.block_positions` those of every member's K/V block; `fused` as blockwise's.
     """
     q, k, v, width = _one_head_dim(q, k, v)
     _check(q, k, v, q_pos, ring.block_positions[ring.index])
