@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from fivedc.errors import ShardingError
+from fivedc.errors import NotSupportedError
 from fivedc.ir.graph import Block, Graph, Op, Repeat
 from fivedc.passes.base import ATTENTION_KERNELS, CompileOptions
 
@@ -43,7 +43,7 @@ def _choose(block: Block, kernel: str | None) -> Block:
 def _kernel_of(op: Op, kernel: str | None) -> Op:
     given = op.attr("kernel")
     if given is not None and given not in ATTENTION_KERNELS:
-        raise ShardingError(f"attention kernel {given!r} is not a kernel fivedc has",
+        raise NotSupportedError(f"attention kernel {given!r} is not a kernel fivedc has",
                             loc=op.loc, hint=f"choose one of {', '.join(ATTENTION_KERNELS)}")
     if given is not None or kernel in (None, "flash"):
         return op  # no attribute: flash
