@@ -81,8 +81,7 @@ class Run:
 
     @property
     def microbatches(self) -> int:
-        dp, pp = (int(n) for n in self.mesh.split("x")[:2])
-        return self.dims["batch"] // (dp * self.micro)
+        return self.dims["batch"] // (int(self.mesh.split("x")[0]) * self.micro)
 
     def argv(self) -> list[str]:
         # without a pipeline fivedc runs a rank's sequences as one batch (18B's 4 accumulated
@@ -180,18 +179,12 @@ def measured_seconds(run: Run, graph) -> float:
     if run.measured_s is not None:
         return run.measured_s
     from fivedc.ir.graph import param_instances
+    from fivedc.ir.hardware import hardware
 
     params = sum(math.prod(graph.dim(d) for d in p.dims) for _, p in param_instances(graph))
     seq, layers, hidden = graph.dim("seq"), graph.dim("layers"), graph.dim("hidden")
     flops = graph.dim("batch") * seq * (6 * params + 12 * layers * hidden * seq)
-    hw = hardware_of(run)
-    return flops / (run.gpus * run.measured_mfu * hw.bf16_flops)
-
-
-def hardware_of(run: Run):
-    from fivedc.ir.hardware import hardware
-
-    return hardware(run.gpu)
+    return flops / (run.gpus * run.measured_mfu * hardware(run.gpu).bf16_flops)
 
 
 def model_text(run: Run) -> str:

@@ -22,14 +22,7 @@ from __future__ import annotations
 
 from fivedc.ir.graph import Op
 from fivedc.ir.hardware import Hardware
-from fivedc.estimates.saved import SaveContext
-
-
-def score_elements(c: SaveContext, op: Op) -> int:
-    """E: the scores one rank computes for one microbatch (every query row on the rank against
-    every key of the sequence: a ring brings the rest a block at a time)."""
-    q_rows = c.numel(op.type.dims[:-1], op.sharding)  # batch x seq x heads on this rank
-    return q_rows * c.graph.dim(c.graph.seq_dim)
+from fivedc.estimates.saved import SaveContext, score_elements
 
 
 def math_attention_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]:

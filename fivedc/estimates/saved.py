@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, walk_ops, walk_params
 from fivedc.ir.mesh import Mesh
+from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.recompute import recomputes_layer
 from fivedc.ir.sharding import Sharding
 
@@ -205,9 +206,16 @@ def _attention(c: SaveContext, op: Op) -> list[Saved]:
     kernel keeps the softmax's output instead, every score (batch x heads x sq x sk)."""
     rows = c.numel(op.type.dims[:-1], op.sharding)
     kept = c.own(op, "lse", rows * c.compute_bytes)
-    if op.attr("kernel", "flash") == "math":
-        kept = c.own(op, "softmax", rows * c.graph.dim(c.graph.seq_dim) * c.dtype_bytes)
+    if kernel_of(op) == "math":
+        kept = c.own(op, "softmax", score_elements(c, op) * c.dtype_bytes)
     return [s for arg in op.args[:3] for s in c.value(arg)] + c.value(op.out) + [kept]
+
+
+def score_elements(c: SaveContext, op: Op) -> int:
+    """An attention's scores on one rank for one microbatch: every query row on the rank
+    (batch x seq x heads) against every key of the sequence (a ring brings the rest a
+    block at a time)."""
+    return c.numel(op.type.dims[:-1], op.sharding) * c.graph.dim(c.graph.seq_dim)
 
 
 def _cross_entropy(c: SaveContext, op: Op) -> list[Saved]:

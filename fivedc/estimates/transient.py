@@ -46,8 +46,8 @@ from __future__ import annotations
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
-from fivedc.estimates.attention_cost import score_elements
-from fivedc.estimates.saved import VALUE, SaveContext, op_saves, regathered
+from fivedc.estimates.saved import VALUE, SaveContext, op_saves, regathered, score_elements
+from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.communication import weight_readers
 from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, rank_held, save_context
@@ -207,7 +207,7 @@ def _kernel_buffers(c: SaveContext, graph: Graph, unit: Unit, kind: str) -> int:
         if kind == "attention" and ring and c.mesh.size(MeshAxis.CP) > 1:
             kv = 2 * c.value_numel(op.args[1])
             best = max(best, 4 * kv * c.dtype_bytes + 6 * kv * c.compute_bytes)
-        if kind == "attention" and op.attr("kernel", "flash") == "math":  # the scores and P, or dP and dS
+        if kind == "attention" and kernel_of(op) == "math":  # the scores and P, or dP and dS
             best = max(best, 2 * score_elements(c, op) * c.dtype_bytes)
     return best
 

@@ -29,6 +29,7 @@ from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
 from fivedc.runtime.loss import cross_entropy
 from fivedc.runtime.precision import compute_dtype, for_matmul
 from fivedc.ir.seq_layout import layout_order
+from fivedc.passes.attention_kernel import kernel_of
 from fivedc.ir.sharding import Sharding
 
 Dims = tuple[str, ...]
@@ -311,7 +312,7 @@ def _attention(ctx, op, args, dims):
     (the scores materialised), and across cp the blocks by explicit matmuls."""
     q, k, v = [t.transpose(1, 2) for t in for_matmul(*args)]  # [batch, heads, seq, head_dim]
     causal, softcap = bool(op.attr("causal", True)), float(op.attr("softcap", 0.0) or 0.0)
-    fused = op.attr("kernel", "flash") != "math"
+    fused = kernel_of(op) != "math"
     cp = ctx.mesh.size(MeshAxis.CP)
     if cp == 1 and softcap:
         pos = torch.arange(q.shape[2], device=q.device)
