@@ -22,6 +22,7 @@ from pathlib import Path
 from fivedc.cli.shared import compile_model, load_graph
 from fivedc.errors import EXIT_CODES, FivedcError
 from fivedc.runtime import DEFAULT_TIMEOUT_S
+from fivedc.cli.rehearse import rehearse_args
 from fivedc.cli.train import train_args
 
 COMMANDS = {
@@ -33,6 +34,8 @@ COMMANDS = {
     "export": "consolidate a checkpoint into one .safetensors file with the model's own parameter names",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
     "check": "check a saved plan: exactly what this fivedc compiles, and every group's ranks agree on its collectives",
+    "rehearse": "run one rank of each class of a plan at full scale on the meta device: its peak memory "
+    "against the estimate",
     "search": "find the fastest layout (mesh and options) of a model on N GPUs: ranked, and the best plan written",
 }
 
@@ -174,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     from fivedc.cli.search import search_args
 
+    h = sub.add_parser("rehearse", help=COMMANDS["rehearse"], description=COMMANDS["rehearse"])
+    h.add_argument("model", help="a plan .json written by fivedc compile, a .5d model, or path/to/file.py:factory")
+    _mesh_args(h, required=False)
+    rehearse_args(h)
     search_args(sub.add_parser("search", help=COMMANDS["search"], description=COMMANDS["search"]))
     k = sub.add_parser("check", help=COMMANDS["check"], description=COMMANDS["check"])
     k.add_argument("plan", help="a plan .json written by fivedc compile")
@@ -249,6 +256,12 @@ def cmd_run(args) -> int:
     from fivedc.cli.run import run_run
 
     return run_run(args, defaults=build_parser().parse_args(["run", args.model]))
+
+
+def cmd_rehearse(args) -> int:
+    from fivedc.cli.rehearse import run_rehearse
+
+    return run_rehearse(args, defaults=build_parser().parse_args(["rehearse", args.model]))
 
 
 def cmd_train(args) -> int:
@@ -358,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     handler = {"compile": cmd_compile, "verify": cmd_verify, "run": cmd_run, "train": cmd_train, "export": cmd_export,
-               "show": cmd_show, "diff": cmd_diff, "check": cmd_check, "search": cmd_search}[args.command]
+               "show": cmd_show, "diff": cmd_diff, "check": cmd_check, "search": cmd_search,
+               "rehearse": cmd_rehearse}[args.command]
     try:
         return handler(args)
     except FivedcError as error:

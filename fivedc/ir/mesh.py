@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -138,6 +139,12 @@ class Mesh:
         for axis in axes:
             ranks = [{**c, axis: i} for c in ranks for i in range(self.size(axis))]
         return tuple(self.rank_of(c) for c in ranks)
+
+    def all_groups(self, axes: tuple[MeshAxis, ...]) -> Iterator[tuple[int, ...]]:
+        """Every group over `axes` once (as `group_ranks` orders it), by its lowest rank."""
+        for rank in range(self.world):
+            if all((rank // self.stride(a)) % self.size(a) == 0 for a in axes):
+                yield self.group_ranks(axes, rank)
 
     def group_count(self, axes: tuple[MeshAxis, ...]) -> int:
         """How many disjoint groups the axes form: world / group size."""

@@ -135,26 +135,17 @@ class MeshGroups:
             assert group is not None
             return self._add(axes, group, exact=True)
         options = {"sort_ranks": False} if KEEPS_ORDER else {}
-        seen: set[tuple[int, ...]] = set()
-        for rank in range(self.mesh.world):
-            ranks = self.mesh.group_ranks(axes, rank)
-            if ranks not in seen:
-                seen.add(ranks)
-                created = dist.new_group(list(ranks), **options)
-                if self.rank in ranks:
-                    self._add(axes, created, exact=KEEPS_ORDER)
+        for ranks in self.mesh.all_groups(axes):
+            created = dist.new_group(list(ranks), **options)
+            if self.rank in ranks:
+                self._add(axes, created, exact=KEEPS_ORDER)
 
     def _pp_subset(self, pp_ranks: tuple[int, ...]) -> None:
         """`new_group` for the members at `pp_ranks` of every pp group (collective: every rank
         creates them all, in the same order); this rank keeps its own when it is a member."""
         options = {"sort_ranks": False} if KEEPS_ORDER else {}
-        seen: set[tuple[int, ...]] = set()
-        for rank in range(self.mesh.world):
-            line = self.mesh.group_ranks((MeshAxis.PP,), rank)  # ordered by pp coordinate
+        for line in self.mesh.all_groups((MeshAxis.PP,)):  # each ordered by pp coordinate
             ranks = tuple(line[r] for r in pp_ranks)
-            if ranks in seen:
-                continue
-            seen.add(ranks)
             created = dist.new_group(list(ranks), **options) if len(ranks) > 1 else None
             if self.rank in ranks:
                 self._pp_subsets[pp_ranks] = created
@@ -168,6 +159,8 @@ class MeshGroups:
             return None
 
     def _flag_device(self) -> torch.device:
+        if self.device_type == "meta":  # a rehearsal's flag needs a value: the fake group moves nothing
+            return torch.device("cpu")
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)

@@ -32,6 +32,12 @@ from fivedc.ir.seq_layout import layout_order
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.ir.sharding import Sharding
 
+
+def index_device(device: torch.device) -> torch.device:
+    """Where positions and other indices whose values the runtime reads live: beside the data,
+    except on the meta device (a rehearsal), which has no values: there on the CPU."""
+    return torch.device("cpu") if torch.device(device).type == "meta" else device
+
 Dims = tuple[str, ...]
 
 
@@ -96,7 +102,7 @@ class KernelContext:
             members = self.mesh.group_ranks(cp_axes, self.mesh.rank_of(self.coords))
             index, size = self.coords[MeshAxis.CP], len(members)
             blocks = tuple(
-                self.positions(self.graph.seq_dim, sharding, {**self.coords, MeshAxis.CP: j}).to(device)
+                self.positions(self.graph.seq_dim, sharding, {**self.coords, MeshAxis.CP: j}).to(index_device(device))
                 for j in range(size)
             )
             self._cache["ring"] = Ring(
@@ -315,19 +321,21 @@ def _attention(ctx, op, args, dims):
     fused = kernel_of(op) != "math"
     cp = ctx.mesh.size(MeshAxis.CP)
     if cp == 1 and softcap:
-        pos = torch.arange(q.shape[2], device=q.device)
+        pos = torch.arange(q.shape[2], device=index_device(q.device))
         return blockwise_attention(q, k, v, pos, pos, causal=causal, softcap=softcap, fused=fused).transpose(1, 2)
+    if cp == 1 and fused and q.is_meta:  # a rehearsal: the flash kernel a GPU runs (meta would take SDPA's math)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[0].transpose(1, 2)
     if cp == 1:  # grouped-query heads share K/V inside the kernel: no repeated copies are kept
         with contextlib.nullcontext() if fused else sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                   enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
     seq = ctx.graph.seq_dim
-    q_pos = ctx.positions(seq, op.arg_sharding(0)).to(q.device)
+    q_pos = ctx.positions(seq, op.arg_sharding(0)).to(index_device(q.device))
     if op.annotation("cp").args[0] == "ring":
         out = ring_attention(q, k, v, q_pos, ctx.ring(op.arg_sharding(1), q.device), causal=causal, softcap=softcap,
                              fused=fused)
     else:
-        kv_pos = ctx.positions(seq, op.arg_sharding(1)).to(q.device)
+        kv_pos = ctx.positions(seq, op.arg_sharding(1)).to(index_device(q.device))
         out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap, fused=fused)
     return out.transpose(1, 2)
 

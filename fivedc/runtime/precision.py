@@ -20,7 +20,7 @@ from torch import Tensor
 def autocast_dtype(t: Tensor) -> torch.dtype | None:
     """The dtype autocast would run a matrix product of `t` in, or None outside autocast."""
     kind = t.device.type
-    if t.is_floating_point() and torch.is_autocast_enabled(kind):
+    if kind != "meta" and t.is_floating_point() and torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return None
 

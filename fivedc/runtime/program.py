@@ -51,13 +51,15 @@ def grad_groups(graph: Graph, ctx: KernelContext) -> dict[str, object | None]:
     return {name: ctx.group(p.grad_partial) if p.grad_partial else None for name, p in qualified_params(graph)}
 
 
-def init_params(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Tensor]:
+def init_params(graph: Graph, *, seed: int, dtype: torch.dtype, meta: bool = False) -> dict[str, Tensor]:
     """Full, unsharded initial parameters; each seeded by its name, so any rank can
-    make any of them without making the others."""
+    make any of them without making the others. `meta`: shapes without values (a rehearsal)."""
     out = {}
     for name, param in qualified_params(graph):
         shape = tuple(graph.dim(d) for d in param.dims)
-        if param.init == "ones":
+        if meta:
+            out[name] = torch.empty(shape, dtype=dtype, device="meta")
+        elif param.init == "ones":
             out[name] = torch.ones(shape, dtype=dtype)
         elif param.init == "zeros":
             out[name] = torch.zeros(shape, dtype=dtype)
@@ -99,12 +101,16 @@ def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
     return next(p.dims for _, p in qualified_params(graph) if p.name == name)
 
 
-def make_inputs(graph: Graph, *, seed: int, dtype: torch.dtype) -> dict[str, Tensor]:
+def make_inputs(graph: Graph, *, seed: int, dtype: torch.dtype, meta: bool = False) -> dict[str, Tensor]:
+    """The seeded synthetic batch; `meta`: its shapes without values."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for item in graph.inputs:
         shape = tuple(graph.dim(d) for d in item.type.dims)
-        if item.type.dtype == DType.INT:
+        if meta:
+            kind = torch.long if item.type.dtype == DType.INT else dtype
+            out[item.name] = torch.empty(shape, dtype=kind, device="meta")
+        elif item.type.dtype == DType.INT:
             out[item.name] = torch.randint(0, _int_bound(graph, item.name), shape, generator=gen)
         else:
             out[item.name] = torch.randn(shape, generator=gen, dtype=dtype)
@@ -122,6 +128,8 @@ def shard(full: Tensor, dims: tuple[str, ...], sharding: Sharding, ctx: KernelCo
         if sharding.axes_of(dim):
             start, stop = ctx.shard_range(dim, sharding)
             out = out.narrow(index, start, stop - start)
+    if out.untyped_storage().nbytes() > out.numel() * out.element_size():  # a slice: not the whole tensor's memory
+        return out.clone(memory_format=torch.contiguous_format)
     return out.contiguous()
 
 

@@ -11,6 +11,7 @@ reported is the full loss: the local value summed over its pending axes.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,7 +160,7 @@ class Trainer:
         group = self.program.ctx.group(self.loss_axes) if self.loss_axes else None
         if group is not None:
             dist.all_reduce(full_loss, group=group)
-        return full_loss.item()
+        return math.nan if full_loss.is_meta else full_loss.item()  # a rehearsal has shapes, no values
 
 
 def train(program: Program, params: dict[str, Tensor], inputs: dict[str, Tensor], settings: TrainSettings,

@@ -87,8 +87,8 @@ def setup_rank(plan: ExecutionPlan, info, settings: TrainSettings) -> tuple[Prog
     groups = MeshGroups(mesh, device_type=info.device.split(":")[0], axis_sets=sorted(a for a in axis_sets if a),
                         pp_subsets=holder_sets(graph, plan.pipeline, mesh.size(MeshAxis.PP)))
     ctx = KernelContext(graph, mesh, mesh.coords(info.rank), groups)
-    device = torch.device(info.device)
-    full = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype)
+    device, meta = torch.device(info.device), info.device == "meta"
+    full = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype, meta=meta)
     if plan.pipeline is not None:
         mine = chunk_param_names(graph, plan.pipeline, pp_rank=ctx.coords[MeshAxis.PP])
         full = {n: t for n, t in full.items() if n in mine}
@@ -96,7 +96,8 @@ def setup_rank(plan: ExecutionPlan, info, settings: TrainSettings) -> tuple[Prog
     params = {n: shard(t, named[n].dims, named[n].sharding, ctx).to(device) for n, t in full.items()}
     inputs = {
         i.name: shard(t, i.type.dims, i.sharding, ctx).to(device)
-        for i, t in zip(graph.inputs, make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype).values())
+        for i, t in zip(graph.inputs, make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype,
+                                                  meta=meta).values())
     }
     return Program(graph, ctx, recompute=plan.recompute, compile=settings.compile), params, inputs, named
 

@@ -1,0 +1,160 @@
+"""Rehearse a plan: one rank of each class runs the runtime's own step at full scale, on nothing.
+
+`rehearse_plan` picks a rank of every class of ranks the memory estimate has (one per
+pipeline stage class, at coordinate 0 on the other axes: they hold the same bytes), and
+in this process, for each, joins torch's `fake` process group at the plan's world size
+(collectives return at once and move nothing) and runs what `fivedc run` runs for that
+rank: `setup_rank` and the `Trainer`'s forward, backward, gradient sums and optimizer
+step, on the meta device (tensors with shapes and storages, no memory). `LiveBytes`
+(`fivedc/runtime/live_bytes.py`) counts every storage from its allocation to its free,
+so the peak is what this rank's program holds at its busiest moment, by category.
+
+What a rehearsal cannot do: values. The loss is NaN; an op that needs values (routing
+tokens to experts, `.item()`) raises `RehearsalError` naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from fivedc.errors import FivedcError
+from fivedc.estimates.memory import RankMemory
+from fivedc.ir.mesh import MeshAxis
+from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.runtime import saved
+from fivedc.runtime.live_bytes import CATEGORIES, LiveBytes, Storage
+from fivedc.runtime.pool_worker import RankInfo
+from fivedc.runtime.train import Trainer, TrainSettings
+from fivedc.runtime.verify import setup_rank
+
+
+class RehearsalError(FivedcError):
+    """The plan's program cannot run on shapes alone."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class ClassRehearsal:
+    """One class of ranks: the estimate, and what the rank `rank` held at its peak."""
+
+    ranks: str  # the class, as the estimate names it: all, pp=0, pp=1..6
+    rank: int  # the rank rehearsed
+    estimated: RankMemory
+    peak: int  # the most bytes live at once over the step
+    at_peak: dict[str, int]  # how the peak splits, by category
+    largest: tuple[Storage, ...]  # the biggest storages live at the peak
+    seconds: float  # wall time of this rank's rehearsal
+
+    @property
+    def ratio(self) -> float:
+        """Estimated total / rehearsed peak (1.0: the estimate is exact)."""
+        return self.estimated.total / self.peak if self.peak else float("inf")
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    mesh: str
+    dtype: str
+    classes: tuple[ClassRehearsal, ...]
+
+    def to_json(self) -> dict:
+        def estimated(c: ClassRehearsal) -> dict:
+            return {k: getattr(c.estimated, k) for k in (*CATEGORIES, "total")}
+
+        return {"mesh": self.mesh, "dtype": self.dtype, "device": "meta",
+                "classes": [{"ranks": c.ranks, "rank": c.rank, "estimated": estimated(c),
+                             "rehearsed": {**c.at_peak, "total": c.peak}, "ratio": round(c.ratio, 4),
+                             "largest": [{"bytes": s.nbytes, "category": s.category, "made_by": s.made_by,
+                                          "shape": list(s.shape), "dtype": s.dtype} for s in c.largest]}
+                            for c in self.classes]}
+
+
+def class_ranks(plan: ExecutionPlan) -> list[tuple[RankMemory, int]]:
+    """Each class of ranks of the memory estimate and the rank that stands for it: the first
+    pp rank of the class, at coordinate 0 on every other axis."""
+    mesh, pp = plan.mesh, plan.mesh.size(MeshAxis.PP)
+    out = []
+    for entry in plan.memory.ranks:
+        coords = dict.fromkeys(mesh.rank_order, 0) | {MeshAxis.PP: entry.pp_ranks(pp)[0]}
+        out.append((entry, mesh.rank_of(coords)))
+    return out
+
+
+def rehearse_plan(plan: ExecutionPlan, *, on_progress=None) -> Rehearsal:
+    """Rehearse one rank of each class of `plan`, one after the other in this process."""
+    if dist.is_initialized():
+        raise RehearsalError("a rehearsal joins a fake process group of its own; this process is in one already")
+    settings = TrainSettings(steps=1, dtype=plan.dtype, keep_grads=False)
+    classes = []
+    for entry, rank in class_ranks(plan):
+        start = time.perf_counter()
+        live = rehearse_rank(plan, rank, settings)
+        classes.append(ClassRehearsal(entry.ranks, rank, entry, live.peak, dict(live.at_peak), live.largest,
+                                      time.perf_counter() - start))
+        if on_progress is not None:
+            on_progress(f"ranks {entry.ranks}: rank {rank} rehearsed in {classes[-1].seconds:.1f} s")
+    return Rehearsal(str(plan.mesh), plan.dtype, tuple(classes))
+
+
+def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings) -> LiveBytes:
+    """One step of `rank`'s program on the meta device, in a fake process group of the plan's
+    world; what it held, storage by storage."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=plan.mesh.world)
+    live = LiveBytes()
+    try:
+        with live:
+            program, params, inputs, _ = setup_rank(plan, RankInfo(rank, plan.mesh.world, "meta"), settings)
+            trainer = Trainer(program, params, settings, zero=plan.zero, buckets=plan.buckets,
+                              overlap=plan.overlap, pipeline=plan.pipeline)
+            del params  # the optimizer holds them now (ZeRO-3: only the owned chunks)
+            _mark_held(live, trainer, inputs)
+            live.reset_peak()
+            saved._ACTIVE.append(live)  # what autograd keeps for backward: activations
+            try:
+                trainer.forward_backward(inputs)
+                live.mark(trainer.optimizer.grads.values(), "grads")
+                trainer.optimizer.step()
+                trainer.end_step()
+            finally:
+                saved._ACTIVE.remove(live)
+    except (RuntimeError, NotImplementedError) as error:
+        raise RehearsalError(f"rank {rank}'s program needs values, which a rehearsal does not have: "
+                             f"{str(error).splitlines()[0]}",
+                             hint="rehearse a plan without the op that needs them") from error
+    finally:
+        with _quiet_stderr():  # c10d warns that the group's undefined device type has no hooks: it has none
+            dist.destroy_process_group()
+    return live
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for a moment (C++ warnings bypass Python's)."""
+    sys.stderr.flush()
+    saved_fd, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        os.close(null)
+
+
+def _mark_held(live: LiveBytes, trainer: Trainer, inputs: dict) -> None:
+    """The tensors a rank holds at rest, by category; a gradient is marked as it accumulates."""
+    optimizer = trainer.optimizer
+    live.mark(optimizer.params.values(), "params")
+    live.mark([t for s in optimizer.state.values() for t in (s.exp_avg, s.exp_avg_sq, s.master)], "optimizer")
+    live.mark(inputs.values(), "activations")
+    for p in optimizer.params.values():
+        p.register_post_accumulate_grad_hook(lambda p: live.mark([p.grad], "grads"))

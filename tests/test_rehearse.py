@@ -1,0 +1,91 @@
+"""`fivedc rehearse`: one rank of each class runs the real step on the meta device.
+
+The counter of live bytes is checked on tensors whose lifetimes are known; the rehearsal
+against what the runtime itself reports holding (`ZeroOptimizer.held_bytes`) and against
+the plan's estimate; the command's output and report.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fivedc.cli.main import main
+from fivedc.frontends.dsl_file import load_model
+from fivedc.ir.mesh import Mesh
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+from fivedc.runtime.live_bytes import LiveBytes
+from fivedc.runtime.rehearse import class_ranks, rehearse_plan
+
+
+def test_live_bytes_counts_each_storage_from_allocation_to_free() -> None:
+    live = LiveBytes()
+    with live:
+        a = torch.empty(1000, device="meta")  # 4000 B
+        b = a.view(10, 100)  # the same storage: not counted again
+        c = torch.empty(500, dtype=torch.float64, device="meta")  # 4000 B: peak 8000
+        live.mark([c], "activations")
+        del a, b
+        d = torch.empty(250, device="meta")  # 1000 B: 5000 live, below the peak
+        assert live.total == 5000
+    assert live.peak == 8000
+    assert live.at_peak == {"params": 0, "grads": 0, "optimizer": 0, "activations": 4000, "transient": 4000}
+    del c, d
+    assert live.total == 0 and live.live == {}
+
+
+def _plan(model: str, mesh: str, **options):
+    return compile_graph(load_model(model), CompileOptions(mesh=Mesh.parse(mesh), **options))
+
+
+def test_a_rehearsal_holds_what_the_runtime_holds() -> None:
+    """Parameters and optimizer state at the peak are the runtime's own held bytes, which
+    the plan estimates exactly; the peak holds them and more."""
+    plan = _plan("examples/gpt.5d", "2x1x2x1x1", zero=1)
+    (rehearsed,) = rehearse_plan(plan).classes
+    estimated = plan.memory.ranks[0]
+    assert rehearsed.at_peak["params"] == estimated.params
+    assert rehearsed.at_peak["optimizer"] == estimated.optimizer
+    assert rehearsed.peak > estimated.params + estimated.optimizer
+    assert sum(rehearsed.at_peak.values()) == rehearsed.peak
+
+
+def test_every_pipeline_class_is_rehearsed_at_its_own_rank() -> None:
+    plan = _plan("examples/gpt.5d", "1x2x2x1x1", microbatches=4)
+    chosen = class_ranks(plan)
+    assert [plan.mesh.coords(rank)["pp"] for _, rank in chosen] == [0, 1]
+    rehearsal = rehearse_plan(plan)
+    assert [c.ranks for c in rehearsal.classes] == [entry.ranks for entry in plan.memory.ranks]
+    assert all(c.peak > 0 for c in rehearsal.classes)
+
+
+def test_the_command_prints_each_class_and_writes_its_report(tmp_path, capsys) -> None:
+    out = tmp_path / "rehearsal.json"
+    code = main(["rehearse", "examples/gpt.5d", "--mesh", "1x2x1x1x1", "--microbatches", "2",
+                 "--report", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "ranks pp=0 (rank 0)" in printed and "ranks pp=1 (rank 1)" in printed
+    assert [line for line in printed.splitlines() if len(line) > 100] == []
+    report = json.loads(out.read_text())
+    assert [c["ranks"] for c in report["classes"]] == ["pp=0", "pp=1"]
+    first = report["classes"][0]
+    assert first["rehearsed"]["total"] == sum(v for k, v in first["rehearsed"].items() if k != "total")
+
+
+def test_a_plan_with_new_options_is_refused(tmp_path, capsys) -> None:
+    plan = tmp_path / "gpt.plan.json"
+    assert main(["compile", "examples/gpt.5d", "--mesh", "2x1x1x1x1", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["rehearse", str(plan), "--zero", "1"]) == 2
+    assert "--zero would change them" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mesh", ["2x1x1x2x1"])
+def test_context_parallel_rehearses_with_its_positions_on_the_host(mesh) -> None:
+    """Ring attention reads the positions' values; on the meta device they stay on the CPU."""
+    (rehearsed,) = rehearse_plan(_plan("examples/gpt.5d", mesh)).classes
+    assert rehearsed.peak > 0
