@@ -115,7 +115,7 @@ def end_step(ctx) -> dict[str, ExpertLoad]:
     """After a step: apply the bias updates; this rank's tokens per expert, per layer."""
     state = moe_state(ctx)
     for name, (rate, load) in state.pending.items():
-        load = load.to(state.bias[name].dtype)
+        load = load.to(state.bias[name])
         state.bias[name] += rate * torch.sign(load.mean() - load)
     loads, state.loads, state.pending = state.loads, {}, {}
     return loads
@@ -171,11 +171,19 @@ def route(xt: Tensor, router: Tensor, s: MoeSettings, bias: Tensor | None) -> tu
     scores = logits.softmax(-1) if s.score == "softmax" else logits.sigmoid()
     select = scores.detach() if bias is None else scores.detach() + bias
     chosen = select.topk(s.top_k, dim=-1).indices
-    gates = scores.gather(1, chosen)
+    if chosen.is_meta:  # a rehearsal has no scores to choose by: each expert gets its even share, on the host
+        chosen = even_routes(chosen.shape[0], s.top_k, experts=scores.shape[-1])
+    gates = scores.gather(1, chosen.to(scores.device))
     if s.normalize:
         gates = torch.ones_like(gates.detach()) if s.top_k == 1 else gates / gates.sum(-1, keepdim=True)
     normalised = scores if s.score == "softmax" else scores / scores.sum(-1, keepdim=True)
     return chosen, gates, normalised
+
+
+def even_routes(tokens: int, k: int, *, experts: int) -> Tensor:
+    """[tokens, k]: token t's choices t*k .. t*k+k-1 modulo the experts (distinct when k <= E), so
+    every expert receives tokens * k / E of them: the balanced load a plan is estimated for."""
+    return (torch.arange(tokens * k) % experts).view(tokens, k)
 
 
 def _oriented(weights: list[Tensor], dims: list, hidden: str) -> list[Tensor]:
@@ -237,22 +245,24 @@ class _AddAuxLoss(torch.autograd.Function):
 def _aux_part(ctx, scores: Tensor, total: Tensor, x_dims: tuple, experts: int, s: MoeSettings) -> Tensor:
     """This rank's summand of a * E * sum_e f_e * P_e (its tokens' part of P, over tp)."""
     tokens = math.prod(ctx.graph.dim(d) for d in x_dims[:-1])
-    share = total.to(scores.dtype) / (tokens * s.top_k)
+    share = total.to(scores) / (tokens * s.top_k)
     return s.aux_loss * experts * (share * scores.sum(0)).sum() / tokens / ctx.mesh.size(MeshAxis.TP)
 
 
 # ---- dispatch, experts, combine -------------------------------------------------------
 def expert_forward(xt: Tensor, chosen: Tensor, gates: Tensor, keep: Tensor | None, weights: list[Tensor],
                    exchange: Exchange, s: MoeSettings, experts_fn) -> Tensor:
+    """The indices live beside the choices (on the host in a rehearsal, whose data has no values);
+    each goes to the data's device where it indexes data (there, a no-op)."""
     tokens, hidden = xt.shape
     expert, gate = chosen.reshape(-1), gates.reshape(-1)
-    token = torch.arange(tokens, device=xt.device).repeat_interleave(s.top_k)
+    token = torch.arange(tokens, device=chosen.device).repeat_interleave(s.top_k)
     if keep is not None:
         kept = keep.reshape(-1).nonzero().squeeze(1)
-        expert, gate, token = expert[kept], gate[kept], token[kept]
+        expert, gate, token = expert[kept], gate[kept.to(gate.device)], token[kept]
     slot = exchange.slot.to(expert.device)[expert]  # (ep rank, local expert) as one number
     order = torch.argsort(slot, stable=True)
-    slot, gate, token = slot[order], gate[order], token[order]
+    slot, gate, token = slot[order], gate[order.to(gate.device)], token[order].to(xt.device)
     send = torch.bincount(slot, minlength=exchange.slots).view(exchange.size, -1)
     recv = exchange.counts(send)
     rows = exchange.dispatch(xt.index_select(0, token), send, recv)
@@ -287,8 +297,8 @@ def grouped_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: b
     """Rows from several source ranks sorted by local expert (stable), each expert on its
     slice, the results put back in arrival order."""
     order = torch.argsort(_local_expert(recv), stable=True)
-    out = sliced_experts(rows.index_select(0, order), recv.sum(0, keepdim=True), weights, swiglu)
-    return out.index_select(0, torch.argsort(order))  # gathers keep only their index for backward
+    out = sliced_experts(rows.index_select(0, order.to(rows.device)), recv.sum(0, keepdim=True), weights, swiglu)
+    return out.index_select(0, torch.argsort(order).to(rows.device))  # gathers keep only their index for backward
 
 
 def sliced_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool) -> Tensor:

@@ -53,11 +53,16 @@ def _all_to_all(rows: Tensor, send: list[int], recv: list[int], group) -> Tensor
 
 def _exchange_counts(counts: Tensor, group) -> Tensor:
     """counts[i, ...] goes to rank i; the result's [i, ...] came from rank i."""
-    if group is None:
+    if group is None or moves_nothing(group):  # a rehearsal: every rank sends what this one sends
         return counts.clone()
     out = torch.empty_like(counts)
     dist.all_to_all_single(out.view(-1), counts.contiguous().view(-1), group=group)
     return out
+
+
+def moves_nothing(group) -> bool:
+    """A fake process group (a rehearsal) returns what it is given: no counts come back."""
+    return "fake" in str(dist.get_backend(group))
 
 
 def _regroup(counts: Tensor, axes: tuple[int, ...]) -> Tensor:
@@ -71,12 +76,12 @@ def _regroup(counts: Tensor, axes: tuple[int, ...]) -> Tensor:
 
 
 def _permute(rows: Tensor, order: Tensor) -> Tensor:
-    return rows.index_select(0, order)
+    return rows.index_select(0, order.to(rows.device))
 
 
 def _unpermute(rows: Tensor, order: Tensor) -> Tensor:
     """The inverse of `_permute`, as a gather (index_copy would keep `rows` for backward)."""
-    return rows.index_select(0, torch.argsort(order))
+    return rows.index_select(0, torch.argsort(order).to(rows.device))
 
 
 @dataclass
