@@ -23,25 +23,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, logits, targets, counted, start, group):
+        """One logits-sized buffer beside the logits: shifted, then its exponentials, then the
+        softmax kept for backward, each in place (as Megatron's vocab-parallel loss)."""
         local_max = logits.max(dim=-1).values
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - local_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        dist.all_reduce(sum_exp, group=group)
+        softmax = logits - local_max.unsqueeze(-1)
         inside = (targets >= start) & (targets < start + logits.shape[-1])
         index = torch.where(inside, targets - start, torch.zeros_like(targets))
-        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
+        target_logit = softmax.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside.to(logits.dtype)
+        sum_exp = softmax.exp_().sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
         dist.all_reduce(target_logit, group=group)
-        fctx.save_for_backward(exp / sum_exp.unsqueeze(-1), index, inside, counted)
+        fctx.save_for_backward(softmax.div_(sum_exp.unsqueeze(-1)), index, inside, counted)
         return ((sum_exp.log() - target_logit) * counted).sum()
 
     @staticmethod
     def backward(fctx, grad):
+        """The gradient in the saved softmax's own buffer (backward runs once; nothing reads it again)."""
         softmax, index, inside, counted = fctx.saved_tensors
-        grad_logits = softmax.clone()
-        grad_logits.scatter_add_(-1, index.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
-        return grad_logits * (grad * counted).unsqueeze(-1), None, None, None, None
+        softmax.scatter_add_(-1, index.unsqueeze(-1), -inside.to(softmax.dtype).unsqueeze(-1))
+        return softmax.mul_((grad * counted).unsqueeze(-1)), None, None, None, None
 
 
 def cross_entropy(ctx, op, args, dims):
