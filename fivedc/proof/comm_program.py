@@ -30,16 +30,19 @@ later). `fivedc/proof/agreement.py` proves from these programs that every group 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from fivedc.ir.graph import DType, Graph, Op, Redistribute, Repeat, param_instances, walk_ops, walk_params
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
-from fivedc.proof.events import RING_TAG, Event
+from fivedc.proof.events import RING_TAG, Event, at_layer, templated
 from fivedc.proof.kernel_events import KernelEvents
 from fivedc.proof.sync_events import Buckets, SyncEvents
 from fivedc.proof.zero3_program import zero3_step
-from fivedc.passes.stages import chunk_param_names, value_types
+from fivedc.passes.overlap import expand_buckets
+from fivedc.passes.stages import held_by_rank, units, value_types
 from fivedc.passes.tied import tied_groups
 
 TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -51,14 +54,39 @@ SAVES_NOTHING = frozenset({"add", "sub"})
 KEEPS_NO_PARAMETER = frozenset({"embedding"})
 
 
+class Run(NamedTuple):
+    """A segment of a class's program: events it issues together, and the layer they run at
+    (None: not a layer's). The events are shared, never copied: a repeat's layers issue the
+    same events, so one layer's forward (or backward) is one tuple for all its layers, and a
+    chunk's runs are the same for every microbatch; an event of a layer names it
+    `{layer}` in its description (`at_layer` fills it in)."""
+
+    events: tuple[Event, ...]
+    layer: int | None = None
+
+
+def class_segments(plan, *, shared: bool = True) -> dict[int, tuple[Run, ...]]:
+    """Per pp rank (a class of ranks), one training step as runs in issue order. The proof
+    (`fivedc/proof/agreement.py`) does its work once per distinct run's events, so its cost
+    follows the plan's structure, not the layers' repetition, the microbatches or the world
+    size. `shared=False` builds each layer's and each site's events apart (the reference
+    the tests hold the shared runs against)."""
+    expander = _Expander(plan, shared=shared)
+    return {rank: expander.segments(rank) for rank in range(plan.mesh.size(MeshAxis.PP))}
+
+
 def class_programs(plan) -> dict[int, tuple[Event, ...]]:
     """Per pp rank (a class of ranks), the events of one training step in issue order."""
-    expander = _Expander(plan)
-    return {rank: tuple(expander.program(rank)) for rank in range(plan.mesh.size(MeshAxis.PP))}
+    return {rank: flatten(runs) for rank, runs in class_segments(plan).items()}
+
+
+def flatten(runs: tuple[Run, ...]) -> tuple[Event, ...]:
+    return tuple(at_layer(e, layer) for events, layer in runs for e in events)
 
 
 class _Expander(KernelEvents, SyncEvents):
-    def __init__(self, plan) -> None:
+    def __init__(self, plan, *, shared: bool = True) -> None:
+        self.shared = shared
         self.plan, self.graph, self.mesh = plan, plan.graph, plan.mesh
         self.dtype = TORCH_DTYPES[plan.dtype]
         self.pipeline = plan.pipeline
@@ -69,61 +97,88 @@ class _Expander(KernelEvents, SyncEvents):
         self.params = dict(param_instances(plan.graph))  # qualified name -> Param
         self.trainable = trainable(plan.graph)  # what backward reaches
         self.index = {id(site): i for i, site in enumerate(self.sites)}
+        self.unit_sites: dict[int, list[Site]] = {}
+        for site in self.sites:
+            self.unit_sites.setdefault(site.unit, []).append(site)
+        self.units = units(plan.graph)
         self.regather_at = _regather_points(plan, self.sites)  # site index -> the redistribution gathered again
         self.tied = tied_groups(plan.graph, plan.pipeline, plan.mesh.size(MeshAxis.PP))
-        # per site, computed once: a chunk runs the same events for every microbatch and class
-        self._cache: dict[tuple[str, int], list] = {}
+        # per node of the graph (of a repeat's body: for all its layers), computed once
+        self._cache: dict[tuple, list] = {}
+        self._chunks: dict[tuple, object] = {}  # units' and chunks' runs, transfers' sizes
+        self.expanded_buckets = expand_buckets(plan.buckets)
+        self._held_by_rank: dict[int, set[str]] | None = None
+        self.schedule = plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP)) if plan.pipeline else None
 
     # ---- one class ----------------------------------------------------------------------------
-    def program(self, pp_rank: int) -> list[Event]:
+    def segments(self, pp_rank: int) -> tuple[Run, ...]:
         mine = self._held(pp_rank)
         buckets = Buckets(self, mine, overlap=self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2))
-        out: list[Event] = []
+        out: list[Run] = []
         if self.pipeline is None and self.plan.zero == 3:  # gathered and reduce-scattered by group
-            out += zero3_step(self)
+            out.append(Run(tuple(zero3_step(self))))
         elif self.pipeline is None:
-            out += [e for site in self.sites for e in self.forward(site)]
-            for site in reversed(self.sites):
-                out += self.backward(site)
-                out += buckets.after(site)
+            out += self._units("forward", 0, len(self.units))
+            out += self._units("backward", 0, len(self.units), buckets)
         else:
-            out += self._pipeline_start(pp_rank, mine)
+            out.append(Run(tuple(self._pipeline_start(pp_rank, mine))))
             out += self._actions(pp_rank)
-            out += self._tied(pp_rank)
-        out += buckets.rest()
+            out.append(Run(tuple(self._tied(pp_rank))))
+        tail = buckets.rest()
         if self.pipeline is not None and self.plan.zero == 3:
-            out += self._zero3_pipeline_sync(mine)
+            tail += self._zero3_pipeline_sync(mine)
         if self.pipeline is not None and self.pipeline.schedule == "dualpipe":
-            out += self._copies(pp_rank, mine)
-        out += self._loss()
+            tail += self._copies(pp_rank, mine)
+        tail += self._loss()
         if self.plan.zero in (1, 2):
-            out += self._gathers(mine, "gather the updated parameters (ZeRO-1/2)")
-        return out
+            tail += self._gathers(mine, "gather the updated parameters (ZeRO-1/2)")
+        out.append(Run(tuple(tail)))
+        return tuple(run for run in out if run.events)
 
     def _held(self, pp_rank: int) -> list[str]:
         """The parameter instances this class holds, in the plan's order."""
         if self.pipeline is None:
             return list(self.params)
-        names = chunk_param_names(self.graph, self.pipeline, pp_rank=pp_rank)
+        if self._held_by_rank is None:
+            self._held_by_rank = held_by_rank(self.graph, self.pipeline, self.mesh.size(MeshAxis.PP))
+        names = self._held_by_rank[pp_rank]
         return [n for n in self.params if n in names]
 
-    def _actions(self, pp_rank: int) -> list[Event]:
-        schedule = self.pipeline.build_schedule(self.mesh.size(MeshAxis.PP))
-        chunk_sites = [self._chunk_sites(c) for c in range(len(self.pipeline.chunks))]
-        out: list[Event] = []
-        for action in schedule.ranks[pp_rank]:
+    def _actions(self, pp_rank: int) -> list[Run]:
+        """The schedule's actions: a computation is its chunk's runs (the same for every
+        microbatch), a transfer a run of one event."""
+        out: list[Run] = []
+        for action in self.schedule.ranks[pp_rank]:
             kind, c = action.kind.value, action.chunk
-            if kind == "F":
-                out += [e for site in chunk_sites[c] for e in self.forward(site)]
-            elif kind in ("B", "I"):
-                out += [e for site in reversed(chunk_sites[c]) for e in self.backward(site)]
+            if kind in ("F", "B", "I"):
+                key = ("chunk", kind == "F", c)
+                if key not in self._chunks:
+                    self._chunks[key] = self._units("forward" if kind == "F" else "backward",
+                                                    *self.pipeline.chunks[c].units)
+                out += self._chunks[key]
             elif kind in ("SF", "RF", "SB", "RB"):
-                out.append(self._transfer(kind, action, c))
+                out.append(Run((self._transfer(kind, action, c),)))
         return out
 
-    def _chunk_sites(self, c: int) -> list[Site]:
-        first, stop = self.pipeline.chunks[c].units
-        return [s for s in self.sites if first <= s.unit < stop]
+    def _units(self, what: str, first: int, stop: int, buckets: Buckets | None = None) -> list[Run]:
+        """The forward (in order) or backward (in reverse) of units [first, stop), a run per
+        unit: a layer's is shared by all layers of its repeat, unless gradient buckets start
+        inside it (`buckets`, overlap on)."""
+        order = range(first, stop) if what == "forward" else reversed(range(first, stop))
+        runs = []
+        for u in order:
+            layer = self.units[u].layer
+            if buckets is not None and buckets.overlap:
+                sites = reversed(self.unit_sites.get(u, ()))
+                runs.append(Run(tuple(e for site in sites for e in self.backward(site) + buckets.after(site)), layer))
+                continue
+            sites = self.unit_sites.get(u, [])
+            key = ("unit", what, sites[0].repeat if self.shared and layer is not None and sites else u)
+            if key not in self._chunks:
+                self._chunks[key] = tuple(e for site in sites for e in self.forward(site)) if what == "forward" else \
+                    tuple(e for site in reversed(sites) for e in self.backward(site))
+            runs.append(Run(self._chunks[key], layer))
+        return runs
 
     def _transfer(self, kind: str, action, c: int) -> Event:
         """A pipeline transfer: chunk c's outputs (forward) or the gradients of chunk c-1's
@@ -132,7 +187,11 @@ class _Expander(KernelEvents, SyncEvents):
         producer = c if kind in ("SF", "RF") else c - 1
         sending = kind in ("SF", "SB")
         names = self.pipeline.chunks[producer].sends
-        numel = sum(self._computed_numel(n) if sending and kind == "SF" else self._boundary_numel(n) for n in names)
+        computed = sending and kind == "SF"
+        if ("sent", computed, producer) not in self._chunks:
+            self._chunks[("sent", computed, producer)] = sum(self._computed_numel(n) if computed else self._boundary_numel(n)
+                                                     for n in names)
+        numel = self._chunks[("sent", computed, producer)]
         what = f"{'activations' if kind[1] == 'F' else 'gradients'} of {', '.join(names)} (microbatch " \
                f"{action.microbatch}, chunk {producer} -> {producer + 1})"
         return Event("send" if sending else "recv", (MeshAxis.PP,), numel, self.dtype, what, peer=action.peer,
@@ -160,8 +219,7 @@ class _Expander(KernelEvents, SyncEvents):
         loss with ignore_index whose targets are an input or, under several microbatches, computed
         from the inputs alone: those ops run once more first), and ZeRO-3's gathers."""
         out: list[Event] = []
-        schedule = self.pipeline.build_schedule(self.mesh.size(MeshAxis.PP))
-        if any(c.rank == pp_rank for c in self.pipeline.chunks if schedule.next_chunk(c.index) is None):
+        if any(c.rank == pp_rank for c in self.pipeline.chunks if self.schedule.next_chunk(c.index) is None):
             top = {id(site.node): site for site in self.sites if site.repeat is None}
             for site in self.sites:
                 node = site.node
@@ -181,11 +239,21 @@ class _Expander(KernelEvents, SyncEvents):
     def backward(self, site: Site) -> list[Event]:
         return self._cached("backward", site, self._backward)
 
+    def at(self, site: Site, events: list[Event]) -> list[Event]:
+        """`forward(site)`'s or `backward(site)`'s events as issued at the site's layer."""
+        return [at_layer(e, site.layer) for e in events]
+
     def _param_args(self, site: Site) -> list[str]:
         return self._cached("params", site, self._params_read)
 
     def _cached(self, what: str, site: Site, compute) -> list:
-        key = (what, self.index[id(site)])
+        """`compute(site)` once per node: a repeat's body node's for all its layers (its events
+        name the layer `{layer}`), but the parameters an op reads (`params`), which are the
+        layer's own."""
+        if self.shared and site.repeat is not None and what != "params":
+            key = (what, site.repeat, id(site.node))
+        else:
+            key = (what, self.index[id(site)])
         if key not in self._cache:
             self._cache[key] = compute(site)
         return self._cache[key]
@@ -193,7 +261,7 @@ class _Expander(KernelEvents, SyncEvents):
     def _forward(self, site: Site) -> list[Event]:
         node = site.node
         if isinstance(node, Redistribute):
-            return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding), f"forward of {site.id}",
+            return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding), f"forward of {templated(site)}",
                                node.loc, "int64" if node.type.dtype == DType.INT else self.dtype,
                                rings=("all_gather", "reduce_scatter", "all_reduce"))
         return self._kernel_forward(site)
@@ -203,7 +271,7 @@ class _Expander(KernelEvents, SyncEvents):
         if node.out not in self.trainable:  # no gradient flows through it
             return []
         if isinstance(node, Redistribute):
-            return self._steps(node.backward, self.numel(node.type.dims, node.sharding), f"backward of {site.id}",
+            return self._steps(node.backward, self.numel(node.type.dims, node.sharding), f"backward of {templated(site)}",
                                node.loc, rings=("all_gather",))  # a sum's gradient back in a ring
         return [e for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
             + self._kernel_backward(site)
@@ -234,7 +302,7 @@ class _Expander(KernelEvents, SyncEvents):
         gathered = self.regather_at[self.index[id(site)]]
         return self._steps([c for c in gathered.node.forward if c.kind == "all_gather"],
                            self.numel(gathered.node.type.dims, gathered.node.src_sharding),
-                           f"{gathered.id} gathered again for the weight gradients (SP)", gathered.node.loc)
+                           f"{templated(gathered)} gathered again for the weight gradients (SP)", gathered.node.loc)
 
     def _recompute_point(self, site: Site) -> Site | None:
         """Where backward redoes a recomputed layer: at the first of its nodes, from the

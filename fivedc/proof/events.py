@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fivedc.errors import SourceLoc
 from fivedc.ir.mesh import MeshAxis
 
 
+LAYER = "{layer}"  # in an event's description: the layer of the run that issues it (`at_layer`)
 RING_TAG = 2  # a chunk passed around a tp ring (fivedc/runtime/tp_ring.py); ring attention's are 0 and 1
 
 
@@ -40,3 +41,15 @@ class Event:
         level = f" ({self.level})" if self.level else ""
         some = f" (pp ranks {', '.join(map(str, self.pp_ranks))})" if self.pp_ranks else ""
         return f"{self.op}{level} over {'x'.join(self.axes)}{some}{peer}: {size}, {self.what}"
+
+
+def templated(site) -> str:
+    """A site's id with its layer left open (`LAYER`): what all layers of its repeat share."""
+    return site.id if site.repeat is None else f"{site.repeat}.{LAYER}.{site.value}"
+
+
+def at_layer(event: Event, layer: int | None) -> Event:
+    """`event` as issued at `layer` (its description names it)."""
+    if layer is None or LAYER not in event.what:
+        return event
+    return replace(event, what=event.what.replace(LAYER, str(layer)))

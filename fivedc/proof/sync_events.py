@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from fivedc.ir.graph import walk_ops
 from fivedc.ir.mesh import MeshAxis
-from fivedc.passes.overlap import expand_buckets
 from fivedc.passes.param_sync import zero_chunk
 from fivedc.plan.sites import Site
 from fivedc.proof.events import Event
@@ -34,7 +33,8 @@ class SyncEvents:
         """`gather_flat`: one all-gather per bucket (the part of it this class holds), then
         the parameters in no bucket by group, in name order, closed at 25 MiB."""
         wanted = [n for n in held if self.mesh.size(*self.params[n].grad_partial) > 1]
-        given = [kept for b in expand_buckets(self.plan.buckets) if (kept := [n for n in b if n in wanted])]
+        wanted_set = set(wanted)
+        given = [kept for b in self.expanded_buckets if (kept := [n for n in b if n in wanted_set])]
         covered = {n for b in given for n in b}
         open_: dict[tuple, tuple[list[str], int]] = {}
         done: list[list[str]] = []
@@ -55,7 +55,8 @@ class SyncEvents:
     def _zero3_pipeline_sync(self, held: list[str]) -> list[Event]:
         """ZeRO-3 under a pipeline: each bucket's gradients reduce-scattered after the last
         microbatch (the rest one by one)."""
-        buckets = [b for b in expand_buckets(self.plan.buckets) if all(n in held for n in b)]
+        mine = set(held)
+        buckets = [b for b in self.expanded_buckets if all(n in mine for n in b)]
         out = [self._bucket_event(b, stage=2) for b in buckets]
         covered = {n for b in buckets for n in b}
         for name in held:
@@ -111,12 +112,13 @@ class Buckets:
     def __init__(self, expander, held: list[str], *, overlap: bool) -> None:
         self.x, self.overlap = expander, overlap
         stage = expander.plan.zero
-        self.buckets = [] if stage == 3 else [b for b in expand_buckets(expander.plan.buckets) if all(n in held for n in b)]
+        mine = set(held)
+        self.buckets = [] if stage == 3 else [b for b in expander.expanded_buckets if all(n in mine for n in b)]
         self.stage = stage
         self.started = 0
         self.ready: set[str] = set()
         self.remaining = {}  # parameter -> the uses (sites) whose backward has not run yet
-        for site in expander.sites:
+        for site in expander.sites if overlap else ():
             for p in expander._param_args(site):
                 self.remaining[p] = self.remaining.get(p, 0) + 1
 

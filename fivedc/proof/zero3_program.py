@@ -43,7 +43,7 @@ class _Groups:
         x, out = self.x, []
         for i, site in enumerate(x.sites):
             instances = self._read(site, out, f"for {site.id}")
-            out += x.forward(site)
+            out += x.at(site, x.forward(site))
             if x.saves_params(site):
                 self.saved[i] = instances
             for k in instances:
@@ -53,12 +53,12 @@ class _Groups:
         for i in reversed(range(len(x.sites))):
             site = x.sites[i]
             if site.node.out not in x.trainable or isinstance(site.node, Redistribute):
-                out += x.backward(site)  # a redistribution's steps, or nothing
+                out += x.at(site, x.backward(site))  # a redistribution's steps, or nothing
                 continue
             for s in x.redone(site):
                 self._read(s, out, f"again to recompute {s.id}")
-                out += x.forward(s)
-            out += x.input_again(site)
+                out += x.at(s, x.forward(s))
+            out += x.at(site, x.input_again(site))
             for k in dict.fromkeys(self.saved.get(i, ())):
                 if k not in again:
                     again.add(k)
