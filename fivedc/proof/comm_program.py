@@ -42,6 +42,7 @@ from fivedc.proof.kernel_events import KernelEvents
 from fivedc.proof.sync_events import Buckets, SyncEvents
 from fivedc.proof.zero3_program import zero3_step
 from fivedc.passes.overlap import expand_buckets
+from fivedc.passes.param_sync import zero_chunk
 from fivedc.passes.stages import held_by_rank, units, value_types
 from fivedc.passes.tied import tied_groups
 
@@ -108,6 +109,8 @@ class _Expander(KernelEvents, SyncEvents):
         self._chunks: dict[tuple, object] = {}  # units' and chunks' runs, transfers' sizes
         self.expanded_buckets = expand_buckets(plan.buckets)
         self._held_by_rank: dict[int, set[str]] | None = None
+        self._param_names: dict[str | None, set[str]] = {}  # per repeat (None: none), and "": the top level's
+        self._numels: dict = {}  # per parameter of the graph: its local elements, its ZeRO chunk
         self.schedule = plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP)) if plan.pipeline else None
 
     # ---- one class ----------------------------------------------------------------------------
@@ -162,17 +165,18 @@ class _Expander(KernelEvents, SyncEvents):
 
     def _units(self, what: str, first: int, stop: int, buckets: Buckets | None = None) -> list[Run]:
         """The forward (in order) or backward (in reverse) of units [first, stop), a run per
-        unit: a layer's is shared by all layers of its repeat, unless gradient buckets start
+        unit: a layer's is shared by all layers of its repeat, but where gradient buckets start
         inside it (`buckets`, overlap on)."""
         order = range(first, stop) if what == "forward" else reversed(range(first, stop))
         runs = []
         for u in order:
-            layer = self.units[u].layer
+            sites, layer = self.unit_sites.get(u, []), self.units[u].layer
             if buckets is not None and buckets.overlap:
-                sites = reversed(self.unit_sites.get(u, ()))
-                runs.append(Run(tuple(e for site in sites for e in self.backward(site) + buckets.after(site)), layer))
-                continue
-            sites = self.unit_sites.get(u, [])
+                started = [buckets.after(site) for site in reversed(sites)]
+                if any(started):
+                    runs.append(Run(tuple(e for site, more in zip(reversed(sites), started)
+                                          for e in self.backward(site) + more), layer))
+                    continue
             key = ("unit", what, sites[0].repeat if self.shared and layer is not None and sites else u)
             if key not in self._chunks:
                 self._chunks[key] = tuple(e for site in sites for e in self.forward(site)) if what == "forward" else \
@@ -315,9 +319,28 @@ class _Expander(KernelEvents, SyncEvents):
         node = site.node
         if not isinstance(node, Op):
             return []
-        body = {p.name for p in self.repeats[site.repeat].body.params} if site.repeat else set()
-        top = {p.name for p in self.graph.body.params}
-        return [f"{site.repeat}.{site.layer}.{a}" if a in body else a for a in node.value_args if a in body | top]
+        body = self._param_names.get(site.repeat)
+        if body is None:
+            body = self._param_names[site.repeat] = {p.name for p in self.repeats[site.repeat].body.params} \
+                if site.repeat else set()
+        top = self._param_names.setdefault("", {p.name for p in self.graph.body.params})
+        return [f"{site.repeat}.{site.layer}.{a}" if a in body else a for a in node.value_args
+                if a in body or a in top]
+
+    def param_numel(self, name: str) -> int:
+        """Elements of a parameter instance's local tensor (once per parameter of the graph: a
+        repeat's layers share it)."""
+        param = self.params[name]
+        if id(param) not in self._numels:
+            self._numels[id(param)] = self.graph.local_numel(param.dims, param.sharding, self.mesh)
+        return self._numels[id(param)]
+
+    def chunk_numel(self, name: str) -> int:
+        """`zero_chunk` of a parameter instance (once per parameter of the graph)."""
+        param = self.params[name]
+        if (id(param), "zero") not in self._numels:
+            self._numels[(id(param), "zero")] = zero_chunk(self.graph, self.mesh, param)
+        return self._numels[(id(param), "zero")]
 
     def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None, *,
                rings: tuple[str, ...] = ()) -> list[Event]:

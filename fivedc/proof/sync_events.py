@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from fivedc.ir.graph import walk_ops
 from fivedc.ir.mesh import MeshAxis
-from fivedc.passes.param_sync import zero_chunk
 from fivedc.plan.sites import Site
 from fivedc.proof.events import Event
 
@@ -40,7 +39,7 @@ class SyncEvents:
         done: list[list[str]] = []
         for name in sorted(n for n in wanted if n not in covered):
             param = self.params[name]
-            n, chunk = self.mesh.size(*param.grad_partial), zero_chunk(self.graph, self.mesh, param)
+            n, chunk = self.mesh.size(*param.grad_partial), self.chunk_numel(name)
             names, filled = open_.get(param.grad_partial, ([], 0))
             size = n * chunk * self.plan_bytes
             if names and filled + size > GATHER_BUCKET_BYTES:
@@ -49,7 +48,7 @@ class SyncEvents:
             open_[param.grad_partial] = (names + [name], filled + size)
         groups = given + sorted(done + [names for names, _ in open_.values()], key=lambda names: names[0])
         return [Event("all_gather", self.params[g[0]].grad_partial,
-                      sum(zero_chunk(self.graph, self.mesh, self.params[n]) for n in g), self.dtype, what)
+                      sum(self.chunk_numel(n) for n in g), self.dtype, what)
                 for g in groups]
 
     def _zero3_pipeline_sync(self, held: list[str]) -> list[Event]:
@@ -63,7 +62,7 @@ class SyncEvents:
             param = self.params[name]
             n = self.mesh.size(*param.grad_partial)
             if name not in covered and n > 1:
-                out.append(Event("reduce_scatter", param.grad_partial, n * zero_chunk(self.graph, self.mesh, param),
+                out.append(Event("reduce_scatter", param.grad_partial, n * self.chunk_numel(name),
                                  self.dtype, f"ZeRO-3 gradient of {name}", param.loc))
         return out
 
@@ -74,8 +73,7 @@ class SyncEvents:
         for group in self.tied:
             if pp_rank not in group.pp_ranks:
                 continue
-            numel = sum(self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh)
-                        for n in group.names)
+            numel = sum(self.param_numel(n) for n in group.names)
             some = group.pp_ranks if len(group.pp_ranks) < self.mesh.size(MeshAxis.PP) else ()
             out.append(Event("all_reduce", (MeshAxis.PP,), numel, self.dtype,
                              f"tied {', '.join(group.names)}: the gradients of the copies, summed", pp_ranks=some))
@@ -88,8 +86,7 @@ class SyncEvents:
         tied = {n for g in self.tied for n in g.names}
         held = [n for n in held if n not in tied]
         peer = self.mesh.size(MeshAxis.PP) - 1 - pp_rank
-        numel = sum(zero_chunk(self.graph, self.mesh, self.params[n]) if self.plan.zero else
-                    self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh) for n in held)
+        numel = sum(self.chunk_numel(n) if self.plan.zero else self.param_numel(n) for n in held)
         what = f"DualPipe: the summed gradients of the chunks pp ranks {pp_rank} and {peer} both hold"
         return [Event("send", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2),
                 Event("recv", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2)]
@@ -98,9 +95,9 @@ class SyncEvents:
         axes = self.params[names[0]].grad_partial
         if stage in (1, 2):
             n = self.mesh.size(*axes)
-            numel = n * sum(zero_chunk(self.graph, self.mesh, self.params[p]) for p in names)
+            numel = n * sum(self.chunk_numel(p) for p in names)
             return Event("reduce_scatter", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
-        numel = sum(self.graph.local_numel(self.params[p].dims, self.params[p].sharding, self.mesh) for p in names)
+        numel = sum(self.param_numel(p) for p in names)
         return Event("all_reduce", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
 
 

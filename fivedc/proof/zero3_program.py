@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from fivedc.ir.graph import Redistribute
 from fivedc.passes.overlap import expand_units
-from fivedc.passes.param_sync import zero_chunk
 from fivedc.proof.events import Event
 
 __all__ = ["zero3_step"]
@@ -89,6 +88,6 @@ class _Groups:
         names, _ = self.groups[self.instance_group[instance]]
         param = x.params[names[0]]
         n = x.mesh.size(*param.grad_partial)
-        numel = sum(zero_chunk(x.graph, x.mesh, x.params[name]) for name in names)
+        numel = sum(x.chunk_numel(name) for name in names)
         return Event(op, param.grad_partial, numel if op == "all_gather" else numel * n, x.dtype,
                           f"ZeRO-3 group {', '.join(names)} {what}", param.loc)
