@@ -20,7 +20,10 @@ memory on a cluster. `prove_agreement` shows that no plan fivedc accepts does:
 4. Every parameter gradient that is summed over a group of more than one rank is
    summed exactly once, by the class that holds the parameter.
 
-It costs a few milliseconds per class (one per pp rank), whatever the world size.
+The programs are shared runs (`fivedc/proof/comm_program.Run`): a repeat's layer is built
+once for all its layers, a chunk's runs once for all its microbatches, and the proof reads
+each distinct run once, so its cost follows the plan's structure, never the world size
+(tens of milliseconds for Llama 3 405B over 16384 ranks, 16 pipeline stages or none).
 A failure is a bug in fivedc's compiler (an `AgreementError`, exit 4) naming the
 group, the two classes that disagree and their sequences around the first
 difference.

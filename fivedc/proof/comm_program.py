@@ -26,24 +26,27 @@ recomputed layer is placed at its backward's start (the runtime redoes it at the
 first tensor the layer saved: the same collectives of the same class, a little
 later). `fivedc/proof/agreement.py` proves from these programs that every group agrees.
 `tests/test_agreement.py` holds them against what the runtime really calls.
+
+`class_segments` gives each class's step as shared `Run`s: a repeat's layer forward and
+backward are each built once for all its layers (a site's events depend on its node, not
+its layer), a chunk's runs once for every microbatch; `class_programs` flattens them.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 from fivedc.ir.graph import DType, Graph, Op, Redistribute, Repeat, param_instances, walk_ops, walk_params
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
-from fivedc.proof.events import RING_TAG, Event, at_layer, templated
+from fivedc.proof.events import RING_TAG, Event, Run, at_layer, flatten, templated
 from fivedc.proof.kernel_events import KernelEvents
+from fivedc.proof.pipeline_events import PipelineEvents
 from fivedc.proof.sync_events import Buckets, SyncEvents
 from fivedc.proof.zero3_program import zero3_step
 from fivedc.passes.overlap import expand_buckets
 from fivedc.passes.param_sync import zero_chunk
-from fivedc.passes.stages import held_by_rank, units, value_types
+from fivedc.passes.stages import held_by_rank, units
 from fivedc.passes.tied import tied_groups
 
 TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -53,17 +56,6 @@ TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16"
 SAVES_NOTHING = frozenset({"add", "sub"})
 # Kernels whose backward does not read their parameter: ZeRO-3 does not gather it again.
 KEEPS_NO_PARAMETER = frozenset({"embedding"})
-
-
-class Run(NamedTuple):
-    """A segment of a class's program: events it issues together, and the layer they run at
-    (None: not a layer's). The events are shared, never copied: a repeat's layers issue the
-    same events, so one layer's forward (or backward) is one tuple for all its layers, and a
-    chunk's runs are the same for every microbatch; an event of a layer names it
-    `{layer}` in its description (`at_layer` fills it in)."""
-
-    events: tuple[Event, ...]
-    layer: int | None = None
 
 
 def class_segments(plan, *, shared: bool = True) -> dict[int, tuple[Run, ...]]:
@@ -81,11 +73,7 @@ def class_programs(plan) -> dict[int, tuple[Event, ...]]:
     return {rank: flatten(runs) for rank, runs in class_segments(plan).items()}
 
 
-def flatten(runs: tuple[Run, ...]) -> tuple[Event, ...]:
-    return tuple(at_layer(e, layer) for events, layer in runs for e in events)
-
-
-class _Expander(KernelEvents, SyncEvents):
+class _Expander(KernelEvents, SyncEvents, PipelineEvents):
     def __init__(self, plan, *, shared: bool = True) -> None:
         self.shared = shared
         self.plan, self.graph, self.mesh = plan, plan.graph, plan.mesh
@@ -147,22 +135,6 @@ class _Expander(KernelEvents, SyncEvents):
         names = self._held_by_rank[pp_rank]
         return [n for n in self.params if n in names]
 
-    def _actions(self, pp_rank: int) -> list[Run]:
-        """The schedule's actions: a computation is its chunk's runs (the same for every
-        microbatch), a transfer a run of one event."""
-        out: list[Run] = []
-        for action in self.schedule.ranks[pp_rank]:
-            kind, c = action.kind.value, action.chunk
-            if kind in ("F", "B", "I"):
-                key = ("chunk", kind == "F", c)
-                if key not in self._chunks:
-                    self._chunks[key] = self._units("forward" if kind == "F" else "backward",
-                                                    *self.pipeline.chunks[c].units)
-                out += self._chunks[key]
-            elif kind in ("SF", "RF", "SB", "RB"):
-                out.append(Run((self._transfer(kind, action, c),)))
-        return out
-
     def _units(self, what: str, first: int, stop: int, buckets: Buckets | None = None) -> list[Run]:
         """The forward (in order) or backward (in reverse) of units [first, stop), a run per
         unit: a layer's is shared by all layers of its repeat, but where gradient buckets start
@@ -183,58 +155,6 @@ class _Expander(KernelEvents, SyncEvents):
                     tuple(e for site in reversed(sites) for e in self.backward(site))
             runs.append(Run(self._chunks[key], layer))
         return runs
-
-    def _transfer(self, kind: str, action, c: int) -> Event:
-        """A pipeline transfer: chunk c's outputs (forward) or the gradients of chunk c-1's
-        (backward). The sender sizes its buffer from what its chunk computed, the receiver
-        from what it expects (the plan's boundary types): the proof compares the two."""
-        producer = c if kind in ("SF", "RF") else c - 1
-        sending = kind in ("SF", "SB")
-        names = self.pipeline.chunks[producer].sends
-        computed = sending and kind == "SF"
-        if ("sent", computed, producer) not in self._chunks:
-            self._chunks[("sent", computed, producer)] = sum(self._computed_numel(n) if computed else self._boundary_numel(n)
-                                                     for n in names)
-        numel = self._chunks[("sent", computed, producer)]
-        what = f"{'activations' if kind[1] == 'F' else 'gradients'} of {', '.join(names)} (microbatch " \
-               f"{action.microbatch}, chunk {producer} -> {producer + 1})"
-        return Event("send" if sending else "recv", (MeshAxis.PP,), numel, self.dtype, what, peer=action.peer,
-                     tag=0 if kind[1] == "F" else 1)
-
-    def _boundary_numel(self, name: str) -> int:
-        t, sharding = value_types(self.graph)[name]
-        return self.numel(t.dims, sharding)
-
-    def _computed_numel(self, name: str) -> int:
-        """A boundary value's size as its producer computed it (a repeat's result: its
-        last layer's yield)."""
-        for item in self.graph.body.items:
-            if isinstance(item, Repeat) and name in item.results:
-                value = item.body.yields[item.results.index(name)]
-                node = next((n for n, _ in walk_ops(item.body) if getattr(n, "out", None) == value), None)
-                if node is not None:
-                    return self.numel(node.type.dims, node.sharding)
-            elif isinstance(item, (Op, Redistribute)) and item.out == name:
-                return self.numel(item.type.dims, item.sharding)
-        return self._boundary_numel(name)
-
-    def _pipeline_start(self, pp_rank: int, mine: list[str]) -> list[Event]:
-        """Before the first microbatch: the loss's target count (on the last chunk's rank, for a
-        loss with ignore_index whose targets are an input or, under several microbatches, computed
-        from the inputs alone: those ops run once more first), and ZeRO-3's gathers."""
-        out: list[Event] = []
-        if any(c.rank == pp_rank for c in self.pipeline.chunks if self.schedule.next_chunk(c.index) is None):
-            top = {id(site.node): site for site in self.sites if site.repeat is None}
-            for site in self.sites:
-                node = site.node
-                items = self._counted_up_front(node) if isinstance(node, Op) and node.kind == "cross_entropy" \
-                    and node.attr("ignore_index") is not None else None
-                if items is not None:
-                    out += [e for i in items for e in self._step_forward(top[id(self.graph.body.items[i])])]
-                    out += self._count(node)
-        if self.plan.zero == 3:
-            out += self._gathers(mine, "gather every parameter once for the step (ZeRO-3 under a pipeline)")
-        return out
 
     # ---- one node ------------------------------------------------------------------------------
     def forward(self, site: Site) -> list[Event]:

@@ -1,8 +1,9 @@
-"""One collective or transfer a rank issues, as the agreement proof compares them."""
+"""One collective or transfer a rank issues, as the agreement proof compares them; a run of them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from fivedc.errors import SourceLoc
 from fivedc.ir.mesh import MeshAxis
@@ -53,3 +54,18 @@ def at_layer(event: Event, layer: int | None) -> Event:
     if layer is None or LAYER not in event.what:
         return event
     return replace(event, what=event.what.replace(LAYER, str(layer)))
+
+
+class Run(NamedTuple):
+    """A segment of a class's program: events it issues together, and the layer they run at
+    (None: not a layer's). The events are shared, never copied: a repeat's layers issue the
+    same events, so one layer's forward (or backward) is one tuple for all its layers, and a
+    chunk's runs are the same for every microbatch; an event of a layer names it
+    `{layer}` in its description (`at_layer` fills it in)."""
+
+    events: tuple[Event, ...]
+    layer: int | None = None
+
+
+def flatten(runs: tuple[Run, ...]) -> tuple[Event, ...]:
+    return tuple(at_layer(e, layer) for events, layer in runs for e in events)
