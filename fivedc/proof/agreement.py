@@ -142,9 +142,10 @@ class _Memo:
         self.by_group: dict[int, dict[tuple, list[Event]]] = {}
         self.kinds: set[tuple] = set()
         self.groups: set[tuple] = set()  # every group, transfers' (pp) included
-        self._played: dict[int, list[tuple[int, Event]]] = {}
+        self._played: dict[int, tuple[int, list[tuple[int, Event]]]] = {}
+        self.built = 0  # events of the distinct runs
         for runs in segments.values():
-            for events, _ in runs:
+            for events, _, _ in runs:
                 if id(events) not in self.by_group:
                     grouped: dict[tuple, list[Event]] = {}
                     for e in events:
@@ -154,13 +155,12 @@ class _Memo:
                             grouped.setdefault(e.group, []).append(e)
                     self.by_group[id(events)] = grouped
                     self.kinds |= grouped.keys()
+                    self.built += len(events)
         self.groups |= self.kinds
-        self.built = sum(len(events) for events in {id(r.events): r.events for rs in segments.values() for r in rs}
-                         .values())
 
     def projection(self, key, group) -> list[Event]:
         """Class `key`'s collectives over `group`, in order."""
-        return [at_layer(e, layer) for events, layer in self.segments[key]
+        return [at_layer(e, layer, microbatch) for events, layer, microbatch in self.segments[key]
                 for e in self.by_group[id(events)].get(group, ())]
 
     def played(self, key, spanning) -> list[tuple[int, Event]]:
@@ -168,13 +168,17 @@ class _Memo:
         indices in its program: the events that wait for other classes (the rest complete
         within the class)."""
         out, offset = [], 0
-        for events, layer in self.segments[key]:
-            if id(events) not in self._played:
-                self._played[id(events)] = [(i, e) for i, e in enumerate(events)
-                                            if e.op in ("send", "recv") or e.group in spanning]
-            out += [(offset + i, at_layer(e, layer)) for i, e in self._played[id(events)]]
-            offset += len(events)
+        for events, layer, microbatch in self.segments[key]:
+            length, mine = self._played.get(id(events)) or self._play(events, spanning)
+            if mine:
+                out += [(offset + i, at_layer(e, layer, microbatch)) for i, e in mine]
+            offset += length
         return out
+
+    def _play(self, events, spanning) -> tuple[int, list[tuple[int, Event]]]:
+        found = self._played[id(events)] = (len(events), [(i, e) for i, e in enumerate(events)
+                                                           if e.op in ("send", "recv") or e.group in spanning])
+        return found
 
 
 def _same_sequences(group, members, memo: _Memo, classes) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from fivedc.ir.graph import Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.stages import value_types
-from fivedc.proof.events import Event, Run
+from fivedc.proof.events import MICROBATCH, Event, Run
 
 
 class PipelineEvents:
@@ -31,25 +31,24 @@ class PipelineEvents:
                                                     *self.pipeline.chunks[c].units)
                 out += self._chunks[key]
             elif kind in ("SF", "RF", "SB", "RB"):
-                out.append(Run((self._transfer(kind, action, c),)))
+                out.append(Run(self._transfer(kind, action.peer, c), microbatch=action.microbatch))
         return out
 
-    def _transfer(self, kind: str, action, c: int) -> Event:
+    def _transfer(self, kind: str, peer: int, c: int) -> tuple[Event]:
         """A pipeline transfer: chunk c's outputs (forward) or the gradients of chunk c-1's
         (backward). The sender sizes its buffer from what its chunk computed, the receiver
-        from what it expects (the plan's boundary types): the proof compares the two."""
-        producer = c if kind in ("SF", "RF") else c - 1
-        sending = kind in ("SF", "SB")
-        names = self.pipeline.chunks[producer].sends
-        computed = sending and kind == "SF"
-        if ("sent", computed, producer) not in self._chunks:
-            self._chunks[("sent", computed, producer)] = sum(self._computed_numel(n) if computed else self._boundary_numel(n)
-                                                     for n in names)
-        numel = self._chunks[("sent", computed, producer)]
-        what = f"{'activations' if kind[1] == 'F' else 'gradients'} of {', '.join(names)} (microbatch " \
-               f"{action.microbatch}, chunk {producer} -> {producer + 1})"
-        return Event("send" if sending else "recv", (MeshAxis.PP,), numel, self.dtype, what, peer=action.peer,
-                     tag=0 if kind[1] == "F" else 1)
+        from what it expects (the plan's boundary types): the proof compares the two. One
+        event for every microbatch (its description names it `{microbatch}`)."""
+        key = ("transfer", kind, peer, c)
+        if key not in self._chunks:
+            producer = c if kind in ("SF", "RF") else c - 1
+            names = self.pipeline.chunks[producer].sends
+            numel = sum(self._computed_numel(n) if kind == "SF" else self._boundary_numel(n) for n in names)
+            what = f"{'activations' if kind[1] == 'F' else 'gradients'} of {', '.join(names)} (microbatch " \
+                   f"{MICROBATCH}, chunk {producer} -> {producer + 1})"
+            self._chunks[key] = (Event("send" if kind in ("SF", "SB") else "recv", (MeshAxis.PP,), numel, self.dtype,
+                                       what, peer=peer, tag=0 if kind[1] == "F" else 1),)
+        return self._chunks[key]
 
     def _boundary_numel(self, name: str) -> int:
         t, sharding = value_types(self.graph)[name]
