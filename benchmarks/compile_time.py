@@ -10,7 +10,11 @@ of the published 16384-rank layout with 16 pipeline stages (`128x16x8x1x1 --sp`)
 0.2 s. The 1-rank plan has no collectives, so nothing to prove: its ratio shows what the
 collectives and their proof cost.
 
-    python benchmarks/compile_time.py [--repeats 21]
+`--cli N` also times the command itself, `fivedc compile examples/llama3_405b.5d --mesh M
+--sp -o PLAN` (a new process each: start-up, imports, parse, passes, proof, summary,
+plan written), N times for each of the two meshes of the bar, alternately.
+
+    python benchmarks/compile_time.py [--repeats 21] [--cli 11]
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,9 +53,18 @@ def compile_once(mesh: str, out: Path) -> dict[str, float]:
             "write cpu": time.process_time() - cpu, "proof": proofs[0].seconds}
 
 
+def command_once(mesh: str, out: Path) -> float:
+    """Wall seconds of `fivedc compile` in a process of its own."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "fivedc.cli.main", "compile", str(MODEL), "--mesh", mesh, "--sp",
+                    "-o", str(out)], check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--cli", type=int, default=0, metavar="N", help="also time the command, N times per mesh")
     args = parser.parse_args()
     times: dict[str, list[dict[str, float]]] = {m: [] for m in MESHES}
     load_before = os.getloadavg()[0]
@@ -73,6 +88,16 @@ def main() -> None:
     worst = max(t["proof"] for t in times["128x16x8x1x1"])
     print(f"proof of 128x16x8x1x1 --sp: median {median['128x16x8x1x1']['proof'] * 1e3:.1f} ms, "
           f"max {worst * 1e3:.1f} ms")
+    if args.cli:
+        command: dict[str, list[float]] = {m: [] for m in FLAT}
+        with tempfile.TemporaryDirectory() as tmp:
+            for _ in range(args.cli):
+                for mesh in FLAT:
+                    command[mesh].append(command_once(mesh, Path(tmp) / "plan.json"))
+        cli = {m: statistics.median(t) for m, t in command.items()}
+        print(f"fivedc compile --sp (a process each, {args.cli} alternating runs, load average now "
+              f"{os.getloadavg()[0]:.1f}): " + ", ".join(f"--mesh {m} median {cli[m]:.2f} s" for m in FLAT)
+              + f"; ratio {cli[FLAT[1]] / cli[FLAT[0]]:.2f}")
 
 
 if __name__ == "__main__":

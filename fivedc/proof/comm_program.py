@@ -34,6 +34,8 @@ its layer), a chunk's runs once for every microbatch; `class_programs` flattens 
 
 from __future__ import annotations
 
+import itertools
+
 from fivedc.ir.graph import DType, Graph, Op, Redistribute, Repeat, param_instances, walk_ops, walk_params
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
@@ -138,23 +140,49 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
     def _units(self, what: str, first: int, stop: int, buckets: Buckets | None = None) -> list[Run]:
         """The forward (in order) or backward (in reverse) of units [first, stop), a run per
         unit: a layer's is shared by all layers of its repeat, but where gradient buckets start
-        inside it (`buckets`, overlap on)."""
+        inside it (`buckets`, overlap on): then the shared events with the buckets' inserted."""
         order = range(first, stop) if what == "forward" else reversed(range(first, stop))
         runs = []
         for u in order:
             sites, layer = self.unit_sites.get(u, []), self.units[u].layer
-            if buckets is not None and buckets.overlap:
-                started = [buckets.after(site) for site in reversed(sites)]
-                if any(started):
-                    runs.append(Run(tuple(e for site, more in zip(reversed(sites), started)
-                                          for e in self.backward(site) + more), layer))
-                    continue
             key = ("unit", what, sites[0].repeat if self.shared and layer is not None and sites else u)
             if key not in self._chunks:
-                self._chunks[key] = tuple(e for site in sites for e in self.forward(site)) if what == "forward" else \
-                    tuple(e for site in reversed(sites) for e in self.backward(site))
-            runs.append(Run(self._chunks[key], layer))
+                parts = [self.forward(site) for site in sites] if what == "forward" else \
+                    [self.backward(site) for site in reversed(sites)]
+                ends = list(itertools.accumulate(map(len, parts)))  # backward: after each site, from the last
+                self._chunks[key] = tuple(itertools.chain.from_iterable(parts)), ends
+            events, ends = self._chunks[key]
+            start = self.index[id(sites[0])] if sites else 0
+            started = [(j, buckets.after(start + len(sites) - 1 - j)) for j in range(len(sites))
+                       if buckets is not None and start + len(sites) - 1 - j in buckets.at]
+            if started:
+                cuts = [0] + [ends[j] for j, _ in started]
+                events = tuple(itertools.chain.from_iterable(
+                    (*events[cuts[i]:cuts[i + 1]], *more) for i, (_, more) in enumerate(started))) + events[cuts[-1]:]
+            runs.append(Run(events, layer))
         return runs
+
+    def first_uses(self) -> dict[str, int]:
+        """Each parameter instance read by an op -> the index of the first site that reads it;
+        a repeat's body worked out once for all its layers."""
+        first: dict[str, int] = {}
+        offsets: dict[str, list[tuple[int, str, bool]]] = {}  # per repeat: first reads in a layer
+        for u, sites in self.unit_sites.items():  # in program order
+            start, layer, repeat = self.index[id(sites[0])], self.units[u].layer, sites[0].repeat
+            if layer is None or not self.shared:
+                for i, site in enumerate(sites):
+                    for name in self._param_args(site):
+                        first.setdefault(name, start + i)
+                continue
+            if repeat not in offsets:
+                seen: dict[str, tuple[int, str, bool]] = {}
+                for j, site in enumerate(sites):
+                    for name, own in self._param_refs(site):
+                        seen.setdefault(name, (j, name, own))
+                offsets[repeat] = list(seen.values())
+            for j, name, own in offsets[repeat]:
+                first.setdefault(f"{repeat}.{layer}.{name}" if own else name, start + j)
+        return first
 
     # ---- one node ------------------------------------------------------------------------------
     def forward(self, site: Site) -> list[Event]:
@@ -236,6 +264,11 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
 
     def _params_read(self, site: Site) -> list[str]:
         """The qualified parameters an op reads, in argument order."""
+        return [f"{site.repeat}.{site.layer}.{a}" if own else a for a, own in self._param_refs(site)]
+
+    def _param_refs(self, site: Site) -> list[tuple[str, bool]]:
+        """The parameters an op reads, in argument order, by name in its block, and whether
+        each is its layer's own (of the repeat's body) or the top level's."""
         node = site.node
         if not isinstance(node, Op):
             return []
@@ -244,8 +277,7 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
             body = self._param_names[site.repeat] = {p.name for p in self.repeats[site.repeat].body.params} \
                 if site.repeat else set()
         top = self._param_names.setdefault("", {p.name for p in self.graph.body.params})
-        return [f"{site.repeat}.{site.layer}.{a}" if a in body else a for a in node.value_args
-                if a in body or a in top]
+        return [(a, a in body) for a in node.value_args if a in body or a in top]
 
     def param_numel(self, name: str) -> int:
         """Elements of a parameter instance's local tensor (once per parameter of the graph: a

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from fivedc.ir.graph import walk_ops
 from fivedc.ir.mesh import MeshAxis
-from fivedc.plan.sites import Site
 from fivedc.proof.events import Event
 
 GATHER_BUCKET_BYTES = 25 * 2**20  # fivedc/runtime/flat_shard.gather_flat's cap for parameters in no bucket
@@ -101,10 +100,13 @@ class SyncEvents:
         return Event("all_reduce", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
 
 
-
 class Buckets:
     """A class's gradient buckets: started from backward as their last gradient arrives
-    (overlap on, no pipeline), each once every earlier one has started; the rest after."""
+    (overlap on, no pipeline), each once every earlier one has started; the rest after.
+    Backward visits the sites in reverse, so a parameter's gradient is complete after the
+    backward of the first site that reads it, and bucket k starts after the backward of
+    site min(the first use of its parameters, where bucket k - 1 started): worked out per
+    bucket from the parameters' first uses (`first_uses`), not site by site."""
 
     def __init__(self, expander, held: list[str], *, overlap: bool) -> None:
         self.x, self.overlap = expander, overlap
@@ -112,25 +114,21 @@ class Buckets:
         mine = set(held)
         self.buckets = [] if stage == 3 else [b for b in expander.expanded_buckets if all(n in mine for n in b)]
         self.stage = stage
-        self.started = 0
-        self.ready: set[str] = set()
-        self.remaining = {}  # parameter -> the uses (sites) whose backward has not run yet
-        for site in expander.sites if overlap else ():
-            for p in expander._param_args(site):
-                self.remaining[p] = self.remaining.get(p, 0) + 1
+        self.at: dict[int, list[int]] = {}  # site index -> the buckets started after its backward, in order
+        self.started = 0  # buckets started from backward (the first ones: they start in order)
+        if overlap and self.buckets and expander.sites:
+            first, prev = expander.first_uses(), len(expander.sites) - 1
+            for k, bucket in enumerate(self.buckets):
+                uses = [first.get(n) for n in bucket]
+                if None in uses:  # read by no site: complete only after backward
+                    break
+                prev = min([prev, *uses])
+                self.at.setdefault(prev, []).append(k)
+                self.started = k + 1
 
-    def after(self, site: Site) -> list[Event]:
-        if not self.overlap:
-            return []
-        for p in self.x._param_args(site):
-            self.remaining[p] -= 1
-            if self.remaining[p] == 0:
-                self.ready.add(p)
-        out = []
-        while self.started < len(self.buckets) and set(self.buckets[self.started]) <= self.ready:
-            out.append(self.x._bucket_event(self.buckets[self.started], stage=self.stage))
-            self.started += 1
-        return out
+    def after(self, index: int) -> list[Event]:
+        """The buckets started after the backward of site `index`."""
+        return [self.x._bucket_event(self.buckets[k], stage=self.stage) for k in self.at.get(index, ())]
 
     def rest(self) -> list[Event]:
         out = [self.x._bucket_event(b, stage=self.stage) for b in self.buckets[self.started:]]
