@@ -163,15 +163,15 @@ class _Memo:
         return [at_layer(e, layer, microbatch) for events, layer, microbatch in self.segments[key]
                 for e in self.by_group[id(events)].get(group, ())]
 
-    def played(self, key, spanning) -> list[tuple[int, Event]]:
+    def played(self, key, spanning) -> list[tuple[int, Event, int | None, int | None]]:
         """Class `key`'s transfers and collectives over a group in `spanning`, with their
-        indices in its program: the events that wait for other classes (the rest complete
-        within the class)."""
+        indices in its program and their run's layer and microbatch (`_shown`): the events
+        that wait for other classes (the rest complete within the class)."""
         out, offset = [], 0
         for events, layer, microbatch in self.segments[key]:
             length, mine = self._played.get(id(events)) or self._play(events, spanning)
             if mine:
-                out += [(offset + i, at_layer(e, layer, microbatch)) for i, e in mine]
+                out += [(offset + i, e, layer, microbatch) for i, e in mine]
             offset += length
         return out
 
@@ -207,6 +207,12 @@ def _around(events: list[Event], index: int, context: int = 2) -> str:
     return "\n".join(lines)
 
 
+def _shown(played: tuple) -> Event:
+    """A played event as its run issues it (its description names the layer and microbatch)."""
+    _, event, layer, microbatch = played
+    return at_layer(event, layer, microbatch)
+
+
 def _located(event: Event) -> str:
     return f"{event} (at {event.loc})" if event.loc is not None else str(event)
 
@@ -220,7 +226,7 @@ def _run_together(memo: _Memo, classes: PpClasses) -> int:
                 for members in classes.member_sets(*group) if len(members) > 1}
     programs = {key: memo.played(key, spanning) for key in memo.segments}
     position = {key: 0 for key in programs}
-    channels: dict[tuple, deque[Event]] = {}
+    channels: dict[tuple, deque[tuple]] = {}
     matched = 0
     while True:
         moved = False
@@ -228,12 +234,12 @@ def _run_together(memo: _Memo, classes: PpClasses) -> int:
             while position[key] < len(events):
                 e = events[position[key]][1]
                 if e.op == "send":
-                    channels.setdefault((key, e.peer, e.tag), deque()).append(e)
+                    channels.setdefault((key, e.peer, e.tag), deque()).append(events[position[key]])
                 elif e.op == "recv":
                     queue = channels.get((e.peer, key, e.tag))
                     if not queue:
                         break
-                    _same_transfer(queue.popleft(), e, key, classes)
+                    _same_transfer(queue.popleft(), events[position[key]], key, classes)
                     matched += 1
                 else:  # a collective over a group that spans classes
                     if not _all_arrived(e.group, spanning[e.group], programs, position):
@@ -249,8 +255,8 @@ def _run_together(memo: _Memo, classes: PpClasses) -> int:
             _deadlock(programs, position, classes)
     left = [(k, q[0]) for k, q in channels.items() if q]
     if left:
-        (src, dst, _), event = left[0]
-        raise AgreementError(f"{classes.describe(src)} sends {event} that {classes.describe(dst)} never receives",
+        (src, dst, _), sent = left[0]
+        raise AgreementError(f"{classes.describe(src)} sends {_shown(sent)} that {classes.describe(dst)} never receives",
                              hint="a bug in fivedc's pipeline schedule or runtime: report the plan")
     return matched
 
@@ -264,8 +270,10 @@ def _all_arrived(group, members, programs, position) -> bool:
     return all(at(m) for m in members)
 
 
-def _same_transfer(sent: Event, received: Event, key, classes) -> None:
-    if (sent.numel, sent.dtype) != (received.numel, received.dtype):
+def _same_transfer(sent: tuple, received: tuple, key, classes) -> None:
+    """The sizes a send puts in are those its receive expects (`sent`, `received`: played)."""
+    if (sent[1].numel, sent[1].dtype) != (received[1].numel, received[1].dtype):
+        sent, received = _shown(sent), _shown(received)
         raise AgreementError(
             f"{classes.describe(received.peer)} sends {sent.numel} x {sent.dtype} ({sent.what}) where "
             f"{classes.describe(key)} receives {received.numel} x {received.dtype} ({received.what})",
@@ -273,7 +281,7 @@ def _same_transfer(sent: Event, received: Event, key, classes) -> None:
 
 
 def _deadlock(programs, position, classes) -> None:
-    waiting = [f"  {classes.describe(k)} waits in #{ev[position[k]][0] + 1} {_located(ev[position[k]][1])}"
+    waiting = [f"  {classes.describe(k)} waits in #{ev[position[k]][0] + 1} {_located(_shown(ev[position[k]]))}"
                for k, ev in programs.items() if position[k] < len(ev)]
     raise AgreementError("the ranks would deadlock: no class can go on\n" + "\n".join(waiting),
                          hint="a bug in fivedc's pipeline schedule or runtime: report the plan")

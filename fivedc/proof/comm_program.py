@@ -98,7 +98,8 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
         self._cache: dict[tuple, list] = {}
         self._chunks: dict[tuple, object] = {}  # units' and chunks' runs, transfers' sizes
         self.expanded_buckets = expand_buckets(plan.buckets)
-        self._held_by_rank: dict[int, set[str]] | None = None
+        self._held_by_rank: dict[int, list[str]] | None = None
+        self._buckets_by_rank: dict[int, list[tuple[str, ...]]] | None = None
         self._param_names: dict[str | None, set[str]] = {}  # per repeat (None: none), and "": the top level's
         self._numels: dict = {}  # per parameter of the graph: its local elements, its ZeRO chunk
         self.schedule = plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP)) if plan.pipeline else None
@@ -106,7 +107,7 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
     # ---- one class ----------------------------------------------------------------------------
     def segments(self, pp_rank: int) -> tuple[Run, ...]:
         mine = self._held(pp_rank)
-        buckets = Buckets(self, mine, overlap=self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2))
+        buckets = Buckets(self, pp_rank, overlap=self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2))
         out: list[Run] = []
         if self.pipeline is None and self.plan.zero == 3:  # gathered and reduce-scattered by group
             out.append(Run(tuple(zero3_step(self))))
@@ -128,14 +129,29 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
         out.append(Run(tuple(tail)))
         return tuple(run for run in out if run.events)
 
+    def held_buckets(self, pp_rank: int) -> list[tuple[str, ...]]:
+        """The gradient buckets (executions, in launch order) whose parameters this class all
+        holds; found for every class in one pass over the buckets."""
+        if self._buckets_by_rank is None:
+            self._buckets_by_rank = {}
+            every = set(range(self.mesh.size(MeshAxis.PP)))
+            holders: dict[str, set[int]] = {}
+            for rank in every:
+                for name in self._held(rank):
+                    holders.setdefault(name, set()).add(rank)
+            for bucket in self.expanded_buckets:
+                for rank in sorted(set.intersection(*(holders.get(n, set()) for n in bucket)) if bucket else every):
+                    self._buckets_by_rank.setdefault(rank, []).append(bucket)
+        return self._buckets_by_rank.get(pp_rank, [])
+
     def _held(self, pp_rank: int) -> list[str]:
         """The parameter instances this class holds, in the plan's order."""
         if self.pipeline is None:
             return list(self.params)
         if self._held_by_rank is None:
-            self._held_by_rank = held_by_rank(self.graph, self.pipeline, self.mesh.size(MeshAxis.PP))
-        names = self._held_by_rank[pp_rank]
-        return [n for n in self.params if n in names]
+            by_rank = held_by_rank(self.graph, self.pipeline, self.mesh.size(MeshAxis.PP))
+            self._held_by_rank = {r: [n for n in self.params if n in names] for r, names in by_rank.items()}
+        return self._held_by_rank[pp_rank]
 
     def _units(self, what: str, first: int, stop: int, buckets: Buckets | None = None) -> list[Run]:
         """The forward (in order) or backward (in reverse) of units [first, stop), a run per

@@ -108,11 +108,10 @@ class Buckets:
     site min(the first use of its parameters, where bucket k - 1 started): worked out per
     bucket from the parameters' first uses (`first_uses`), not site by site."""
 
-    def __init__(self, expander, held: list[str], *, overlap: bool) -> None:
+    def __init__(self, expander, pp_rank: int, *, overlap: bool) -> None:
         self.x, self.overlap = expander, overlap
         stage = expander.plan.zero
-        mine = set(held)
-        self.buckets = [] if stage == 3 else [b for b in expander.expanded_buckets if all(n in mine for n in b)]
+        self.buckets = [] if stage == 3 else expander.held_buckets(pp_rank)
         self.stage = stage
         self.at: dict[int, list[int]] = {}  # site index -> the buckets started after its backward, in order
         self.started = 0  # buckets started from backward (the first ones: they start in order)
