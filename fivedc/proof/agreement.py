@@ -20,7 +20,7 @@ memory on a cluster. `prove_agreement` shows that no plan fivedc accepts does:
 4. Every parameter gradient that is summed over a group of more than one rank is
    summed exactly once, by the class that holds the parameter.
 
-The programs are shared runs (`fivedc/proof/comm_program.Run`): a repeat's layer is built
+The programs are shared runs (`fivedc/proof/events.Run`): a repeat's layer is built
 once for all its layers, a chunk's runs once for all its microbatches, and the proof reads
 each distinct run once, so its cost follows the plan's structure, never the world size
 (tens of milliseconds for Llama 3 405B over 16384 ranks, 16 pipeline stages or none).
@@ -35,8 +35,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from fivedc.proof.comm_program import Run, class_segments
-from fivedc.proof.events import Event, at_layer
+from fivedc.proof.comm_program import class_segments
+from fivedc.proof.events import Event, Run, at_layer
 from fivedc.errors import PassError
 from fivedc.ir.graph import param_instances
 from fivedc.ir.mesh import Mesh, MeshAxis
@@ -56,7 +56,7 @@ class AgreementProof:
     across: int  # of which span several classes
     transfers: int  # pipeline sends matched with their receives
     seconds: float
-    built: int = 0  # events built: those of the distinct segments (each chunk's forward and backward once)
+    built: int = 0  # events built: the distinct runs' (a layer once for its repeat, a chunk for its microbatches)
 
     def __str__(self) -> str:
         spans = f", {self.across} spanning several" if self.across else ""
@@ -256,7 +256,8 @@ def _run_together(memo: _Memo, classes: PpClasses) -> int:
     left = [(k, q[0]) for k, q in channels.items() if q]
     if left:
         (src, dst, _), sent = left[0]
-        raise AgreementError(f"{classes.describe(src)} sends {_shown(sent)} that {classes.describe(dst)} never receives",
+        raise AgreementError(f"{classes.describe(src)} sends {_shown(sent)} that {classes.describe(dst)} never "
+                             "receives",
                              hint="a bug in fivedc's pipeline schedule or runtime: report the plan")
     return matched
 

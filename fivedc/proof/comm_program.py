@@ -107,7 +107,8 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
     # ---- one class ----------------------------------------------------------------------------
     def segments(self, pp_rank: int) -> tuple[Run, ...]:
         mine = self._held(pp_rank)
-        buckets = Buckets(self, pp_rank, overlap=self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2))
+        overlap = self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2)
+        buckets = Buckets(self, pp_rank, overlap=overlap)
         out: list[Run] = []
         if self.pipeline is None and self.plan.zero == 3:  # gathered and reduce-scattered by group
             out.append(Run(tuple(zero3_step(self))))
@@ -229,7 +230,8 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
     def _forward(self, site: Site) -> list[Event]:
         node = site.node
         if isinstance(node, Redistribute):
-            return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding), f"forward of {templated(site)}",
+            return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding),
+                               f"forward of {templated(site)}",
                                node.loc, "int64" if node.type.dtype == DType.INT else self.dtype,
                                rings=("all_gather", "reduce_scatter", "all_reduce"))
         return self._kernel_forward(site)
@@ -239,7 +241,8 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
         if node.out not in self.trainable:  # no gradient flows through it
             return []
         if isinstance(node, Redistribute):
-            return self._steps(node.backward, self.numel(node.type.dims, node.sharding), f"backward of {templated(site)}",
+            return self._steps(node.backward, self.numel(node.type.dims, node.sharding),
+                               f"backward of {templated(site)}",
                                node.loc, rings=("all_gather",))  # a sum's gradient back in a ring
         return [e for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
             + self._kernel_backward(site)
