@@ -20,7 +20,7 @@ import pytest
 from fivedc.proof.agreement import AgreementError, RankClasses, prove_agreement
 from fivedc.cli.main import main
 from fivedc.cli.shared import load_graph
-from fivedc.proof.comm_program import Run, class_programs, class_segments, flatten
+from fivedc.proof.comm_program import Run, class_programs, class_runs, flatten
 from fivedc.frontends.dsl_file import load_model, parse_model
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.overlap import expand_buckets, plan_buckets
@@ -165,7 +165,7 @@ def test_the_shared_runs_are_the_programs_built_site_by_site(model, mesh, option
     """A repeat's layers share one run only if every layer issues the same events: the
     shared build must equal one that computes every site of every layer apart."""
     plan = compiled(model, mesh, **options)
-    shared, apart = class_segments(plan), class_segments(plan, shared=False)
+    shared, apart = class_runs(plan), class_runs(plan, shared=False)
     assert {k: flatten(v) for k, v in shared.items()} == {k: flatten(v) for k, v in apart.items()}
     assert all("{layer}" not in e.what for events in class_programs(plan).values() for e in events)
 
@@ -181,7 +181,7 @@ def test_a_fault_in_one_layer_of_one_class_is_found_in_the_shared_runs() -> None
     its collectives swapped) must not pass for the shared run: the proof names layer 1. (No
     overlap: the gradient buckets start after backward, so each layer's backward is shared.)"""
     plan = compiled("examples/tiny_llama.5d", "1x1x2x1x1", sequence_parallel=True, overlap=False)
-    runs = class_segments(plan)[0]
+    runs = class_runs(plan)[0]
     index = _first_layer_run(runs, 1, (MeshAxis.TP,))
     assert runs[index].events is runs[_first_layer_run(runs, 0, (MeshAxis.TP,))].events  # shared
     events = list(runs[index].events)
@@ -190,24 +190,24 @@ def test_a_fault_in_one_layer_of_one_class_is_found_in_the_shared_runs() -> None
     events[tp[0]], events[other] = events[other], events[tp[0]]
     faulty = runs[:index] + (Run(tuple(events), 1),) + runs[index + 1:]
     classes = RankClasses(plan.mesh, {0: "base", 1: "faulty"})
-    assert prove_agreement(plan, segments={"base": runs, "faulty": runs}, classes=classes).across == 1
+    assert prove_agreement(plan, runs={"base": runs, "faulty": runs}, classes=classes).across == 1
     with pytest.raises(AgreementError, match="disagree") as caught:
-        prove_agreement(plan, segments={"base": runs, "faulty": faulty}, classes=classes)
+        prove_agreement(plan, runs={"base": runs, "faulty": faulty}, classes=classes)
     assert "layers.1." in caught.value.message and "{layer}" not in caught.value.message
 
 
 def test_a_transfer_of_one_microbatch_changed_in_the_shared_runs_is_rejected() -> None:
     plan = _pipeline_plan()
-    segments = dict(class_segments(plan))
-    runs = segments[0]
+    programs = dict(class_runs(plan))
+    runs = programs[0]
     index = [i for i, r in enumerate(runs) if r.events[0].op == "send"][-1]  # the last microbatch's
     sent = runs[index].events[0]
     assert any(r.events is runs[index].events for r in runs[:index])  # shared with microbatch 0's
-    segments[0] = runs[:index] + (runs[index]._replace(events=(replace(sent, numel=sent.numel // 2),)),) \
+    programs[0] = runs[:index] + (runs[index]._replace(events=(replace(sent, numel=sent.numel // 2),)),) \
         + runs[index + 1:]
     with pytest.raises(AgreementError, match=r"pp rank 0 sends 128 x float64 \(activations of .* \(microbatch 1,") \
             as caught:
-        prove_agreement(plan, segments=segments)
+        prove_agreement(plan, runs=programs)
     assert "{microbatch}" not in caught.value.message
 
 

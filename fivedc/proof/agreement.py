@@ -35,7 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from fivedc.proof.comm_program import class_segments
+from fivedc.proof.comm_program import class_runs
 from fivedc.proof.events import Event, Run, at_layer
 from fivedc.errors import PassError
 from fivedc.ir.graph import param_instances
@@ -109,15 +109,15 @@ class RankClasses(PpClasses):
 
 
 def prove_agreement(plan, *, programs: dict | None = None, classes: PpClasses | None = None,
-                    segments: dict | None = None) -> AgreementProof:
-    """Check the plan's programs: its classes' runs (`class_segments`), or `segments` (runs by
-    class) or `programs` (events by class) given, classed by `classes`; an `AgreementError`
-    names the first disagreement."""
+                    runs: dict | None = None) -> AgreementProof:
+    """Check the plan's programs: its classes' runs (`class_runs`), or `runs` (by class) or
+    `programs` (events by class) given, classed by `classes`; an `AgreementError` names the
+    first disagreement."""
     start = time.perf_counter()
-    if segments is None:
-        segments = class_segments(plan) if programs is None else {k: (Run(tuple(v)),) for k, v in programs.items()}
+    if runs is None:
+        runs = class_runs(plan) if programs is None else {k: (Run(tuple(v)),) for k, v in programs.items()}
     classes = classes or PpClasses(plan.mesh)
-    memo = _Memo(segments)
+    memo = _Memo(runs)
     kinds = sorted(memo.kinds)
     across = 0
     for group in kinds:
@@ -127,7 +127,7 @@ def prove_agreement(plan, *, programs: dict | None = None, classes: PpClasses | 
                 _same_sequences(group, members, memo, classes)
     transfers = _run_together(memo, classes)
     _summed_once(plan)
-    return AgreementProof(len(segments), sum(len(run.events) for runs in segments.values() for run in runs),
+    return AgreementProof(len(runs), sum(len(run.events) for ofclass in runs.values() for run in ofclass),
                           len(kinds), across, transfers, time.perf_counter() - start, memo.built)
 
 
@@ -137,15 +137,15 @@ class _Memo:
     the kinds of group they issue on, their collectives by group, and the events they play
     against other classes (transfers, and collectives over groups that span classes)."""
 
-    def __init__(self, segments: dict) -> None:
-        self.segments = segments
+    def __init__(self, runs: dict) -> None:
+        self.runs = runs
         self.by_group: dict[int, dict[tuple, list[Event]]] = {}
         self.kinds: set[tuple] = set()
         self.groups: set[tuple] = set()  # every group, transfers' (pp) included
         self._played: dict[int, tuple[int, list[tuple[int, Event]]]] = {}
         self.built = 0  # events of the distinct runs
-        for runs in segments.values():
-            for events, _, _ in runs:
+        for ofclass in runs.values():
+            for events, _, _ in ofclass:
                 if id(events) not in self.by_group:
                     grouped: dict[tuple, list[Event]] = {}
                     for e in events:
@@ -160,7 +160,7 @@ class _Memo:
 
     def projection(self, key, group) -> list[Event]:
         """Class `key`'s collectives over `group`, in order."""
-        return [at_layer(e, layer, microbatch) for events, layer, microbatch in self.segments[key]
+        return [at_layer(e, layer, microbatch) for events, layer, microbatch in self.runs[key]
                 for e in self.by_group[id(events)].get(group, ())]
 
     def played(self, key, spanning) -> list[tuple[int, Event, int | None, int | None]]:
@@ -168,7 +168,7 @@ class _Memo:
         indices in its program and their run's layer and microbatch (`_shown`): the events
         that wait for other classes (the rest complete within the class)."""
         out, offset = [], 0
-        for events, layer, microbatch in self.segments[key]:
+        for events, layer, microbatch in self.runs[key]:
             length, mine = self._played.get(id(events)) or self._play(events, spanning)
             if mine:
                 out += [(offset + i, e, layer, microbatch) for i, e in mine]
@@ -224,7 +224,7 @@ def _run_together(memo: _Memo, classes: PpClasses) -> int:
     transfers and the spanning collectives are played (`_Memo.played`)."""
     spanning = {group: members for group in memo.groups
                 for members in classes.member_sets(*group) if len(members) > 1}
-    programs = {key: memo.played(key, spanning) for key in memo.segments}
+    programs = {key: memo.played(key, spanning) for key in memo.runs}
     position = {key: 0 for key in programs}
     channels: dict[tuple, deque[tuple]] = {}
     matched = 0

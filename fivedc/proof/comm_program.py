@@ -27,7 +27,7 @@ first tensor the layer saved: the same collectives of the same class, a little
 later). `fivedc/proof/agreement.py` proves from these programs that every group agrees.
 `tests/test_agreement.py` holds them against what the runtime really calls.
 
-`class_segments` gives each class's step as shared `Run`s: a repeat's layer forward and
+`class_runs` gives each class's step as shared `Run`s: a repeat's layer forward and
 backward are each built once for all its layers (a site's events depend on its node, not
 its layer), a chunk's runs once for every microbatch; `class_programs` flattens them.
 """
@@ -60,19 +60,19 @@ SAVES_NOTHING = frozenset({"add", "sub"})
 KEEPS_NO_PARAMETER = frozenset({"embedding"})
 
 
-def class_segments(plan, *, shared: bool = True) -> dict[int, tuple[Run, ...]]:
+def class_runs(plan, *, shared: bool = True) -> dict[int, tuple[Run, ...]]:
     """Per pp rank (a class of ranks), one training step as runs in issue order. The proof
     (`fivedc/proof/agreement.py`) does its work once per distinct run's events, so its cost
     follows the plan's structure, not the layers' repetition, the microbatches or the world
     size. `shared=False` builds each layer's and each site's events apart (the reference
     the tests hold the shared runs against)."""
     expander = _Expander(plan, shared=shared)
-    return {rank: expander.segments(rank) for rank in range(plan.mesh.size(MeshAxis.PP))}
+    return {rank: expander.runs(rank) for rank in range(plan.mesh.size(MeshAxis.PP))}
 
 
 def class_programs(plan) -> dict[int, tuple[Event, ...]]:
     """Per pp rank (a class of ranks), the events of one training step in issue order."""
-    return {rank: flatten(runs) for rank, runs in class_segments(plan).items()}
+    return {rank: flatten(runs) for rank, runs in class_runs(plan).items()}
 
 
 class _Expander(KernelEvents, SyncEvents, PipelineEvents):
@@ -105,7 +105,7 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
         self.schedule = plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP)) if plan.pipeline else None
 
     # ---- one class ----------------------------------------------------------------------------
-    def segments(self, pp_rank: int) -> tuple[Run, ...]:
+    def runs(self, pp_rank: int) -> tuple[Run, ...]:
         mine = self._held(pp_rank)
         overlap = self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2)
         buckets = Buckets(self, pp_rank, overlap=overlap)
