@@ -344,9 +344,10 @@ def chunk_starts(graph: Graph, spec: PipelineSpec | None) -> frozenset[int]:
 
 # ---- which parameters a chunk uses ------------------------------------------------------------
 def chunk_param_names(graph: Graph, spec: PipelineSpec, *, pp_rank: int | None = None,
-                      chunk: int | None = None) -> set[str]:
-    """Qualified names of the parameters a pp rank's chunks (or one chunk) use."""
-    all_units = units(graph)
+                      chunk: int | None = None, all_units: list[Unit] | None = None) -> set[str]:
+    """Qualified names of the parameters a pp rank's chunks (or one chunk) use (`all_units`:
+    `units(graph)`, when the caller has them)."""
+    all_units = units(graph) if all_units is None else all_units
     items = graph.body.items
     top = {p.name for p in graph.body.params}
     names: set[str] = set()
@@ -365,6 +366,12 @@ def chunk_param_names(graph: Graph, spec: PipelineSpec, *, pp_rank: int | None =
     for start in repeats:  # what a repeat's body reads of the top level, once per repeat
         names |= outer_params(items[start], top)
     return names
+
+
+def held_by_rank(graph: Graph, spec: PipelineSpec, pp: int) -> dict[int, set[str]]:
+    """`chunk_param_names` of every pp rank, the units found once."""
+    all_units = units(graph)
+    return {r: chunk_param_names(graph, spec, pp_rank=r, all_units=all_units) for r in range(pp)}
 
 
 def unit_top_params(items, unit: Unit, top: set[str]) -> set[str]:

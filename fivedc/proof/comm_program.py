@@ -26,20 +26,29 @@ recomputed layer is placed at its backward's start (the runtime redoes it at the
 first tensor the layer saved: the same collectives of the same class, a little
 later). `fivedc/proof/agreement.py` proves from these programs that every group agrees.
 `tests/test_agreement.py` holds them against what the runtime really calls.
+
+`class_runs` gives each class's step as shared `Run`s: a repeat's layer forward and
+backward are each built once for all its layers (a site's events depend on its node, not
+its layer), a chunk's runs once for every microbatch; `class_programs` flattens them.
 """
 
 from __future__ import annotations
+
+import itertools
 
 from fivedc.ir.graph import DType, Graph, Op, Redistribute, Repeat, param_instances, walk_ops, walk_params
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
-from fivedc.proof.events import RING_TAG, Event
+from fivedc.proof.events import RING_TAG, Event, Run, at_layer, flatten, templated
 from fivedc.proof.kernel_events import KernelEvents
+from fivedc.proof.pipeline_events import PipelineEvents
 from fivedc.proof.sync_events import Buckets, SyncEvents
 from fivedc.proof.zero3_program import zero3_step
-from fivedc.passes.stages import chunk_param_names, value_types
+from fivedc.passes.overlap import expand_buckets
+from fivedc.passes.param_sync import zero_chunk
+from fivedc.passes.stages import held_by_rank, units
 from fivedc.passes.tied import tied_groups
 
 TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -51,14 +60,24 @@ SAVES_NOTHING = frozenset({"add", "sub"})
 KEEPS_NO_PARAMETER = frozenset({"embedding"})
 
 
+def class_runs(plan, *, shared: bool = True) -> dict[int, tuple[Run, ...]]:
+    """Per pp rank (a class of ranks), one training step as runs in issue order. The proof
+    (`fivedc/proof/agreement.py`) does its work once per distinct run's events, so its cost
+    follows the plan's structure, not the layers' repetition, the microbatches or the world
+    size. `shared=False` builds each layer's and each site's events apart (the reference
+    the tests hold the shared runs against)."""
+    expander = _Expander(plan, shared=shared)
+    return {rank: expander.runs(rank) for rank in range(plan.mesh.size(MeshAxis.PP))}
+
+
 def class_programs(plan) -> dict[int, tuple[Event, ...]]:
     """Per pp rank (a class of ranks), the events of one training step in issue order."""
-    expander = _Expander(plan)
-    return {rank: tuple(expander.program(rank)) for rank in range(plan.mesh.size(MeshAxis.PP))}
+    return {rank: flatten(runs) for rank, runs in class_runs(plan).items()}
 
 
-class _Expander(KernelEvents, SyncEvents):
-    def __init__(self, plan) -> None:
+class _Expander(KernelEvents, SyncEvents, PipelineEvents):
+    def __init__(self, plan, *, shared: bool = True) -> None:
+        self.shared = shared
         self.plan, self.graph, self.mesh = plan, plan.graph, plan.mesh
         self.dtype = TORCH_DTYPES[plan.dtype]
         self.pipeline = plan.pipeline
@@ -69,110 +88,118 @@ class _Expander(KernelEvents, SyncEvents):
         self.params = dict(param_instances(plan.graph))  # qualified name -> Param
         self.trainable = trainable(plan.graph)  # what backward reaches
         self.index = {id(site): i for i, site in enumerate(self.sites)}
+        self.unit_sites: dict[int, list[Site]] = {}
+        for site in self.sites:
+            self.unit_sites.setdefault(site.unit, []).append(site)
+        self.units = units(plan.graph)
         self.regather_at = _regather_points(plan, self.sites)  # site index -> the redistribution gathered again
         self.tied = tied_groups(plan.graph, plan.pipeline, plan.mesh.size(MeshAxis.PP))
-        # per site, computed once: a chunk runs the same events for every microbatch and class
-        self._cache: dict[tuple[str, int], list] = {}
+        # per node of the graph (of a repeat's body: for all its layers), computed once
+        self._cache: dict[tuple, list] = {}
+        self._chunks: dict[tuple, object] = {}  # units' and chunks' runs, transfers' sizes
+        self.expanded_buckets = expand_buckets(plan.buckets)
+        self._held_by_rank: dict[int, list[str]] | None = None
+        self._buckets_by_rank: dict[int, list[tuple[str, ...]]] | None = None
+        self._param_names: dict[str | None, set[str]] = {}  # per repeat (None: none), and "": the top level's
+        self._numels: dict = {}  # per parameter of the graph: its local elements, its ZeRO chunk
+        self.schedule = plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP)) if plan.pipeline else None
 
     # ---- one class ----------------------------------------------------------------------------
-    def program(self, pp_rank: int) -> list[Event]:
+    def runs(self, pp_rank: int) -> tuple[Run, ...]:
         mine = self._held(pp_rank)
-        buckets = Buckets(self, mine, overlap=self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2))
-        out: list[Event] = []
+        overlap = self.plan.overlap and self.pipeline is None and self.plan.zero in (0, 2)
+        buckets = Buckets(self, pp_rank, overlap=overlap)
+        out: list[Run] = []
         if self.pipeline is None and self.plan.zero == 3:  # gathered and reduce-scattered by group
-            out += zero3_step(self)
+            out.append(Run(tuple(zero3_step(self))))
         elif self.pipeline is None:
-            out += [e for site in self.sites for e in self.forward(site)]
-            for site in reversed(self.sites):
-                out += self.backward(site)
-                out += buckets.after(site)
+            out += self._units("forward", 0, len(self.units))
+            out += self._units("backward", 0, len(self.units), buckets)
         else:
-            out += self._pipeline_start(pp_rank, mine)
+            out.append(Run(tuple(self._pipeline_start(pp_rank, mine))))
             out += self._actions(pp_rank)
-            out += self._tied(pp_rank)
-        out += buckets.rest()
+            out.append(Run(tuple(self._tied(pp_rank))))
+        tail = buckets.rest()
         if self.pipeline is not None and self.plan.zero == 3:
-            out += self._zero3_pipeline_sync(mine)
+            tail += self._zero3_pipeline_sync(mine)
         if self.pipeline is not None and self.pipeline.schedule == "dualpipe":
-            out += self._copies(pp_rank, mine)
-        out += self._loss()
+            tail += self._copies(pp_rank, mine)
+        tail += self._loss()
         if self.plan.zero in (1, 2):
-            out += self._gathers(mine, "gather the updated parameters (ZeRO-1/2)")
-        return out
+            tail += self._gathers(mine, "gather the updated parameters (ZeRO-1/2)")
+        out.append(Run(tuple(tail)))
+        return tuple(run for run in out if run.events)
+
+    def held_buckets(self, pp_rank: int) -> list[tuple[str, ...]]:
+        """The gradient buckets (executions, in launch order) whose parameters this class all
+        holds; found for every class in one pass over the buckets."""
+        if self._buckets_by_rank is None:
+            self._buckets_by_rank = {}
+            every = set(range(self.mesh.size(MeshAxis.PP)))
+            holders: dict[str, set[int]] = {}
+            for rank in every:
+                for name in self._held(rank):
+                    holders.setdefault(name, set()).add(rank)
+            for bucket in self.expanded_buckets:
+                for rank in sorted(set.intersection(*(holders.get(n, set()) for n in bucket)) if bucket else every):
+                    self._buckets_by_rank.setdefault(rank, []).append(bucket)
+        return self._buckets_by_rank.get(pp_rank, [])
 
     def _held(self, pp_rank: int) -> list[str]:
         """The parameter instances this class holds, in the plan's order."""
         if self.pipeline is None:
             return list(self.params)
-        names = chunk_param_names(self.graph, self.pipeline, pp_rank=pp_rank)
-        return [n for n in self.params if n in names]
+        if self._held_by_rank is None:
+            by_rank = held_by_rank(self.graph, self.pipeline, self.mesh.size(MeshAxis.PP))
+            self._held_by_rank = {r: [n for n in self.params if n in names] for r, names in by_rank.items()}
+        return self._held_by_rank[pp_rank]
 
-    def _actions(self, pp_rank: int) -> list[Event]:
-        schedule = self.pipeline.build_schedule(self.mesh.size(MeshAxis.PP))
-        chunk_sites = [self._chunk_sites(c) for c in range(len(self.pipeline.chunks))]
-        out: list[Event] = []
-        for action in schedule.ranks[pp_rank]:
-            kind, c = action.kind.value, action.chunk
-            if kind == "F":
-                out += [e for site in chunk_sites[c] for e in self.forward(site)]
-            elif kind in ("B", "I"):
-                out += [e for site in reversed(chunk_sites[c]) for e in self.backward(site)]
-            elif kind in ("SF", "RF", "SB", "RB"):
-                out.append(self._transfer(kind, action, c))
-        return out
+    def _units(self, what: str, first: int, stop: int, buckets: Buckets | None = None) -> list[Run]:
+        """The forward (in order) or backward (in reverse) of units [first, stop), a run per
+        unit: a layer's is shared by all layers of its repeat, but where gradient buckets start
+        inside it (`buckets`, overlap on): then the shared events with the buckets' inserted."""
+        order = range(first, stop) if what == "forward" else reversed(range(first, stop))
+        runs = []
+        for u in order:
+            sites, layer = self.unit_sites.get(u, []), self.units[u].layer
+            key = ("unit", what, sites[0].repeat if self.shared and layer is not None and sites else u)
+            if key not in self._chunks:
+                parts = [self.forward(site) for site in sites] if what == "forward" else \
+                    [self.backward(site) for site in reversed(sites)]
+                ends = list(itertools.accumulate(map(len, parts)))  # backward: after each site, from the last
+                self._chunks[key] = tuple(itertools.chain.from_iterable(parts)), ends
+            events, ends = self._chunks[key]
+            start = self.index[id(sites[0])] if sites else 0
+            started = [(j, buckets.after(start + len(sites) - 1 - j)) for j in range(len(sites))
+                       if buckets is not None and start + len(sites) - 1 - j in buckets.at]
+            if started:
+                cuts = [0] + [ends[j] for j, _ in started]
+                events = tuple(itertools.chain.from_iterable(
+                    (*events[cuts[i]:cuts[i + 1]], *more) for i, (_, more) in enumerate(started))) + events[cuts[-1]:]
+            runs.append(Run(events, layer))
+        return runs
 
-    def _chunk_sites(self, c: int) -> list[Site]:
-        first, stop = self.pipeline.chunks[c].units
-        return [s for s in self.sites if first <= s.unit < stop]
-
-    def _transfer(self, kind: str, action, c: int) -> Event:
-        """A pipeline transfer: chunk c's outputs (forward) or the gradients of chunk c-1's
-        (backward). The sender sizes its buffer from what its chunk computed, the receiver
-        from what it expects (the plan's boundary types): the proof compares the two."""
-        producer = c if kind in ("SF", "RF") else c - 1
-        sending = kind in ("SF", "SB")
-        names = self.pipeline.chunks[producer].sends
-        numel = sum(self._computed_numel(n) if sending and kind == "SF" else self._boundary_numel(n) for n in names)
-        what = f"{'activations' if kind[1] == 'F' else 'gradients'} of {', '.join(names)} (microbatch " \
-               f"{action.microbatch}, chunk {producer} -> {producer + 1})"
-        return Event("send" if sending else "recv", (MeshAxis.PP,), numel, self.dtype, what, peer=action.peer,
-                     tag=0 if kind[1] == "F" else 1)
-
-    def _boundary_numel(self, name: str) -> int:
-        t, sharding = value_types(self.graph)[name]
-        return self.numel(t.dims, sharding)
-
-    def _computed_numel(self, name: str) -> int:
-        """A boundary value's size as its producer computed it (a repeat's result: its
-        last layer's yield)."""
-        for item in self.graph.body.items:
-            if isinstance(item, Repeat) and name in item.results:
-                value = item.body.yields[item.results.index(name)]
-                node = next((n for n, _ in walk_ops(item.body) if getattr(n, "out", None) == value), None)
-                if node is not None:
-                    return self.numel(node.type.dims, node.sharding)
-            elif isinstance(item, (Op, Redistribute)) and item.out == name:
-                return self.numel(item.type.dims, item.sharding)
-        return self._boundary_numel(name)
-
-    def _pipeline_start(self, pp_rank: int, mine: list[str]) -> list[Event]:
-        """Before the first microbatch: the loss's target count (on the last chunk's rank, for a
-        loss with ignore_index whose targets are an input or, under several microbatches, computed
-        from the inputs alone: those ops run once more first), and ZeRO-3's gathers."""
-        out: list[Event] = []
-        schedule = self.pipeline.build_schedule(self.mesh.size(MeshAxis.PP))
-        if any(c.rank == pp_rank for c in self.pipeline.chunks if schedule.next_chunk(c.index) is None):
-            top = {id(site.node): site for site in self.sites if site.repeat is None}
-            for site in self.sites:
-                node = site.node
-                items = self._counted_up_front(node) if isinstance(node, Op) and node.kind == "cross_entropy" \
-                    and node.attr("ignore_index") is not None else None
-                if items is not None:
-                    out += [e for i in items for e in self._step_forward(top[id(self.graph.body.items[i])])]
-                    out += self._count(node)
-        if self.plan.zero == 3:
-            out += self._gathers(mine, "gather every parameter once for the step (ZeRO-3 under a pipeline)")
-        return out
+    def first_uses(self) -> dict[str, int]:
+        """Each parameter instance read by an op -> the index of the first site that reads it;
+        a repeat's body worked out once for all its layers."""
+        first: dict[str, int] = {}
+        offsets: dict[str, list[tuple[int, str, bool]]] = {}  # per repeat: first reads in a layer
+        for u, sites in self.unit_sites.items():  # in program order
+            start, layer, repeat = self.index[id(sites[0])], self.units[u].layer, sites[0].repeat
+            if layer is None or not self.shared:
+                for i, site in enumerate(sites):
+                    for name in self._param_args(site):
+                        first.setdefault(name, start + i)
+                continue
+            if repeat not in offsets:
+                seen: dict[str, tuple[int, str, bool]] = {}
+                for j, site in enumerate(sites):
+                    for name, own in self._param_refs(site):
+                        seen.setdefault(name, (j, name, own))
+                offsets[repeat] = list(seen.values())
+            for j, name, own in offsets[repeat]:
+                first.setdefault(f"{repeat}.{layer}.{name}" if own else name, start + j)
+        return first
 
     # ---- one node ------------------------------------------------------------------------------
     def forward(self, site: Site) -> list[Event]:
@@ -181,11 +208,21 @@ class _Expander(KernelEvents, SyncEvents):
     def backward(self, site: Site) -> list[Event]:
         return self._cached("backward", site, self._backward)
 
+    def at(self, site: Site, events: list[Event]) -> list[Event]:
+        """`forward(site)`'s or `backward(site)`'s events as issued at the site's layer."""
+        return [at_layer(e, site.layer) for e in events]
+
     def _param_args(self, site: Site) -> list[str]:
         return self._cached("params", site, self._params_read)
 
     def _cached(self, what: str, site: Site, compute) -> list:
-        key = (what, self.index[id(site)])
+        """`compute(site)` once per node: a repeat's body node's for all its layers (its events
+        name the layer `{layer}`), but the parameters an op reads (`params`), which are the
+        layer's own."""
+        if self.shared and site.repeat is not None and what != "params":
+            key = (what, site.repeat, id(site.node))
+        else:
+            key = (what, self.index[id(site)])
         if key not in self._cache:
             self._cache[key] = compute(site)
         return self._cache[key]
@@ -193,7 +230,8 @@ class _Expander(KernelEvents, SyncEvents):
     def _forward(self, site: Site) -> list[Event]:
         node = site.node
         if isinstance(node, Redistribute):
-            return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding), f"forward of {site.id}",
+            return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding),
+                               f"forward of {templated(site)}",
                                node.loc, "int64" if node.type.dtype == DType.INT else self.dtype,
                                rings=("all_gather", "reduce_scatter", "all_reduce"))
         return self._kernel_forward(site)
@@ -203,7 +241,8 @@ class _Expander(KernelEvents, SyncEvents):
         if node.out not in self.trainable:  # no gradient flows through it
             return []
         if isinstance(node, Redistribute):
-            return self._steps(node.backward, self.numel(node.type.dims, node.sharding), f"backward of {site.id}",
+            return self._steps(node.backward, self.numel(node.type.dims, node.sharding),
+                               f"backward of {templated(site)}",
                                node.loc, rings=("all_gather",))  # a sum's gradient back in a ring
         return [e for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
             + self._kernel_backward(site)
@@ -234,7 +273,7 @@ class _Expander(KernelEvents, SyncEvents):
         gathered = self.regather_at[self.index[id(site)]]
         return self._steps([c for c in gathered.node.forward if c.kind == "all_gather"],
                            self.numel(gathered.node.type.dims, gathered.node.src_sharding),
-                           f"{gathered.id} gathered again for the weight gradients (SP)", gathered.node.loc)
+                           f"{templated(gathered)} gathered again for the weight gradients (SP)", gathered.node.loc)
 
     def _recompute_point(self, site: Site) -> Site | None:
         """Where backward redoes a recomputed layer: at the first of its nodes, from the
@@ -244,12 +283,35 @@ class _Expander(KernelEvents, SyncEvents):
 
     def _params_read(self, site: Site) -> list[str]:
         """The qualified parameters an op reads, in argument order."""
+        return [f"{site.repeat}.{site.layer}.{a}" if own else a for a, own in self._param_refs(site)]
+
+    def _param_refs(self, site: Site) -> list[tuple[str, bool]]:
+        """The parameters an op reads, in argument order, by name in its block, and whether
+        each is its layer's own (of the repeat's body) or the top level's."""
         node = site.node
         if not isinstance(node, Op):
             return []
-        body = {p.name for p in self.repeats[site.repeat].body.params} if site.repeat else set()
-        top = {p.name for p in self.graph.body.params}
-        return [f"{site.repeat}.{site.layer}.{a}" if a in body else a for a in node.value_args if a in body | top]
+        body = self._param_names.get(site.repeat)
+        if body is None:
+            body = self._param_names[site.repeat] = {p.name for p in self.repeats[site.repeat].body.params} \
+                if site.repeat else set()
+        top = self._param_names.setdefault("", {p.name for p in self.graph.body.params})
+        return [(a, a in body) for a in node.value_args if a in body or a in top]
+
+    def param_numel(self, name: str) -> int:
+        """Elements of a parameter instance's local tensor (once per parameter of the graph: a
+        repeat's layers share it)."""
+        param = self.params[name]
+        if id(param) not in self._numels:
+            self._numels[id(param)] = self.graph.local_numel(param.dims, param.sharding, self.mesh)
+        return self._numels[id(param)]
+
+    def chunk_numel(self, name: str) -> int:
+        """`zero_chunk` of a parameter instance (once per parameter of the graph)."""
+        param = self.params[name]
+        if (id(param), "zero") not in self._numels:
+            self._numels[(id(param), "zero")] = zero_chunk(self.graph, self.mesh, param)
+        return self._numels[(id(param), "zero")]
 
     def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None, *,
                rings: tuple[str, ...] = ()) -> list[Event]:

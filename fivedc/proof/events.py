@@ -1,13 +1,16 @@
-"""One collective or transfer a rank issues, as the agreement proof compares them."""
+"""One collective or transfer a rank issues, as the agreement proof compares them; a run of them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from fivedc.errors import SourceLoc
 from fivedc.ir.mesh import MeshAxis
 
 
+LAYER = "{layer}"  # in an event's description: the layer of the run that issues it (`at_layer`)
+MICROBATCH = "{microbatch}"  # and its microbatch (a pipeline transfer's)
 RING_TAG = 2  # a chunk passed around a tp ring (fivedc/runtime/tp_ring.py); ring attention's are 0 and 1
 
 
@@ -40,3 +43,35 @@ class Event:
         level = f" ({self.level})" if self.level else ""
         some = f" (pp ranks {', '.join(map(str, self.pp_ranks))})" if self.pp_ranks else ""
         return f"{self.op}{level} over {'x'.join(self.axes)}{some}{peer}: {size}, {self.what}"
+
+
+def templated(site) -> str:
+    """A site's id with its layer left open (`LAYER`): what all layers of its repeat share."""
+    return site.id if site.repeat is None else f"{site.repeat}.{LAYER}.{site.value}"
+
+
+def at_layer(event: Event, layer: int | None, microbatch: int | None = None) -> Event:
+    """`event` as issued at `layer` and `microbatch` (its description names them)."""
+    what = event.what
+    if layer is not None:
+        what = what.replace(LAYER, str(layer))
+    if microbatch is not None:
+        what = what.replace(MICROBATCH, str(microbatch))
+    return event if what == event.what else replace(event, what=what)
+
+
+class Run(NamedTuple):
+    """A segment of a class's program: events it issues together, and the layer and the
+    microbatch they run at (None: not a layer's, or the same for every microbatch). The
+    events are shared, never copied: a repeat's layers issue the same events, so one
+    layer's forward (or backward) is one tuple for all its layers; a chunk's runs are the
+    same for every microbatch, and so is a transfer between two chunks. An event's
+    description names them `{layer}` and `{microbatch}` (`at_layer` fills them in)."""
+
+    events: tuple[Event, ...]
+    layer: int | None = None
+    microbatch: int | None = None
+
+
+def flatten(runs: tuple[Run, ...]) -> tuple[Event, ...]:
+    return tuple(at_layer(e, layer, microbatch) for events, layer, microbatch in runs for e in events)

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from fivedc.ir.graph import walk_ops
 from fivedc.ir.mesh import MeshAxis
-from fivedc.passes.overlap import expand_buckets
-from fivedc.passes.param_sync import zero_chunk
-from fivedc.plan.sites import Site
 from fivedc.proof.events import Event
 
 GATHER_BUCKET_BYTES = 25 * 2**20  # fivedc/runtime/flat_shard.gather_flat's cap for parameters in no bucket
@@ -34,13 +31,14 @@ class SyncEvents:
         """`gather_flat`: one all-gather per bucket (the part of it this class holds), then
         the parameters in no bucket by group, in name order, closed at 25 MiB."""
         wanted = [n for n in held if self.mesh.size(*self.params[n].grad_partial) > 1]
-        given = [kept for b in expand_buckets(self.plan.buckets) if (kept := [n for n in b if n in wanted])]
+        wanted_set = set(wanted)
+        given = [kept for b in self.expanded_buckets if (kept := [n for n in b if n in wanted_set])]
         covered = {n for b in given for n in b}
         open_: dict[tuple, tuple[list[str], int]] = {}
         done: list[list[str]] = []
         for name in sorted(n for n in wanted if n not in covered):
             param = self.params[name]
-            n, chunk = self.mesh.size(*param.grad_partial), zero_chunk(self.graph, self.mesh, param)
+            n, chunk = self.mesh.size(*param.grad_partial), self.chunk_numel(name)
             names, filled = open_.get(param.grad_partial, ([], 0))
             size = n * chunk * self.plan_bytes
             if names and filled + size > GATHER_BUCKET_BYTES:
@@ -49,20 +47,21 @@ class SyncEvents:
             open_[param.grad_partial] = (names + [name], filled + size)
         groups = given + sorted(done + [names for names, _ in open_.values()], key=lambda names: names[0])
         return [Event("all_gather", self.params[g[0]].grad_partial,
-                      sum(zero_chunk(self.graph, self.mesh, self.params[n]) for n in g), self.dtype, what)
+                      sum(self.chunk_numel(n) for n in g), self.dtype, what)
                 for g in groups]
 
     def _zero3_pipeline_sync(self, held: list[str]) -> list[Event]:
         """ZeRO-3 under a pipeline: each bucket's gradients reduce-scattered after the last
         microbatch (the rest one by one)."""
-        buckets = [b for b in expand_buckets(self.plan.buckets) if all(n in held for n in b)]
+        mine = set(held)
+        buckets = [b for b in self.expanded_buckets if all(n in mine for n in b)]
         out = [self._bucket_event(b, stage=2) for b in buckets]
         covered = {n for b in buckets for n in b}
         for name in held:
             param = self.params[name]
             n = self.mesh.size(*param.grad_partial)
             if name not in covered and n > 1:
-                out.append(Event("reduce_scatter", param.grad_partial, n * zero_chunk(self.graph, self.mesh, param),
+                out.append(Event("reduce_scatter", param.grad_partial, n * self.chunk_numel(name),
                                  self.dtype, f"ZeRO-3 gradient of {name}", param.loc))
         return out
 
@@ -73,8 +72,7 @@ class SyncEvents:
         for group in self.tied:
             if pp_rank not in group.pp_ranks:
                 continue
-            numel = sum(self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh)
-                        for n in group.names)
+            numel = sum(self.param_numel(n) for n in group.names)
             some = group.pp_ranks if len(group.pp_ranks) < self.mesh.size(MeshAxis.PP) else ()
             out.append(Event("all_reduce", (MeshAxis.PP,), numel, self.dtype,
                              f"tied {', '.join(group.names)}: the gradients of the copies, summed", pp_ranks=some))
@@ -87,8 +85,7 @@ class SyncEvents:
         tied = {n for g in self.tied for n in g.names}
         held = [n for n in held if n not in tied]
         peer = self.mesh.size(MeshAxis.PP) - 1 - pp_rank
-        numel = sum(zero_chunk(self.graph, self.mesh, self.params[n]) if self.plan.zero else
-                    self.graph.local_numel(self.params[n].dims, self.params[n].sharding, self.mesh) for n in held)
+        numel = sum(self.chunk_numel(n) if self.plan.zero else self.param_numel(n) for n in held)
         what = f"DualPipe: the summed gradients of the chunks pp ranks {pp_rank} and {peer} both hold"
         return [Event("send", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2),
                 Event("recv", (MeshAxis.PP,), numel, self.dtype, what, peer=peer, tag=2)]
@@ -97,41 +94,40 @@ class SyncEvents:
         axes = self.params[names[0]].grad_partial
         if stage in (1, 2):
             n = self.mesh.size(*axes)
-            numel = n * sum(zero_chunk(self.graph, self.mesh, self.params[p]) for p in names)
+            numel = n * sum(self.chunk_numel(p) for p in names)
             return Event("reduce_scatter", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
-        numel = sum(self.graph.local_numel(self.params[p].dims, self.params[p].sharding, self.mesh) for p in names)
+        numel = sum(self.param_numel(p) for p in names)
         return Event("all_reduce", axes, numel, self.dtype, f"gradient bucket {', '.join(names)}")
-
 
 
 class Buckets:
     """A class's gradient buckets: started from backward as their last gradient arrives
-    (overlap on, no pipeline), each once every earlier one has started; the rest after."""
+    (overlap on, no pipeline), each once every earlier one has started; the rest after.
+    Backward visits the sites in reverse, so a parameter's gradient is complete after the
+    backward of the first site that reads it, and bucket k starts after the backward of
+    site min(the first use of its parameters, where bucket k - 1 started): worked out per
+    bucket from the parameters' first uses (`first_uses`), not site by site."""
 
-    def __init__(self, expander, held: list[str], *, overlap: bool) -> None:
+    def __init__(self, expander, pp_rank: int, *, overlap: bool) -> None:
         self.x, self.overlap = expander, overlap
         stage = expander.plan.zero
-        self.buckets = [] if stage == 3 else [b for b in expand_buckets(expander.plan.buckets) if all(n in held for n in b)]
+        self.buckets = [] if stage == 3 else expander.held_buckets(pp_rank)
         self.stage = stage
-        self.started = 0
-        self.ready: set[str] = set()
-        self.remaining = {}  # parameter -> the uses (sites) whose backward has not run yet
-        for site in expander.sites:
-            for p in expander._param_args(site):
-                self.remaining[p] = self.remaining.get(p, 0) + 1
+        self.at: dict[int, list[int]] = {}  # site index -> the buckets started after its backward, in order
+        self.started = 0  # buckets started from backward (the first ones: they start in order)
+        if overlap and self.buckets and expander.sites:
+            first, prev = expander.first_uses(), len(expander.sites) - 1
+            for k, bucket in enumerate(self.buckets):
+                uses = [first.get(n) for n in bucket]
+                if None in uses:  # read by no site: complete only after backward
+                    break
+                prev = min([prev, *uses])
+                self.at.setdefault(prev, []).append(k)
+                self.started = k + 1
 
-    def after(self, site: Site) -> list[Event]:
-        if not self.overlap:
-            return []
-        for p in self.x._param_args(site):
-            self.remaining[p] -= 1
-            if self.remaining[p] == 0:
-                self.ready.add(p)
-        out = []
-        while self.started < len(self.buckets) and set(self.buckets[self.started]) <= self.ready:
-            out.append(self.x._bucket_event(self.buckets[self.started], stage=self.stage))
-            self.started += 1
-        return out
+    def after(self, index: int) -> list[Event]:
+        """The buckets started after the backward of site `index`."""
+        return [self.x._bucket_event(self.buckets[k], stage=self.stage) for k in self.at.get(index, ())]
 
     def rest(self) -> list[Event]:
         out = [self.x._bucket_event(b, stage=self.stage) for b in self.buckets[self.started:]]

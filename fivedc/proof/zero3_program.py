@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from fivedc.ir.graph import Redistribute
 from fivedc.passes.overlap import expand_units
-from fivedc.passes.param_sync import zero_chunk
 from fivedc.proof.events import Event
 
 __all__ = ["zero3_step"]
@@ -43,7 +42,7 @@ class _Groups:
         x, out = self.x, []
         for i, site in enumerate(x.sites):
             instances = self._read(site, out, f"for {site.id}")
-            out += x.forward(site)
+            out += x.at(site, x.forward(site))
             if x.saves_params(site):
                 self.saved[i] = instances
             for k in instances:
@@ -53,12 +52,12 @@ class _Groups:
         for i in reversed(range(len(x.sites))):
             site = x.sites[i]
             if site.node.out not in x.trainable or isinstance(site.node, Redistribute):
-                out += x.backward(site)  # a redistribution's steps, or nothing
+                out += x.at(site, x.backward(site))  # a redistribution's steps, or nothing
                 continue
             for s in x.redone(site):
                 self._read(s, out, f"again to recompute {s.id}")
-                out += x.forward(s)
-            out += x.input_again(site)
+                out += x.at(s, x.forward(s))
+            out += x.at(site, x.input_again(site))
             for k in dict.fromkeys(self.saved.get(i, ())):
                 if k not in again:
                     again.add(k)
@@ -89,6 +88,6 @@ class _Groups:
         names, _ = self.groups[self.instance_group[instance]]
         param = x.params[names[0]]
         n = x.mesh.size(*param.grad_partial)
-        numel = sum(zero_chunk(x.graph, x.mesh, x.params[name]) for name in names)
+        numel = sum(x.chunk_numel(name) for name in names)
         return Event(op, param.grad_partial, numel if op == "all_gather" else numel * n, x.dtype,
                           f"ZeRO-3 group {', '.join(names)} {what}", param.loc)
