@@ -1,0 +1,92 @@
+"""Losses as torch accepts them, by value: cross-entropy over class dim 1, with extra dims and ignore_index.
+
+`F.cross_entropy(logits, targets)` takes logits `[N, C]` or `[N, C, d1, ...]` (the class dim
+second, as x-transformers' `rearrange(logits, 'b n c -> b c n')` writes it) and targets
+`[N, d1, ...]`; `ignore_index` leaves targets out of the mean. Each form is the IR's one
+`cross_entropy` op over the vocabulary (the transpose is a layout, not an op), vocab-parallel
+under tp, and trains like the module in float64 at dp2·tp2. x-transformers' own wrapper, whose
+loss is written out (`torch_einops_utils.cross_entropy`: a one-hot mask, gather, logsumexp),
+compiles and verifies at dp2·tp2 and cp2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.graph import Op, walk_ops
+from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.parallel.check import check_module
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+
+HERE = str(Path(__file__).resolve())
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+VOCAB, BATCH, SEQ, IGNORE = 16, 4, 8, 3
+
+
+class ClassDimLoss(nn.Module):
+    """Logits over a vocabulary, the loss taken with the class dim second: `[b, V, n]`, or with the
+    sequence cut in two extra dims `[b, V, 2, n/2]` (`extra`)."""
+
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.extra = extra
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)  # an MLP: column then row over tp
+        self.out = nn.Linear(8, VOCAB)  # the head: the vocabulary split over tp
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        logits = self.out(x + self.down(torch.tanh(self.up(x))))  # [b, n, V]
+        if self.extra:
+            b, n = ids.shape
+            logits = logits.reshape(b, 2, n // 2, VOCAB).permute(0, 3, 1, 2)
+            targets = targets.reshape(b, 2, n // 2)
+        else:
+            logits = logits.transpose(1, 2)
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE)
+
+
+def make_model(*, extra: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    targets = torch.roll(ids, -1, dims=1)
+    targets[:, -1] = IGNORE  # the last position has no next token; others equal IGNORE by chance
+    return ClassDimLoss(extra).double(), (ids, targets)
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_a_class_dim_loss_is_the_irs_vocab_parallel_cross_entropy(extra: bool) -> None:
+    module, inputs = make_model(extra=extra)
+    graph = trace_module(module, inputs).graph
+    ops = [op for op, _ in walk_ops(graph.body) if isinstance(op, Op)]
+    (loss,) = [op for op in ops if op.kind == "cross_entropy"]
+    assert loss.attr("ignore_index") == IGNORE and not [op for op in ops if op.kind == "aten"]
+    plan = compile_graph(graph, CompileOptions(mesh=Mesh.parse("2x1x2x1x1"), dtype="fp64"))
+    (planned,) = [op for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) and op.kind == "cross_entropy"]
+    assert MeshAxis.TP in planned.arg_sharding(0).axes_of("vocab")  # vocab-parallel: the logits stay split
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_a_class_dim_loss_trains_like_the_module(worker_pool, extra: bool) -> None:
+    report = check_module(f"{HERE}:make_model", kwargs={"extra": extra}, mesh="2x1x2x1x1", steps=2, dtype="fp64",
+                          pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+
+
+@pytest.mark.parametrize("mesh", ["2x1x2x1x1", "1x1x1x2x1"])
+def test_x_transformers_autoregressive_wrapper_trains_like_the_module(worker_pool, mesh: str) -> None:
+    """The library's README model at its defaults: its loss over the class dim is written out
+    (a one-hot mask `arange(C) == target`, gather, logsumexp, `where(valid, ..., 0)`), its
+    attention softmax asks for float32; it compiles (no refusal) and trains as the module does."""
+    pytest.importorskip("x_transformers")
+    report = check_module(f"{EXAMPLES / 'x_transformers_models.py'}:autoregressive", mesh=mesh, steps=2,
+                          dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+    assert report.losses[1] != report.losses[0]
