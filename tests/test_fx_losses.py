@@ -80,6 +80,43 @@ def test_a_class_dim_loss_trains_like_the_module(worker_pool, extra: bool) -> No
     assert report.max_error <= 1e-10, report
 
 
+class WrittenOutLoss(nn.Module):
+    """x-transformers' patterns without the library: `forward(x, **kwargs)`, a ModuleList with an
+    empty place, a softmax asked for in float32 and cast back (`.type(dtype)`), and the loss written out
+    over the class dim as torch_einops_utils does (a one-hot mask of `arange(C) == target`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.norms = nn.ModuleList([nn.LayerNorm(8), None, nn.LayerNorm(8)])
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, VOCAB)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        inp, target = x[:, :-1], x[:, 1:]
+        h = self.norms[0](self.emb(torch.where(inp == IGNORE, 0, inp)))
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        attn = F.softmax(torch.einsum("bid,bjd->bij", q, k), dim=-1, dtype=torch.float32).type(h.dtype)
+        logits = self.out(self.norms[2](h + torch.einsum("bij,bjd->bid", attn, v)))
+        z, valid = logits.transpose(1, 2).movedim(1, -1), target != IGNORE
+        t = torch.where(valid, target, 0)[..., None]
+        is_target = torch.arange(z.shape[-1]) == t
+        m = -torch.logsumexp(torch.where(is_target, -float("inf"), z - z.gather(-1, t)), dim=-1)
+        return torch.where(valid, F.softplus(-m), 0.).sum() / valid.sum()
+
+
+def test_a_written_out_loss_over_the_class_dim_computes_the_modules_loss() -> None:
+    from fivedc.frontends.fx.precision import float64_everywhere
+    from test_frontend_fx import assert_same_as_module
+
+    torch.manual_seed(0)
+    module, x = WrittenOutLoss().double(), torch.randint(0, VOCAB, (BATCH, SEQ + 1))
+    x[0, -2:] = IGNORE
+    traced = trace_module(module, (x,))
+    with float64_everywhere():  # the module's float32 softmax read as float64, as a float64 check reads it
+        assert_same_as_module(traced, module, (x,))
+
+
 @pytest.mark.parametrize("mesh", ["2x1x2x1x1", "1x1x1x2x1"])
 def test_x_transformers_autoregressive_wrapper_trains_like_the_module(worker_pool, mesh: str) -> None:
     """The library's README model at its defaults: its loss over the class dim is written out
