@@ -253,13 +253,20 @@ def local_rule(overload) -> str:
     tags = getattr(overload, "tags", ())
     if overload.namespace != "aten":
         return "replicated"  # a library's own operator: nothing says how it could be split
-    if torch.Tag.pointwise in tags or name in UNTAGGED_POINTWISE:
+    if torch.Tag.pointwise in tags or name in UNTAGGED_POINTWISE or _scalar_where(overload):
         return "pointwise"
     if torch.Tag.reduction in tags or name in ALONG:
         return "along"
     if name in MATMULS:
         return "matmul"
     return "replicated"
+
+
+def _scalar_where(overload) -> bool:
+    """`torch.where(cond, 0, x)`: where.self is tagged pointwise, its overloads with a number are not
+    (where.default, the indices of a condition, is not pointwise at all)."""
+    return overload.overloadpacket.__name__ == "where" and overload._overloadname in ("ScalarSelf", "ScalarOther",
+                                                                                      "Scalar")
 
 
 def check_rule(op, size=lambda dim: 0) -> None:
