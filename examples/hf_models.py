@@ -142,11 +142,12 @@ def build(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, loss:
     return wrapper(model).to(dtype), (ids, torch.roll(ids, -1, dims=1) if loss == "logits" else ids.clone())
 
 
-def _factory(arch: str, default_loss: str = "library"):
+def _factory(arch: str, default_loss: str = "library", **overrides):
     def factory(*, seed: int = 0, dtype: torch.dtype = torch.float64, loss: str = default_loss):
-        return build(arch, seed=seed, dtype=dtype, loss=loss)
+        return build(arch, seed=seed, dtype=dtype, loss=loss, **overrides)
 
-    factory.__name__ = factory.__qualname__ = arch if default_loss == "library" else f"{arch}_logits"
+    suffix = "_window" if overrides else "" if default_loss == "library" else "_logits"
+    factory.__name__ = factory.__qualname__ = f"{arch}{suffix}"
     factory.__doc__ = f"Hugging Face {arch}, tiny config, random init, {default_loss} loss: (model, inputs)."
     return factory
 
@@ -156,3 +157,6 @@ def _factory(arch: str, default_loss: str = "library"):
  cohere, exaone4, gpt_neo, biogpt, arcee, seed_oss, qwen2_moe) = map(_factory, ARCHITECTURES)
 # the same decoders under a training loop's own logits loss (`LogitsLoss`): `examples/hf_models.py:llama_logits`
 globals().update({f"{arch}_logits": _factory(arch, "logits") for arch in ARCHITECTURES})
+# sliding windows shorter than the sequence (4 of SEQ = 8 positions): the mask is banded, not causal
+WINDOW_ROWS = ("gemma2", "mistral", "gemma3")
+globals().update({f"{arch}_window": _factory(arch, sliding_window=SEQ // 2) for arch in WINDOW_ROWS})

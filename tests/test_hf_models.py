@@ -69,6 +69,24 @@ def test_library_models_train_in_parallel(worker_pool, arch: str, mesh: str, opt
     assert report.max_error <= 1e-10, report
 
 
+@pytest.mark.parametrize("arch, mesh, options", [
+    ("gemma2", "2x1x2x1x1", {}),  # the issue's crash: softmax(dtype=float32) of its eager attention in float64
+    ("mistral", "1x1x1x2x1", {}),  # SDPA with the banded mask as a constant, the sequence split over cp
+    ("gemma2", "1x2x1x1x1", {"microbatches": 2, "schedule": "1f1b"}),
+])
+def test_sliding_windows_shorter_than_the_sequence_train_in_parallel(worker_pool, arch: str, mesh: str,
+                                                                     options: dict) -> None:
+    """A window of 4 positions in a sequence of 8: the mask is banded, not causal (the library's own
+    configs have windows longer than the examples' sequences, where it is plain causal). The
+    attention of the windowed layers runs as the library writes it, and the run equals the module's."""
+    from fivedc.parallel.check import check_module
+
+    kwargs = {"arch": arch, "sliding_window": 4}
+    report = check_module("examples/hf_models.py:build", kwargs=kwargs, mesh=mesh, steps=2, dtype="fp64",
+                          pool=worker_pool, **options)
+    assert report.max_error <= 1e-10, report
+
+
 def test_hugging_face_llama_trains_with_its_own_loss(worker_pool) -> None:
     """LlamaForCausalLM(input_ids, labels=labels).loss as the library computes it: its label shift
     runs along the sequence, its rotary frequencies are its own float32 table's, and under tp with

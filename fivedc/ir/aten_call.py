@@ -60,6 +60,7 @@ the result's sequence dim into layout order again.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -175,7 +176,12 @@ def encode_call(args: tuple, kwargs: dict, tensor_slot) -> str:
 
 
 def decode_call(text: str, tensors: list, device: torch.device) -> tuple[list, dict]:
-    """The call's arguments, with `tensors` (torch-laid-out) in their places."""
+    """The call's arguments, with `tensors` (torch-laid-out) in their places. A floating dtype the
+    call names (`softmax(x, -1, dtype=torch.float32)`, a float32 constant mask) is the wider of it
+    and the widest floating tensor argument's: the plan computes at one dtype, and a cast the
+    library wrote around the op is no op in the IR (a float64 run stays float64; a bfloat16
+    product still meets float32 where the library asked for it)."""
+    wide = _widest_float(tensors)
     try:
         call = json.loads(text)
         args, kwargs = call["args"], call["kwargs"]
@@ -194,16 +200,27 @@ def decode_call(text: str, tensors: list, device: torch.device) -> tuple[list, d
         if set(obj) == {"device"}:
             return device
         if set(obj) == {"dtype"}:
-            return _torch_attr(obj["dtype"], torch.dtype)
+            return _at_least(_torch_attr(obj["dtype"], torch.dtype), wide)
         if set(obj) == {"layout"}:
             return _torch_attr(obj["layout"], torch.layout)
         if set(obj) == {"memory_format"}:
             return _torch_attr(obj["memory_format"], torch.memory_format)
         if set(obj) == {"constant", "dtype"}:
-            return torch.tensor(obj["constant"], dtype=_torch_attr(obj["dtype"], torch.dtype), device=device)
+            dtype = _at_least(_torch_attr(obj["dtype"], torch.dtype), wide)
+            return torch.tensor(obj["constant"], dtype=dtype, device=device)
         raise AtenCallError(f"an aten op's call holds an argument fivedc cannot read: {json.dumps(obj)[:80]}")
 
     return [dec(a) for a in args], {str(k): dec(v) for k, v in kwargs.items()}
+
+
+def _widest_float(tensors: list) -> torch.dtype | None:
+    floats = [t.dtype for t in tensors if isinstance(t, Tensor) and t.is_floating_point()]
+    return functools.reduce(torch.promote_types, floats) if floats else None
+
+
+def _at_least(dtype: torch.dtype, wide: torch.dtype | None) -> torch.dtype:
+    """A floating `dtype` widened to `wide` (the widest floating tensor argument), others as they are."""
+    return torch.promote_types(dtype, wide) if wide is not None and dtype.is_floating_point else dtype
 
 
 def _torch_attr(name, kind):
@@ -236,13 +253,20 @@ def local_rule(overload) -> str:
     tags = getattr(overload, "tags", ())
     if overload.namespace != "aten":
         return "replicated"  # a library's own operator: nothing says how it could be split
-    if torch.Tag.pointwise in tags or name in UNTAGGED_POINTWISE:
+    if torch.Tag.pointwise in tags or name in UNTAGGED_POINTWISE or _scalar_where(overload):
         return "pointwise"
     if torch.Tag.reduction in tags or name in ALONG:
         return "along"
     if name in MATMULS:
         return "matmul"
     return "replicated"
+
+
+def _scalar_where(overload) -> bool:
+    """`torch.where(cond, 0, x)`: where.self is tagged pointwise, its overloads with a number are not
+    (where.default, the indices of a condition, is not pointwise at all)."""
+    return overload.overloadpacket.__name__ == "where" and overload._overloadname in ("ScalarSelf", "ScalarOther",
+                                                                                      "Scalar")
 
 
 def check_rule(op, size=lambda dim: 0) -> None:

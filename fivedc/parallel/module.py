@@ -126,6 +126,8 @@ class ParallelModule(nn.Module):
         for item in graph.inputs:
             value = bound.arguments.get(item.name)
             shape = tuple(graph.dim(d) for d in item.type.dims)
+            if isinstance(value, Tensor) and _merges(tuple(value.shape), shape):
+                value = value.reshape(shape)  # a dim the model cuts in several (`ids.view(b, 2, n // 2)`)
             if not isinstance(value, Tensor) or tuple(value.shape) != shape:
                 got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
                 raise FivedcError(
@@ -249,3 +251,17 @@ def _broadcast(full: dict[str, Tensor], device: torch.device) -> None:
             size = full[n].numel()
             full[n] = flat[offset:offset + size].view(full[n].shape).cpu()
             offset += size
+
+
+def _merges(given: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    """Whether each dim of `given` is a run of consecutive `dims` (the IR keeps an input's dim as the
+    several dims a reshape in the model cut it into)."""
+    i = 0
+    for size in given:
+        product = 1
+        while i < len(dims) and product < size:
+            product *= dims[i]
+            i += 1
+        if product != size:
+            return False
+    return i == len(dims)

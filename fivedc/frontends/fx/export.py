@@ -38,7 +38,7 @@ _SAME = {
     aten.linear: F.linear, aten.add: torch.add, aten.sub: torch.sub, aten.mul: torch.mul, aten.div: torch.div,
     aten.neg: torch.neg, aten.rsqrt: torch.rsqrt, aten.sqrt: torch.sqrt, aten.pow: torch.pow, aten.mean: torch.mean,
     aten.view: torch.reshape, aten.reshape: torch.reshape, aten._unsafe_view: torch.reshape,
-    aten.transpose: torch.transpose, aten.permute: torch.permute, aten.unsqueeze: torch.unsqueeze,
+    aten.transpose: torch.transpose, aten.permute: torch.permute, aten.movedim: torch.movedim, aten.unsqueeze: torch.unsqueeze,
     aten.squeeze: torch.squeeze, aten.split: torch.split, aten.split_with_sizes: torch.split, aten.chunk: torch.chunk,
     aten.gelu: F.gelu, aten.silu: F.silu, aten.relu: F.relu, aten.tanh: torch.tanh, aten.sigmoid: torch.sigmoid,
     aten.scaled_dot_product_attention: F.scaled_dot_product_attention, aten.matmul: torch.matmul,

@@ -151,11 +151,13 @@ def _local(lw: Lowering, node: fx.Node, overload, args, kwargs, tensors: list[T]
             layout = groups[0]
             for other in groups[1:]:
                 layout = broadcast(lw, node, layout, other)
+            theirs = layout
+            layout = _const_spanned(lw, layout, tuple(items[0].shape))
             layouts = [layout] * len(items)
             along = _spanned(consts, len(layout))
             if along is None:
                 return None
-            rows = tuple(i for i in along if _cut_to_shards(lw, layout[i], len(layout) - i, consts))
+            rows = tuple(i for i in along if theirs[i] and _cut_to_shards(lw, layout[i], len(layout) - i, consts))
         else:
             if consts or len({len(g) for g in groups}) != 1:
                 return None
@@ -189,6 +191,15 @@ def _matmul_layout(lw: Lowering, node: fx.Node, a, b) -> tuple | None:
     return layout if len(leaves) == len(set(leaves)) else None
 
 
+def _const_spanned(lw: Lowering, layout: tuple, shape: tuple[int, ...]) -> tuple:
+    """A pointwise result's layout where only a constant spans a dim (`arange(vocab) == target[..., None]`,
+    a one-hot mask): a new dim there, which later ops unify with the model's (the logits' vocabulary); the
+    op sees it whole (no argument holds a shard of it)."""
+    if len(layout) != len(shape):
+        return layout
+    return tuple((lw.dims.new(size),) if not group and size != 1 else group for group, size in zip(layout, shape))
+
+
 def _spanned(consts: list, ndim: int) -> tuple[int, ...] | None:
     """The torch dims of a pointwise op's result that a constant tensor in its call spans (size
     above 1, broadcast right-aligned): the op sees them whole. None where a constant has more dims."""
@@ -210,7 +221,7 @@ def _cut_to_shards(lw: Lowering, group: tuple[int, ...], from_end: int, consts: 
     sizes = [lw.dims.size(leaf) for leaf in leaves]
     for c in consts:
         j = c.dim() - from_end
-        if j < 0 or c.shape[j] == 1:
+        if j < 0 or c.shape[j] == 1 or not leaves:
             continue
         split = c.reshape(*c.shape[:j], *sizes, *c.shape[j + 1:])
         for k, leaf in enumerate(leaves):

@@ -206,6 +206,14 @@ def transpose(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T | Pa
     if kind == "permute":
         order = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:] or kwargs.get("dims")
         order = [d % n for d in order]
+    elif kind == "movedim":  # x.movedim(1, -1): the dims named move, the others keep their order
+        source, destination = arg(args, kwargs, 1, "source"), arg(args, kwargs, 2, "destination")
+        source, destination = [[d % n for d in (v if isinstance(v, (list, tuple)) else [v])] for v in (source, destination)]
+        order = [None] * n
+        for src, dst in zip(source, destination):
+            order[dst] = src
+        rest = iter(d for d in range(n) if d not in source)
+        order = [next(rest) if d is None else d for d in order]
     else:
         if kind in ("t", "getattr"):
             d0, d1 = n - 2, n - 1
@@ -281,7 +289,7 @@ HANDLERS = {
     "neg": neg, "swiglu": swiglu,
     **dict.fromkeys((*CASTS, "dropout"), identity),
     **dict.fromkeys(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"), view),
-    **dict.fromkeys(("transpose", "swapaxes", "permute", "t"), transpose),
+    **dict.fromkeys(("transpose", "swapaxes", "permute", "t", "movedim"), transpose),
     "unsqueeze": unsqueeze, "squeeze": squeeze, "getitem": getitem, "getattr": getattr_, "expand": expand,
     "expand_as": expand,
     "linear": layers.linear, "matmul": layers.matmul, "addmm": layers.addmm, "split": layers.split, "chunk": layers.split,

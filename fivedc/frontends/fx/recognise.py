@@ -79,7 +79,7 @@ _FUNCTIONS = {
     torch.tanh: "tanh", F.tanh: "tanh", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
     F.gelu: "gelu", F.silu: "silu", F.relu: "relu", torch.relu: "relu",
     F.softmax: "softmax", torch.softmax: "softmax", F.dropout: "dropout", torch.dropout: "dropout",
-    torch.transpose: "transpose", torch.permute: "permute", torch.reshape: "reshape",
+    torch.transpose: "transpose", torch.permute: "permute", torch.movedim: "movedim", torch.moveaxis: "movedim", torch.reshape: "reshape",
     torch.flatten: "flatten", torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze",
     torch.split: "split", torch.chunk: "chunk", torch.masked_fill: "masked_fill",
     torch.repeat_interleave: "repeat_interleave", torch.arange: "arange", torch.cat: "cat",
@@ -98,7 +98,8 @@ CASTS = {"float", "double", "half", "bfloat16", "type_as", "to", "contiguous", "
 def op_name(node: fx.Node, root: nn.Module) -> str | None:
     """A canonical name for what a node computes: `mul` for `*`, `torch.mul` and `.mul()`."""
     if node.op == "call_method":
-        return {"__getitem__": "getitem", "divide": "div", "multiply": "mul", "true_divide": "div"}.get(
+        return {"__getitem__": "getitem", "divide": "div", "multiply": "mul", "true_divide": "div",
+                "moveaxis": "movedim"}.get(
             node.target, node.target)
     if node.op == "call_function":
         return _FUNCTIONS.get(node.target)

@@ -111,10 +111,24 @@ def _bind(module: nn.Module, example_inputs: tuple | dict) -> tuple[dict, dict]:
         raise FivedcError(f"the example inputs do not fit {type(module).__name__}.forward: {error}",
                           loc=def_loc(type(module).forward)) from None
     bound.apply_defaults()
-    tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+    arguments = _flat_arguments(signature, bound.arguments)
+    tensors = {k: v for k, v in arguments.items() if isinstance(v, torch.Tensor)}
     if not tensors:
         raise FivedcError("the example inputs hold no tensor", loc=def_loc(type(module).forward))
-    return tensors, {k: v for k, v in bound.arguments.items() if k not in tensors}
+    return tensors, {k: v for k, v in arguments.items() if k not in tensors}
+
+
+def _flat_arguments(signature: inspect.Signature, arguments: dict) -> dict:
+    """Bound arguments with `**kwargs` spread by name and an empty `*args` left out: a forward
+    written `forward(self, x, **kwargs)` is called `forward(x)`, not `forward(x, kwargs={})`."""
+    flat = {}
+    for name, value in arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            flat.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL or value:
+            flat[name] = value
+    return flat
 
 
 def _bind_call(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[dict, dict]:
@@ -264,6 +278,8 @@ def _uniform_lists(module: nn.Module, inline: set[str]) -> dict[str, int]:
     leaves = [p for p, m in module.named_modules() if p and (is_recognised_leaf(m) or moe_spec(m) is not None)]
     for path, sub in module.named_modules():
         if not isinstance(sub, nn.ModuleList) or len(sub) < 2 or path in inline or not path:
+            continue
+        if any(layer is None for layer in sub):  # a ModuleList with empty places (x-transformers' norms)
             continue
         if any(path.startswith(p + ".") for p in (*found, *leaves)):
             continue

@@ -1,0 +1,129 @@
+"""Losses as torch accepts them, by value: cross-entropy over class dim 1, with extra dims and ignore_index.
+
+`F.cross_entropy(logits, targets)` takes logits `[N, C]` or `[N, C, d1, ...]` (the class dim
+second, as x-transformers' `rearrange(logits, 'b n c -> b c n')` writes it) and targets
+`[N, d1, ...]`; `ignore_index` leaves targets out of the mean. Each form is the IR's one
+`cross_entropy` op over the vocabulary (the transpose is a layout, not an op), vocab-parallel
+under tp, and trains like the module in float64 at dp2·tp2. x-transformers' own wrapper, whose
+loss is written out (`torch_einops_utils.cross_entropy`: a one-hot mask, gather, logsumexp),
+compiles and verifies at dp2·tp2 and cp2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.graph import Op, walk_ops
+from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.parallel.check import check_module
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+
+HERE = str(Path(__file__).resolve())
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+VOCAB, BATCH, SEQ, IGNORE = 16, 4, 8, 3
+
+
+class ClassDimLoss(nn.Module):
+    """Logits over a vocabulary, the loss taken with the class dim second: `[b, V, n]`, or with the
+    sequence cut in two extra dims `[b, V, 2, n/2]` (`extra`)."""
+
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.extra = extra
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)  # an MLP: column then row over tp
+        self.out = nn.Linear(8, VOCAB)  # the head: the vocabulary split over tp
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        logits = self.out(x + self.down(torch.tanh(self.up(x))))  # [b, n, V]
+        if self.extra:
+            b, n = ids.shape
+            logits = logits.reshape(b, 2, n // 2, VOCAB).permute(0, 3, 1, 2)
+            targets = targets.reshape(b, 2, n // 2)
+        else:
+            logits = logits.transpose(1, 2)
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE)
+
+
+def make_model(*, extra: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    targets = torch.roll(ids, -1, dims=1)
+    targets[:, -1] = IGNORE  # the last position has no next token; others equal IGNORE by chance
+    return ClassDimLoss(extra).double(), (ids, targets)
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_a_class_dim_loss_is_the_irs_vocab_parallel_cross_entropy(extra: bool) -> None:
+    module, inputs = make_model(extra=extra)
+    graph = trace_module(module, inputs).graph
+    ops = [op for op, _ in walk_ops(graph.body) if isinstance(op, Op)]
+    (loss,) = [op for op in ops if op.kind == "cross_entropy"]
+    assert loss.attr("ignore_index") == IGNORE and not [op for op in ops if op.kind == "aten"]
+    plan = compile_graph(graph, CompileOptions(mesh=Mesh.parse("2x1x2x1x1"), dtype="fp64"))
+    (planned,) = [op for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) and op.kind == "cross_entropy"]
+    assert MeshAxis.TP in planned.arg_sharding(0).axes_of("vocab")  # vocab-parallel: the logits stay split
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_a_class_dim_loss_trains_like_the_module(worker_pool, extra: bool) -> None:
+    report = check_module(f"{HERE}:make_model", kwargs={"extra": extra}, mesh="2x1x2x1x1", steps=2, dtype="fp64",
+                          pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+
+
+class WrittenOutLoss(nn.Module):
+    """x-transformers' patterns without the library: `forward(x, **kwargs)`, a ModuleList with an
+    empty place, a softmax asked for in float32 and cast back (`.type(dtype)`), and the loss written out
+    over the class dim as torch_einops_utils does (a one-hot mask of `arange(C) == target`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.norms = nn.ModuleList([nn.LayerNorm(8), None, nn.LayerNorm(8)])
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, VOCAB)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        inp, target = x[:, :-1], x[:, 1:]
+        h = self.norms[0](self.emb(torch.where(inp == IGNORE, 0, inp)))
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        attn = F.softmax(torch.einsum("bid,bjd->bij", q, k), dim=-1, dtype=torch.float32).type(h.dtype)
+        logits = self.out(self.norms[2](h + torch.einsum("bij,bjd->bid", attn, v)))
+        z, valid = logits.transpose(1, 2).movedim(1, -1), target != IGNORE
+        t = torch.where(valid, target, 0)[..., None]
+        is_target = torch.arange(z.shape[-1]) == t
+        m = -torch.logsumexp(torch.where(is_target, -float("inf"), z - z.gather(-1, t)), dim=-1)
+        return torch.where(valid, F.softplus(-m), 0.).sum() / valid.sum()
+
+
+def test_a_written_out_loss_over_the_class_dim_computes_the_modules_loss() -> None:
+    from fivedc.frontends.fx.precision import float64_everywhere
+    from test_frontend_fx import assert_same_as_module
+
+    torch.manual_seed(0)
+    module, x = WrittenOutLoss().double(), torch.randint(0, VOCAB, (BATCH, SEQ + 1))
+    x[0, -2:] = IGNORE
+    traced = trace_module(module, (x,))
+    with float64_everywhere():  # the module's float32 softmax read as float64, as a float64 check reads it
+        assert_same_as_module(traced, module, (x,))
+
+
+@pytest.mark.parametrize("mesh", ["2x1x2x1x1", "1x1x1x2x1"])
+def test_x_transformers_autoregressive_wrapper_trains_like_the_module(worker_pool, mesh: str) -> None:
+    """The library's README model at its defaults: its loss over the class dim is written out
+    (a one-hot mask `arange(C) == target`, gather, logsumexp, `where(valid, ..., 0)`), its
+    attention softmax asks for float32; it compiles (no refusal) and trains as the module does."""
+    pytest.importorskip("x_transformers")
+    report = check_module(f"{EXAMPLES / 'x_transformers_models.py'}:autoregressive", mesh=mesh, steps=2,
+                          dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+    assert report.losses[1] != report.losses[0]
