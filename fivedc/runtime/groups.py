@@ -31,6 +31,12 @@ Axes = tuple[MeshAxis, ...]
 KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
+def moves_nothing(group=None) -> bool:
+    """Whether `group` (None: the default group) is torch's fake backend, as in a rehearsal
+    (`fivedc/runtime/rehearse.py`): its collectives return at once and move nothing."""
+    return "fake" in str(dist.get_backend(group))
+
+
 class MeshGroups:
     """The process groups of one mesh, as seen by this rank."""
 

@@ -323,8 +323,8 @@ def _attention(ctx, op, args, dims):
     if cp == 1 and softcap:
         pos = torch.arange(q.shape[2], device=index_device(q.device))
         return blockwise_attention(q, k, v, pos, pos, causal=causal, softcap=softcap, fused=fused).transpose(1, 2)
-    if cp == 1 and fused and q.is_meta:  # a rehearsal: the flash kernel a GPU runs (meta would take SDPA's math)
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[0].transpose(1, 2)
+    if cp == 1 and fused and q.is_meta:  # a rehearsal: the fused kernel a GPU runs (meta would take SDPA's math)
+        return _fused_on_meta(q, k, v, causal).transpose(1, 2)
     if cp == 1:  # grouped-query heads share K/V inside the kernel: no repeated copies are kept
         with contextlib.nullcontext() if fused else sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
@@ -338,6 +338,14 @@ def _attention(ctx, op, args, dims):
         kv_pos = ctx.positions(seq, op.arg_sharding(1)).to(index_device(q.device))
         out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap, fused=fused)
     return out.transpose(1, 2)
+
+
+def _fused_on_meta(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """The output of the kernel SDPA runs on a GPU, on meta tensors: flash attention (it shares
+    K/V among grouped-query heads), or memory-efficient attention where v's head dim is not q's."""
+    if q.shape[-1] == v.shape[-1]:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[0]
 
 
 def _aten(ctx, op, args, dims):

@@ -28,6 +28,7 @@ from torch import Tensor
 from fivedc.errors import PassError
 from fivedc.ir.graph import CollectiveKind, Op
 from fivedc.passes.experts import ExpertLayout, node_levels
+from fivedc.runtime.groups import moves_nothing
 
 
 class _AllToAll(torch.autograd.Function):
@@ -58,11 +59,6 @@ def _exchange_counts(counts: Tensor, group) -> Tensor:
     out = torch.empty_like(counts)
     dist.all_to_all_single(out.view(-1), counts.contiguous().view(-1), group=group)
     return out
-
-
-def moves_nothing(group) -> bool:
-    """A fake process group (a rehearsal) returns what it is given: no counts come back."""
-    return "fake" in str(dist.get_backend(group))
 
 
 def _regroup(counts: Tensor, axes: tuple[int, ...]) -> Tensor:

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from fivedc.errors import FivedcError
@@ -109,7 +110,8 @@ def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings) -> Li
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=plan.mesh.world)
-    live = LiveBytes()
+    live, threads = LiveBytes(), torch.get_num_threads()
+    torch.set_num_threads(1)  # the host's work is small index arithmetic (routing), slower split over threads
     try:
         with live:
             program, params, inputs, _ = setup_rank(plan, RankInfo(rank, plan.mesh.world, "meta"), settings)
@@ -127,10 +129,11 @@ def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings) -> Li
             finally:
                 saved._ACTIVE.remove(live)
     except (RuntimeError, NotImplementedError) as error:
-        raise RehearsalError(f"rank {rank}'s program needs values, which a rehearsal does not have: "
-                             f"{str(error).splitlines()[0]}",
-                             hint="rehearse a plan without the op that needs them") from error
+        raise RehearsalError(f"rank {rank}'s step failed on the meta device: {str(error).splitlines()[0]}",
+                             hint="an op that needs values (which a rehearsal has not) cannot be rehearsed; "
+                             "anything else is a bug in fivedc to report") from error
     finally:
+        torch.set_num_threads(threads)
         with _quiet_stderr():  # c10d warns that the group's undefined device type has no hooks: it has none
             dist.destroy_process_group()
     return live
