@@ -31,6 +31,17 @@ def test_help_lists_every_command(capsys) -> None:
         assert command in out
 
 
+def test_version_prints_the_package_version(capsys) -> None:
+    import fivedc
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fivedc {fivedc.__version__}"
+    done = subprocess.run([sys.executable, "-m", "fivedc", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"fivedc {fivedc.__version__}"
+
+
 def test_compile_writes_plan_and_summary(tmp_path, capsys) -> None:
     out = tmp_path / "gpt.plan.json"
     assert main(["compile", "examples/gpt.5d", "--mesh", "dp=2,tp=2", "--sp", "-o", str(out)]) == 0

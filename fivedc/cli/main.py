@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in EXIT_CODES.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from fivedc import __version__
+
+    parser.add_argument("--version", action="version", version=f"fivedc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     c = sub.add_parser("compile", help=COMMANDS["compile"], description=COMMANDS["compile"])
     c.add_argument("model", help="a .5d model file, or path/to/file.py:factory (an nn.Module traced with torch.fx)")
