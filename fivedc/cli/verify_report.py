@@ -71,7 +71,7 @@ def _print_expert_load(report, shown: int = 6) -> None:
     """Per step: each MoE layer's imbalance (busiest expert's tokens / mean), and drops."""
     if not report.expert_load:
         return
-    print("expert load (assignments per expert over all ranks; imbalance = busiest / mean):")
+    print("expert load imbalance per MoE layer (the busiest expert's assignments over all ranks / the mean):")
     for step, layers in enumerate(report.expert_load, start=1):
         ratios = {name: load.imbalance for name, load in layers.items()}
         if len(ratios) <= shown:
