@@ -69,3 +69,28 @@ def test_train_and_export_fit_100_columns(tmp_path, capsys) -> None:
     assert lines[0].startswith("training ")
     assert_fits(lines, "train")
     assert_fits(printed(capsys, ["export", ckpt, "-o", str(tmp_path / "model.safetensors")]), "export")
+
+
+def test_a_long_command_line_is_broken_where_the_shell_joins_it() -> None:
+    import shlex
+
+    from fivedc.cli.screen import command_line
+
+    text = "fivedc compile " + " ".join(f"--flag-{i} value-{i}" for i in range(20))
+    lines = command_line(text, width=60).split("\n")
+    assert len(lines) > 1 and all(len(line) <= 60 for line in lines)
+    assert all(line.endswith(" \\") for line in lines[:-1])
+    assert shlex.split(" ".join(line.removesuffix("\\") for line in lines)) == shlex.split(text)
+
+
+def test_a_rich_table_loses_its_padding(capsys) -> None:
+    from rich.table import Table
+
+    from fivedc.cli.screen import console
+
+    table = Table("a", "b", box=None)  # rich pads the last column to its width
+    table.add_row("x", "a longer cell")
+    table.add_row("a longer cell", "y")
+    console().print(table)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(line == line.rstrip() for line in lines)

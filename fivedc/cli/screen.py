@@ -29,7 +29,7 @@ def wrap(text: str, *, width: int | None = None, indent: str = "") -> str:
     words are never broken. Lines of `text` are wrapped one by one."""
     width = width or columns()
     return "\n".join(textwrap.fill(line, width=width, subsequent_indent=indent, break_long_words=False,
-                                   break_on_hyphens=False) or line for line in text.split("\n"))
+                                   break_on_hyphens=False) for line in text.split("\n"))
 
 
 def say(text: str, *, indent: str = "    ", width: int | None = None, **print_kw) -> None:

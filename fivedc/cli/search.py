@@ -132,4 +132,4 @@ def _print_ties(result, top: int) -> None:
 def _print_rejected(result, console) -> None:
     print("rejected, by reason:")
     for reason, count in sorted(result.rejected.items(), key=lambda item: (-item[1], item[0])):
-        print(f"  {count:>8}  {reason}")
+        say(f"  {count:>8}  {reason}", indent=" " * 12)
