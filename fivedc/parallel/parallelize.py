@@ -41,8 +41,8 @@ tracing and compiling alone, with no process group (for the CLI).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -129,11 +129,12 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     cp_layout "balanced" | "contiguous"; overlap, bucket_mb (gradient buckets summed during
     backward, tp's collectives beside compute); schedule ("gpipe" | "1f1b" | "interleaved" |
     "zb-h1" | "dualpipev"), microbatches, virtual, pp_layout (layers per chunk),
-    stage_boundaries (module-path patterns where a pipeline chunk begins): the pipeline when
-    pp > 1, the forward then running the whole schedule; recompute "none" | "selective" |
-    "full"; device (default: the current CUDA device with NCCL, else the module's);
-    sync_module_states (start from rank 0's weights, default True); compile (each layer of
-    a repeated block one `torch.compile` region; a string names the backend).
+    stage_boundaries (module-path patterns where a pipeline chunk begins, as at modules with
+    `fivedc_stage_boundary = True`): the pipeline when pp > 1, the forward then running the
+    whole schedule; recompute "none" | "selective" | "full"; device (default: the current
+    CUDA device with NCCL, else the module's); sync_module_states (start from rank 0's
+    weights, default True); compile (each layer of a repeated block one `torch.compile`
+    region; a string names the backend).
 
     `model.fivedc_plan` is the plan. `model.named_parameters()` are this rank's shards in the
     plan's names and layouts (`layers.0.c_fc`, a weight stored [in, out], a fused qkv weight as
