@@ -7,6 +7,7 @@ entry point to check the real exit code and stderr.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -147,7 +148,7 @@ def test_run_executes_a_saved_plan_and_a_model(tmp_path, capsys) -> None:
     report = tmp_path / "report.json"
     assert main(["run", str(saved), "--steps", "3", "--lr", "1e-2", "--report", str(report)]) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    rows = [line.split() for line in out.splitlines() if re.fullmatch(r"\s*\d+\s+[-\d.]+\s+[\d.]+", line)]  # step loss ms
     losses = [float(row[1]) for row in rows]
     assert len(losses) == 3 and losses[2] < losses[1] < losses[0]
     plan = ExecutionPlan.load(saved)
