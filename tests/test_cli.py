@@ -7,6 +7,7 @@ entry point to check the real exit code and stderr.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,17 @@ def test_help_lists_every_command(capsys) -> None:
     out = capsys.readouterr().out
     for command in ("compile", "verify", "diff"):
         assert command in out
+
+
+def test_version_prints_the_package_version(capsys) -> None:
+    import fivedc
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fivedc {fivedc.__version__}"
+    done = subprocess.run([sys.executable, "-m", "fivedc", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"fivedc {fivedc.__version__}"
 
 
 def test_compile_writes_plan_and_summary(tmp_path, capsys) -> None:
@@ -136,7 +148,7 @@ def test_run_executes_a_saved_plan_and_a_model(tmp_path, capsys) -> None:
     report = tmp_path / "report.json"
     assert main(["run", str(saved), "--steps", "3", "--lr", "1e-2", "--report", str(report)]) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    rows = [line.split() for line in out.splitlines() if re.fullmatch(r"\s*\d+\s+[-\d.]+\s+[\d.]+", line)]  # step loss ms
     losses = [float(row[1]) for row in rows]
     assert len(losses) == 3 and losses[2] < losses[1] < losses[0]
     plan = ExecutionPlan.load(saved)

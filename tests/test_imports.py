@@ -34,7 +34,7 @@ LAYERS = (  # bottom to top
     ("fivedc.frontends",),
     ("fivedc.runtime",),
     ("fivedc.parallel",),
-    ("fivedc.cli",),
+    ("fivedc.cli", "fivedc.__main__"),  # __main__: `python -m fivedc`, the command
 )
 
 

@@ -325,7 +325,7 @@ def test_verify_prints_the_expert_load(worker_pool, capsys) -> None:
     assert routed == [2 * 8 * 8 * 2] * 2  # layers x tokens x top-k, every step
     _print_report(report, TOL)
     out = capsys.readouterr().out
-    assert "expert load (assignments per expert over all ranks; imbalance = busiest / mean):" in out
+    assert "expert load imbalance per MoE layer (the busiest expert's assignments over all ranks / the mean):" in out
     assert "step 1: layers.0.r " in out and "dropped" in out
     assert "routing: tokens per expert the same as the single-device run" in out
 

@@ -363,6 +363,24 @@ def test_misuse_is_a_clear_error() -> None:
     assert "GPT.example_inputs(self)" in info.value.hint
     with pytest.raises(FivedcError, match="vocab=64 is not divisible by tp=3"):
         compile_module(module, inputs, mesh=Mesh.parse("1x1x3x1x1"))
+    with pytest.raises(FivedcError, match="no option sequence_paralel=") as info:
+        fivedc.parallelize(module, mesh="1x1x1x1x1", example_inputs=inputs, sequence_paralel=True)
+    assert info.value.hint == "did you mean sequence_parallel=?"
+
+
+def test_help_says_what_to_do_and_the_module_prints_its_rank() -> None:
+    """A short signature; the docstring says forward returns the loss, a process group must
+    exist and how the result is called; `print(model)` names the rank's coordinates plainly."""
+    import inspect
+
+    doc = " ".join(fivedc.parallelize.__doc__.split())
+    assert len(f"parallelize{inspect.signature(fivedc.parallelize)}") <= 120
+    for words in ("forward` must return the loss", "init_process_group", "torchrun",
+                  "returns the full loss", "loss.backward()", "model.parameters()"):
+        assert words in doc, words
+    module, inputs = nanogpt.factory()
+    text = repr(fivedc.parallelize(module, mesh="1x1x1x1x1", example_inputs=inputs))
+    assert "GPT, mesh 1x1x1x1x1, this rank at dp=0 pp=0 tp=0 cp=0 ep=0" in text and "MeshAxis" not in text
 
 
 # ---- file.py:factory -------------------------------------------------------------------------

@@ -321,3 +321,20 @@ def test_the_summary_prints_the_bubble_of_the_published_formula(schedule: str, m
     want = (p - 1) / ((v or 1) * m + p - 1)
     assert pipeline_bubble(compiled) == pytest.approx(want, rel=1e-12)
     assert f"bubble {want:.1%} of the step" in summary_text(compiled, width=400)
+
+
+def test_a_summary_with_a_gpu_prints_one_bubble_the_step_time_models() -> None:
+    """With --gpu the header's bubble is the step-time model's (the chunks' estimated seconds),
+    the figure the step-time table breaks the step into, not a second one with equal chunks."""
+    import re
+
+    from fivedc.ir.hardware import hardware
+    from fivedc.plan.summary import pipeline_bubble
+
+    options = CompileOptions(mesh=Mesh.parse("1x4x1x1x1"), schedule="1f1b", microbatches=4, pp_layout=(20, 40, 40, 26),
+                             hardware=hardware("h100"))
+    compiled = compile_graph(load_model(str(EXAMPLES / "llama3_405b.5d")), options)
+    assert abs(compiled.time.bubble - pipeline_bubble(compiled)) > 0.01  # unequal chunks: the two differ
+    text = summary_text(compiled, width=400)
+    assert set(re.findall(r"bubble (\d+\.\d)%", text)) == {f"{compiled.time.bubble * 100:.1f}"}
+    assert "estimated seconds on h100" in text

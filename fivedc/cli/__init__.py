@@ -7,6 +7,7 @@ train_outputs.py  what fivedc train writes, checked by the one output rule befor
 plan_check.py     a saved plan runs only if it is what this fivedc compiles
 search.py         fivedc search: the layout search's flags, progress bar, top-K table, --json, -o
 fit.py            does a plan fit its GPU, and what would make it fit
+screen.py         what a command prints: at most 100 columns (--wide for more), no trailing spaces
 
 Layer 10 (the top): may import anything below.
 """

@@ -14,11 +14,11 @@ import argparse
 import json
 import os
 import sys
-import textwrap
 import time
 import traceback
 from pathlib import Path
 
+from fivedc.cli import screen
 from fivedc.cli.shared import compile_model, load_graph
 from fivedc.errors import EXIT_CODES, FivedcError
 from fivedc.runtime import DEFAULT_TIMEOUT_S
@@ -83,6 +83,11 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
                    "full (each layer keeps only its input); default: the model's @recompute, else none")
 
 
+def _wide_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wide", action="store_true",
+                   help=f"print for a terminal of {screen.WIDE_COLUMNS}+ columns (default: at most {screen.MAX_COLUMNS})")
+
+
 def _local_run_args(p: argparse.ArgumentParser) -> None:
     """How verify and run start their local processes."""
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
@@ -102,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in EXIT_CODES.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from fivedc import __version__
+
+    parser.add_argument("--version", action="version", version=f"fivedc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     c = sub.add_parser("compile", help=COMMANDS["compile"], description=COMMANDS["compile"])
     c.add_argument("model", help="a .5d model file, or path/to/file.py:factory (an nn.Module traced with torch.fx)")
@@ -114,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", default=None, help="plan file to write (default MODEL.plan.json)")
     c.add_argument("-q", "--quiet", action="store_true", help="write the plan, print one line")
     c.add_argument("-v", "--verbose", action="store_true", help="list every parameter")
-    c.add_argument("--wide", action="store_true", help="summary as wide tables (140+ columns; default fits 80)")
+    c.add_argument("--wide", action="store_true", help="summary as wide tables (140+ columns; default: the terminal's, at most 100, 80 when piped)")
     c.add_argument("--passes", action="store_true", help="list the compiler's passes in order, with their times")
     c.add_argument("--no-weights", dest="weights", action="store_false",
                    help="file.py:factory: build the model under fivedc.empty_weights() (parameters on the meta "
@@ -168,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--schedule", default=None, metavar="OUT", help="draw the pipeline schedule: a .png or .svg")
     s.add_argument("--ops", action="store_true",
                    help="list every op and redistribution with its id (what --inject-fault and a divergence name)")
+    _wide_arg(s)
     d = sub.add_parser("diff", help=COMMANDS["diff"], description=COMMANDS["diff"])
     d.add_argument("a", help="a plan .json, or MODEL.5d@MESH")
     d.add_argument("b", help="a plan .json, or MODEL.5d@MESH")
@@ -175,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sp", dest="sp", action="store_true", default=None, help="sequence parallel for model@mesh")
     _plan_option_args(d)
     d.add_argument("--json", action="store_true", help="machine-readable output")
+    _wide_arg(d)
     from fivedc.cli.search import search_args
 
     h = sub.add_parser("rehearse", help=COMMANDS["rehearse"], description=COMMANDS["rehearse"])
@@ -189,17 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--collectives", action="store_true",
                    help="list what each class of ranks (one per pp rank) issues in one step, in order")
     return parser
-
-
-def _console(wide: bool = True):
-    """Rich console as wide as the terminal (80 columns when piped or unknown), at least
-    140 when `wide` (the wide collective table and the diff need it)."""
-    import shutil
-
-    from rich.console import Console
-
-    columns = shutil.get_terminal_size((80, 24)).columns
-    return Console(width=max(columns, 140) if wide else columns)
 
 
 def cmd_compile(args) -> int:
@@ -225,9 +224,9 @@ def cmd_compile(args) -> int:
         step = f", {plan.time.step_seconds:.3g} s per step on {plan.time.hardware.key}" if plan.time else ""
         print(f"wrote {output} ({len(plan.collectives)} collectives, {format_bytes(plan.memory.total)} per rank{step})")
     else:
-        console = _console(wide=args.wide)
+        console = screen.console(wide=args.wide, piped=80)  # the summary fits 80 columns when piped
         render_summary(plan, console=console, verbose=args.verbose, wide=args.wide)
-        print("\n" + textwrap.fill(str(proofs[0]), width=console.width))
+        print("\n" + screen.wrap(str(proofs[0]), width=console.width))
         if args.passes:
             _print_passes(timings, console)
         print(f"wrote {output} in {seconds:.2f} s")
@@ -273,7 +272,7 @@ def cmd_train(args) -> int:
 def cmd_export(args) -> int:
     from fivedc.runtime.export import run_export
 
-    return run_export(args)
+    return run_export(args, say=screen.say)
 
 
 def cmd_show(args) -> int:
@@ -293,7 +292,7 @@ def cmd_show(args) -> int:
     if args.ops:
         from fivedc.plan.op_list import render_ops
 
-        render_ops(plan, console=_console())
+        render_ops(plan, console=screen.console(wide=args.wide))
         if args.schedule is None:
             return 0
     if plan.pipeline is None:
@@ -306,7 +305,7 @@ def cmd_show(args) -> int:
     schedule = plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP))
     draw = lambda tmp: draw_schedule(schedule, tmp)  # noqa: E731
     result = write_output(args.schedule, draw, inputs=(args.plan,), what="picture")
-    print(f"wrote {out}: {plan.pipeline.schedule}, bubble {result.bubble_fraction:.1%} of the step (unit costs)")
+    screen.say(f"wrote {out}: {plan.pipeline.schedule}, bubble {result.bubble_fraction:.1%} of the step (unit costs)")
     return 0
 
 
@@ -326,14 +325,14 @@ def cmd_diff(args) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:
-        render_diff(result, console=_console())
+        render_diff(result, console=screen.console(wide=args.wide))
     return 0
 
 
 def cmd_search(args) -> int:
     from fivedc.cli.search import run_search
 
-    return run_search(args, _console(wide=True))
+    return run_search(args, screen.console(wide=args.wide))
 
 
 def cmd_check(args) -> int:
@@ -345,19 +344,18 @@ def cmd_check(args) -> int:
 
     plan = load_plan(args.plan)
     model_line = check_source(plan, plan_name=args.plan, source=args.source)
-    width = _console(wide=False).width
-    print(textwrap.fill(f"{args.plan}: a valid plan for mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype}, "
-                        f"{len(plan.collectives)} collectives): exactly what this fivedc compiles from the model "
-                        "in the plan and its options", width=min(width, 100)))
-    print(textwrap.fill(model_line, width=min(width, 100)))
-    print(textwrap.fill(str(prove_agreement(plan)), width=_console(wide=False).width))
+    screen.say(f"{args.plan}: a valid plan for mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype}, "
+               f"{len(plan.collectives)} collectives): exactly what this fivedc compiles from the model in the plan "
+               "and its options", indent="")
+    screen.say(model_line, indent="")
+    screen.say(str(prove_agreement(plan)), indent="")
     if args.collectives:
         from fivedc.proof.comm_program import class_programs
 
         for pp_rank, events in class_programs(plan).items():
             print(f"\npp rank {pp_rank}: {len(events)} collectives and transfers per step, in issue order")
             for index, event in enumerate(events, start=1):
-                print(f"  #{index} {event}")
+                screen.say(f"  #{index} {event}", indent="      ")
     return 0
 
 

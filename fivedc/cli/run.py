@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+from fivedc.cli.screen import say
 from fivedc.errors import FivedcError
 
 def run_run(args, *, defaults) -> int:
@@ -41,7 +42,7 @@ def run_run(args, *, defaults) -> int:
     if args.model.endswith(".json"):
         from fivedc.cli.model_source import check_source
 
-        print(check_source(plan, plan_name=args.model, source=args.source))
+        say(check_source(plan, plan_name=args.model, source=args.source))
     elif args.source is not None:
         raise FivedcError(f"--source names the model of a plan; {args.model} is itself the model",
                           hint="drop --source")
@@ -65,8 +66,8 @@ def run_run(args, *, defaults) -> int:
 
         check_local_resources(world=plan.mesh.world, bytes_per_rank=plan.memory.total, force=args.force,
                               what=f"running {args.model} on mesh {plan.mesh}")
-        print(f"running {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {args.steps} steps, "
-              f"{plan.dtype}, a seeded synthetic batch)")
+        say(f"running {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {args.steps} steps, "
+            f"{plan.dtype}, a seeded synthetic batch)")
         report = run_plan(plan, settings, timeout_s=args.timeout, on_progress=progress_printer())
     _print_report(plan, report, compiled=args.compile)
     if args.report is not None:
@@ -82,7 +83,7 @@ def _write_report(args, plan, report) -> None:
 
     write_output(args.report, json.dumps(memory_report(plan, report), indent=1) + "\n",
                  inputs=(args.model.split(":")[0],), what="report")
-    print(f"wrote {args.report}: per rank, the plan's memory estimate and what the run measured")
+    say(f"wrote {args.report}: per rank, the plan's memory estimate and what the run measured")
 
 
 PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "attention_kernel", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",

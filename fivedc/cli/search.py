@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from fivedc.cli.screen import command_line, say
 from fivedc.errors import FivedcError
 
 
@@ -32,6 +33,7 @@ def search_args(p) -> None:
     p.add_argument("-o", "--output", default=None, help="write the best plan here")
     p.add_argument("--json", default=None, metavar="ALL.json", help="write every ranked candidate, best first")
     p.add_argument("--explain", action="store_true", help="count the rejected candidates by reason")
+    p.add_argument("--wide", action="store_true", help="print for a terminal of 140+ columns (default: at most 100)")
 
 
 def run_search(args, console) -> int:
@@ -68,7 +70,7 @@ def run_search(args, console) -> int:
         print(f"wrote {args.json} ({len(result.ranked)} candidates)")
     if args.output is not None:
         result.plan.save(args.output, inputs=(model_file,))
-        print(f"wrote {args.output}: the best plan, compiled ({result.proof})")
+        say(f"wrote {args.output}: the best plan, compiled ({result.proof})")
     return 0
 
 
@@ -110,8 +112,9 @@ def _print_top(result, top: int, console, graph, gpus: int, hw, seconds: float) 
     console.print(table)
     _print_ties(result, top)
     rejected = sum(result.rejected.values())
-    print(f"{len(result.ranked)} layouts ranked, {rejected} rejected, over {result.meshes} meshes in {seconds:.1f} s")
-    print(f"best: fivedc compile {graph.source or graph.name} {result.best.candidate.flags()} --gpu {hw.key}")
+    say(f"{len(result.ranked)} layouts ranked, {rejected} rejected, over {result.meshes} meshes in {seconds:.1f} s")
+    print(command_line(f"best: fivedc compile {graph.source or graph.name} {result.best.candidate.flags()} "
+                       f"--gpu {hw.key}"))
 
 
 def _print_ties(result, top: int) -> None:
@@ -120,13 +123,13 @@ def _print_ties(result, top: int) -> None:
 
     best = result.ranked[0].time.step_seconds
     ties = sum(s.time.step_seconds <= best * (1 + STEP_TIME.spread) for s in result.ranked)
-    print(STEP_TIME.line())
+    say(STEP_TIME.line())
     if ties > 1:
         shown = f"#1-#{ties}" if ties <= top else f"#1-#{ties} ({ties - top} not shown)"
-        print(f"layouts {shown} are within {STEP_TIME.spread:.0%} of the best: a tie by this model's error")
+        say(f"layouts {shown} are within {STEP_TIME.spread:.0%} of the best: a tie by this model's error")
 
 
 def _print_rejected(result, console) -> None:
     print("rejected, by reason:")
     for reason, count in sorted(result.rejected.items(), key=lambda item: (-item[1], item[0])):
-        print(f"  {count:>8}  {reason}")
+        say(f"  {count:>8}  {reason}", indent=" " * 12)

@@ -29,7 +29,9 @@ def check_local_run(args) -> None:
 def progress_printer():
     """Print progress lines with the seconds since the command started (verify, run)."""
     start = time.perf_counter()
-    return lambda line: print(f"  [{time.perf_counter() - start:6.1f} s] {line}", flush=True)
+    from fivedc.cli.screen import say
+
+    return lambda line: say(f"  [{time.perf_counter() - start:6.1f} s] {line}", indent=" " * 13, flush=True)
 
 
 def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = True):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fivedc.cli.screen import say
 from fivedc.errors import FivedcError
 
 SCRATCH_PREFIX = "fivedc-train-"  # + pid + "-" + random, in the temp directory
@@ -134,11 +135,11 @@ def _header(args, job, roles, saves) -> None:
     plan, config, tokens = job.plan, job.config, job.train_tokens
     batch, seq = token_shape(plan.graph)
     for line in saves.notes:
-        print(line)
-    print(f"training {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {plan.dtype}) from step "
-          f"{saves.start} to {job.stop}{f' (of {config.steps})' if job.stop < config.steps else ''}: batches of "
-          f"{batch} x {seq} tokens from {args.data} ({tokens} tokens, {(tokens - 1) // seq // batch} steps per epoch); "
-          f"{_roles_text(roles)}")
+        say(line)
+    say(f"training {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {plan.dtype}) from step "
+        f"{saves.start} to {job.stop}{f' (of {config.steps})' if job.stop < config.steps else ''}: batches of "
+        f"{batch} x {seq} tokens from {args.data} ({tokens} tokens, {(tokens - 1) // seq // batch} steps per epoch); "
+        f"{_roles_text(roles)}")
 
 
 def _progress(job, start: int, log):
@@ -150,9 +151,9 @@ def _progress(job, start: int, log):
 def _finish(progress, args, plan, saves) -> None:
     from fivedc.cli.train_report import draw_losses
 
-    print(progress.summary())
+    say(progress.summary())
     if saves.save_dir is not None:
-        print(f"checkpoints in {saves.save_dir} (resume with --resume {saves.save_dir})")
+        say(f"checkpoints in {saves.save_dir} (resume with --resume {saves.save_dir})")
     if args.plot:
         draw_losses(progress.rows, args.plot, title=f"{args.model} on {plan.mesh}")
         print(f"wrote {args.plot}")

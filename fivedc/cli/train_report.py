@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fivedc.cli.screen import MAX_COLUMNS
 from fivedc.errors import FivedcError
 from fivedc.log_file import LogFile
 
-BAR = 20
+BAR = 10
 RECENT = 10
 
 
@@ -52,9 +53,10 @@ class Progress:
         seconds = sum(r["seconds"] for r in recent) or 1e-9
         tokens = _tokens_of(row) * len(recent)
         val = f"  val {row['val_loss']:.4f}" if "val_loss" in row else ""
-        return (f"step {step:>{len(str(steps))}}/{steps} [{'#' * filled}{'-' * (BAR - filled)}] "
-                f"loss {row['loss']:.4f}{val}  lr {row['lr']:.2e}  |g| {row['grad_norm']:.3g}  "
-                f"{_si(tokens / seconds)} tok/s  ETA {_clock(seconds / len(recent) * (steps - step))}")
+        figures = (f"loss {row['loss']:.4f}{val}  lr {row['lr']:.2e}  |g| {row['grad_norm']:.3g}  "
+                   f"{_si(tokens / seconds)} tok/s  ETA {_clock(seconds / len(recent) * (steps - step))}")
+        line = f"step {step:>{len(str(steps))}}/{steps} [{'#' * filled}{'-' * (BAR - filled)}] {figures}"
+        return line if len(line) <= MAX_COLUMNS else f"step {step}/{steps} {figures}"  # the bar goes first
 
     def summary(self) -> str:
         if not self.rows:

@@ -22,6 +22,7 @@ import math
 import os
 from dataclasses import replace
 
+from fivedc.cli.screen import say
 from fivedc.errors import FivedcError
 from fivedc.cli.verify_report import judge
 
@@ -66,8 +67,8 @@ def run_verify(args) -> int:
                                               fault=diagnosis.fault if diagnosis else None)
     _check_machine(args, plan, reference)
     fault = diagnosis.fault if diagnosis else None
-    print(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})"
-          + (f"; injecting a fault into {fault.id} on rank {fault.rank}" if fault else ""))
+    say(f"verifying {args.model} on mesh {mesh} ({mesh.world} processes, {args.steps} steps, {args.dtype})"
+        + (f"; injecting a fault into {fault.id} on rank {fault.rank}" if fault else ""))
     run_plan = _plan_runner(args, plan, reference, settings)
     if module and fault is None:
         report = _module_check(args, mesh)
@@ -165,7 +166,7 @@ def _module_tol(args, report, tol: float) -> float:
     module, `report.note` says which): float32's, unless --tol gave one."""
     if not report.note:
         return tol
-    print(f"note: {report.note}")
+    say(f"note: {report.note}")
     return args.tol if args.tol is not None else DEFAULT_TOL[report.dtype]
 
 

@@ -10,6 +10,7 @@ must fail at that op, and a checker that misses it is a bug (exit 4).
 
 from __future__ import annotations
 
+from fivedc.cli.screen import say
 from fivedc.errors import PassError, VerifyMismatch
 
 
@@ -48,7 +49,7 @@ def _judge_fault(report, fault) -> None:
         seen = f"named {found.phase} of {found.id}" if found else "found no divergence"
         raise PassError(f"the checker missed the fault injected into {fault.id} on rank {fault.rank} "
                         f"({report.injected} times applied): it {seen}")
-    print(f"the checker found the injected fault: {fault.id} on rank {fault.rank} (exit 1, as it must)")
+    say(f"the checker found the injected fault: {fault.id} on rank {fault.rank} (exit 1, as it must)")
 
 
 def _print_report(report, tol: float) -> None:
@@ -61,8 +62,8 @@ def _print_report(report, tol: float) -> None:
     print(f"  parameters  {report.param_error:.3e}   (worst: {report.worst})")
     _print_expert_load(report)
     if report.traced:
-        print(report.divergence.describe() if report.divergence is not None
-              else f"every op's value and gradient is within {tol:.0e} of the single-device run's")
+        say(report.divergence.describe() if report.divergence is not None
+            else f"every op's value and gradient is within {tol:.0e} of the single-device run's")
     verdict = "OK" if report.max_error <= tol else "MISMATCH"  # inf > tol: a NaN run never passes
     print(f"{verdict}: tolerance {tol:.0e}, {report.world} processes")
 
@@ -71,7 +72,7 @@ def _print_expert_load(report, shown: int = 6) -> None:
     """Per step: each MoE layer's imbalance (busiest expert's tokens / mean), and drops."""
     if not report.expert_load:
         return
-    print("expert load (assignments per expert over all ranks; imbalance = busiest / mean):")
+    print("expert load imbalance per MoE layer (the busiest expert's assignments over all ranks / the mean):")
     for step, layers in enumerate(report.expert_load, start=1):
         ratios = {name: load.imbalance for name, load in layers.items()}
         if len(ratios) <= shown:
@@ -82,7 +83,7 @@ def _print_expert_load(report, shown: int = 6) -> None:
         routed = sum(sum(load.routed) for load in layers.values())
         dropped = sum(sum(load.dropped) for load in layers.values())
         drops = f"; dropped {dropped} of {routed} ({100 * dropped / routed:.1f}%)" if dropped else ""
-        print(f"  step {step}: {text}{drops}")
+        say(f"  step {step}: {text}{drops}", indent="      ")
     same = "the same as" if report.routing_matches else "DIFFERENT from"
     print(f"  routing: tokens per expert {same} the single-device run")
 

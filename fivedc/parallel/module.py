@@ -169,7 +169,9 @@ class ParallelModule(nn.Module):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:
-        return f"{self._fivedc_name}, mesh={self.fivedc_plan.mesh}, rank coords={dict(self._fivedc_ctx.coords)}"
+        """`GPT, mesh 2x1x2x1x1, this rank at dp=0 pp=0 tp=1 cp=0 ep=0`."""
+        coords = " ".join(f"{axis}={index}" for axis, index in self._fivedc_ctx.coords.items())
+        return f"{self._fivedc_name}, mesh {self.fivedc_plan.mesh}, this rank at {coords}"
 
     # ---- internals --------------------------------------------------------------------
     def _register(self, name: str, param: nn.Parameter) -> None:

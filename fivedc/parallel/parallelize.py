@@ -41,6 +41,7 @@ tracing and compiling alone, with no process group (for the CLI).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -61,13 +62,13 @@ _DTYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
 
 @dataclass(frozen=True)
 class ParallelizeOptions:
-    mesh: Mesh
-    example_inputs: object = None  # tuple/dict of tensors, or a callable(module) -> them
-    sequence_parallel: bool | None = None
-    shardings: Mapping[str, str] = field(default_factory=dict)
-    zero: int = 0
-    cp_attention: str | None = None
-    cp_layout: str | None = None
+    """The keyword options of `fivedc.parallelize` besides mesh and example_inputs, with their defaults."""
+
+    sequence_parallel: bool | None = None  # Megatron SP under tp (None: the model's choice)
+    shardings: Mapping[str, str] = field(default_factory=dict)  # {"module.path.*": "col" | "row" | "replicate"}
+    zero: int = 0  # ZeRO stage 0-3
+    cp_attention: str | None = None  # "ring" | "allgather"
+    cp_layout: str | None = None  # "balanced" | "contiguous"
     overlap: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
     schedule: str = "1f1b"
@@ -78,57 +79,96 @@ class ParallelizeOptions:
     stage_boundaries: tuple[str, ...] = ()  # module-path patterns where a pipeline chunk begins
     device: torch.device | str | None = None
     sync_module_states: bool = True
-    auto: tuple[int, str] | None = None  # mesh="auto": (gpus, gpu) for the layout search (fivedc/search/search.py)
     compile: bool | str = False  # each repeat's layer one torch.compile region (fivedc/runtime/regions.py)
+    gpus: int | None = None  # mesh="auto": GPUs the layout search plans for (default: the job's world size)
+    gpu: str | None = None  # mesh="auto": their kind (h100, ...)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shardings", dict(self.shardings or {}))
+        object.__setattr__(self, "stage_boundaries", tuple(self.stage_boundaries))
+        if self.pp_layout is not None:
+            object.__setattr__(self, "pp_layout", tuple(self.pp_layout))
 
 
-def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, example_inputs=None,
-                sequence_parallel: bool | None = None, shardings: Mapping[str, str] | None = None, zero: int = 0,
-                cp_attention: str | None = None, cp_layout: str | None = None, overlap: bool = True,
-                bucket_mb: float = DEFAULT_BUCKET_MB, schedule: str = "1f1b", microbatches: int | None = None,
-                virtual: int | None = None, pp_layout: tuple[int, ...] | None = None, recompute: str | None = None,
-                stage_boundaries: tuple[str, ...] = (), device: torch.device | str | None = None, sync_module_states: bool = True,
-                gpus: int | None = None, gpu: str | None = None, compile: bool | str = False):
-    """Parallelize an `nn.Module` instance, or, as a decorator, an `nn.Module` class.
+@dataclass(frozen=True)
+class _Request:
+    """What one `parallelize` call asks for: the mesh (or the search's GPUs), the example inputs, the options."""
 
-    mesh: "dp x pp x tp x cp x ep" (`"2x1x2x1x1"`) or `dp=2,tp=2`, or a `Mesh`.
-    example_inputs: the forward's arguments to trace with (full global tensors).
-    sequence_parallel: Megatron SP under tp. shardings: `{"module.path.*.pattern":
-    "col" | "row" | "replicate"}`. cp_attention: "ring" | "allgather"; cp_layout:
-    "balanced" | "contiguous". zero: 0-3, the ZeRO stage (the parameters become
-    this rank's flat chunks; any torch optimizer over them keeps sharded state).
-    overlap, bucket_mb: gradient buckets reduced during backward, and tp's backward
-    sums run behind the weight gradients (`fivedc/runtime/tp_overlap.py`), tp's
-    forward collectives beside their linears (`fivedc/runtime/tp_ring.py`). schedule
-    ("gpipe" | "1f1b" | "interleaved" | "zb-h1" | "dualpipev"), microbatches,
-    virtual, pp_layout (layers per chunk): the pipeline, when pp > 1; the forward
-    then runs the whole schedule. recompute: activation recomputation, "none",
-    "selective" (each attention recomputed in backward) or "full" (each layer keeps
-    only its input). stage_boundaries: module-path patterns
-    (`"layers.4"`) where a pipeline chunk begins, as do modules with
-    `fivedc_stage_boundary = True`; the marks then decide the chunks. device: where the shards live (default: the current CUDA device with
-    NCCL, else the module's). sync_module_states: start from rank 0's weights.
-    mesh="auto": `fivedc search` picks the mesh and the plan options (the ones given here
-    are then not used) for `gpus` GPUs (default: the job's world size) of kind `gpu` (h100, ...).
-    compile: run each layer of a repeated block as one `torch.compile` region (compiled once
-    for all the layers; collectives between ranks stay outside the compiled graphs); a string
-    names torch.compile's backend (default "inductor").
+    mesh: Mesh
+    example_inputs: object  # tuple/dict of tensors, or a callable(module) -> them
+    auto: tuple[int, str] | None  # mesh="auto": (gpus, gpu) for the layout search (fivedc/search/search.py)
+    options: ParallelizeOptions
+
+
+def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, example_inputs=None, **options):
+    """Parallelize an `nn.Module` instance (returned) or, as a decorator, an `nn.Module` class.
+
+    Before calling it with a mesh of more than one rank, start the processes with torchrun
+    (`torchrun --nproc-per-node N train.py`) and create the process group
+    (`fivedc.runtime.pool.init_from_env()` or `torch.distributed.init_process_group`): the
+    mesh's world must be the job's. The module's `forward` must return the loss, a scalar
+    (e.g. `F.cross_entropy(logits, targets)`), for the whole batch it is given.
+
+    The result is called like the module, on every rank with the same FULL global batch,
+    and returns the full loss; `loss.backward()` leaves each parameter's gradient summed
+    over the ranks, so any torch optimizer over `model.parameters()` trains it::
+
+        model = fivedc.parallelize(GPT(config), mesh="2x1x2x1x1", example_inputs=(idx, targets))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        loss = model(idx, targets); loss.backward(); opt.step(); opt.zero_grad()
+
+    mesh: "DPxPPxTPxCPxEP" (`"2x1x2x1x1"`), `"dp=2,tp=2"`, a `Mesh`, or "auto": `fivedc
+    search` picks the layout for gpus= GPUs of kind gpu= (the plan options below are then
+    not used). example_inputs: the forward's arguments to trace with (full global tensors,
+    a tuple or dict, or a function of the module; default: the module's `example_inputs()`);
+    the plan is for their shapes.
+
+    options (keywords, the fields of `ParallelizeOptions`): sequence_parallel (Megatron SP
+    under tp); shardings `{"module.path.*": "col" | "row" | "replicate"}`; zero 0-3 (the
+    parameters become this rank's flat chunks); cp_attention "ring" | "allgather";
+    cp_layout "balanced" | "contiguous"; overlap, bucket_mb (gradient buckets summed during
+    backward, tp's collectives beside compute); schedule ("gpipe" | "1f1b" | "interleaved" |
+    "zb-h1" | "dualpipev"), microbatches, virtual, pp_layout (layers per chunk),
+    stage_boundaries (module-path patterns where a pipeline chunk begins, as at modules with
+    `fivedc_stage_boundary = True`): the pipeline when pp > 1, the forward then running the
+    whole schedule; recompute "none" | "selective" | "full"; device (default: the current
+    CUDA device with NCCL, else the module's); sync_module_states (start from rank 0's
+    weights, default True); compile (each layer of a repeated block one `torch.compile`
+    region; a string names the backend).
+
+    `model.fivedc_plan` is the plan. `model.named_parameters()` are this rank's shards in the
+    plan's names and layouts (`layers.0.c_fc`, a weight stored [in, out], a fused qkv weight as
+    three: `layers.0.c_attn_q`, ...; `model.fivedc_traced.params` maps each to the module's
+    key); `model.full_state_dict()` gathers the module's own state dict, its names and shapes
+    (call it on every rank). On a class, the constructor returns the parallel module and
+    `Class.fivedc_plain(...)` the plain one.
     """
-    auto = None
+    request = _request(mesh, example_inputs, _options(options))
+    if module is None:
+        return lambda target: _apply(target, request)
+    return _apply(module, request)
+
+
+def _options(given: dict) -> ParallelizeOptions:
+    """The keywords as `ParallelizeOptions`; an unknown one is an error naming the closest."""
+    import difflib
+
+    names = [f.name for f in dataclasses.fields(ParallelizeOptions)]
+    for name in given:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            raise FivedcError(f"parallelize has no option {name}=",
+                              hint=f"did you mean {close[0]}=?" if close else f"the options: {', '.join(names)}")
+    return ParallelizeOptions(**given)
+
+
+def _request(mesh: str | Mesh, example_inputs, options: ParallelizeOptions) -> _Request:
     if isinstance(mesh, str) and mesh == "auto":
-        auto, mesh = _auto(gpus, gpu), Mesh((1, 1, 1, 1, 1))
-    elif gpus is not None or gpu is not None:
+        return _Request(Mesh((1, 1, 1, 1, 1)), example_inputs, _auto(options.gpus, options.gpu), options)
+    if options.gpus is not None or options.gpu is not None:
         raise FivedcError("gpus= and gpu= are for mesh=\"auto\" (the layout search)",
                           hint="drop them, or pass mesh=\"auto\"")
-    options = ParallelizeOptions(
-        mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh), example_inputs, sequence_parallel,
-        dict(shardings or {}), zero, cp_attention, cp_layout, overlap, bucket_mb, schedule, microbatches, virtual,
-        tuple(pp_layout) if pp_layout is not None else None, recompute, tuple(stage_boundaries), device,
-        sync_module_states, auto, compile,
-    )
-    if module is None:
-        return lambda target: _apply(target, options)
-    return _apply(module, options)
+    return _Request(mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh), example_inputs, None, options)
 
 
 def compile_module(module: nn.Module, example_inputs, *, mesh: Mesh | None = None,
@@ -186,38 +226,39 @@ def module_dtype(module: nn.Module) -> str:
 
 
 # ---- instance and class ---------------------------------------------------------------
-def _apply(target, options: ParallelizeOptions):
+def _apply(target, request: _Request):
     if isinstance(target, type) and issubclass(target, nn.Module):
-        return _decorate(target, options)
+        return _decorate(target, request)
     if isinstance(target, nn.Module):
-        return _build(target, options)
+        return _build(target, request)
     raise FivedcError(f"parallelize takes an nn.Module instance or class, not {type(target).__name__}",
                       hint="fivedc.parallelize(model, mesh=...) or @fivedc.parallelize(mesh=...) on the class")
 
 
-def _build(module: nn.Module, options: ParallelizeOptions):
+def _build(module: nn.Module, request: _Request):
     from fivedc.parallel.module import ParallelModule
 
-    example = _example_inputs(module, options.example_inputs)
-    if options.auto is not None:
-        traced, plan = search_module(module, example, gpus=options.auto[0], gpu=options.auto[1],
+    options = request.options
+    example = _example_inputs(module, request.example_inputs)
+    if request.auto is not None:
+        traced, plan = search_module(module, example, gpus=request.auto[0], gpu=request.auto[1],
                                      shardings=options.shardings, stage_boundaries=options.stage_boundaries)
         _check_world(plan.mesh)
-        return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
-                              sync_module_states=options.sync_module_states, compile=options.compile)
-    _check_world(options.mesh)
-    traced, plan = compile_module(
-        module, example, mesh=options.mesh, shardings=options.shardings, stage_boundaries=options.stage_boundaries,
-        sequence_parallel=options.sequence_parallel, zero=options.zero, cp_attention=options.cp_attention,
-        cp_layout=options.cp_layout, overlap=options.overlap, bucket_mb=options.bucket_mb,
-        schedule=options.schedule, microbatches=options.microbatches, virtual=options.virtual,
-        pp_layout=options.pp_layout, recompute=options.recompute,
-    )
+    else:
+        _check_world(request.mesh)
+        traced, plan = compile_module(
+            module, example, mesh=request.mesh, shardings=options.shardings,
+            stage_boundaries=options.stage_boundaries, sequence_parallel=options.sequence_parallel,
+            zero=options.zero, cp_attention=options.cp_attention, cp_layout=options.cp_layout,
+            overlap=options.overlap, bucket_mb=options.bucket_mb, schedule=options.schedule,
+            microbatches=options.microbatches, virtual=options.virtual, pp_layout=options.pp_layout,
+            recompute=options.recompute,
+        )
     return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
                           sync_module_states=options.sync_module_states, compile=options.compile)
 
 
-def _decorate(cls: type, options: ParallelizeOptions) -> type:
+def _decorate(cls: type, request: _Request) -> type:
     """A subclass whose constructor builds a plain instance, then returns it parallelized.
 
     The plain instance is of the subclass, so the class's own `super(Name, self)`
@@ -226,13 +267,13 @@ def _decorate(cls: type, options: ParallelizeOptions) -> type:
 
     class _Parallelized(meta):
         def __call__(self, *args, **kwargs):
-            return _build(meta.__call__(self, *args, **kwargs), options)
+            return _build(meta.__call__(self, *args, **kwargs), request)
 
     def fivedc_plain(klass, *args, **kwargs):
         return meta.__call__(klass, *args, **kwargs)
 
     namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-                 "__wrapped__": cls, "fivedc_options": options, "fivedc_plain": classmethod(fivedc_plain)}
+                 "__wrapped__": cls, "fivedc_options": request.options, "fivedc_plain": classmethod(fivedc_plain)}
     return _Parallelized(cls.__name__, (cls,), namespace)
 
 

@@ -16,6 +16,7 @@ added, `-` removed, `~` changed.
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
@@ -392,9 +393,12 @@ def _lines(d: PlanDiff) -> list[str]:
 
 
 def render_diff(d: PlanDiff, *, console: Console) -> None:
-    """Print the report; `plans are identical` when nothing changed."""
+    """Print the report; `plans are identical` when nothing changed. A line longer than the
+    console wraps at spaces, indented under its item."""
     for line in _lines(d) or ["plans are identical"]:
-        console.print(Text(line), soft_wrap=True)
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        console.print(Text(textwrap.fill(line, width=console.width, subsequent_indent=indent, break_long_words=False,
+                                         break_on_hyphens=False)), soft_wrap=True)
 
 
 __all__ = ["PlanDiff", "diff_plans", "render_diff", "collective_key"]

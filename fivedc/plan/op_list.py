@@ -50,8 +50,9 @@ def render_ops(plan: ExecutionPlan, *, console: Console) -> None:
     table = Table(title=Text(f"ops of {plan.graph.name} on mesh {plan.mesh} ({plan.graph.source})"),
                   title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
     columns = ["id", "op", "output", "line", "collectives"] + (["pp"] if plan.pipeline is not None else [])
-    for column in columns:
-        table.add_column(column, overflow="fold", no_wrap=column == "id")
+    for column in columns:  # the collectives wrap at spaces first: the ops and shardings keep their room
+        table.add_column(column, overflow="fold", no_wrap=column == "id",
+                         max_width=15 if column == "collectives" and console.width <= 100 else None)
     for row in op_rows(plan):
         table.add_row(*(Text(cell) for cell in row))
     console.print(table)

@@ -2,8 +2,8 @@
 
 `render_summary` writes, with rich tables and no colour (it must read well when
 piped), in order: a header (model, mesh, rank order, sequence parallelism, the
-context-parallel layout and attention variants, the pipeline's schedule and how its
-chunks were cut (or that a pp=1 plan leaves the model's @stage marks unused), ZeRO,
+context-parallel layout and attention variants, the pipeline's schedule, how its
+chunks were cut and its one bubble figure (the step-time model's with `--gpu`) (or that a pp=1 plan leaves the model's @stage marks unused), ZeRO,
 overlap, activation recomputation, dtype, plan version), the mesh groups, the
 pipeline chunks, one row per parameter (global and local shape, sharding, the axes
 its gradient is summed over), the output shardings seen per op kind, the ops that
@@ -116,13 +116,24 @@ def _pipeline_text(plan: ExecutionPlan) -> str:
     if spec is None:
         return "off (pp=1): the model's @stage marks are not used"
     return (f"{spec.schedule}, {spec.microbatches} microbatches, {spec.virtual} chunk(s) per pp rank, "
-            f"{CUTS[spec.cut]}; bubble {pipeline_bubble(plan):.1%} of the step (simulated, a backward costing "
-            "two forwards); draw it with: fivedc show PLAN --schedule out.png")
+            f"{CUTS[spec.cut]}; {_bubble_text(plan)}; draw it with: fivedc show PLAN --schedule out.png")
+
+
+def _bubble_text(plan: ExecutionPlan) -> str:
+    """The one bubble a summary prints: with a GPU (`--gpu`) the step-time model's (each chunk's
+    estimated seconds and the transfers between them), which the step-time table breaks down
+    too; without one, the schedule's own with equal chunks."""
+    if plan.time is not None:
+        return (f"bubble {plan.time.bubble:.1%} of the forward and backward (simulated with each chunk's "
+                f"estimated seconds on {plan.time.hardware.key}, as under Step time)")
+    return (f"bubble {pipeline_bubble(plan):.1%} of the step (simulated with equal chunks, a backward costing "
+            "two forwards; --gpu estimates it with the chunks' costs)")
 
 
 def pipeline_bubble(plan: ExecutionPlan) -> float:
     """The schedule's idle share of the step over all pp ranks, played on the clock with equal
-    chunks and a backward twice a forward (1F1B: (p - 1) / (m + p - 1), as Megatron's paper)."""
+    chunks and a backward twice a forward (1F1B: (p - 1) / (m + p - 1), as Megatron's paper).
+    The step-time model's bubble (`plan.time.bubble`) plays the chunks' estimated seconds instead."""
     from fivedc.schedule import simulate
 
     return simulate(plan.pipeline.build_schedule(plan.mesh.size(MeshAxis.PP)), check=False).bubble_fraction

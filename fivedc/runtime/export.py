@@ -82,8 +82,9 @@ def write_model(path: str | Path, tensors: dict[str, torch.Tensor], *, index: di
 EXPORT_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def run_export(args) -> int:
-    """`fivedc export CHECKPOINT -o model.safetensors [--strip-prefix P] [--dtype D]`."""
+def run_export(args, *, say=print) -> int:
+    """`fivedc export CHECKPOINT -o model.safetensors [--strip-prefix P] [--dtype D]`; `say`
+    prints a line (the command wraps it to its width)."""
     from fivedc.outputs import Output, check_outputs
     from fivedc.runtime.checkpoint import find_checkpoint, read_index
     from fivedc.runtime.checkpoint_files import check_files
@@ -103,7 +104,7 @@ def run_export(args) -> int:
     count = sum(t.numel() for t in tensors.values())
     names = "the module's state_dict names" if index.get("names") else "the IR's parameter names"
     if not digests:
-        print(f"note: {folder} records no digests (saved before fivedc kept them): its bytes were not checked")
-    print(f"wrote {args.output}: {len(tensors)} tensors, {count} parameters, step {index['step']} of {folder} "
+        say(f"note: {folder} records no digests (saved before fivedc kept them): its bytes were not checked")
+    say(f"wrote {args.output}: {len(tensors)} tensors, {count} parameters, step {index['step']} of {folder} "
           f"(saved on mesh {index['plan']['mesh']}), in {names}")
     return 0

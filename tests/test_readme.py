@@ -1,0 +1,90 @@
+"""The README's "Use" and "Training" commands work as printed, in order.
+
+`readme_commands` takes the ```sh blocks of those two sections, joins the lines a `\\`
+continues, splits `&&` chains and reads the exit code a line's comment promises
+(`# ... exit 1`; else 0). Each command runs in one temporary directory (where
+`examples/` links to the repository's), `fivedc` as `python -m fivedc`, with a terminal
+wider than fivedc prints by default: it must exit as promised and print lines of at most
+100 columns with no trailing spaces. A torchrun line needs several machines: its fivedc
+command is parsed (every flag must still exist) but not run. A README line too slow for
+this test is made cheaper in the README, never skipped here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fivedc.cli.main import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("Use", "Training")
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    argv: tuple[str, ...]
+    exit_code: int
+    line: str  # as the README prints it, for messages
+
+
+def section(text: str, title: str) -> str:
+    """The README's `## title` section, its subsections included."""
+    match = re.search(rf"^## {re.escape(title)}\b.*?(?=^## |\Z)", text, flags=re.M | re.S)
+    assert match, f"README.md has no '## {title}' section"
+    return match.group(0)
+
+
+def readme_commands(text: str) -> list[Command]:
+    commands = []
+    for title in SECTIONS:
+        for block in re.findall(r"^```sh\n(.*?)^```", section(text, title), flags=re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                promised = re.search(r"#.*\bexit (\d)\b", line)
+                tokens = shlex.split(line, comments=True)
+                while tokens:
+                    end = tokens.index("&&") if "&&" in tokens else len(tokens)
+                    commands.append(Command(tuple(tokens[:end]), int(promised.group(1)) if promised else 0, line))
+                    tokens = tokens[end + 1:]
+    return commands
+
+
+def test_the_readme_has_its_commands() -> None:
+    commands = readme_commands((ROOT / "README.md").read_text())
+    programs = {c.argv[0] for c in commands}
+    assert programs == {"fivedc", "python", "torchrun"}, programs
+    assert any(c.exit_code == 1 for c in commands)  # the checker's self-test
+    assert not any("[" in arg for c in commands for arg in c.argv), "a README line prints an optional flag as [...]"
+
+
+def fivedc_argv_under_torchrun(argv: tuple[str, ...]) -> list[str]:
+    at = argv.index("fivedc.cli.main")
+    rest = list(argv[at + 1:])
+    return rest[1:] if rest[:1] == ["--"] else rest
+
+
+def test_the_readme_commands_work_as_printed(tmp_path) -> None:
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {**os.environ, "COLUMNS": "300", "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT),
+                                                                                       os.environ.get("PYTHONPATH"))))}
+    for command in readme_commands((ROOT / "README.md").read_text()):
+        program, *args = command.argv
+        if program == "torchrun":  # several machines: the command must parse
+            build_parser().parse_args(fivedc_argv_under_torchrun(command.argv))
+            continue
+        argv = [sys.executable, "-m", "fivedc", *args] if program == "fivedc" else [sys.executable, *args]
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == command.exit_code, (
+            f"README line {command.line!r} exited {done.returncode}, not {command.exit_code}:\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        if program == "fivedc":
+            for line in done.stdout.splitlines():
+                assert len(line) <= 100 and line == line.rstrip(), f"{command.line!r} printed {line!r}"
+
