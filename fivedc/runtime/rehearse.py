@@ -28,9 +28,9 @@ from fivedc.errors import FivedcError
 from fivedc.estimates.memory import RankMemory
 from fivedc.ir.mesh import MeshAxis
 from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.runtime import saved
 from fivedc.runtime.live_bytes import CATEGORIES, LiveBytes, Storage
 from fivedc.runtime.pool_worker import RankInfo
+from fivedc.runtime.saved import saving_scope
 from fivedc.runtime.train import Trainer, TrainSettings
 from fivedc.runtime.verify import setup_rank
 
@@ -120,14 +120,11 @@ def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings) -> Li
             del params  # the optimizer holds them now (ZeRO-3: only the owned chunks)
             _mark_held(live, trainer, inputs)
             live.reset_peak()
-            saved._ACTIVE.append(live)  # what autograd keeps for backward: activations
-            try:
+            with saving_scope(live):  # what autograd keeps for backward: activations
                 trainer.forward_backward(inputs)
-                live.mark(trainer.optimizer.grads.values(), "grads")
-                trainer.optimizer.step()
-                trainer.end_step()
-            finally:
-                saved._ACTIVE.remove(live)
+            live.mark(trainer.optimizer.grads.values(), "grads")
+            trainer.optimizer.step()
+            trainer.end_step()
     except (RuntimeError, NotImplementedError) as error:
         raise RehearsalError(f"rank {rank}'s step failed on the meta device: {str(error).splitlines()[0]}",
                              hint="an op that needs values (which a rehearsal has not) cannot be rehearsed; "
