@@ -50,13 +50,13 @@ from fivedc.estimates.saved import VALUE, SaveContext, op_saves, regathered, sco
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.communication import weight_readers
 from fivedc.passes.held_params import HeldParams, param_count
-from fivedc.estimates.memo import Memo, memo_for, memo_units, rank_held, save_context
+from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec, Unit
 
 
 def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
                recompute: str, regions: list[int], buckets=(), overlap: bool = True,
-               memo: Memo | None = None, tied=()) -> list[dict[str, int]]:
+               memo: Memo | None = None, tied=(), activations: list[int] | None = None) -> list[dict[str, int]]:
     """Per pp rank (one entry without a pipeline): each transient part, in bytes. The parts
     that depend on the recomputation and those that depend on ZeRO are kept in `memo` apart
     (a layout search asks for every pairing of the two)."""
@@ -72,7 +72,26 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
         parts |= {name: mine[name] for name in (*UNIT_PARTS[2:], "pipeline sends", "tied gradient sum")
                   if name in mine}
         out.append(parts | _zero3_beside(parts, zero, pipeline, buckets))
+    if activations is not None:  # the step comes after backward: the activations are gone by then
+        for r, parts in enumerate(out):
+            step = STEP_BYTES.get(dtype, 0) * largest_update(memo, zero, pipeline, r if pipeline else None)
+            parts[OPTIMIZER_STEP] = max(step - activations[r], 0)
     return out
+
+
+OPTIMIZER_STEP = "optimizer step's temporaries beyond the activations freed by then"
+# AdamW's temporaries per element of the part it updates (fivedc/runtime/zero.adamw_): in
+# 16-bit training the gradient in float32, the square root of the second moment and its
+# quotient (float32 each); in fp32 and fp64 the last two, at the dtype.
+STEP_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8, "fp64": 16}
+
+
+def largest_update(memo: Memo, zero: int, pipeline: PipelineSpec | None, pp_rank: int | None) -> int:
+    """Elements of the largest part a rank's optimizer updates at once: a parameter's local
+    shard, or under ZeRO its owned chunk."""
+    held = rank_held(memo, pipeline, pp_rank)
+    return max((chunk if zero else local for param, repeat, local, chunk, _ in param_sizes(memo)
+                if param_count(held, param.name, repeat)), default=0)
 
 
 def _zero3_beside(parts: dict[str, int], zero: int, pipeline: PipelineSpec | None, buckets) -> dict[str, int]:

@@ -69,9 +69,9 @@ def transient_text(plan: ExecutionPlan) -> str:
     from fivedc.estimates.transient import transients
 
     kw = dict(dtype=plan.dtype, dtype_bytes=DTYPE_BYTES[plan.dtype], pipeline=plan.pipeline, recompute=plan.recompute)
-    _, regions = rank_activations(plan.graph, plan.mesh, **kw)
+    activations, regions = rank_activations(plan.graph, plan.mesh, **kw)
     parts = transients(plan.graph, plan.mesh, zero=plan.zero, regions=regions, buckets=plan.buckets,
-                       overlap=plan.overlap, **kw)
+                       overlap=plan.overlap, activations=activations, **kw)
     pp = plan.mesh.size(MeshAxis.PP)
     rank = plan.memory.busiest.pp_ranks(pp)[0] if plan.pipeline else 0
     name, value = max(parts[rank].items(), key=lambda item: item[1])
