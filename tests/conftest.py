@@ -19,3 +19,6 @@ def worker_pool() -> Iterator[WorkerPool]:
 def pytest_addoption(parser) -> None:
     parser.addoption("--update-golden", action="store_true",
                      help="rewrite tests/golden/*.plan.json from the compiler (review the diff before committing)")
+    parser.addoption("--all-library-models", action="store_true",
+                     help="hold every torchtitan/torchtune model to docs/compatibility.md, not only "
+                          "tests/test_titan_tune_models.py's IN_EVERY_RUN")
