@@ -28,8 +28,8 @@ ARCHITECTURES = (
 
 
 # run in every suite, one per path (the others with --all-library-models): torchtitan's Llama with SDPA
-# (its FlexAttention one trains below), its MoE, torchtune's Llama and its Gemma 2 (softcapping)
-IN_EVERY_RUN = ("titan_llama3_sdpa", "titan_qwen3_moe_sdpa", "tune_llama2", "tune_gemma2")
+# (its FlexAttention one trains below), its MoE, torchtune's Llama
+IN_EVERY_RUN = ("titan_llama3_sdpa", "titan_qwen3_moe_sdpa", "tune_llama2")
 
 
 def pytest_generate_tests(metafunc) -> None:
