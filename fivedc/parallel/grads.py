@@ -22,13 +22,13 @@ nothing to sum over (a 1x1x1x1x1 mesh) get no hooks at all.
 
 from __future__ import annotations
 
-import weakref
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.runtime.buckets import GradBuckets, call_weakly, expand_buckets
+from fivedc.runtime.buckets import GradBuckets, expand_buckets
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.program import grad_groups
 from fivedc.runtime.flat_shard import FlatShard
@@ -50,9 +50,8 @@ class GradSync:
         self.reducer = GradBuckets(params, buckets, self.specs, groups, stage=min(stage, 2), overlap=plan.overlap)
         self.held: dict[str, Tensor | None] = {}  # .grad from earlier backwards, set aside
         self.queued = False
-        incoming = weakref.WeakMethod(self._incoming)
         for name in self.synced:
-            params[name].register_hook(call_weakly(incoming, name))  # weakly: see call_weakly
+            params[name].register_hook(partial(self._incoming, name))
 
     def _incoming(self, name: str, grad: Tensor) -> None:
         """Before this backward's gradient is accumulated: set the summed one aside."""
