@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -80,8 +81,13 @@ def verify_cell(source: str, arch: str, mesh: str, flags: list[str], dtype: str)
 
 
 def _first_error(text: str, code: int) -> str:
+    """The error a failed `fivedc verify` printed: its located message, or where a rank failed
+    ("rank 0 of 1 failed in rank_job:" and the rank's traceback) the exception that ended it."""
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith("[transformers]")]
     head = next((line for line in lines if "error:" in line), lines[0] if lines else f"exit {code}")
+    if " failed in " in head:
+        raised = [line.strip() for line in lines if re.match(r"\s*[\w.]*(Error|Exception)\b.*: ", line)]
+        head = raised[-1] if raised else head
     where, _, message = head.partition(": error: ")
     if not message:
         return head.removeprefix("error: ")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
+import transformers  # the `test` extra installs it (pyproject.toml): missing, the tests fail
 
 from fivedc.errors import NotSupportedError  # noqa: E402
 from fivedc.frontends.fx_module import trace_module  # noqa: E402

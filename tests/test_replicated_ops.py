@@ -235,7 +235,7 @@ def test_writes_in_place_on_a_tensor_of_its_own_become_pure_ops(worker_pool) -> 
     assert all("_." not in str(op.attr("target")) for op in _islands(tm.graph))
     report = check_module(f"{MODELS}:in_place", mesh="2x1x2x1x1", steps=2, dtype="fp64", pool=worker_pool)
     assert report.max_error <= 1e-10, report
-    torch = pytest.importorskip("torch")
+    import torch
     torch.manual_seed(0)
     with pytest.raises(NotSupportedError, match="writes to its arguments") as info:
         trace_module(WritesThroughAView().double(), inputs)
@@ -275,7 +275,7 @@ def test_a_linear_over_a_transposed_view_moves_it_into_memory_order_first(worker
 def test_an_operator_with_several_results_keeps_the_one_used() -> None:
     from replicated_models import SortsFeatures
 
-    torch = pytest.importorskip("torch")
+    import torch
     torch.manual_seed(0)
     module = SortsFeatures().double()
     inputs = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))

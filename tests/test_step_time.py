@@ -12,6 +12,7 @@ per GPU (41 % MFU).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -160,6 +161,16 @@ def test_compile_gpu_prints_fit_and_time_or_refuses_with_what_would_fit(tmp_path
     err = capsys.readouterr().err
     assert "the plan does not fit on tiny: ranks all need" in err and "hint: it fits with" in err
     assert "Traceback" not in err and not refused.exists()
+    # each suggested change, added to the same command, compiles and fits
+    suggested = [re.sub(r"\([^)]*\)", "", s).split() for s in err.split("hint: it fits with", 1)[1].split("; or ")]
+    assert len(suggested) >= 2 and all(flags and flags[0].startswith("--") for flags in suggested), suggested
+    for flags in suggested:
+        fits = tmp_path / "fits.json"
+        assert main(["compile", "examples/tiny_llama.5d", "--mesh", "2x1x2x1x1", "--gpu", "tiny", "--hardware",
+                     str(tiny), *flags, "-q", "-o", str(fits)]) == 0, (flags, capsys.readouterr().err)
+        assert fits.exists()
+        fits.unlink()
+    capsys.readouterr()
     assert main(["compile", "examples/tiny_llama.5d", "--mesh", "2x1x2x1x1", "--gpu", "nosuch", "-o", str(refused)]) == 2
     assert "unknown GPU 'nosuch'" in capsys.readouterr().err
 

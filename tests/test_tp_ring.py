@@ -124,21 +124,39 @@ def test_each_chunk_multiplies_while_the_next_hop_runs(worker_pool) -> None:
 
 def grads_job(info, plans) -> list:
     """Per plan: the gradients of one step, and after a forward of the plan's program the
-    rings' values still held by them (none: a ring lets go of its value once it is done)."""
-    import gc
+    rings' values still held by them (none: a ring lets go of its value once it is done).
+    The rings are those the forward made, each recorded (weakly) as it is made: no scan of
+    the worker's heap, where an earlier job may have left anything (a dead weakref proxy
+    raises ReferenceError on isinstance)."""
+    import weakref
 
     from fivedc.runtime import tp_ring, verify
 
+    made: weakref.WeakSet = weakref.WeakSet()  # the rings of this forward still alive
+    count = [0]  # and how many it made
+    init = tp_ring._Ring.__init__
+
+    def recorded(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        made.add(self)
+        count[0] += 1
+
     out = []
-    for plan in plans:
-        settings = TrainSettings(steps=1)
-        program, params, inputs, _ = verify.setup_rank(plan, info, settings)
-        loss = program.loss({k: v.detach().requires_grad_() for k, v in params.items()}, inputs)
-        rings = (tp_ring.RingGather, tp_ring.RingSum, tp_ring.ChunkedSum)
-        held = [o for o in gc.get_objects() if isinstance(o, rings)
-                and isinstance(getattr(o, "out", None), torch.Tensor)]
-        del loss
-        out.append((verify.train_plan(plan, program, params, inputs, settings).grads[0], len(held)))
+    tp_ring._Ring.__init__ = recorded
+    try:
+        for plan in plans:
+            settings = TrainSettings(steps=1)
+            program, params, inputs, _ = verify.setup_rank(plan, info, settings)
+            made.clear()
+            count[0] = 0
+            loss = program.loss({k: v.detach().requires_grad_() for k, v in params.items()}, inputs)
+            # rings made exactly where the plan runs its collectives in rings (else nothing to look at)
+            assert (count[0] > 0) == any(rings(plan, kind) for kind in ("all_gather", "reduce_scatter", "all_reduce"))
+            held = [ring for ring in made if isinstance(getattr(ring, "out", None), torch.Tensor)]
+            del loss
+            out.append((verify.train_plan(plan, program, params, inputs, settings).grads[0], len(held)))
+    finally:
+        tp_ring._Ring.__init__ = init
     return out
 
 

@@ -71,7 +71,6 @@ def test_a_factory_that_builds_on_the_meta_device_gets_real_buffers_under_empty_
 def test_a_hugging_face_model_without_weights_plans_as_with_them() -> None:
     """LlamaForCausalLM with its own loss: the rotary tables from the `inv_freq` buffer, the causal
     mask the masking utilities build on the embeddings' device (meta), repeat_kv by expand."""
-    pytest.importorskip("transformers")
     empty, inputs = load_factory("examples/hf_models.py:build", kwargs={"arch": "llama", "weights": False})
     assert all(p.is_meta for p in empty.parameters())
     real, real_inputs = load_factory("examples/hf_models.py:build", kwargs={"arch": "llama"})
@@ -82,7 +81,6 @@ def test_a_bf16_model_without_weights_is_captured_as_float64() -> None:
     """As a large config is built: its tables are read to float64 precision (the model is cast for the
     capture and back), so its rotary embedding is the IR's rope, not a refusal; the plan's precision
     is the compile's own."""
-    pytest.importorskip("transformers")
     from fivedc.ir.graph import Op, walk_ops
 
     kwargs = {"arch": "llama", "weights": False, "dtype": torch.bfloat16}

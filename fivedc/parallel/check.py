@@ -106,6 +106,12 @@ def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: 
 
 def rank_job(info, payload) -> ModuleRun | None:
     """One rank: build the module from its spec, load the reference's start, parallelize, train."""
+    steps = payload[-1]["steps"]
+    run = _parallel_run(payload, info.device, lambda step, loss: info.report(f"step {step}/{steps}: loss {loss:.6g}"))
+    return run if info.rank == 0 else None
+
+
+def _parallel_run(payload, device, on_step=None, *, keep=None) -> ModuleRun:
     from fivedc.frontends.python_file import load_factory
     from fivedc.parallel.parallelize import parallelize
 
@@ -114,11 +120,40 @@ def rank_job(info, payload) -> ModuleRun | None:
     if dtype is not None:
         module = in_dtype(module, _DTYPES[dtype])
     module.load_state_dict(state)
-    model = parallelize(module, example_inputs=inputs, device=info.device, **options)
-    steps = settings["steps"]
-    run = train_module(model, inputs, **settings,
-                       on_step=lambda step, loss: info.report(f"step {step}/{steps}: loss {loss:.6g}"))
-    return run if info.rank == 0 else None
+    model = parallelize(module, example_inputs=inputs, device=device, **options)
+    if keep is not None:
+        keep(model)
+    return train_module(model, inputs, **settings, on_step=on_step)
+
+
+def check_module_here(spec: str, *, kwargs: dict | None = None, steps: int = 2, lr: float = 1e-2,
+                      weight_decay: float = 0.1, dtype: str | None = None, meshes=()) -> ModuleCheck:
+    """`check_module` on one rank (mesh 1x1x1x1x1), in this process: no worker, no process group.
+    What the tests run on every library model (tests/library_models.py): the plain module against
+    `parallelize(module, mesh="1x1x1x1x1")`, both trained here; its traced graph is also compiled
+    for each of `meshes` (agreement proof included: a refusal raises), without tracing it again."""
+    import torch.distributed as dist
+
+    from fivedc.frontends.python_file import load_factory
+
+    if dist.is_initialized():
+        raise FivedcError("check_module_here runs one rank without a process group, but one is initialized",
+                          hint="inside a torch.distributed job call check_module (every rank)")
+    module, inputs = load_factory(spec, kwargs=kwargs)
+    settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay, "autocast": None}
+    dtype, state, inputs, reference, note = _reference(spec, module, inputs, dtype, settings)
+    models = []
+    parallel = _parallel_run((spec, kwargs, dtype, state, inputs, {"mesh": "1x1x1x1x1"}, settings), "cpu",
+                             keep=models.append)
+    if meshes:
+        from fivedc.ir.mesh import Mesh
+        from fivedc.passes.base import CompileOptions
+        from fivedc.pipeline import compile_graph
+
+        for mesh in meshes:
+            compile_graph(models[0].fivedc_traced.graph,
+                          CompileOptions(mesh=mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh), dtype=dtype or "fp64"))
+    return replace(compare(reference, parallel), world=1, dtype=dtype, note=note)
 
 
 def check_module(spec: str, *, mesh, kwargs: dict | None = None, steps: int = 2, lr: float = 1e-2,

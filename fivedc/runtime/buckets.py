@@ -21,6 +21,8 @@ starts.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -29,7 +31,19 @@ from fivedc.passes.overlap import expand_buckets
 
 IN_FLIGHT = 2  # ZeRO-2: whole buckets laid out for their reduce-scatter at once
 
-__all__ = ["GradBuckets", "expand_buckets"]
+__all__ = ["GradBuckets", "call_weakly", "expand_buckets"]
+
+
+def call_weakly(method: weakref.WeakMethod, *args, skip: int = 0):
+    """A tensor hook that calls `method(*args, *its own arguments after the first skip)`, and
+    does nothing once the method's object is gone. A hook holds its object weakly: a hold from a
+    tensor (C++, unseen by gc) would keep the object, the collectives it started and through
+    them their process group alive after the job (a long-lived worker's gloo threads piled up
+    run after run)."""
+    def hook(*given):
+        bound = method()
+        return bound(*args, *given[skip:]) if bound is not None else None
+    return hook
 
 
 class GradBuckets:
@@ -43,8 +57,9 @@ class GradBuckets:
         self.started: list[tuple[Tensor, object]] = []
         self.started_early = 0  # buckets already started by hooks when `finish` was called (last step)
         if overlap:
+            on_grad = weakref.WeakMethod(self._on_grad)
             for name in self.index_of:
-                params[name].register_post_accumulate_grad_hook(lambda p, name=name: self._on_grad(name))
+                params[name].register_post_accumulate_grad_hook(call_weakly(on_grad, name, skip=1))
 
     def _on_grad(self, name: str) -> None:
         self.ready[self.index_of[name]].add(name)
