@@ -3,7 +3,7 @@
 `readme_commands` takes the ```sh blocks of those two sections, joins the lines a `\\`
 continues, splits `&&` chains and reads the exit code a line's comment promises
 (`# ... exit 1`; else 0). Each command runs in one temporary directory (where
-`examples/` links to the repository's), `fivedc` as `python -m fivedc`, with a terminal
+`examples/` links to the repository's), `fivedc` in this process (`main`), with a terminal
 wider than fivedc prints by default: it must exit as promised and print lines of at most
 100 columns with no trailing spaces. A torchrun line needs several machines: its fivedc
 command is parsed (every flag must still exist) but not run. A README line too slow for
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fivedc.cli.main import build_parser
+from fivedc.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("Use", "Training")
@@ -70,21 +70,33 @@ def fivedc_argv_under_torchrun(argv: tuple[str, ...]) -> list[str]:
     return rest[1:] if rest[:1] == ["--"] else rest
 
 
-def test_the_readme_commands_work_as_printed(tmp_path) -> None:
+def run_fivedc(args: list[str], capsys) -> tuple[int, str, str]:
+    """A fivedc command in this process (torch and fivedc imported once for every line)."""
+    try:
+        code = main(args)
+    except SystemExit as exit:  # --version, --help
+        code = exit.code if isinstance(exit.code, int) else 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_readme_commands_work_as_printed(tmp_path, monkeypatch, capsys) -> None:
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    env = {**os.environ, "COLUMNS": "300", "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT),
-                                                                                       os.environ.get("PYTHONPATH"))))}
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "300")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     for command in readme_commands((ROOT / "README.md").read_text()):
         program, *args = command.argv
         if program == "torchrun":  # several machines: the command must parse
             build_parser().parse_args(fivedc_argv_under_torchrun(command.argv))
             continue
-        argv = [sys.executable, "-m", "fivedc", *args] if program == "fivedc" else [sys.executable, *args]
-        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == command.exit_code, (
-            f"README line {command.line!r} exited {done.returncode}, not {command.exit_code}:\n"
-            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         if program == "fivedc":
-            for line in done.stdout.splitlines():
+            code, out, err = run_fivedc(args, capsys)
+        else:
+            done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+            code, out, err = done.returncode, done.stdout, done.stderr
+        assert code == command.exit_code, (
+            f"README line {command.line!r} exited {code}, not {command.exit_code}:\n{out[-3000:]}\n{err[-3000:]}")
+        if program == "fivedc":
+            for line in out.splitlines():
                 assert len(line) <= 100 and line == line.rstrip(), f"{command.line!r} printed {line!r}"
-
