@@ -28,28 +28,11 @@ def rehearse_args(p) -> None:
 
 
 def run_rehearse(args, *, defaults) -> int:
-    from fivedc.cli.run import plan_flags_given
-    from fivedc.cli.shared import load_plan_or_compile, progress_printer
+    from fivedc.cli.shared import executed_plan, progress_printer
     from fivedc.runtime.rehearse import rehearse_plan
     from fivedc.runtime.train import DTYPES, check_trainable
 
-    if args.model.endswith(".json"):
-        given = plan_flags_given(args, defaults)
-        if given:
-            raise FivedcError(f"{args.model} is a compiled plan: its mesh and options are fixed, and "
-                              f"{', '.join(given)} would change them",
-                              hint="drop them, or rehearse the model file with the new options")
-    elif args.mesh is None:
-        raise FivedcError(f"rehearsing {args.model} needs a mesh", hint="add --mesh DPxPPxTPxCPxEP")
-    if args.report is not None:  # refuse a bad target before anything runs
-        from fivedc.files import check_output
-
-        check_output(args.report, inputs=(args.model.split(":")[0],))
-    plan = load_plan_or_compile(args.model, args, dtype=args.dtype or "bf16")
-    if args.model.endswith(".json"):
-        from fivedc.cli.model_source import check_source
-
-        print(check_source(plan, plan_name=args.model, source=args.source))
+    plan = executed_plan(args, defaults, verb="rehearsing", dtype=args.dtype or "bf16")
     check_trainable(plan.graph)
     if plan.dtype not in DTYPES:
         raise FivedcError(f"the plan trains in {plan.dtype}; the runtime trains in {', '.join(DTYPES)}",

@@ -20,32 +20,13 @@ from fivedc.errors import FivedcError
 
 def run_run(args, *, defaults) -> int:
     """`defaults`: the run command's arguments as parsed with no flags (which flags were given)."""
-    from fivedc.cli.shared import check_local_run, load_plan_or_compile
+    from fivedc.cli.shared import check_local_run, executed_plan
     from fivedc.runtime.train import DTYPES, TrainSettings, check_trainable
 
     if args.steps < 1:
         raise FivedcError(f"--steps {args.steps} must be at least 1")
     check_local_run(args)
-    if args.model.endswith(".json"):
-        given = plan_flags_given(args, defaults)
-        if given:
-            raise FivedcError(f"{args.model} is a compiled plan: its mesh and options are fixed, and "
-                              f"{', '.join(given)} would change them",
-                              hint="drop them, or run the model file (.5d or file.py:factory) with the new options")
-    elif args.mesh is None:
-        raise FivedcError(f"running {args.model} needs a mesh", hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
-    if args.report is not None:  # refuse a bad target before anything runs
-        from fivedc.files import check_output
-
-        check_output(args.report, inputs=(args.model.split(":")[0],))
-    plan = load_plan_or_compile(args.model, args, dtype=args.dtype or "fp32")
-    if args.model.endswith(".json"):
-        from fivedc.cli.model_source import check_source
-
-        say(check_source(plan, plan_name=args.model, source=args.source))
-    elif args.source is not None:
-        raise FivedcError(f"--source names the model of a plan; {args.model} is itself the model",
-                          hint="drop --source")
+    plan = executed_plan(args, defaults, verb="running", dtype=args.dtype or "fp32", say=say)
     check_trainable(plan.graph)
     if plan.dtype not in DTYPES:
         raise FivedcError(f"the plan trains in {plan.dtype}; run trains in {', '.join(DTYPES)}",

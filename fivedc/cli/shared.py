@@ -156,3 +156,34 @@ def load_plan_or_compile(model: str, args, *, dtype: str):
     if model.endswith(".json"):
         return load_plan(model)
     return compile_model(model, args.mesh, args, dtype=dtype)
+
+
+def executed_plan(args, defaults, *, verb: str, dtype: str, say=print):
+    """The plan `fivedc run` or `fivedc rehearse` executes: a saved plan (.json: no flag that
+    would change it; its model checked against its source file, said by `say`) or the model
+    compiled with the command line's mesh and options. The --report target is checked before
+    any work. `verb`: "running", "rehearsing" (for the messages)."""
+    from fivedc.cli.run import plan_flags_given
+
+    saved = args.model.endswith(".json")
+    if saved:
+        given = plan_flags_given(args, defaults)
+        if given:
+            raise FivedcError(f"{args.model} is a compiled plan: its mesh and options are fixed, and "
+                              f"{', '.join(given)} would change them",
+                              hint="drop them, or give the model file (.5d or file.py:factory) with the new options")
+    elif args.mesh is None:
+        raise FivedcError(f"{verb} {args.model} needs a mesh", hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
+    if args.report is not None:  # refuse a bad target before anything runs
+        from fivedc.files import check_output
+
+        check_output(args.report, inputs=(args.model.split(":")[0],))
+    plan = load_plan_or_compile(args.model, args, dtype=dtype)
+    if saved:
+        from fivedc.cli.model_source import check_source
+
+        say(check_source(plan, plan_name=args.model, source=args.source))
+    elif args.source is not None:
+        raise FivedcError(f"--source names the model of a plan; {args.model} is itself the model",
+                          hint="drop --source")
+    return plan
