@@ -67,16 +67,6 @@ def _write_report(args, plan, report) -> None:
     say(f"wrote {args.report}: per rank, the plan's memory estimate and what the run measured")
 
 
-PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "attention_kernel", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",
-              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute")
-
-
-def plan_flags_given(args, defaults) -> list[str]:
-    """The options that shape a plan given on the command line (not left at their defaults)."""
-    names = {"sp": "--sp/--no-sp", "overlap": "--no-overlap"}
-    return [names.get(k, "--" + k.replace("_", "-")) for k in PLAN_FLAGS if getattr(args, k) != getattr(defaults, k)]
-
-
 def _under_launcher(plan, settings):
     """One rank of a torchrun job; rank 0 returns the merged report, the others None."""
     from fivedc.runtime.pool import run_as_launched_rank

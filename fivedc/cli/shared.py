@@ -163,8 +163,6 @@ def executed_plan(args, defaults, *, verb: str, dtype: str, say=print):
     would change it; its model checked against its source file, said by `say`) or the model
     compiled with the command line's mesh and options. The --report target is checked before
     any work. `verb`: "running", "rehearsing" (for the messages)."""
-    from fivedc.cli.run import plan_flags_given
-
     saved = args.model.endswith(".json")
     if saved:
         given = plan_flags_given(args, defaults)
@@ -187,3 +185,13 @@ def executed_plan(args, defaults, *, verb: str, dtype: str, say=print):
         raise FivedcError(f"--source names the model of a plan; {args.model} is itself the model",
                           hint="drop --source")
     return plan
+
+
+PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "attention_kernel", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",
+              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute")
+
+
+def plan_flags_given(args, defaults) -> list[str]:
+    """The options that shape a plan given on the command line (not left at their defaults)."""
+    names = {"sp": "--sp/--no-sp", "overlap": "--no-overlap"}
+    return [names.get(k, "--" + k.replace("_", "-")) for k in PLAN_FLAGS if getattr(args, k) != getattr(defaults, k)]

@@ -170,7 +170,7 @@ def _plan(args, defaults):
     from fivedc.cli.shared import compile_options
     from fivedc.frontends.python_file import is_spec, traced_from_spec
     from fivedc.cli.plan_check import load_plan
-    from fivedc.cli.run import plan_flags_given
+    from fivedc.cli.shared import plan_flags_given
 
     if args.model.endswith(".json"):
         given = plan_flags_given(args, defaults)
