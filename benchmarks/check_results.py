@@ -64,24 +64,25 @@ class Check:
     command: str  # what gives it
 
 
+def row_checks(name: str, row: str, command: str) -> tuple[Check, Check]:
+    """The total memory (7th cell after the label) and the step and MFU (9th) of a row of
+    RESULTS.md's acceptance table, each computed again from `command`."""
+    label = r"\| " + re.escape(row) + r" \|"
+    return (Check(f"{name}-total", "benchmarks/RESULTS.md", label + r"(?:[^|]*\|){6} ([\d.]+) GiB \|",
+                  lambda: total_gib(command), f"fivedc {command}"),
+            Check(f"{name}-step", "benchmarks/RESULTS.md", label + r"(?:[^|]*\|){8} ([^|]+) \|",
+                  lambda: step_and_mfu(command), f"fivedc {command}"))
+
+
 CHECKS = (
     Check("readme-recompute", "README.md", r"--recompute full -o l\.json +# activations per rank ([\d.]+ -> [\d.]+) GiB",
           lambda: " -> ".join(f"{plan_of(c).memory.activations / GiB:.1f}" for c in (LLAMA, f"{LLAMA} --recompute full")),
           f"fivedc {LLAMA} [--recompute full]"),
     Check("readme-llama3-fits", "README.md", r"# Llama 3's layout: fits, ([\d.]+) GiB", lambda: total_gib(LLAMA_ZERO1),
           f"fivedc {LLAMA_ZERO1}"),
-    Check("results-llama3-total", "benchmarks/RESULTS.md",
-          r"\| Llama 3 405B, TP8 PP16 DP128 \(1F1B, m = 16\), SP, ZeRO-1, selective, H100 \|(?:[^|]*\|){6} ([\d.]+) GiB \|",
-          lambda: total_gib(LLAMA_ZERO1), f"fivedc {LLAMA_ZERO1}"),
-    Check("results-llama3-step", "benchmarks/RESULTS.md",
-          r"\| Llama 3 405B, TP8 PP16 DP128 \(1F1B, m = 16\), SP, ZeRO-1, selective, H100 \|(?:[^|]*\|){8} ([^|]+) \|",
-          lambda: step_and_mfu(LLAMA_ZERO1), f"fivedc {LLAMA_ZERO1}"),
-    Check("results-deepseek-total", "benchmarks/RESULTS.md",
-          r"\| DeepSeek-V3, PP16 DualPipe EP64 DP2 \(m = 120\), ZeRO-1, full, H800 \|(?:[^|]*\|){6} ([\d.]+) GiB \|",
-          lambda: total_gib(DEEPSEEK), f"fivedc {DEEPSEEK}"),
-    Check("results-deepseek-step", "benchmarks/RESULTS.md",
-          r"\| DeepSeek-V3, PP16 DualPipe EP64 DP2 \(m = 120\), ZeRO-1, full, H800 \|(?:[^|]*\|){8} ([^|]+) \|",
-          lambda: step_and_mfu(DEEPSEEK), f"fivedc {DEEPSEEK}"),
+    *row_checks("results-llama3", "Llama 3 405B, TP8 PP16 DP128 (1F1B, m = 16), SP, ZeRO-1, selective, H100",
+                LLAMA_ZERO1),
+    *row_checks("results-deepseek", "DeepSeek-V3, PP16 DualPipe EP64 DP2 (m = 120), ZeRO-1, full, H800", DEEPSEEK),
 )
 
 

@@ -73,6 +73,7 @@ class PipelineRunner:
         split = any(a.kind == K.BACKWARD_WEIGHT for a in self.actions)
         self.weight_grads = enable_deferred_weight_grads(ctx) if split else None
         self.meter = None  # a `runtime.saved.LiveMeter` measuring what the step keeps for backward
+        self.sends_done_at_once = moves_nothing()  # a rehearsal's fake group: the peer has it at once
 
     # ---- one step --------------------------------------------------------------------------
     def step(self, params, inputs: dict[str, Tensor]) -> Tensor:
@@ -283,7 +284,7 @@ class PipelineRunner:
     def _send(self, tensors: list[Tensor], peer: int, tag: int):
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]).contiguous()
         work = dist.isend(flat, dst=self._peer(peer), tag=tag)
-        return flat, None if moves_nothing() else work  # a rehearsal's peer has it at once
+        return flat, None if self.sends_done_at_once else work
 
     def _recv(self, peer: int, tag: int, producer: int) -> list[Tensor]:
         """The boundary tensors after chunk `producer` (forward), or their gradients."""
