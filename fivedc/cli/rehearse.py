@@ -4,13 +4,18 @@
 `fivedc/runtime/rehearse.py` for every class of ranks of the plan's memory estimate and
 prints, per class, the estimate against the rehearsed peak, by category, with the
 largest storages live at the peak; `--report out.json` writes them. `--device meta`
-(the only device this build rehearses on) allocates nothing: a rank of a 405B plan runs
-on a laptop.
+(the default) allocates nothing: a rank of a 405B plan runs on a laptop. `--device cpu`
+runs each rank on real tensors and also times its step by kind of work
+(`fivedc/runtime/calibrate.py`), against the seconds a profile estimates for them (the
+plan's `--gpu`, or `--gpu NAME --hardware FILE`); `--calibrate OUT.toml` writes this
+machine's profile from those times and its links, for `fivedc compile --hardware`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 
 from fivedc.errors import FivedcError
 
@@ -18,8 +23,15 @@ TOLERANCE = 0.05  # the estimate is held to the rehearsed peak within this
 
 
 def rehearse_args(p) -> None:
-    p.add_argument("--device", choices=("meta",), default="meta",
-                   help="meta (default): shapes and storages without memory, any plan on any machine")
+    p.add_argument("--device", choices=("meta", "cpu"), default="meta",
+                   help="meta (default): shapes and storages without memory, any plan on any machine; "
+                   "cpu: real tensors, and each rank's step timed by kind of work")
+    p.add_argument("--calibrate", default=None, metavar="OUT.toml",
+                   help="with --device cpu: write this machine's hardware profile, measured (a plan with pp=1)")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="with --device cpu: the profile whose estimate the measured seconds are set against")
+    p.add_argument("--hardware", default=[], action="append", metavar="FILE",
+                   help="a TOML file of profiles (as written by --calibrate) for --gpu")
     p.add_argument("--dtype", default=None, help="bf16 (default), fp32 or fp64, for a model compiled here")
     p.add_argument("--source", default=None, metavar="MODEL",
                    help="for a plan: the model file it was compiled from (default: the file the plan names)")
@@ -32,23 +44,124 @@ def run_rehearse(args, *, defaults) -> int:
     from fivedc.runtime.rehearse import rehearse_plan
     from fivedc.runtime.train import DTYPES, check_trainable
 
+    _check_device_flags(args)
     plan = executed_plan(args, defaults, verb="rehearsing", dtype=args.dtype or "bf16")
     check_trainable(plan.graph)
     if plan.dtype not in DTYPES:
         raise FivedcError(f"the plan trains in {plan.dtype}; the runtime trains in {', '.join(DTYPES)}",
                           hint="compile with --dtype bf16 (or fp32)")
+    timing = _timing_setup(args, plan) if args.device == "cpu" else None
     print(f"rehearsing {args.model} on mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype})")
-    print(f"one rank of each of {len(plan.memory.ranks)} classes of ranks, one step on the meta device")
-    rehearsal = rehearse_plan(plan, on_progress=progress_printer())
+    print(f"one rank of each of {len(plan.memory.ranks)} classes of ranks, one step on the {args.device} device")
+    rehearsal = rehearse_plan(plan, device=args.device, on_progress=progress_printer())
     for line in render_rehearsal(rehearsal):
         print(line)
+    seconds = _timed_classes(plan, rehearsal, timing) if timing is not None else {}
+    if args.calibrate is not None:
+        _write_profile(args, plan, timing, seconds[rehearsal.classes[0].ranks])
     if args.report is not None:
         from fivedc.files import write_output
 
-        write_output(args.report, json.dumps(rehearsal.to_json(), indent=1) + "\n",
-                     inputs=(args.model.split(":")[0],), what="report")
+        report = rehearsal.to_json()
+        for entry in report["classes"]:
+            if entry["ranks"] in seconds:
+                entry["seconds"] = dataclasses.asdict(seconds[entry["ranks"]])
+        write_output(args.report, json.dumps(report, indent=1) + "\n", inputs=(args.model.split(":")[0],),
+                     what="report")
         print(f"wrote {args.report}")
     return 0
+
+
+def _check_device_flags(args) -> None:
+    if args.device != "cpu":
+        for flag, value in (("--calibrate", args.calibrate), ("--gpu", args.gpu), ("--hardware", args.hardware)):
+            if value:
+                raise FivedcError(f"{flag} times the step on this machine; the {args.device} device runs nothing",
+                                  hint="add --device cpu")
+    if args.calibrate is not None:
+        from fivedc.files import check_output
+
+        if not args.calibrate.endswith(".toml"):
+            raise FivedcError(f"--calibrate {args.calibrate}: a profile is a .toml file", hint="e.g. --calibrate cpu.toml")
+        check_output(args.calibrate, inputs=(args.model.split(":")[0], *args.hardware), what="profile")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What --device cpu sets the measured seconds against: the model's counts of the step's
+    work (a plan without a pipeline) and a profile's rates."""
+
+    work: object | None  # StepWork
+    hardware: object | None  # Hardware
+
+
+def _timing_setup(args, plan) -> Timing:
+    """Everything that can refuse the command, before anything runs."""
+    from fivedc.ir.hardware import hardware
+    from fivedc.plan.work_counts import step_work
+
+    work = step_work(plan) if args.calibrate is not None or plan.pipeline is None else None
+    gpu = hardware(args.gpu, tuple(args.hardware)) if args.gpu else (plan.time.hardware if plan.time else None)
+    return Timing(work, gpu)
+
+
+def _timed_classes(plan, rehearsal, timing: Timing) -> dict:
+    from fivedc.runtime.calibrate import time_rank
+
+    seconds = {}
+    for c in rehearsal.classes:
+        seconds[c.ranks] = time_rank(plan, c.rank)
+        for line in render_seconds(c.ranks, c.rank, seconds[c.ranks], timing):
+            print(line)
+    return seconds
+
+
+def render_seconds(ranks: str, rank: int, measured, timing: Timing) -> list[str]:
+    """One rank's step by kind of work: measured, and estimated where a profile and the counts are."""
+    estimated = _estimated_seconds(timing.work, timing.hardware) if timing.work and timing.hardware else None
+    head = f"  {'kind':<12} {'measured s':>11}"
+    if estimated:
+        head += f" {'estimated s':>12} {'est / measured':>15}   ({timing.hardware.key})"
+    lines = ["", f"ranks {ranks} (rank {rank}): one step's seconds by kind of work, fake collectives", head]
+    rows = {"matmuls": measured.matmul, "attention": measured.attention, "other ops": measured.other,
+            "optimizer": measured.optimizer}
+    rows["total"] = sum(rows.values())
+    for kind, value in rows.items():
+        line = f"  {kind:<12} {value:>11.4f}"
+        if estimated:
+            guess = estimated[kind]
+            line += f" {guess:>12.4f} {guess / value if value else float('inf'):>15.2f}"
+        lines.append(line)
+    return lines
+
+
+def _estimated_seconds(work, hw) -> dict[str, float]:
+    out = {"matmuls": work.matmul_flops / (hw.bf16_flops * hw.matmul_efficiency),
+           "attention": work.attention_flops / (hw.bf16_flops * hw.attention_efficiency),
+           "other ops": work.op_bytes / hw.op_bytes_per_s,
+           "optimizer": work.optimizer_bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _write_profile(args, plan, timing: Timing, measured) -> None:
+    import datetime
+    import os
+    from pathlib import Path
+
+    from fivedc.files import write_output
+    from fivedc.ir.hardware import hardware
+    from fivedc.runtime.calibrate import profile_of, time_links
+
+    links = time_links()
+    key = "".join(ch if ch.isalnum() else "_" for ch in Path(args.calibrate).stem.lower()) or "cpu"
+    source = f"{datetime.date.today()} fivedc rehearse {args.model} --mesh {plan.mesh} --device cpu"
+    text = profile_of(key, timing.work, measured, links, cores=os.cpu_count() or 1, source=source)
+    write_output(args.calibrate, text, inputs=(args.model.split(":")[0],), what="profile")
+    hardware(key, (args.calibrate,))  # it reads back as a profile
+    print(f"\nwrote {args.calibrate}: links {links.bytes_per_s / 1e9:.2f} GB/s, {links.latency_s * 1e6:.0f} us, "
+          f"overlap share {links.overlap_share:.2f}")
+    print(f"use it: fivedc compile MODEL --mesh ... --hardware {args.calibrate} --gpu {key}")
 
 
 def render_rehearsal(rehearsal) -> list[str]:

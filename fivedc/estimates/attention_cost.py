@@ -31,8 +31,7 @@ def math_attention_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, f
     flops = 2.0 * elements * d  # one product of the scores with q, k, v or a gradient
 
     def kernel(flop: float, moved: float) -> float:
-        return max(flop / (hw.bf16_flops * hw.matmul_efficiency), moved * elements * b /
-                   (hw.hbm_bytes_per_s * hw.memory_efficiency))
+        return max(flop / (hw.bf16_flops * hw.matmul_efficiency), moved * elements * b / hw.op_bytes_per_s)
 
     forward = kernel(flops, 1) + kernel(0.0, 2) + kernel(flops, 1)
     backward = kernel(flops, 1) + kernel(0.0, 3) + kernel(flops, 1) + 2 * kernel(flops, 1)

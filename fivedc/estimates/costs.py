@@ -137,7 +137,7 @@ def work_seconds(work: Work, hw: Hardware) -> float:
     """The roofline time of an op's forward."""
     compute = work.matmul_flops / (hw.bf16_flops * hw.matmul_efficiency) + \
         work.attention_flops / (hw.bf16_flops * hw.attention_efficiency)
-    return max(compute, work.bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency))
+    return max(compute, work.bytes / hw.op_bytes_per_s)
 
 
 def op_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]:
@@ -152,7 +152,7 @@ def op_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]
         return forward, 2.5 * forward, 0.0
     peak = hw.bf16_flops * hw.matmul_efficiency
     grads = (2 * work.matmul_flops - work.weight_flops) / peak
-    return forward, max(grads, 2 * work.bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency)), work.weight_flops / peak
+    return forward, max(grads, 2 * work.bytes / hw.op_bytes_per_s), work.weight_flops / peak
 
 
 # ---- collectives ----------------------------------------------------------------------------

@@ -43,6 +43,16 @@ class Hardware:
     nvlink_latency_s: float
     internode_latency_s: float
     overlap_sm_share: float = 0.0  # of the compute units, what a collective beside compute takes
+    op_memory_efficiency: float | None = None  # of hbm, what forward and backward's memory-bound ops reach
+
+    @property
+    def op_bytes_per_s(self) -> float:
+        """What the forward and backward's memory-bound ops (norms, activations, adds) move per
+        second: `op_memory_efficiency` of the bandwidth where a profile measured it (a runtime
+        running them as several unfused kernels reaches less than one streaming pass), else
+        `memory_efficiency`, as the optimizer's streaming update."""
+        share = self.memory_efficiency if self.op_memory_efficiency is None else self.op_memory_efficiency
+        return self.hbm_bytes_per_s * share
 
     @property
     def overlap_keep(self) -> float:
@@ -56,7 +66,7 @@ class Hardware:
         return int((self.memory_gib - self.reserved_gib) * GiB)
 
 
-OPTIONAL = {"overlap_sm_share": 0.0}  # a profile may leave these out
+OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None}  # a profile may leave these out
 FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name", *OPTIONAL))
 
 
@@ -110,5 +120,16 @@ def _parse(text: str, source: str) -> dict[str, Hardware]:
             raise HardwareError(f"{source}: [{key}] overlap_sm_share = {share!r} must be a number in [0, 1)")
         values = {f: (int(table[f]) if f == "gpus_per_node" else float(table[f])) for f in FIELDS}
         values["overlap_sm_share"] = float(share)
+        values["op_memory_efficiency"] = _optional_share(table, "op_memory_efficiency", source, key)
         out[key.lower()] = Hardware(key.lower(), str(table.get("name", key)), **values)
     return out
+
+
+def _optional_share(table: dict, field: str, source: str, key: str) -> float | None:
+    """An optional share in (0, 1], or None where the profile leaves it out."""
+    if field not in table:
+        return None
+    value = table[field]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise HardwareError(f"{source}: [{key}] {field} = {value!r} must be a number in (0, 1]")
+    return float(value)

@@ -64,12 +64,13 @@ class Rehearsal:
     mesh: str
     dtype: str
     classes: tuple[ClassRehearsal, ...]
+    device: str = "meta"
 
     def to_json(self) -> dict:
         def estimated(c: ClassRehearsal) -> dict:
             return {k: getattr(c.estimated, k) for k in (*CATEGORIES, "total")}
 
-        return {"mesh": self.mesh, "dtype": self.dtype, "device": "meta",
+        return {"mesh": self.mesh, "dtype": self.dtype, "device": self.device,
                 "classes": [{"ranks": c.ranks, "rank": c.rank, "estimated": estimated(c),
                              "rehearsed": {**c.at_peak, "total": c.peak}, "ratio": round(c.ratio, 4),
                              "largest": [{"bytes": s.nbytes, "category": s.category, "made_by": s.made_by,
@@ -88,25 +89,26 @@ def class_ranks(plan: ExecutionPlan) -> list[tuple[RankMemory, int]]:
     return out
 
 
-def rehearse_plan(plan: ExecutionPlan, *, on_progress=None) -> Rehearsal:
-    """Rehearse one rank of each class of `plan`, one after the other in this process."""
+def rehearse_plan(plan: ExecutionPlan, *, device: str = "meta", on_progress=None) -> Rehearsal:
+    """Rehearse one rank of each class of `plan`, one after the other in this process, on
+    `device`: meta (nothing allocated) or cpu (real tensors, real values)."""
     if dist.is_initialized():
         raise RehearsalError("a rehearsal joins a fake process group of its own; this process is in one already")
     settings = TrainSettings(steps=1, dtype=plan.dtype, keep_grads=False)
     classes = []
     for entry, rank in class_ranks(plan):
         start = time.perf_counter()
-        live = rehearse_rank(plan, rank, settings)
+        live = rehearse_rank(plan, rank, settings, device=device)
         classes.append(ClassRehearsal(entry.ranks, rank, entry, live.peak, dict(live.at_peak), live.largest,
                                       time.perf_counter() - start))
         if on_progress is not None:
             on_progress(f"ranks {entry.ranks}: rank {rank} rehearsed in {classes[-1].seconds:.1f} s")
-    return Rehearsal(str(plan.mesh), plan.dtype, tuple(classes))
+    return Rehearsal(str(plan.mesh), plan.dtype, tuple(classes), device)
 
 
-def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings) -> LiveBytes:
-    """One step of `rank`'s program on the meta device, in a fake process group of the plan's
-    world; what it held, storage by storage."""
+def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings, *, device: str = "meta") -> LiveBytes:
+    """One step of `rank`'s program on `device` (meta or cpu), in a fake process group of the
+    plan's world; what it held, storage by storage."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=plan.mesh.world)
@@ -114,7 +116,7 @@ def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings) -> Li
     torch.set_num_threads(1)  # the host's work is small index arithmetic (routing), slower split over threads
     try:
         with live:
-            program, params, inputs, _ = setup_rank(plan, RankInfo(rank, plan.mesh.world, "meta"), settings)
+            program, params, inputs, _ = setup_rank(plan, RankInfo(rank, plan.mesh.world, device), settings)
             trainer = Trainer(program, params, settings, zero=plan.zero, buckets=plan.buckets,
                               overlap=plan.overlap, pipeline=plan.pipeline)
             del params  # the optimizer holds them now (ZeRO-3: only the owned chunks)
@@ -126,18 +128,18 @@ def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings) -> Li
             trainer.optimizer.step()
             trainer.end_step()
     except (RuntimeError, NotImplementedError) as error:
-        raise RehearsalError(f"rank {rank}'s step failed on the meta device: {str(error).splitlines()[0]}",
+        raise RehearsalError(f"rank {rank}'s step failed on the {device} device: {str(error).splitlines()[0]}",
                              hint="an op that needs values (which a rehearsal has not) cannot be rehearsed; "
                              "anything else is a bug in fivedc to report") from error
     finally:
         torch.set_num_threads(threads)
-        with _quiet_stderr():  # c10d warns that the group's undefined device type has no hooks: it has none
+        with quiet_stderr():  # c10d warns that the group's undefined device type has no hooks: it has none
             dist.destroy_process_group()
     return live
 
 
 @contextlib.contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """File descriptor 2 to /dev/null for a moment (C++ warnings bypass Python's)."""
     sys.stderr.flush()
     saved_fd, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)

@@ -1,0 +1,66 @@
+"""What one rank's step does, by kind of work: the counts a profile's rates divide.
+
+`step_work(plan)` prices the plan's step with `estimate_time` on probe hardware on which
+one kind of work costs one second per unit and every other kind (and every link)
+nothing, so the step's seconds are that kind's count: matmul FLOPs, attention FLOPs
+(counted as the step-time model counts them: causal halved, backward 2.5x), bytes of the
+memory-bound ops of forward and backward, bytes of the optimizer's update. Recomputation
+and the plan's sharding count as the model counts them, because it is the model that
+counts. A calibration divides measured seconds by these (`fivedc/runtime/calibrate.py`),
+so the profile it writes prices exactly what it measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivedc.errors import FivedcError
+from fivedc.estimates.step_time import estimate_time
+from fivedc.ir.hardware import Hardware
+from fivedc.ir.mesh import MeshAxis
+from fivedc.passes.base import DTYPE_BYTES
+from fivedc.plan.execution_plan import ExecutionPlan
+
+FREE = 1e30  # a rate so high that its work costs nothing
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One rank's work in one step (no pipeline: one microbatch)."""
+
+    matmul_flops: float
+    attention_flops: float
+    op_bytes: float  # the memory-bound ops of forward and backward
+    optimizer_bytes: float
+
+
+def step_work(plan: ExecutionPlan) -> StepWork:
+    """The counts of `plan`'s step on one rank: a plan without a pipeline (each rank runs
+    the whole step, no schedule in between)."""
+    if plan.pipeline is not None:
+        raise FivedcError(f"the plan pipelines over pp={plan.mesh.size(MeshAxis.PP)}: a calibration times one rank's "
+                          "whole step", hint="calibrate on a mesh with pp=1 (e.g. --mesh 1x1x1x1x1)")
+    return StepWork(
+        matmul_flops=_compute(plan, bf16_flops=1.0, matmul_efficiency=1.0),
+        attention_flops=_compute(plan, bf16_flops=1.0, attention_efficiency=1.0),
+        op_bytes=_compute(plan, hbm_bytes_per_s=1.0, op_memory_efficiency=1.0),
+        optimizer_bytes=_price(plan, _probe(hbm_bytes_per_s=1.0, memory_efficiency=1.0)).optimizer_seconds)
+
+
+def _compute(plan: ExecutionPlan, **rates: float) -> float:
+    return _price(plan, _probe(**rates)).compute_seconds
+
+
+def _price(plan: ExecutionPlan, hw: Hardware):
+    return estimate_time(plan.graph, mesh=plan.mesh, dtype=plan.dtype, dtype_bytes=DTYPE_BYTES[plan.dtype],
+                         zero=plan.zero, overlap=plan.overlap, buckets=plan.buckets, pipeline=plan.pipeline,
+                         recompute=plan.recompute, hardware=hw)
+
+
+def _probe(**rates: float) -> Hardware:
+    """Hardware on which only the named rates are finite."""
+    free = dict(bf16_flops=FREE, hbm_bytes_per_s=FREE, matmul_efficiency=FREE, attention_efficiency=FREE,
+                memory_efficiency=FREE, op_memory_efficiency=FREE)
+    return Hardware("probe", "probe", memory_gib=FREE, reserved_gib=0.0, nvlink_bytes_per_s=FREE,
+                    internode_bytes_per_s=FREE, gpus_per_node=1 << 30, link_efficiency=1.0,
+                    nvlink_latency_s=0.0, internode_latency_s=0.0, **(free | rates))

@@ -1,0 +1,210 @@
+"""Measure this machine for the step-time model: a rank's step by kind of work, the links.
+
+`time_rank` runs one rank of a plan as `fivedc run` runs it (`setup_rank`, the
+`Trainer`), in this process, in torch's `fake` process group of the plan's world
+(collectives return at once and move nothing, so what is timed is the rank's own
+work), on the CPU with one thread as `fivedc run`'s workers have. After a warm-up step
+it times forward and backward, and the optimizer's update, over a few steps (the
+median), and one more step under torch's profiler splits forward and backward into
+matmuls (`aten::mm` and its kin), attention (the SDPA kernels) and the rest: the
+memory-bound ops and the runtime's own host work between ops.
+
+`time_links` runs on two local processes joined by gloo (the pool `fivedc run` uses):
+an all-reduce of a few bytes gives the latency per algorithm step, one of 16 MiB the
+bandwidth, and a matmul run beside an all-reduce what share of the compute the
+collective takes meanwhile (`overlap_sm_share`).
+
+`profile_of` turns both into a hardware profile (`fivedc/ir/hardware.toml`'s form):
+each rate is the step-time model's own count of that work (`fivedc/plan/work_counts.py`)
+over the seconds it took, so `fivedc compile --hardware FILE --gpu NAME` prices with
+what this machine did.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fivedc.errors import FivedcError
+from fivedc.ir.hardware import GiB
+from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.plan.work_counts import StepWork
+from fivedc.runtime.pool_worker import RankInfo
+from fivedc.runtime.rehearse import quiet_stderr
+from fivedc.runtime.train import Trainer, TrainSettings
+from fivedc.runtime.verify import setup_rank
+
+MATMUL_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm"})
+ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention")
+TIMED_STEPS = 3  # after one warm-up step; the median of these
+LINK_BYTES = 16 * 2**20  # the all-reduce whose time gives the bandwidth
+SMALL_BYTES = 64  # and the one whose time is all latency
+
+
+@dataclass(frozen=True)
+class StepSeconds:
+    """One rank's step on this machine, by kind of work (seconds, the median of a few steps)."""
+
+    matmul: float
+    attention: float
+    other: float  # forward and backward's memory-bound ops and the host's work between ops
+    optimizer: float
+
+    @property
+    def forward_backward(self) -> float:
+        return self.matmul + self.attention + self.other
+
+
+@dataclass(frozen=True)
+class LinkSeconds:
+    """Two local processes over gloo."""
+
+    latency_s: float  # per step of a collective's algorithm
+    bytes_per_s: float  # what an all-reduce moves per second per direction
+    overlap_share: float  # of a collective's seconds run beside compute, what the compute loses
+
+
+def time_rank(plan: ExecutionPlan, rank: int = 0) -> StepSeconds:
+    """Rank `rank`'s step, timed on the CPU in a fake process group of the plan's world."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise FivedcError("a calibration joins a fake process group of its own; this process is in one already")
+    dist.init_process_group("cpu:fake", store=FakeStore(), rank=rank, world_size=plan.mesh.world)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each of fivedc run's workers
+    try:
+        with quiet_stderr():  # the profiler's start and stop lines
+            return _timed_steps(plan, rank)
+    finally:
+        torch.set_num_threads(threads)
+        with quiet_stderr():  # c10d warns that the group's undefined device type has no hooks: it has none
+            dist.destroy_process_group()
+
+
+def _timed_steps(plan: ExecutionPlan, rank: int) -> StepSeconds:
+    settings = TrainSettings(steps=1, dtype=plan.dtype, keep_grads=False)
+    program, params, inputs, _ = setup_rank(plan, RankInfo(rank, plan.mesh.world, "cpu"), settings)
+    trainer = Trainer(program, params, settings, zero=plan.zero, buckets=plan.buckets, overlap=plan.overlap,
+                      pipeline=plan.pipeline)
+    walls = [_step(trainer, inputs) for _ in range(TIMED_STEPS + 1)][1:]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        trainer.forward_backward(inputs)
+    trainer.optimizer.step()
+    trainer.end_step()
+    matmul, attention = _kernel_seconds(profiler.events())
+    forward_backward = statistics.median(w[0] for w in walls)
+    return StepSeconds(matmul, attention, max(0.0, forward_backward - matmul - attention),
+                       statistics.median(w[1] for w in walls))
+
+
+def _step(trainer: Trainer, inputs: dict) -> tuple[float, float]:
+    """(forward and backward, optimizer) seconds of one step."""
+    start = time.perf_counter()
+    trainer.forward_backward(inputs)
+    middle = time.perf_counter()
+    trainer.optimizer.step()
+    trainer.end_step()
+    return middle - start, time.perf_counter() - middle
+
+
+def _kernel_seconds(events) -> tuple[float, float]:
+    """Seconds in matmul kernels and in attention kernels (each op's own time, not its callees')."""
+    matmul = attention = 0.0
+    for event in events:
+        if event.name in MATMUL_OPS:
+            matmul += event.self_cpu_time_total
+        elif any(mark in event.name for mark in ATTENTION_MARKS):
+            attention += event.self_cpu_time_total
+    return matmul * 1e-6, attention * 1e-6
+
+
+# ---- the links: two local processes --------------------------------------------------------
+def time_links(*, timeout_s: float = 300.0) -> LinkSeconds:
+    from fivedc.runtime.pool import run_once
+
+    results = run_once(_link_job, world=2, payload=None, timeout_s=timeout_s)
+    latency = max(r["latency"] for r in results)
+    return LinkSeconds(latency, min(r["bandwidth"] for r in results), max(r["overlap"] for r in results))
+
+
+def _link_job(info, payload) -> dict:
+    """In each of two workers (gloo, one thread): latency, bandwidth, the overlap's cost."""
+    small, large = torch.zeros(SMALL_BYTES // 4), torch.zeros(LINK_BYTES // 4)
+    latency = _median_seconds(lambda: dist.all_reduce(small), 20) / 2  # a 2-rank ring: 2 steps
+    reduce = _median_seconds(lambda: dist.all_reduce(large), 5)
+    bandwidth = LINK_BYTES / max(reduce - 2 * latency, 1e-9)  # 2(n-1)/n of the bytes at n = 2
+    a = torch.randn(512, 512)
+    reps = max(1, round(reduce / _median_seconds(lambda: a @ a, 5)))  # compute about as long as the reduce
+    alone = _median_seconds(lambda: [a @ a for _ in range(reps)], 3)
+
+    def both():
+        work = dist.all_reduce(large, async_op=True)
+        for _ in range(reps):
+            a @ a
+        work.wait()
+
+    together = _median_seconds(both, 3)
+    overlap = (together - max(alone, reduce)) / max(min(alone, reduce), 1e-9)
+    return {"latency": latency, "bandwidth": bandwidth, "overlap": min(max(overlap, 0.0), 0.99)}
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    dist.barrier()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+# ---- the profile -------------------------------------------------------------------------
+def profile_of(key: str, work: StepWork, step: StepSeconds, links: LinkSeconds, *, cores: int,
+               source: str) -> str:
+    """A hardware profile in `fivedc/ir/hardware.toml`'s form: each rate is the model's count of
+    a kind of work over the seconds this machine took for it."""
+    matmul = work.matmul_flops / step.matmul if step.matmul else 0.0
+    if not matmul:
+        raise FivedcError("the calibration step ran no matmul", hint="calibrate on a model with linear layers")
+    attention = work.attention_flops / step.attention if step.attention else matmul
+    peak = max(matmul, attention)
+    ops = work.op_bytes / step.other if step.other else 0.0
+    update = work.optimizer_bytes / step.optimizer if step.optimizer else 0.0
+    memory = max(ops, update)
+    if not memory:
+        raise FivedcError("the calibration step moved no bytes outside matmuls")
+    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
+    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / cores
+    lines = [
+        f"# measured by {source}",
+        f"# one rank's step: matmuls {step.matmul:.4f} s, attention {step.attention:.4f} s, other ops "
+        f"{step.other:.4f} s, optimizer {step.optimizer:.4f} s",
+        f"# links (gloo, 2 local processes): latency {links.latency_s * 1e6:.1f} us, "
+        f"{links.bytes_per_s / 1e9:.3f} GB/s, overlap share {links.overlap_share:.2f}",
+        f"[{key}]",
+        f'name = "this machine, one core per rank ({source.split()[0]})"',
+        f"bf16_flops = {peak:.6g}             # FLOP/s at the plan's dtype: matmul or attention's",
+        f"hbm_bytes_per_s = {memory:.6g}",
+        f"memory_gib = {ram_gib:.3f}             # the machine's memory over its cores",
+        f"reserved_gib = {min(rss_gib, ram_gib / 2):.3f}           # a rank's process with torch loaded",
+        f"nvlink_bytes_per_s = {links.bytes_per_s:.6g}",
+        f"internode_bytes_per_s = {links.bytes_per_s:.6g}",
+        f"gpus_per_node = {cores}",
+        f"matmul_efficiency = {matmul / peak:.6g}",
+        f"attention_efficiency = {attention / peak:.6g}",
+        f"memory_efficiency = {(update or memory) / memory:.6g}     # the optimizer's update",
+        f"op_memory_efficiency = {(ops or memory) / memory:.6g}  # forward and backward's other ops",
+        "link_efficiency = 1.0",
+        f"nvlink_latency_s = {links.latency_s:.6g}",
+        f"internode_latency_s = {links.latency_s:.6g}",
+        f"overlap_sm_share = {links.overlap_share:.6g}",
+    ]
+    return "\n".join(lines) + "\n"

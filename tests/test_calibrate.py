@@ -1,0 +1,100 @@
+"""`fivedc rehearse --device cpu --calibrate`: a profile measured on this machine.
+
+The model's counts of a step's work (`fivedc/plan/work_counts.py`) are checked against
+what a layout must do to them; a profile made from measured seconds gives those seconds
+back; the command writes a profile `fivedc compile --hardware` reads, and refuses what it
+cannot measure; and the structure of the step-time model (the split of work over ranks,
+a pipeline's bubble) holds against `fivedc run` on this machine, within a bound loose
+enough for a loaded CI machine (`benchmarks/cpu_step_time.py` has the 20 % table).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from fivedc.cli.main import main
+from fivedc.cli.rehearse import _estimated_seconds
+from fivedc.errors import FivedcError
+from fivedc.frontends.dsl_file import load_model
+from fivedc.ir.hardware import hardware
+from fivedc.ir.mesh import Mesh
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+from fivedc.plan.work_counts import step_work
+from fivedc.runtime.calibrate import LinkSeconds, StepSeconds, profile_of
+from fivedc.runtime.run import run_plan
+from fivedc.runtime.train import TrainSettings
+
+MODEL = "examples/tiny_llama.5d"
+
+
+def _plan(mesh: str, model: str = MODEL, **options):
+    return compile_graph(load_model(model), CompileOptions(mesh=Mesh.parse(mesh), dtype="fp32", **options))
+
+
+def test_the_counts_split_as_the_layout_splits_the_work() -> None:
+    one = step_work(_plan("1x1x1x1x1"))
+    assert one.matmul_flops > 0 and one.attention_flops > 0 and one.op_bytes > 0 and one.optimizer_bytes > 0
+    dp = step_work(_plan("2x1x1x1x1"))  # half the batch each, every parameter
+    assert dp.matmul_flops == pytest.approx(one.matmul_flops / 2)
+    assert dp.attention_flops == pytest.approx(one.attention_flops / 2)
+    assert dp.optimizer_bytes == pytest.approx(one.optimizer_bytes)
+    zero = step_work(_plan("2x1x1x1x1", zero=1))  # each rank updates half the parameters
+    assert zero.optimizer_bytes == pytest.approx(one.optimizer_bytes / 2, rel=0.05)
+    full = step_work(_plan("1x1x1x1x1", recompute="full"))  # the forward again in backward
+    assert full.matmul_flops == pytest.approx(one.matmul_flops * 4 / 3, rel=0.05)
+
+
+def test_a_pipeline_cannot_be_calibrated() -> None:
+    with pytest.raises(FivedcError, match="pp=1"):
+        step_work(_plan("1x2x1x1x1", schedule="1f1b", microbatches=2))
+
+
+def test_a_calibrated_profile_gives_back_the_seconds_it_was_measured_from(tmp_path) -> None:
+    work = step_work(_plan("1x1x1x1x1"))
+    measured = StepSeconds(matmul=0.30, attention=0.02, other=0.15, optimizer=0.05)
+    links = LinkSeconds(latency_s=1e-4, bytes_per_s=1e9, overlap_share=0.9)
+    path = tmp_path / "box.toml"
+    path.write_text(profile_of("box", work, measured, links, cores=2, source="a test"))
+    hw = hardware("box", (path,))
+    estimated = _estimated_seconds(work, hw)
+    for kind, seconds in (("matmuls", 0.30), ("attention", 0.02), ("other ops", 0.15), ("optimizer", 0.05)):
+        assert estimated[kind] == pytest.approx(seconds, rel=1e-4), kind
+    assert (hw.nvlink_latency_s, hw.nvlink_bytes_per_s, hw.overlap_sm_share) == pytest.approx((1e-4, 1e9, 0.9))
+
+
+def test_the_command_writes_a_profile_compile_prices_with(tmp_path, capsys) -> None:
+    profile = tmp_path / "laptop.toml"
+    assert main(["rehearse", MODEL, "--mesh", "1x1x1x1x1", "--dtype", "fp32", "--device", "cpu",
+                 "--calibrate", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "one step's seconds by kind of work" in out and f"wrote {profile}" in out
+    hw = hardware("laptop", (profile,))
+    assert hw.bf16_flops > 1e8 and 0 < hw.op_memory_efficiency <= 1 and hw.nvlink_latency_s > 0
+    assert main(["compile", MODEL, "--mesh", "2x1x1x1x1", "--dtype", "fp32", "--hardware", str(profile),
+                 "--gpu", "laptop"]) == 0
+    assert "Step time on this machine" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--calibrate", "x.toml"], "add --device cpu"),
+    (["--device", "cpu", "--calibrate", "x.json"], "a profile is a .toml file"),
+    (["--device", "cpu", "--calibrate", "x.toml", "--mesh", "1x2x1x1x1", "--microbatches", "2"], "pp=1"),
+])
+def test_what_cannot_be_calibrated_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys, flags,
+                                                                   message) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["rehearse", f"{_root()}/{MODEL}", "--dtype", "fp32", *flags]
+    if "--mesh" not in flags:
+        args += ["--mesh", "1x1x1x1x1"]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.toml").exists()
+
+
+def _root() -> str:
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parent.parent)
