@@ -72,7 +72,11 @@ def _bucket(index: int, params: list[Param], repeat: Repeat | None, param_bytes)
 
 
 def _segments(body: Block, cuts: frozenset[int], apart: set[str]) -> list[tuple[list[Param], Repeat | None]]:
-    """The parameters in order of first use (but those `apart`), cut at repeat boundaries and at `cuts`."""
+    """The parameters in order of first use (but those `apart`), cut at repeat boundaries and at `cuts`.
+    Top-level parameters first read inside a repeat's body (a scale every layer shares) are a
+    top-level segment of their own just before the repeat's: their gradients are complete once
+    backward has run the repeat's first layer, and ZeRO-3, which gathers their group in every
+    layer, gathers them alone, not the top-level parameters around them."""
     params = {p.name: p for p in body.params}
     segments: list[tuple[list[Param], Repeat | None]] = [([], None)]
     seen: set[str] = set(apart)
@@ -80,9 +84,10 @@ def _segments(body: Block, cuts: frozenset[int], apart: set[str]) -> list[tuple[
         if index in cuts:
             segments.append(([], None))
         if isinstance(item, Repeat):
-            inner = {p.name: p for p in item.body.params}
-            used = _first_uses(item.body, inner)
-            segments += [(used, item), ([], None)]
+            outer = _first_uses(item.body, {n: p for n, p in params.items() if n not in seen})
+            seen.update(p.name for p in outer)
+            used = _first_uses(item.body, {p.name: p for p in item.body.params})
+            segments += [(outer, None), (used, item), ([], None)]
             continue
         if isinstance(item, Op):
             for arg in item.args:
