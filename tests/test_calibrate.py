@@ -16,6 +16,7 @@ import pytest
 
 from fivedc.cli.main import main
 from fivedc.cli.rehearse import _estimated_seconds
+from fivedc.cli.shared import with_shape
 from fivedc.errors import FivedcError
 from fivedc.frontends.dsl_file import load_model
 from fivedc.ir.hardware import hardware
@@ -30,8 +31,9 @@ from fivedc.runtime.train import TrainSettings
 MODEL = "examples/tiny_llama.5d"
 
 
-def _plan(mesh: str, model: str = MODEL, **options):
-    return compile_graph(load_model(model), CompileOptions(mesh=Mesh.parse(mesh), dtype="fp32", **options))
+def _plan(mesh: str, model: str = MODEL, batch: int | None = None, **options):
+    graph = with_shape(load_model(model), batch=batch, seq=None)
+    return compile_graph(graph, CompileOptions(mesh=Mesh.parse(mesh), dtype="fp32", **options))
 
 
 def test_the_counts_split_as_the_layout_splits_the_work() -> None:
@@ -53,14 +55,18 @@ def test_a_pipeline_cannot_be_calibrated() -> None:
 
 
 def test_a_calibrated_profile_gives_back_the_seconds_it_was_measured_from(tmp_path) -> None:
-    work = step_work(_plan("1x1x1x1x1"))
-    measured = StepSeconds(matmul=0.30, attention=0.02, other=0.15, optimizer=0.05)
+    work = (step_work(_plan("1x1x1x1x1")), step_work(_plan("1x1x1x1x1", batch=2)))
+    latency, rate = 2e-4, 1e9  # the host's seconds per op, and bytes per second
+    other = [w.op_issues * latency + w.op_bytes / rate for w in work]
+    measured = (StepSeconds(matmul=0.30, attention=0.02, other=other[0], optimizer=0.05),
+                StepSeconds(matmul=0.15, attention=0.01, other=other[1], optimizer=0.05))
     links = LinkSeconds(latency_s=1e-4, bytes_per_s=1e9, overlap_share=0.9)
     path = tmp_path / "box.toml"
     path.write_text(profile_of("box", work, measured, links, cores=2, source="a test"))
     hw = hardware("box", (path,))
-    estimated = _estimated_seconds(work, hw)
-    for kind, seconds in (("matmuls", 0.30), ("attention", 0.02), ("other ops", 0.15), ("optimizer", 0.05)):
+    assert hw.op_latency_s == pytest.approx(latency, rel=1e-4)
+    estimated = _estimated_seconds(work[0], hw)
+    for kind, seconds in (("matmuls", 0.30), ("attention", 0.02), ("other ops", other[0]), ("optimizer", 0.05)):
         assert estimated[kind] == pytest.approx(seconds, rel=1e-4), kind
     assert (hw.nvlink_latency_s, hw.nvlink_bytes_per_s, hw.overlap_sm_share) == pytest.approx((1e-4, 1e9, 0.9))
 

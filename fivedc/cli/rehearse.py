@@ -13,6 +13,7 @@ machine's profile from those times and its links, for `fivedc compile --hardware
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -89,10 +90,12 @@ def _check_device_flags(args) -> None:
 @dataclass(frozen=True)
 class Timing:
     """What --device cpu sets the measured seconds against: the model's counts of the step's
-    work (a plan without a pipeline) and a profile's rates."""
+    work (a plan without a pipeline) and a profile's rates; for --calibrate, the plan at
+    half the batch too (the same ops on half the data)."""
 
     work: object | None  # StepWork
     hardware: object | None  # Hardware
+    half: object | None = None  # ExecutionPlan
 
 
 def _timing_setup(args, plan) -> Timing:
@@ -102,7 +105,21 @@ def _timing_setup(args, plan) -> Timing:
 
     work = step_work(plan) if args.calibrate is not None or plan.pipeline is None else None
     gpu = hardware(args.gpu, tuple(args.hardware)) if args.gpu else (plan.time.hardware if plan.time else None)
-    return Timing(work, gpu)
+    return Timing(work, gpu, _half_batch(args, plan) if args.calibrate is not None else None)
+
+
+def _half_batch(args, plan):
+    from fivedc.cli.shared import compile_model
+
+    batch = plan.graph.dim(plan.graph.batch_dim) if plan.graph.batch_dim else 0
+    if args.model.endswith(".json"):
+        raise FivedcError("--calibrate compiles the model again at half its batch: give the model, not a plan",
+                          hint="e.g. fivedc rehearse model.5d --mesh 1x1x1x1x1 --device cpu --calibrate cpu.toml")
+    if batch < 2 or batch % (2 * plan.mesh.size("dp")):
+        raise FivedcError(f"--calibrate times the step at the batch ({batch}) and at half of it, which must split "
+                          f"over dp={plan.mesh.size('dp')}", hint="compile with --global-batch B, B a multiple of 2 x dp")
+    args = argparse.Namespace(**{**vars(args), "global_batch": batch // 2})
+    return compile_model(args.model, args.mesh, args, dtype=plan.dtype)
 
 
 def _timed_classes(plan, rehearsal, timing: Timing) -> dict:
@@ -138,7 +155,7 @@ def render_seconds(ranks: str, rank: int, measured, timing: Timing) -> list[str]
 def _estimated_seconds(work, hw) -> dict[str, float]:
     out = {"matmuls": work.matmul_flops / (hw.bf16_flops * hw.matmul_efficiency),
            "attention": work.attention_flops / (hw.bf16_flops * hw.attention_efficiency),
-           "other ops": work.op_bytes / hw.op_bytes_per_s,
+           "other ops": work.op_bytes / hw.op_bytes_per_s + work.op_issues * hw.op_latency_s,
            "optimizer": work.optimizer_bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency)}
     out["total"] = sum(out.values())
     return out
@@ -151,12 +168,15 @@ def _write_profile(args, plan, timing: Timing, measured) -> None:
 
     from fivedc.files import write_output
     from fivedc.ir.hardware import hardware
-    from fivedc.runtime.calibrate import profile_of, time_links
+    from fivedc.plan.work_counts import step_work
+    from fivedc.runtime.calibrate import profile_of, time_links, time_rank
 
+    half = time_rank(timing.half, 0)
     links = time_links()
     key = "".join(ch if ch.isalnum() else "_" for ch in Path(args.calibrate).stem.lower()) or "cpu"
     source = f"{datetime.date.today()} fivedc rehearse {args.model} --mesh {plan.mesh} --device cpu"
-    text = profile_of(key, timing.work, measured, links, cores=os.cpu_count() or 1, source=source)
+    text = profile_of(key, (timing.work, step_work(timing.half)), (measured, half), links,
+                      cores=os.cpu_count() or 1, source=source)
     write_output(args.calibrate, text, inputs=(args.model.split(":")[0],), what="profile")
     hardware(key, (args.calibrate,))  # it reads back as a profile
     print(f"\nwrote {args.calibrate}: links {links.bytes_per_s / 1e9:.2f} GB/s, {links.latency_s * 1e6:.0f} us, "

@@ -143,7 +143,14 @@ def work_seconds(work: Work, hw: Hardware) -> float:
 def op_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of one op: a matmul's backward
     is one matmul per operand needing a gradient (the weight's is W), attention's 2.5 x
-    its forward, memory-bound work twice its traffic."""
+    its forward, memory-bound work twice its traffic; each phase that runs also the host's
+    time to issue it (`Hardware.op_latency_s`)."""
+    forward, backward, weight = _work_times(c, op, hw)
+    latency = hw.op_latency_s
+    return forward + latency, backward + latency, weight + (latency if weight else 0.0)
+
+
+def _work_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]:
     if op.kind == "attention" and kernel_of(op) == "math":
         return math_attention_times(c, op, hw)
     work = op_work(c, op)

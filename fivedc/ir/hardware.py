@@ -44,6 +44,7 @@ class Hardware:
     internode_latency_s: float
     overlap_sm_share: float = 0.0  # of the compute units, what a collective beside compute takes
     op_memory_efficiency: float | None = None  # of hbm, what forward and backward's memory-bound ops reach
+    op_latency_s: float = 0.0  # the host's time to issue one op, forward or backward, beyond its work
 
     @property
     def op_bytes_per_s(self) -> float:
@@ -66,7 +67,7 @@ class Hardware:
         return int((self.memory_gib - self.reserved_gib) * GiB)
 
 
-OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None}  # a profile may leave these out
+OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None, "op_latency_s": 0.0}  # a profile may leave these out
 FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name", *OPTIONAL))
 
 
@@ -121,6 +122,10 @@ def _parse(text: str, source: str) -> dict[str, Hardware]:
         values = {f: (int(table[f]) if f == "gpus_per_node" else float(table[f])) for f in FIELDS}
         values["overlap_sm_share"] = float(share)
         values["op_memory_efficiency"] = _optional_share(table, "op_memory_efficiency", source, key)
+        latency = table.get("op_latency_s", 0.0)
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < 1:
+            raise HardwareError(f"{source}: [{key}] op_latency_s = {latency!r} must be seconds in [0, 1)")
+        values["op_latency_s"] = float(latency)
         out[key.lower()] = Hardware(key.lower(), str(table.get("name", key)), **values)
     return out
 

@@ -4,7 +4,8 @@
 one kind of work costs one second per unit and every other kind (and every link)
 nothing, so the step's seconds are that kind's count: matmul FLOPs, attention FLOPs
 (counted as the step-time model counts them: causal halved, backward 2.5x), bytes of the
-memory-bound ops of forward and backward, bytes of the optimizer's update. Recomputation
+memory-bound ops of forward and backward, bytes of the optimizer's update, ops issued.
+Recomputation
 and the plan's sharding count as the model counts them, because it is the model that
 counts. A calibration divides measured seconds by these (`fivedc/runtime/calibrate.py`),
 so the profile it writes prices exactly what it measured.
@@ -32,6 +33,7 @@ class StepWork:
     attention_flops: float
     op_bytes: float  # the memory-bound ops of forward and backward
     optimizer_bytes: float
+    op_issues: float  # ops issued, forward and backward (a weight gradient its own)
 
 
 def step_work(plan: ExecutionPlan) -> StepWork:
@@ -44,7 +46,8 @@ def step_work(plan: ExecutionPlan) -> StepWork:
         matmul_flops=_compute(plan, bf16_flops=1.0, matmul_efficiency=1.0),
         attention_flops=_compute(plan, bf16_flops=1.0, attention_efficiency=1.0),
         op_bytes=_compute(plan, hbm_bytes_per_s=1.0, op_memory_efficiency=1.0),
-        optimizer_bytes=_price(plan, _probe(hbm_bytes_per_s=1.0, memory_efficiency=1.0)).optimizer_seconds)
+        optimizer_bytes=_price(plan, _probe(hbm_bytes_per_s=1.0, memory_efficiency=1.0)).optimizer_seconds,
+        op_issues=_compute(plan, op_latency_s=1.0))
 
 
 def _compute(plan: ExecutionPlan, **rates: float) -> float:

@@ -4,10 +4,10 @@
 `Trainer`), in this process, in torch's `fake` process group of the plan's world
 (collectives return at once and move nothing, so what is timed is the rank's own
 work), on the CPU with one thread as `fivedc run`'s workers have. After a warm-up step
-it times forward and backward, and the optimizer's update, over a few steps (the
-median), and one more step under torch's profiler splits forward and backward into
-matmuls (`aten::mm` and its kin), attention (the SDPA kernels) and the rest: the
-memory-bound ops and the runtime's own host work between ops.
+it times a few steps (each kind's least: other work on the machine only adds): torch's profiler splits forward and backward
+into matmuls (`aten::mm` and its kin), attention (the SDPA kernels) and the rest (the
+memory-bound ops and the runtime's own host work between ops), and the optimizer's
+update is timed after them.
 
 `time_links` runs on two local processes joined by gloo (the pool `fivedc run` uses):
 an all-reduce of a few bytes gives the latency per algorithm step, one of 16 MiB the
@@ -42,14 +42,14 @@ from fivedc.runtime.verify import setup_rank
 
 MATMUL_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm"})
 ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention")
-TIMED_STEPS = 3  # after one warm-up step; the median of these
+TIMED_STEPS = 3  # after one warm-up step; the least of these
 LINK_BYTES = 16 * 2**20  # the all-reduce whose time gives the bandwidth
 SMALL_BYTES = 64  # and the one whose time is all latency
 
 
 @dataclass(frozen=True)
 class StepSeconds:
-    """One rank's step on this machine, by kind of work (seconds, the median of a few steps)."""
+    """One rank's step on this machine, by kind of work (seconds, the least of a few steps)."""
 
     matmul: float
     attention: float
@@ -93,25 +93,21 @@ def _timed_steps(plan: ExecutionPlan, rank: int) -> StepSeconds:
     program, params, inputs, _ = setup_rank(plan, RankInfo(rank, plan.mesh.world, "cpu"), settings)
     trainer = Trainer(program, params, settings, zero=plan.zero, buckets=plan.buckets, overlap=plan.overlap,
                       pipeline=plan.pipeline)
-    walls = [_step(trainer, inputs) for _ in range(TIMED_STEPS + 1)][1:]
+    steps = [_step(trainer, inputs) for _ in range(TIMED_STEPS + 1)][1:]
+    return StepSeconds(*(min(s[k] for s in steps) for k in range(4)))  # noise only adds
+
+
+def _step(trainer: Trainer, inputs: dict) -> tuple[float, float, float, float]:
+    """(matmuls, attention, the rest of forward and backward, optimizer) seconds of one step."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        start = time.perf_counter()
         trainer.forward_backward(inputs)
+        middle = time.perf_counter()
     trainer.optimizer.step()
     trainer.end_step()
+    optimizer = time.perf_counter() - middle
     matmul, attention = _kernel_seconds(profiler.events())
-    forward_backward = statistics.median(w[0] for w in walls)
-    return StepSeconds(matmul, attention, max(0.0, forward_backward - matmul - attention),
-                       statistics.median(w[1] for w in walls))
-
-
-def _step(trainer: Trainer, inputs: dict) -> tuple[float, float]:
-    """(forward and backward, optimizer) seconds of one step."""
-    start = time.perf_counter()
-    trainer.forward_backward(inputs)
-    middle = time.perf_counter()
-    trainer.optimizer.step()
-    trainer.end_step()
-    return middle - start, time.perf_counter() - middle
+    return matmul, attention, max(0.0, middle - start - matmul - attention), optimizer
 
 
 def _kernel_seconds(events) -> tuple[float, float]:
@@ -137,12 +133,12 @@ def time_links(*, timeout_s: float = 300.0) -> LinkSeconds:
 def _link_job(info, payload) -> dict:
     """In each of two workers (gloo, one thread): latency, bandwidth, the overlap's cost."""
     small, large = torch.zeros(SMALL_BYTES // 4), torch.zeros(LINK_BYTES // 4)
-    latency = _median_seconds(lambda: dist.all_reduce(small), 20) / 2  # a 2-rank ring: 2 steps
-    reduce = _median_seconds(lambda: dist.all_reduce(large), 5)
+    latency = _least_seconds(lambda: dist.all_reduce(small), 20) / 2  # a 2-rank ring: 2 steps
+    reduce = _least_seconds(lambda: dist.all_reduce(large), 5)
     bandwidth = LINK_BYTES / max(reduce - 2 * latency, 1e-9)  # 2(n-1)/n of the bytes at n = 2
     a = torch.randn(512, 512)
-    reps = max(1, round(reduce / _median_seconds(lambda: a @ a, 5)))  # compute about as long as the reduce
-    alone = _median_seconds(lambda: [a @ a for _ in range(reps)], 3)
+    reps = max(1, round(reduce / _least_seconds(lambda: a @ a, 5)))  # compute about as long as the reduce
+    alone = _least_seconds(lambda: [a @ a for _ in range(reps)], 3)
 
     def both():
         work = dist.all_reduce(large, async_op=True)
@@ -150,12 +146,12 @@ def _link_job(info, payload) -> dict:
             a @ a
         work.wait()
 
-    together = _median_seconds(both, 3)
+    together = _least_seconds(both, 3)
     overlap = (together - max(alone, reduce)) / max(min(alone, reduce), 1e-9)
     return {"latency": latency, "bandwidth": bandwidth, "overlap": min(max(overlap, 0.0), 0.99)}
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _least_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
     dist.barrier()
     seconds = []
@@ -163,30 +159,54 @@ def _median_seconds(fn, repeats: int) -> float:
         start = time.perf_counter()
         fn()
         seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return min(seconds)  # other work on the machine only adds
 
 
 # ---- the profile -------------------------------------------------------------------------
-def profile_of(key: str, work: StepWork, step: StepSeconds, links: LinkSeconds, *, cores: int,
-               source: str) -> str:
+@dataclass(frozen=True)
+class OtherOps:
+    """Forward and backward's other ops: bytes per second, and the host's seconds per op issued."""
+
+    bytes_per_s: float
+    latency_s: float
+
+
+def other_ops(work: tuple[StepWork, StepWork], step: tuple[StepSeconds, StepSeconds]) -> OtherOps:
+    """From the step at two batch sizes (the same ops on less data): the seconds that do not
+    shrink with the data are the host's per op issued, the rest moves the model's bytes.
+    Where the two do not separate (noise), every second is the bytes'."""
+    (full, half), (t_full, t_half) = work, (step[0].other, step[1].other)
+    moved, spent = full.op_bytes - half.op_bytes, t_full - t_half
+    if moved > 0 and spent > 0 and full.op_issues > 0:
+        rate = moved / spent
+        latency = (t_full - full.op_bytes / rate) / full.op_issues
+        if latency >= 0:
+            return OtherOps(rate, latency)
+    return OtherOps(full.op_bytes / t_full if t_full else 0.0, 0.0)
+
+
+def profile_of(key: str, work: tuple[StepWork, StepWork], step: tuple[StepSeconds, StepSeconds],
+               links: LinkSeconds, *, cores: int, source: str) -> str:
     """A hardware profile in `fivedc/ir/hardware.toml`'s form: each rate is the model's count of
-    a kind of work over the seconds this machine took for it."""
-    matmul = work.matmul_flops / step.matmul if step.matmul else 0.0
+    a kind of work over the seconds this machine took for it (the step at the full batch),
+    the per-op latency from the step at two batches (`other_ops`)."""
+    counts, seconds = work[0], step[0]
+    matmul = counts.matmul_flops / seconds.matmul if seconds.matmul else 0.0
     if not matmul:
         raise FivedcError("the calibration step ran no matmul", hint="calibrate on a model with linear layers")
-    attention = work.attention_flops / step.attention if step.attention else matmul
+    attention = counts.attention_flops / seconds.attention if seconds.attention else matmul
     peak = max(matmul, attention)
-    ops = work.op_bytes / step.other if step.other else 0.0
-    update = work.optimizer_bytes / step.optimizer if step.optimizer else 0.0
-    memory = max(ops, update)
+    ops = other_ops(work, step)
+    update = counts.optimizer_bytes / seconds.optimizer if seconds.optimizer else 0.0
+    memory = max(ops.bytes_per_s, update)
     if not memory:
         raise FivedcError("the calibration step moved no bytes outside matmuls")
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / cores
     lines = [
         f"# measured by {source}",
-        f"# one rank's step: matmuls {step.matmul:.4f} s, attention {step.attention:.4f} s, other ops "
-        f"{step.other:.4f} s, optimizer {step.optimizer:.4f} s",
+        *(f"# one rank's step at {label} batch: matmuls {t.matmul:.4f} s, attention {t.attention:.4f} s, "
+          f"other ops {t.other:.4f} s, optimizer {t.optimizer:.4f} s" for label, t in zip(("the", "half the"), step)),
         f"# links (gloo, 2 local processes): latency {links.latency_s * 1e6:.1f} us, "
         f"{links.bytes_per_s / 1e9:.3f} GB/s, overlap share {links.overlap_share:.2f}",
         f"[{key}]",
@@ -201,7 +221,8 @@ def profile_of(key: str, work: StepWork, step: StepSeconds, links: LinkSeconds, 
         f"matmul_efficiency = {matmul / peak:.6g}",
         f"attention_efficiency = {attention / peak:.6g}",
         f"memory_efficiency = {(update or memory) / memory:.6g}     # the optimizer's update",
-        f"op_memory_efficiency = {(ops or memory) / memory:.6g}  # forward and backward's other ops",
+        f"op_memory_efficiency = {(ops.bytes_per_s or memory) / memory:.6g}  # forward and backward's other ops",
+        f"op_latency_s = {ops.latency_s:.6g}         # the host's time per op issued",
         "link_efficiency = 1.0",
         f"nvlink_latency_s = {links.latency_s:.6g}",
         f"internode_latency_s = {links.latency_s:.6g}",

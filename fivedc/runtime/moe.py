@@ -302,9 +302,12 @@ def grouped_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: b
 
 
 def sliced_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool) -> Tensor:
-    """One source rank's rows, grouped by local expert: each expert's FFN on its slice."""
+    """One source rank's rows, grouped by local expert: each expert's FFN on its slice. The
+    experts' matrices by `unbind`, whose backward stacks their gradients once; indexing
+    (`w[e]`) would fill a zero gradient of the whole stack for each expert and add each in."""
     parts = rows.split(recv[0].tolist())
-    return torch.cat([_ffn(part, [w[e] for w in weights], swiglu, torch.matmul) for e, part in enumerate(parts)])
+    per_expert = [w.unbind(0) for w in weights]
+    return torch.cat([_ffn(part, [w[e] for w in per_expert], swiglu, torch.matmul) for e, part in enumerate(parts)])
 
 
 def batched_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool) -> Tensor:
