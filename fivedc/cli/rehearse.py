@@ -96,6 +96,7 @@ class Timing:
     work: object | None  # StepWork
     hardware: object | None  # Hardware
     half: object | None = None  # ExecutionPlan
+    beside: int = 0  # processes stepping beside the timed rank, as fivedc run's other ranks would
 
 
 def _timing_setup(args, plan) -> Timing:
@@ -105,7 +106,17 @@ def _timing_setup(args, plan) -> Timing:
 
     work = step_work(plan) if args.calibrate is not None or plan.pipeline is None else None
     gpu = hardware(args.gpu, tuple(args.hardware)) if args.gpu else (plan.time.hardware if plan.time else None)
-    return Timing(work, gpu, _half_batch(args, plan) if args.calibrate is not None else None)
+    half = _half_batch(args, plan) if args.calibrate is not None else None
+    return Timing(work, gpu, half, _beside(args, plan))
+
+
+def _beside(args, plan) -> int:
+    """How many processes step beside the timed one: one per other core `fivedc run`'s ranks
+    would keep busy (for a profile, every core: it is for runs with a rank per core)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    return (cores if args.calibrate is not None else min(plan.mesh.world, cores)) - 1
 
 
 def _half_batch(args, plan):
@@ -127,7 +138,7 @@ def _timed_classes(plan, rehearsal, timing: Timing) -> dict:
 
     seconds = {}
     for c in rehearsal.classes:
-        seconds[c.ranks] = time_rank(plan, c.rank)
+        seconds[c.ranks] = time_rank(plan, c.rank, beside=timing.beside)
         for line in render_seconds(c.ranks, c.rank, seconds[c.ranks], timing):
             print(line)
     return seconds
@@ -139,7 +150,8 @@ def render_seconds(ranks: str, rank: int, measured, timing: Timing) -> list[str]
     head = f"  {'kind':<12} {'measured s':>11}"
     if estimated:
         head += f" {'estimated s':>12} {'est / measured':>15}   ({timing.hardware.key})"
-    lines = ["", f"ranks {ranks} (rank {rank}): one step's seconds by kind of work, fake collectives", head]
+    lines = ["", f"ranks {ranks} (rank {rank}): one step's seconds by kind of work, fake collectives, "
+             f"{timing.beside} copies beside", head]
     rows = {"matmuls": measured.matmul, "attention": measured.attention, "other ops": measured.other,
             "optimizer": measured.optimizer}
     rows["total"] = sum(rows.values())
@@ -171,7 +183,7 @@ def _write_profile(args, plan, timing: Timing, measured) -> None:
     from fivedc.plan.work_counts import step_work
     from fivedc.runtime.calibrate import profile_of, time_links, time_rank
 
-    half = time_rank(timing.half, 0)
+    half = time_rank(timing.half, 0, beside=timing.beside)
     links = time_links()
     key = "".join(ch if ch.isalnum() else "_" for ch in Path(args.calibrate).stem.lower()) or "cpu"
     source = f"{datetime.date.today()} fivedc rehearse {args.model} --mesh {plan.mesh} --device cpu"

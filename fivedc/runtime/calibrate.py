@@ -22,6 +22,8 @@ what this machine did.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import resource
 import statistics
@@ -70,8 +72,17 @@ class LinkSeconds:
     overlap_share: float  # of a collective's seconds run beside compute, what the compute loses
 
 
-def time_rank(plan: ExecutionPlan, rank: int = 0) -> StepSeconds:
-    """Rank `rank`'s step, timed on the CPU in a fake process group of the plan's world."""
+def time_rank(plan: ExecutionPlan, rank: int = 0, *, beside: int = 0) -> StepSeconds:
+    """Rank `rank`'s step, timed on the CPU in a fake process group of the plan's world, while
+    `beside` other processes run the same step (`fivedc run`'s ranks share the machine: its
+    memory bandwidth, caches, and cores that may be two threads of one)."""
+    with _busy_copies(plan, rank, beside), _fake_group(plan, rank):
+        with quiet_stderr():  # the profiler's start and stop lines
+            return _timed_steps(plan, rank)
+
+
+@contextlib.contextmanager
+def _fake_group(plan: ExecutionPlan, rank: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -80,33 +91,70 @@ def time_rank(plan: ExecutionPlan, rank: int = 0) -> StepSeconds:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each of fivedc run's workers
     try:
-        with quiet_stderr():  # the profiler's start and stop lines
-            return _timed_steps(plan, rank)
+        yield
     finally:
         torch.set_num_threads(threads)
         with quiet_stderr():  # c10d warns that the group's undefined device type has no hooks: it has none
             dist.destroy_process_group()
 
 
-def _timed_steps(plan: ExecutionPlan, rank: int) -> StepSeconds:
+@contextlib.contextmanager
+def _busy_copies(plan: ExecutionPlan, rank: int, count: int, timeout_s: float = 600.0):
+    """`count` processes stepping rank `rank`'s program from when they are all warm until the end."""
+    if count < 1:
+        yield
+        return
+    context = multiprocessing.get_context("spawn")
+    ready, stop = context.Queue(), context.Event()
+    copies = [context.Process(target=_step_until, args=(plan, rank, ready, stop), daemon=True) for _ in range(count)]
+    for copy in copies:
+        copy.start()
+    try:
+        for _ in copies:
+            ready.get(timeout=timeout_s)
+        yield
+    finally:
+        stop.set()
+        for copy in copies:
+            copy.join(timeout=60)
+            if copy.is_alive():
+                copy.terminate()
+
+
+def _step_until(plan: ExecutionPlan, rank: int, ready, stop) -> None:
+    """In a copy: warm up, say so, then step until told to stop."""
+    with _fake_group(plan, rank):
+        trainer, inputs = _trainer(plan, rank)
+        _step(trainer, inputs, profile=False)
+        ready.put(os.getpid())
+        while not stop.is_set():
+            _step(trainer, inputs, profile=False)
+
+
+def _trainer(plan: ExecutionPlan, rank: int) -> tuple[Trainer, dict]:
     settings = TrainSettings(steps=1, dtype=plan.dtype, keep_grads=False)
     program, params, inputs, _ = setup_rank(plan, RankInfo(rank, plan.mesh.world, "cpu"), settings)
-    trainer = Trainer(program, params, settings, zero=plan.zero, buckets=plan.buckets, overlap=plan.overlap,
-                      pipeline=plan.pipeline)
+    return Trainer(program, params, settings, zero=plan.zero, buckets=plan.buckets, overlap=plan.overlap,
+                   pipeline=plan.pipeline), inputs
+
+
+def _timed_steps(plan: ExecutionPlan, rank: int) -> StepSeconds:
+    trainer, inputs = _trainer(plan, rank)
     steps = [_step(trainer, inputs) for _ in range(TIMED_STEPS + 1)][1:]
     return StepSeconds(*(min(s[k] for s in steps) for k in range(4)))  # noise only adds
 
 
-def _step(trainer: Trainer, inputs: dict) -> tuple[float, float, float, float]:
+def _step(trainer: Trainer, inputs: dict, *, profile: bool = True) -> tuple[float, float, float, float]:
     """(matmuls, attention, the rest of forward and backward, optimizer) seconds of one step."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    with profiler or contextlib.nullcontext():
         start = time.perf_counter()
         trainer.forward_backward(inputs)
         middle = time.perf_counter()
     trainer.optimizer.step()
     trainer.end_step()
     optimizer = time.perf_counter() - middle
-    matmul, attention = _kernel_seconds(profiler.events())
+    matmul, attention = _kernel_seconds(profiler.events()) if profiler else (0.0, 0.0)
     return matmul, attention, max(0.0, middle - start - matmul - attention), optimizer
 
 
