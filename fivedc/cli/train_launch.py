@@ -66,8 +66,16 @@ def with_restarts(attempt_fn, job, *, restarts: int) -> None:
                 raise
             job = restarted(job)
             where = f"from {job.resume}" if job.resume is not None else "from the start (nothing was saved)"
-            say(f"restart {attempt + 1} of {restarts}: {error.message.splitlines()[0]}; continuing {where}",
-                flush=True)
+            say(f"restart {attempt + 1} of {restarts}: {_summary(error.message)}; continuing {where}", flush=True)
+
+
+def _summary(message: str) -> str:
+    """A failure in one line: its first, completed by its last when the first only leads in."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()] or ["a rank failed"]
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:
+        first = f"{first} {lines[-1]}"
+    return first if len(first) <= 200 else first[:197] + "..."
 
 
 def restarted(job):
