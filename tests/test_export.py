@@ -26,7 +26,7 @@ from fivedc.pipeline import compile_graph
 from fivedc.runtime.data import RankBatches, Sampler
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.train_loop import TrainJob, train_job
-from fivedc.cli.train import _write_init
+from fivedc.cli.train_launch import _write_init
 from train_helpers import ROOT, job_for, make_tokens, one_device
 
 CONFIG = dict(steps=3, lr=1e-2, save_every=0, seed=2)

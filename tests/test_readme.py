@@ -5,9 +5,12 @@ continues, splits `&&` chains and reads the exit code a line's comment promises
 (`# ... exit 1`; else 0). Each command runs in one temporary directory (where
 `examples/` links to the repository's), `fivedc` in this process (`main`), with a terminal
 wider than fivedc prints by default: it must exit as promised and print lines of at most
-100 columns with no trailing spaces. A torchrun line needs several machines: its fivedc
-command is parsed (every flag must still exist) but not run. A README line too slow for
-this test is made cheaper in the README, never skipped here.
+100 columns with no trailing spaces. A torchrun line needs several machines, and a
+`--launcher ray` line a Ray cluster: their fivedc command is parsed (every flag must still
+exist) but not run (tests/test_ray_launcher.py runs the Ray launcher). Variables set before
+a line's program (`NAME=value torchrun ...`) are not part of its command. A README line too
+slow for this test is made cheaper in the README, never skipped here. The README's test
+command is `.ci/run`'s, word for word.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def readme_commands(text: str) -> list[Command]:
             for line in block.replace("\\\n", " ").splitlines():
                 promised = re.search(r"#.*\bexit (\d)\b", line)
                 tokens = shlex.split(line, comments=True)
+                while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", tokens[0]):  # the line's environment
+                    tokens = tokens[1:]
                 while tokens:
                     end = tokens.index("&&") if "&&" in tokens else len(tokens)
                     commands.append(Command(tuple(tokens[:end]), int(promised.group(1)) if promised else 0, line))
@@ -90,6 +95,9 @@ def test_the_readme_commands_work_as_printed(tmp_path, monkeypatch, capsys) -> N
         if program == "torchrun":  # several machines: the command must parse
             build_parser().parse_args(fivedc_argv_under_torchrun(command.argv))
             continue
+        if program == "fivedc" and "ray" in command.argv and "--launcher" in command.argv:  # a Ray cluster
+            build_parser().parse_args(args)
+            continue
         if program == "fivedc":
             code, out, err = run_fivedc(args, capsys)
         else:
@@ -100,3 +108,12 @@ def test_the_readme_commands_work_as_printed(tmp_path, monkeypatch, capsys) -> N
         if program == "fivedc":
             for line in out.splitlines():
                 assert len(line) <= 100 and line == line.rstrip(), f"{command.line!r} printed {line!r}"
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"runs the tests \(what CI runs\):\n\n```sh\n(.*?)\n```", readme, flags=re.S)
+    assert match, "README.md no longer shows the test command CI runs"
+    script = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
+    ci = [line for line in script.splitlines() if line.startswith("pip install")]
+    assert len(ci) == 1 and " ".join(ci[0].split()) == " ".join(match.group(1).split())

@@ -124,7 +124,7 @@ def test_labels_the_model_shifts_get_the_tokens_themselves(shift: bool, role: st
     ("steps", "--steps 0 must be a whole number >= 1"),
     ("min-lr", "--min-lr 0.1 is above --lr 0.001"),
     ("save-every", "--save-every 5 needs a place to save"),
-    ("save-dir", "already holds checkpoints (the latest at step 7)"),
+    ("save-dir", "not a fivedc checkpoint index"),  # --resume auto reads the latest, step-00000007
     ("resume", "nowhere does not exist"),
 ])
 def test_bad_data_and_settings_are_refused_before_any_process(tmp_path, capsys, case: str, message: str) -> None:

@@ -456,7 +456,7 @@ def test_a_rank_refusing_the_resumed_checkpoint_is_not_told_to_resume_from_it(sa
     is the very checkpoint it resumed from and the failure is bad input (exit 2)."""
     from types import SimpleNamespace
 
-    from fivedc.cli.train import _with_resume_hint
+    from fivedc.cli.train_launch import with_resume_hint as _with_resume_hint
     from fivedc.errors import FivedcError
 
     job = SimpleNamespace(save_dir=str(saved / "ck"), resume=str(saved / "ck" / STEP4))

@@ -4,8 +4,12 @@
 `--mesh` with the same options as `fivedc run` (or takes a saved plan as it is),
 checks the token files against the model (whole ids, one batch at least, every id
 inside the vocabulary) and which input gets what (`fivedc/runtime/data.input_roles`),
-then trains on the mesh's world of local processes (or as one rank under torchrun):
-`fivedc/runtime/train_loop.py` on each rank. A `file.py:factory` model starts from the
+then trains on the mesh's world of local processes, on Ray actors (`--launcher ray`) or
+as one rank under torchrun (`fivedc/cli/train_launch.py`, which also restarts a job
+whose rank died): `fivedc/runtime/train_loop.py` on each rank. The plan, `--mesh auto`
+among them, comes from `fivedc/cli/train_plan.py`; where the run starts (`--resume auto`:
+the save directory's latest checkpoint) from `fivedc/cli/train_resume.py`. A
+`file.py:factory` model starts from the
 module's own weights (written once to a temporary safetensors file the ranks read
 their shards from); a DSL model from seeded weights. Rank 0's rows become progress
 lines, the `--log` JSONL file and the `--plot` picture (`fivedc/cli/train_report.py`).
@@ -17,13 +21,10 @@ Everything the run writes is checked first, before the model is compiled
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from fivedc.cli.screen import say
+from fivedc.cli.train_launch import LAUNCHERS
 from fivedc.errors import FivedcError
-
-SCRATCH_PREFIX = "fivedc-train-"  # + pid + "-" + random, in the temp directory
-
 
 def train_args(p) -> None:
     """The flags of `fivedc train` besides the mesh, plan options and local-run ones."""
@@ -47,37 +48,56 @@ def train_args(p) -> None:
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="a checkpoint every N steps "
                    "(and at the last step)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept besides the best (default 3)")
-    p.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint (a save directory: its "
-                   "latest), on any mesh and options; unset training flags take the checkpoint's values")
+    p.add_argument("--resume", default="auto", metavar="DIR", help="continue from a checkpoint (a save directory: "
+                   "its latest), on any mesh and options; unset training flags take the checkpoint's values "
+                   "(default auto: --save-dir's latest checkpoint if it holds one, else afresh)")
     p.add_argument("--until", type=int, default=None, metavar="STEP", help="stop after this step (and save there), "
                    "the schedule still running to --steps")
     p.add_argument("--log", default=None, metavar="FILE", help="append one JSON object per step to FILE")
     p.add_argument("--plot", default=None, metavar="FILE", help="draw the loss curve to FILE (.png, .svg, .pdf)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="local", help="local: the mesh's world of processes "
+                   "here (default); ray: one Ray actor per rank (pip install 'fivedc[ray]'); under torchrun each "
+                   "process is one rank")
+    p.add_argument("--address", default=None, metavar="ADDR", help="--launcher ray: the cluster to join "
+                   "(default: start a local Ray instance)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N", help="after a rank dies, start again from "
+                   "the latest checkpoint, at most N times (local and ray; under torchrun, torchrun's flag)")
+    p.add_argument("--gpu", default=None, metavar="NAME", help="the GPU profile --mesh auto searches for "
+                   "(default h100; the names fivedc search --gpu takes)")
+    p.add_argument("--hardware", action="append", default=[], metavar="FILE", help="a TOML file of GPU profiles")
 
 
 def run_train(args, *, defaults) -> int:
     """`defaults`: the train command's arguments as parsed with no flags (which flags were given)."""
     from fivedc.cli.shared import check_local_run
+    from fivedc.cli.train_launch import check_launch
     from fivedc.cli.train_outputs import check_train_outputs
+    from fivedc.cli.train_plan import train_plan
+    from fivedc.cli.train_resume import resolve_saves, resume_folder
     from fivedc.runtime.data import input_roles
     from fivedc.runtime.train import DTYPES, check_trainable
-    from fivedc.cli.train_resume import resolve_saves
 
+    launched = "WORLD_SIZE" in os.environ
+    talk = not launched or os.environ.get("RANK") == "0"
     check_local_run(args)
-    outputs = check_train_outputs(args)  # every file the run writes, before any work
-    plan, module = _plan(args, defaults)
+    check_launch(args, launched=launched)
+    resume = resume_folder(args)
+    outputs = check_train_outputs(args, resume=resume)  # every file the run writes, before any work
+    plan, module, mesh_note = train_plan(args, defaults, launched=launched)
     check_trainable(plan.graph)
     if plan.dtype not in DTYPES:
         raise FivedcError(f"the plan trains in {plan.dtype}; train runs {', '.join(DTYPES)}",
                           hint="compile with --dtype fp32 (or bf16)")
-    saves = resolve_saves(args, defaults, plan)
+    saves = resolve_saves(args, defaults, plan, resume=resume)
+    if saves.done:
+        if talk:
+            say(saves.notes[0])
+        return 0
     roles = input_roles(plan.graph)
     job = _job(args, plan, module, saves)
-    launched = "WORLD_SIZE" in os.environ
-    talk = not launched or os.environ.get("RANK") == "0"
     with _holding(saves.save_dir if talk else None):  # the save directory is this run's to the end
         if talk:
-            _header(args, job, roles, saves)
+            _header(args, job, roles, saves, mesh_note)
         progress = _train(job, saves, args, launched=launched, log_target=outputs.log if talk else None)
         if talk:
             _finish(progress, args, plan, saves)
@@ -95,15 +115,13 @@ def _holding(save_dir: str | None):
 
 def _train(job, saves, args, *, launched: bool, log_target):
     """Run the job; rows go to the progress printer and the log (opened at the first row)."""
+    from fivedc.cli.train_launch import launch
     from fivedc.log_file import LogFile
 
     log = LogFile(log_target, args.log) if log_target is not None else None
     try:
         progress = _progress(job, saves.start, log)
-        if launched:
-            _under_launcher(job, progress, timeout_s=args.timeout)
-        else:
-            _local(job, progress, args)
+        launch(job, progress, args, launched=launched)
     finally:
         if log is not None:
             log.close()
@@ -115,6 +133,7 @@ def _job(args, plan, module, saves):
     for a traced module its weights (unless resumed) and names."""
     from fivedc.runtime.export import names_of
     from fivedc.runtime.data import TokenFile, check_token_file
+    from fivedc.runtime.fault_hook import faults_from_env
     from fivedc.runtime.train_loop import TrainJob
 
     tokens = check_token_file(args.data, args.data_dtype, graph=plan.graph, what="training")
@@ -126,15 +145,16 @@ def _job(args, plan, module, saves):
         init = None if saves.resume else traced.to_ir_params(module.state_dict())
     return TrainJob(plan=plan, config=saves.config, train=TokenFile(args.data, args.data_dtype), train_tokens=tokens,
                     val=TokenFile(args.val, args.data_dtype) if args.val else None, val_tokens=val_tokens, init=init,
-                    resume=saves.resume, save_dir=saves.save_dir, names=names, until=args.until)
+                    resume=saves.resume, save_dir=saves.save_dir, names=names, until=args.until,
+                    faults=faults_from_env())
 
 
-def _header(args, job, roles, saves) -> None:
+def _header(args, job, roles, saves, mesh_note: str | None) -> None:
     from fivedc.runtime.data import token_shape
 
     plan, config, tokens = job.plan, job.config, job.train_tokens
     batch, seq = token_shape(plan.graph)
-    for line in saves.notes:
+    for line in (mesh_note,) * bool(mesh_note) + saves.notes:
         say(line)
     say(f"training {args.model} on mesh {plan.mesh} ({plan.mesh.world} processes, {plan.dtype}) from step "
         f"{saves.start} to {job.stop}{f' (of {config.steps})' if job.stop < config.steps else ''}: batches of "
@@ -153,7 +173,7 @@ def _finish(progress, args, plan, saves) -> None:
 
     say(progress.summary())
     if saves.save_dir is not None:
-        say(f"checkpoints in {saves.save_dir} (resume with --resume {saves.save_dir})")
+        say(f"checkpoints in {saves.save_dir} (the same command with a larger --steps continues the run)")
     if args.plot:
         draw_losses(progress.rows, args.plot, title=f"{args.model} on {plan.mesh}")
         print(f"wrote {args.plot}")
@@ -162,90 +182,3 @@ def _finish(progress, args, plan, saves) -> None:
 def _roles_text(roles: dict[str, str]) -> str:
     what = {"inputs": "the tokens", "targets": "the next tokens", "labels": "the tokens (the model shifts them)"}
     return ", ".join(f"{name} <- {what[role]}" for name, role in roles.items())
-
-
-def _plan(args, defaults):
-    """The plan (saved, or compiled here) and, for a `file.py:factory` model, (module, its
-    TracedModel): its weights and names; None otherwise."""
-    from fivedc.cli.shared import compile_options
-    from fivedc.frontends.python_file import is_spec, traced_from_spec
-    from fivedc.cli.plan_check import load_plan
-    from fivedc.cli.shared import plan_flags_given
-
-    if args.model.endswith(".json"):
-        given = plan_flags_given(args, defaults)
-        if given:
-            raise FivedcError(f"{args.model} is a compiled plan: its mesh and options are fixed, and "
-                              f"{', '.join(given)} would change them",
-                              hint="drop them, or train the model file (.5d or file.py:factory) with the new options")
-        return load_plan(args.model), None
-    if args.mesh is None:
-        raise FivedcError(f"training {args.model} needs a mesh",
-                          hint="add --mesh DPxPPxTPxCPxEP, e.g. --mesh 2x1x2x1x1")
-    if not is_spec(args.model):
-        from fivedc.cli.shared import compile_model
-
-        return compile_model(args.model, args.mesh, args, dtype=args.dtype or "fp32"), None
-    from fivedc.ir.mesh import Mesh
-    from fivedc.pipeline import compile_graph
-
-    options = compile_options(args, Mesh.parse(args.mesh, rank_order=args.rank_order), dtype=args.dtype or "fp32")
-    module, _, traced = traced_from_spec(args.model, stage_boundaries=tuple(args.stage_boundary))
-    return compile_graph(traced.graph, options), (module, traced)
-
-
-def _local(job, progress, args) -> None:
-    """The mesh's world of local processes; a factory's weights go through a temporary file."""
-    import dataclasses
-
-    from fivedc.runtime.pool import run_once
-    from fivedc.runtime.resources import check_local_resources
-    from fivedc.runtime.train_loop import train_job
-
-    plan = job.plan
-    check_local_resources(world=plan.mesh.world, bytes_per_rank=plan.memory.total, force=args.force,
-                          what=f"training {args.model} on mesh {plan.mesh}")
-    from fivedc.runtime.pool_cleanup import Scratch
-
-    with Scratch(SCRATCH_PREFIX) as scratch:  # removed on SIGTERM too; a killed run's by the next
-        if isinstance(job.init, dict):
-            job = dataclasses.replace(job, init=_write_init(job.init, Path(scratch) / "init.safetensors"))
-        try:
-            run_once(train_job, world=plan.mesh.world, payload=job, timeout_s=args.timeout, on_progress=progress.line)
-        except FivedcError as error:
-            raise _with_resume_hint(error, job) from None
-
-
-def _with_resume_hint(error: FivedcError, job) -> FivedcError:
-    """A failed run that saved: say where to continue from; never the checkpoint this run
-    resumed from when that is what the error is about (bad input: exit 2)."""
-    from fivedc.runtime.checkpoint import committed
-
-    found = committed(job.save_dir) if job.save_dir is not None else []
-    same = bool(found) and job.resume is not None and found[-1][1].resolve() == Path(job.resume).resolve()
-    if found and not (same and error.exit_code == 2):
-        more = f"the last checkpoint is {found[-1][1]} (step {found[-1][0]}): continue with --resume {job.save_dir}"
-        error.hint = f"{error.hint}; {more}" if error.hint else more
-    return error
-
-
-def _write_init(tensors: dict, path: Path) -> str:
-    from safetensors.torch import save_file
-
-    save_file({name: t.detach().contiguous().clone() for name, t in tensors.items()}, str(path))
-    return str(path)
-
-
-def _under_launcher(job, progress, *, timeout_s: float) -> None:
-    """One rank of a torchrun job of the mesh's size; rank 0 prints and logs."""
-    import torch.distributed as dist
-
-    from fivedc.runtime.pool import check_world, init_from_env
-    from fivedc.runtime.train_loop import train_rank
-
-    check_world(job.plan.mesh.world, mesh=job.plan.mesh)
-    info = init_from_env(timeout_s=timeout_s)
-    try:
-        train_rank(info, job, on_row=progress.row)
-    finally:
-        dist.destroy_process_group()

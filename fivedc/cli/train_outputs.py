@@ -1,7 +1,7 @@
 """What `fivedc train` writes, checked by the one output rule before any work starts.
 
 The outputs are `--log` (appended to: `fivedc/log_file.py`), `--plot` and the save
-directory (`--save-dir`, or with `--resume` and none the checkpoint's own directory).
+directory (`--save-dir`, or with `--resume PATH` and none the checkpoint's own directory).
 The inputs they must not be are the model's file (or the plan), the token files and
 every file of the checkpoint resumed from; no output may lie inside the checkpoint
 read, inside one of the save directory's checkpoints (a save prunes them), or take a
@@ -27,12 +27,12 @@ class TrainOutputs:
     save_dir: str | None
 
 
-def check_train_outputs(args) -> TrainOutputs:
+def check_train_outputs(args, *, resume: Path | None) -> TrainOutputs:
+    """`resume`: the checkpoint folder the run continues from (`train_resume.resume_folder`)."""
     from fivedc.cli.train_report import check_plot
-    from fivedc.runtime.checkpoint import committed, find_checkpoint
+    from fivedc.runtime.checkpoint import committed
 
     check_plot(args.plot)
-    resume = find_checkpoint(args.resume) if args.resume is not None else None
     save_dir = args.save_dir if args.save_dir is not None else (str(resume.parent) if resume else None)
     read = ((resume,) if resume is not None else ()) + tuple(p for _, p in (committed(save_dir) if save_dir else []))
     outputs = [Output("--log", args.log, "log") if args.log is not None else None,

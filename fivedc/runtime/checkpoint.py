@@ -118,9 +118,11 @@ def rank_pieces(run) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     return tensors, pieces
 
 
-def save_checkpoint(run, *, root: str | Path, step: int, meta: dict, rank: int, world: int) -> Path:
+def save_checkpoint(run, *, root: str | Path, step: int, meta: dict, rank: int, world: int,
+                    midway=None) -> Path:
     """Write this rank's pieces and (rank 0) commit the checkpoint of step `step`; a
-    collective: every rank calls it. `meta` goes into the index as it is."""
+    collective: every rank calls it. `meta` goes into the index as it is; `midway()` runs
+    once this rank's shard is written, before the commit (the fault tests die there)."""
     from safetensors.torch import save_file
 
     from fivedc.runtime.checkpoint_files import record_digest
@@ -137,6 +139,8 @@ def save_checkpoint(run, *, root: str | Path, step: int, meta: dict, rank: int, 
     save_file(tensors, str(path), metadata={"fivedc": json.dumps({"rank": rank, "pieces": pieces})})
     _fsync(path)
     record_digest(path)
+    if midway is not None:
+        midway()
     _barrier()
     if rank == 0:
         index = build_index(run, tmp, world=world, meta=meta)
@@ -231,16 +235,21 @@ def _commit(tmp: Path, final: Path) -> None:
 
 
 def prune(root: str | Path, *, keep: int, best_step: int | None) -> list[int]:
-    """Remove committed checkpoints but the last `keep` and the best; and stale temp folders.
+    """Remove committed checkpoints but the last `keep` and the best (each renamed out of
+    sight before its files go: `--resume auto` never finds one half removed); and stale
+    temp folders.
     Returns the steps removed."""
     found = committed(root)
     kept = {step for step, _ in found[-keep:]} | ({best_step} if best_step is not None else set())
     removed = []
     for step, path in found:
-        if step not in kept:
-            shutil.rmtree(path, ignore_errors=True)
+        if step not in kept:  # renamed first: a crash mid-removal never leaves a committed name half gone
+            gone = path.with_name(f".old-{path.name}")
+            shutil.rmtree(gone, ignore_errors=True)
+            path.rename(gone)
+            shutil.rmtree(gone, ignore_errors=True)
             removed.append(step)
-    for stale in Path(root).glob(".tmp-step-*"):
+    for stale in (*Path(root).glob(".tmp-step-*"), *Path(root).glob(".old-step-*")):
         shutil.rmtree(stale, ignore_errors=True)
     return removed
 

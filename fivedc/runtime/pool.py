@@ -316,10 +316,12 @@ def init_from_env(*, backend: str | None = None, timeout_s: float = 600.0) -> Ra
     backend = backend or default_backend()
     device = device_for(backend, int(os.environ.get("LOCAL_RANK", rank)))
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend, init_method="env://", rank=rank, world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        from fivedc.runtime.elastic_store import launcher_store
+
+        timeout = timedelta(seconds=timeout_s)
+        store = launcher_store(rank, world, timeout)  # torchrun's: each restart's keys apart
+        how = {"init_method": "env://"} if store is None else {"store": store}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **how)
     return RankInfo(rank, world, device)
 
 

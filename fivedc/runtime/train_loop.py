@@ -20,9 +20,11 @@ and logs it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import torch
 from fivedc.errors import NonFiniteError
 from fivedc.ir.mesh import MeshAxis
 from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.runtime.fault_hook import strike
 from fivedc.runtime.data import RankBatches, Sampler, TokenFile, token_shape
 from fivedc.runtime.grad_norm import clip_grad_norm, counted_params
 from fivedc.runtime.kernels import KernelContext
@@ -59,6 +62,8 @@ class TrainJob:
     save_dir: str | None = None  # where checkpoints go (with config.save_every)
     names: dict | None = None  # the model's own parameter names (`fivedc/export.names_of`), for exports
     until: int | None = None  # stop after this step (saving there), though the schedule runs to config.steps
+    attempt: int = 0  # 0 the first run of the job; k its k-th restart (torchrun's, Ray's or the local launcher's)
+    faults: tuple = ()  # test-only deaths (`fivedc/runtime/fault_hook.py`: FIVEDC_FAULT)
 
     @property
     def stop(self) -> int:
@@ -87,13 +92,23 @@ def train_job(info, job: TrainJob) -> dict:
 
 
 def train_rank(info, job: TrainJob, *, on_row=None) -> dict:
-    """Train this rank from its start to `job.config.steps`; rank 0's rows (also returned)
-    go to `on_row`."""
+    """Train this rank from its start to `job.stop`; rank 0's rows (also returned) go to `on_row`."""
     run = setup(info, job)
+    rows = []
+    for row in train_steps(run, job, info):
+        rows.append(row)
+        if on_row is not None and info.rank == 0:
+            on_row(row)
+    return {"rows": rows if info.rank == 0 else [], "held": run.trainer.optimizer.held_bytes()}
+
+
+def train_steps(run: RankRun, job: TrainJob, info) -> Iterator[dict]:
+    """The steps from `run.start` to `job.stop`, a row for each as it ends (every rank's
+    own; rank 0's are the ones shown): the Ray launcher streams them as they come."""
     config, optimizer = job.config, run.trainer.optimizer
     batch, seq = token_shape(run.plan.graph)
-    rows = []
     for step in range(run.start, job.stop):
+        strike(job.faults, rank=info.rank, attempt=job.attempt, step=step + 1)
         start = time.perf_counter()
         loss = run.trainer.forward_backward(run.batches.at(step))
         norm = clip_grad_norm(optimizer, run.counted, config.clip)
@@ -111,10 +126,7 @@ def train_rank(info, job: TrainJob, *, on_row=None) -> dict:
             check_finite(done, val_loss=row["val_loss"])
         if saving:
             row["checkpoint"] = str(save(run, job, info, step=done, val_loss=row.get("val_loss")))
-        rows.append(row)
-        if on_row is not None and info.rank == 0:
-            on_row(row)
-    return {"rows": rows if info.rank == 0 else [], "held": optimizer.held_bytes()}
+        yield row
 
 
 def save(run: RankRun, job: TrainJob, info, *, step: int, val_loss: float | None) -> Path:
@@ -135,7 +147,9 @@ def save(run: RankRun, job: TrainJob, info, *, step: int, val_loss: float | None
             "optimizer": {"kind": "adamw", "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": config.weight_decay,
                           "lr": optimizer.lr, "steps_taken": taken},
             "names": job.names}
-    folder = save_checkpoint(run, root=job.save_dir, step=step, meta=meta, rank=info.rank, world=info.world)
+    midway = functools.partial(strike, job.faults, rank=info.rank, attempt=job.attempt, step=step, saving=True)
+    folder = save_checkpoint(run, root=job.save_dir, step=step, meta=meta, rank=info.rank, world=info.world,
+                             midway=midway)
     if info.rank == 0:
         prune(job.save_dir, keep=config.keep, best_step=run.best["step"] if run.best else None)
         if better:
