@@ -1,15 +1,16 @@
 """The step-time model against `fivedc run` on this machine: predicted / measured per layout.
 
 A `cpu` profile is measured first (`fivedc rehearse MODEL --mesh 1x1x1x1x1 --device cpu
---calibrate cpu.toml`: one rank's step timed by kind of work, and the gloo links
-between two local processes). Then each layout below is compiled with that profile
-(`fivedc compile MODEL --mesh ... --hardware cpu.toml --gpu cpu`) and run (`fivedc run`,
-gloo, one core per rank): the model's step against the least measured step after the first
-two (other work on the machine only adds to a step), as the calibration takes the least. Every layout has two ranks, one per core of a 2-core machine, so the rates
-measured on one rank hold for each; between them they cover every axis, four pipeline
-schedules, TP with and without SP, the three ZeRO stages, full recomputation and no
-overlap. The calibration times one rank with its collectives faked; everything the layouts
-add (the split of work, the collectives, bubbles, overlap) is the model's structure.
+--calibrate cpu.toml`: one rank's step timed by kind of work, with a copy stepping beside
+it on the other core, and the gloo links between two local processes). Then each layout
+below is compiled with that profile (`fivedc compile MODEL --mesh ... --hardware cpu.toml
+--gpu cpu`) and run (`fivedc run`, gloo, one core per rank): the model's step against the
+least measured step after the first two (other work on the machine only adds to a step,
+and the calibration takes the least too). Every layout has two ranks, one per core of a
+2-core machine; between them they cover every axis, four pipeline schedules, TP with and
+without SP, the three ZeRO stages, full recomputation and no overlap. The calibration
+times one rank with its collectives faked; everything the layouts add (the split of
+work, the collectives, bubbles, overlap) is the model's structure.
 
     python benchmarks/cpu_step_time.py [--quick] [--write]   # --write: the table in RESULTS.md
 """
