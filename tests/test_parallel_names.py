@@ -148,3 +148,35 @@ def test_parameters_keep_the_modules_names_and_hold_its_blocks(worker_pool, mesh
             assert torch.equal(out["before"][name], expected), name
             after = _block(stepped[name], split, out["tp"], tp)
             assert torch.allclose(out["after"][name], after, rtol=1e-10, atol=1e-12), name
+
+
+@pytest.mark.parametrize("full, local, target, expected", [
+    ((8, 2, 4), (8, 1, 4), (8, 8), (8, 4)),  # heads merged into the features: the rank's heads
+    ((2, 4, 8), (1, 4, 8), (8, 8), (4, 8)),  # an output projection's input features
+    ((8,), (4,), (2, 4), (1, 4)),  # a dim split in two: its first part cut
+    ((6,), (2,), (2, 3), None),  # 3 ranks' parts of a dim the module splits 2 x 3: no shape
+])
+def test_the_local_shape_in_the_modules_layout(full, local, target, expected) -> None:
+    from fivedc.parallel.names import _reshaped
+
+    assert _reshaped(full, local, target) == expected
+
+
+def test_a_part_without_a_shape_in_the_modules_layout_is_held_flat() -> None:
+    """Where one IR parameter of a fused key has no local shape in the module's layout, the
+    key holds its parts flat, end to end, and the views give each back exactly."""
+    from fivedc.frontends.fx.params import ParamMapping
+    from fivedc.parallel.names import _lay_out, _Part
+
+    def mapping(rows: tuple[int, int]) -> ParamMapping:
+        return ParamMapping(ir_name="w", param="w", repeat=None, key="m.weight", module_path="m", pattern="m",
+                            ir_shape=(6,), key_shape=(4, 3), rows=rows)
+
+    parts = [_Part("a", 0, mapping((0, 2)), (2, 3), (6,)), _Part("b", 0, mapping((2, 4)), None, (2,))]
+    pieces, shape = _lay_out("m.weight", parts)
+    assert shape == (8,) and [(p.start, p.length) for p in pieces] == [(0, 6), (6, 2)]
+    values = [torch.arange(6.0), torch.arange(6.0, 8.0)]
+    held = torch.cat([p.to_held(v).reshape(-1) for p, v in zip(pieces, values)])
+    assert all(torch.equal(p.to_ir(held), v) for p, v in zip(pieces, values))
+    whole, _ = _lay_out("m.weight", [parts[0], _Part("b", 0, mapping((2, 4)), (2, 3), (6,))])
+    assert [(p.start, p.length, p.axis) for p in whole] == [(0, 2, 0), (2, 2, 0)]  # both have one: rows

@@ -9,16 +9,16 @@ block of the module's tensor, in the module's layout. The plan's parameters
 are kept whole under their keys, so `state_dict()` has the module's keys.
 
 `forward` takes the same arguments as the original module's, with FULL global
-tensors (every rank passes the same batch); it cuts this rank's shard (batch over dp, sequence over cp in the
-plan's layout), runs the plan's `Program`, and returns the full loss: the local
-summand all-reduced over the loss's pending axes, with an identity backward, so
-`loss.backward()` seeds each rank's own summand. Gradients are summed over their
-`grad_partial` axes before `backward()` returns (`fivedc/parallel/grads.py`), so
-a plain `torch.optim` optimizer over `parameters()` trains it. Under ZeRO the
-parameters are the owned chunks of the flattened shards instead (still under the
-module's keys), and the forward gathers them (`fivedc/parallel/weights.py`); under a pipeline a rank holds only
-its chunks' parameters, and the forward runs the whole schedule
-(`fivedc/parallel/pipeline.py`).
+tensors (every rank passes the same batch); it cuts this rank's shard (batch over
+dp, sequence over cp in the plan's layout), runs the plan's `Program`, and returns
+the full loss: the local summand all-reduced over the loss's pending axes, with an
+identity backward, so `loss.backward()` seeds each rank's own summand. Gradients are
+summed over their `grad_partial` axes before `backward()` returns
+(`fivedc/parallel/grads.py`), so a plain `torch.optim` optimizer over `parameters()`
+trains it. Under ZeRO the parameters are the owned chunks of the flattened shards
+instead (still under the module's keys), and the forward gathers them
+(`fivedc/parallel/weights.py`); under a pipeline a rank holds only its chunks'
+parameters, and the forward runs the whole schedule (`fivedc/parallel/pipeline.py`).
 `full_state_dict()` gathers the parameters back into whole tensors (with the
 persistent buffers) and `load_state_dict` takes either form, told apart by shape.
 """

@@ -151,6 +151,18 @@ class _Adjacent(torch.autograd.Function):
         return grad.unbind(0)
 
 
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """One IR parameter (one local expert of it) found in a module key, before the key's
+    parts are laid side by side."""
+
+    name: str  # the IR parameter
+    slot: int  # its local expert (0 when not stacked)
+    mapping: ParamMapping
+    shape: tuple[int, ...] | None  # its local shape in the module's layout (swapped if transposed), if any
+    ir_shape: tuple[int, ...]  # its local shape in the IR (one expert's, when stacked)
+
+
 def held_names(mappings: tuple[ParamMapping, ...], plan: ExecutionPlan, ctx: KernelContext,
                held: Iterable[str], order: Iterable[str]) -> HeldNames:
     """The module-named tensors holding the IR parameters `held` on this rank (`order`: the
@@ -159,19 +171,19 @@ def held_names(mappings: tuple[ParamMapping, ...], plan: ExecutionPlan, ctx: Ker
     by_ir: dict[str, list[ParamMapping]] = {}
     for m in mappings:
         by_ir.setdefault(m.ir_name, []).append(m)
-    found: list[tuple[str, int | None, ParamMapping, tuple[int, ...] | None, tuple[int, ...]]] = []
+    found: list[_Part] = []
     stacked = set()
     for name in held:
         full, local = _shapes(specs[name], plan, ctx)
         group = by_ir[name]
         if group[0].index is None:
-            found.append((name, None, group[0], _key_shape(group[0], full, local), local))
+            found.append(_Part(name, 0, group[0], _key_shape(group[0], full, local), local))
             continue
         stacked.add(name)
         by_index = {m.index: m for m in group}
         for slot, expert in enumerate(_local_experts(specs[name], plan, ctx)):
             m = by_index[expert]
-            found.append((name, slot, m, _key_shape(m, full[1:], local[1:]), local[1:]))
+            found.append(_Part(name, slot, m, _key_shape(m, full[1:], local[1:]), local[1:]))
     _same_groups(found, specs)
     return _assemble(found, stacked, list(order))
 
@@ -250,58 +262,54 @@ def _local_group(full: tuple[int, ...], local: tuple[int, ...], target: tuple[in
     return None
 
 
-def _same_groups(found, specs: dict[str, Param]) -> None:
+def _same_groups(found: list[_Part], specs: dict[str, Param]) -> None:
     """The IR parameters one key holds have one gradient group: its tensor is summed once."""
     partial: dict[str, tuple] = {}
-    for name, _, m, _, _ in found:
-        axes = specs[name].grad_partial
-        if partial.setdefault(m.key, axes) != axes:
+    for part in found:
+        key, axes = part.mapping.key, specs[part.name].grad_partial
+        if partial.setdefault(key, axes) != axes:
             raise NotSupportedError(
-                f"{m.key} holds IR parameters whose gradients are summed over different axes "
-                f"({partial[m.key]} and {axes}, {name})",
+                f"{key} holds IR parameters whose gradients are summed over different axes "
+                f"({partial[key]} and {axes}, {part.name})",
                 hint="pin the whole module one way (parallelize(..., shardings={...}))")
 
 
-def _assemble(found, stacked: set[str], order: list[str]) -> HeldNames:
-    """Lay each key's parts side by side along its axis (flat where their shapes disagree)."""
-    by_key: dict[str, list] = {}
-    for item in found:
-        by_key.setdefault(item[2].key, []).append(item)
-    pieces: dict[str, list[Piece | None]] = {}
+def _assemble(found: list[_Part], stacked: set[str], order: list[str]) -> HeldNames:
+    """Each key's parts laid side by side (`_lay_out`), the keys in the module's order."""
+    by_key: dict[str, list[_Part]] = {}
+    for part in found:
+        by_key.setdefault(part.mapping.key, []).append(part)
+    pieces: dict[str, dict[int, Piece]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     rank = {key: k for k, key in enumerate(order)}
     for key in sorted(by_key, key=lambda k: rank.get(k, len(rank))):
-        items = sorted(by_key[key], key=lambda item: item[2].rows[0] if item[2].rows else 0)
-        laid, shapes[key] = _lay_out(key, items)
-        for (name, slot, _, _, _), piece in zip(items, laid):
-            slots = pieces.setdefault(name, [])
-            slots.extend([None] * ((slot or 0) + 1 - len(slots)))
-            slots[slot or 0] = piece
-    return HeldNames({n: tuple(p for p in ps if p is not None) for n, ps in pieces.items()},
+        parts = sorted(by_key[key], key=lambda part: part.mapping.rows[0] if part.mapping.rows else 0)
+        laid, shapes[key] = _lay_out(key, parts)
+        for part, piece in zip(parts, laid):
+            pieces.setdefault(part.name, {})[part.slot] = piece
+    return HeldNames({n: tuple(by_slot[s] for s in sorted(by_slot)) for n, by_slot in pieces.items()},
                      frozenset(stacked), shapes)
 
 
-def _lay_out(key: str, items) -> tuple[list[Piece], tuple[int, ...]]:
+def _lay_out(key: str, parts: list[_Part]) -> tuple[list[Piece], tuple[int, ...]]:
     """The pieces of one key and its local shape: in the module's layout when every part has
     one and they differ only along the key's axis, else flat, end to end."""
-    shapes = [item[3] for item in items]
-    m0 = items[0][2]
-    axis = m0.axis
-    if all(s is not None for s in shapes):
-        held = [_unswapped(s, item[2].transpose) for s, item in zip(shapes, items)]
-        rest = {tuple(s[:axis]) + tuple(s[axis + 1:]) for s in held}
-        if len(rest) == 1 and all(len(s) == len(held[0]) for s in held):
+    axis = parts[0].mapping.axis
+    if all(part.shape is not None for part in parts):
+        held = [_unswapped(part.shape, part.mapping.transpose) for part in parts]
+        rest = {tuple(h[:axis]) + tuple(h[axis + 1:]) for h in held}
+        if len(rest) == 1 and len({len(h) for h in held}) == 1:
             out, start = [], 0
-            for item, s, h in zip(items, shapes, held):
-                out.append(Piece(key, start, h[axis], axis, item[2].transpose, s, item[4]))
+            for part, h in zip(parts, held):
+                out.append(Piece(key, start, h[axis], axis, part.mapping.transpose, part.shape, part.ir_shape))
                 start += h[axis]
             whole = list(held[0])
             whole[axis] = start
             return out, tuple(whole)
     out, start = [], 0
-    for item in items:
-        size = math.prod(item[4])
-        out.append(Piece(key, start, size, 0, False, (size,), item[4]))
+    for part in parts:
+        size = math.prod(part.ir_shape)
+        out.append(Piece(key, start, size, 0, False, (size,), part.ir_shape))
         start += size
     return out, (start,)
 

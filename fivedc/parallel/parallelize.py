@@ -33,11 +33,12 @@ tensor this rank's block of the module's (`fivedc/parallel/names.py`),
 `model.full_state_dict()` gathers the module's own state dict (a collective: call
 it on every rank), `load_state_dict` takes either; `model.full_grads()` gathers the
 gradients. With `zero=1|2|3` the parameters are this rank's flat ZeRO chunks, still
-under the module's names (`fivedc/parallel/weights.py`), so the optimizer's state is sharded too; with
-pp > 1 a rank holds its pipeline chunks' parameters and `model(...)` runs the
-whole schedule, its backward handing over the gradients the schedule computed
-(`fivedc/parallel/pipeline.py`); the loop stays the same. `compile_module` does the
-tracing and compiling alone, with no process group (for the CLI).
+under the module's names (`fivedc/parallel/weights.py`), so the optimizer's state is
+sharded too; with pp > 1 a rank holds its pipeline chunks' parameters and
+`model(...)` runs the whole schedule, its backward handing over the gradients the
+schedule computed (`fivedc/parallel/pipeline.py`); the loop stays the same.
+`compile_module` does the tracing and compiling alone, with no process group (for
+the CLI).
 """
 
 from __future__ import annotations
