@@ -2,7 +2,9 @@
 
 `FivedcError.render()` prints `file:line:col: error: message`, the offending source
 line and a caret under the column, then a hint with the fix. The CLI catches
-`FivedcError` at the top and exits with `exit_code` and no Python traceback.
+`FivedcError` at the top, prints it wrapped to its width (`render(width=...)`: lines
+broken at spaces only, so a path or a location stays whole; a long source line shown
+around the caret) and exits with `exit_code` and no Python traceback.
 Nothing below the CLI prints or exits.
 
 Exit codes (EXIT_CODES; `fivedc --help` and the README list them): 0 ok, 1 a
@@ -59,18 +61,52 @@ class FivedcError(Exception):
         self.loc = loc
         self.hint = hint
 
-    def render(self) -> str:
-        head = f"{self.loc}: error: {self.message}" if self.loc else f"error: {self.message}"
-        lines = [head]
+    def render(self, *, width: int | None = None) -> str:
+        """`file:line:col: error: message`, the source line with a caret, `hint: ...`; with
+        `width`, every line fits it (`fit`), but for a word longer than the line."""
+        loc = str(self.loc).replace(" ", _KEEP) if self.loc else ""  # a path with spaces stays whole
+        head = f"{loc}: error: {self.message}" if self.loc else f"error: {self.message}"
+        lines = [fit(head, width).replace(_KEEP, " ") if width else head]
         if self.loc is not None and self.loc.text:
-            lines.append("    " + self.loc.text.rstrip("\n"))
-            lines.append("    " + " " * max(self.loc.col - 1, 0) + "^")
+            lines += _source_lines(self.loc.text.rstrip("\n"), self.loc.col, width)
         if self.hint:
-            lines.append(f"hint: {self.hint}")
+            lines.append(fit(f"hint: {self.hint}", width) if width else f"hint: {self.hint}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.render()
+
+
+_KEEP = "\x00"  # stands for a space that must not break a line
+
+
+def fit(text: str, width: int | None) -> str:
+    """`text` wrapped to `width` columns, line by line: continuation lines indented two more
+    than their line, words (paths, `file:line:col`) never broken, so a word longer than the
+    line stays whole; no wrapping without a width."""
+    import textwrap
+
+    if not width:
+        return text
+    out = []
+    for line in text.split("\n"):
+        lead = line[:len(line) - len(line.lstrip())]
+        out.append(textwrap.fill(line.strip(), width=width, initial_indent=lead, subsequent_indent=lead + "  ",
+                                 break_long_words=False, break_on_hyphens=False) or lead.rstrip())
+    return "\n".join(out)
+
+
+def _source_lines(text: str, col: int, width: int | None) -> list[str]:
+    """The source line and a caret under `col`, 4 columns in; a line too long for `width`
+    shows the part around the caret, `...` where it is cut."""
+    room = (width or 0) - 4
+    start, left, right = 0, "", ""
+    if width and len(text) > room:
+        keep = max(room - 6, 1)
+        start = max(0, min(col - 1 - keep // 2, len(text) - keep))
+        left, right = ("..." if start > 0 else ""), ("..." if start + keep < len(text) else "")
+        text = text[start:start + keep]
+    return ["    " + (left + text + right).rstrip(), "    " + " " * (len(left) + max(col - 1 - start, 0)) + "^"]
 
 
 class DslError(FivedcError):
@@ -102,11 +138,8 @@ class CheckpointError(FivedcError):
     folder, a shard whose bytes changed. Its hint names another checkpoint, never itself.
     Its message quotes paths and fields, so it is wrapped at 100 columns."""
 
-    def render(self) -> str:
-        import textwrap
-
-        return "\n".join(textwrap.fill(line, width=100, subsequent_indent="  ", break_long_words=False,
-                                        break_on_hyphens=False) for line in FivedcError.render(self).splitlines())
+    def render(self, *, width: int | None = 100) -> str:
+        return FivedcError.render(self, width=width)
 
 
 class NonFiniteError(FivedcError):

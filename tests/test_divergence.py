@@ -158,12 +158,13 @@ def test_the_cli_injects_a_fault_and_names_it(worker_pool, monkeypatch, capsys, 
         fn, world=world, payload=payload))
     code = main(["verify", "examples/gpt.5d", "--mesh", "2x1x2x1x1", "--steps", "1", "--inject-fault", "logits@3"])
     out, err = capsys.readouterr()
+    err = " ".join(err.split())  # wrapped at 100 columns
     assert code == 1, err
     assert "first divergence: step 1, forward: the value of logits (linear)" in out
     assert "the checker found the injected fault: logits on rank 3" in out
     assert "first divergence: forward of logits" in err and "Traceback" not in err
     assert main(["verify", "examples/gpt.5d", "--mesh", "2x1x2x1x1", "--inject-fault", "nosuch"]) == 2
-    assert "fivedc show PLAN --ops" in capsys.readouterr().err
+    assert "fivedc show PLAN --ops" in " ".join(capsys.readouterr().err.split())
     plan = tmp_path / "gpt.plan.json"
     assert main(["compile", "examples/gpt.5d", "--mesh", "2x1x2x1x1", "-q", "-o", str(plan)]) == 0
     capsys.readouterr()

@@ -63,7 +63,7 @@ def test_flex_attention_with_a_score_mod_is_refused_at_its_line(tmp_path, capsys
     the flex_attention call, exit 2, and writes no plan."""
     out = tmp_path / "p.plan.json"
     assert main(["compile", f"{MODELS}:flex_softcap", "--mesh", "1x1x1x1x1", "-o", str(out)]) == 2
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
     line = next(i for i, text in enumerate(Path(MODELS).read_text().splitlines(), 1) if "out = flex(" in text)
     assert "flex_attention with a score_mod" in err and f"flex_models.py:{line}:" in err, err
     assert "Traceback" not in err and not out.exists()

@@ -162,8 +162,14 @@ def state_job(info, payload):
     model = parallelize(module, mesh="2x1x1x1x2", example_inputs=inputs)
     model.load_full_state_dict(payload)
     back = model.full_state_dict()
-    local = {n: tuple(p.shape) for n, p in model.named_parameters() if "experts_w1" in n}
-    return sorted(set(back) ^ set(payload)), all(torch.equal(back[k], v) for k, v in payload.items()), local
+    mine = dict(model.named_parameters())
+    local = {n: tuple(p.shape) for n, p in mine.items() if ".experts." in n}  # this rank's experts, by their keys
+    shards = all(torch.equal(p.detach(), payload[n]) for n, p in mine.items())  # each whole: ep splits experts only
+    names, view = model._fivedc_names, model._fivedc_weights.view()
+    shared = all(view[n].untyped_storage().data_ptr() == mine[names.pieces[n][0].key].untyped_storage().data_ptr()
+                 for n in names.stacked)  # the plan's stack of experts is a view of them, not a copy
+    shards = shards and shared and bool(names.stacked)
+    return sorted(set(back) ^ set(payload)), all(torch.equal(back[k], v) for k, v in payload.items()), local, shards
 
 
 def test_full_state_dicts_of_separate_experts_round_trip_through_the_shards(worker_pool) -> None:
@@ -171,6 +177,10 @@ def test_full_state_dicts_of_separate_experts_round_trip_through_the_shards(work
     torch.manual_seed(5)
     state = {k: torch.randn_like(v) for k, v in module.state_dict().items()}
     results = worker_pool.run(state_job, world=4, payload=state)
-    for extra, equal, local in results:
-        assert extra == [] and equal
-        assert set(local.values()) == {(2, 32, 48)}  # 4 experts split over ep=2
+    experts = {k for k in state if ".experts." in k}
+    for extra, equal, local, shards in results:
+        assert extra == [] and equal and shards
+        assert set(local) < experts and len(local) == len(experts) // 2  # 4 experts split over ep=2
+        assert all(shape == tuple(state[k].shape) for k, shape in local.items())
+    ep_pairs = [set(results[r][2]) for r in (0, 1)]  # ranks 0 and 1: ep 0 and 1 (ep inside dp)
+    assert ep_pairs[0].isdisjoint(ep_pairs[1]) and ep_pairs[0] | ep_pairs[1] == experts

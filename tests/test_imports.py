@@ -7,7 +7,9 @@ and are not run, so they are left out; so is the root package's `__getattr__`,
 which makes `fivedc.parallelize` available lazily without importing the compiler.
 
 The folders are layers (each folder's `__init__.py` says which): a module may import
-its own folder and the layers below, never one above.
+its own folder and the layers below, never one above. The optional model libraries
+(torchtitan, torchtune) are imported by no fivedc module and by no test module before its
+`pytest.importorskip`, so that the suite runs without them.
 """
 
 from __future__ import annotations
@@ -126,3 +128,45 @@ def test_compiling_and_searching_a_dsl_model_does_not_import_torch(tmp_path) -> 
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]
+
+
+OPTIONAL = ("torchtitan", "torchtune")  # not in the `test` extra: the suite must run without them
+
+
+def optional_imports(tree: ast.Module, *, anywhere: bool) -> list[tuple[int, str]]:
+    """(line, library) of each import of an optional model library: all of them (`anywhere`),
+    or those that run on import of the module (function bodies left out) and come before the
+    module's `pytest.importorskip` of that library."""
+    skips = {node.value.args[0].value: node.lineno for node in tree.body
+             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+             and ast.unparse(node.value.func) == "pytest.importorskip" and node.value.args
+             and isinstance(node.value.args[0], ast.Constant)}
+    out, stack = [], list(tree.body)
+    while stack:
+        node = stack.pop()
+        if not anywhere and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+        out += [(node.lineno, top) for top in (n.split(".")[0] for n in names)
+                if top in OPTIONAL and (anywhere or node.lineno < skips.get(top, node.lineno + 1))]
+        stack.extend(ast.iter_child_nodes(node))
+    return sorted(out)
+
+
+def test_the_optional_model_libraries_are_imported_only_behind_a_skip() -> None:
+    """fivedc never imports torchtitan or torchtune; a test module may, at its top, only after
+    `pytest.importorskip` of the library (tests/test_titan_tune_models.py), so that without
+    them the rest of the suite is collected and runs."""
+    found = []
+    for files, anywhere in (((ROOT / "fivedc").rglob("*.py"), True), ((ROOT / "tests").glob("*.py"), False)):
+        for path in sorted(files):
+            imported = optional_imports(ast.parse(path.read_text()), anywhere=anywhere)
+            found += [f"{path.relative_to(ROOT)}:{line}: {name}" for line, name in imported]
+    assert not found, "optional libraries imported unconditionally:\n" + "\n".join(found)
+    guarded = ast.parse("import pytest\npytest.importorskip('torchtune')\nimport torchtune\n"
+                        "def f():\n    import torchtitan\n")
+    bare = ast.parse("import torchtitan.models\nfrom torchtune.models import llama3\n")
+    assert optional_imports(guarded, anywhere=False) == []
+    assert optional_imports(guarded, anywhere=True) == [(3, "torchtune"), (5, "torchtitan")]
+    assert optional_imports(bare, anywhere=False) == [(1, "torchtitan"), (2, "torchtune")]

@@ -94,3 +94,43 @@ def test_a_rich_table_loses_its_padding(capsys) -> None:
     console().print(table)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and all(line == line.rstrip() for line in lines)
+
+
+def failed(capsys, argv: list[str], *, code: int = 2) -> list[str]:
+    """The lines a failing command writes to stderr: its exit code as before, no traceback."""
+    assert main(argv) == code, argv
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and not captured.out, argv
+    return captured.err.splitlines()
+
+
+def test_a_long_error_fits_100_columns_with_its_location_whole(tmp_path, capsys) -> None:
+    """A located error in a long-named file, at column 133 of a long line: the message and the
+    hint wrap at spaces (continuation lines indented), `path:line:col` stays on one line, and
+    the source line shows the part around the column with the caret under it."""
+    room = 92 - len(str(tmp_path)) - len("/model.5d:21:133:")
+    folder = tmp_path / ("a_folder_with_a_long_name_" * 4)[:max(room, 1)]
+    folder.mkdir()
+    model = folder / "model.5d"
+    line = "  x = embedding(tokens, wte)         # no position embedding: rope adds positions"
+    text = Path(TINY).read_text()
+    assert line in text
+    model.write_text(text.replace(line, " " * 110 + "x = embedding(tokens, wtf)  # " + "a long comment " * 9))
+    lines = failed(capsys, ["compile", str(model), "--mesh", "1x1x1x1x1"])
+    assert_fits(lines, "compile's error")
+    assert lines[0].startswith(f"{model}:21:133:"), lines
+    assert "undefined name 'wtf'" in " ".join(lines[:2]) and "hint: did you mean 'wte'?" in lines
+    caret = next(k for k, text in enumerate(lines) if text.strip() == "^")
+    column = lines[caret].index("^")
+    assert lines[caret - 1][column:column + 3] == "wtf" and lines[caret - 1].lstrip().startswith("...")
+
+
+def test_a_long_message_without_a_location_wraps_and_loses_nothing(capsys) -> None:
+    argv = ["compile", GPT, "--mesh", "1x1x1x1x1", "--microbatches", "3", "--schedule", "dualpipev"]
+    lines = failed(capsys, argv)
+    assert_fits(lines, "compile's error")
+    assert len(lines) > 2 and lines[1].startswith("  ") and not lines[1].startswith("   ")
+    joined = " ".join(text.strip() for text in lines)
+    assert ("error: --schedule, --microbatches set up a pipeline, but mesh 1x1x1x1x1 has pp=1: there is none, "
+            "and the flag would change nothing") in joined
+    assert "hint: drop the flag, or give the mesh a pipeline axis, e.g. --mesh 1x2x1x1x1" in joined

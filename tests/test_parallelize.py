@@ -35,7 +35,6 @@ from fivedc.parallel.parallelize import compile_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.runtime.program import qualified_params
 from fivedc.passes.stages import chunk_param_names
 
 HERE = str(Path(__file__).resolve())
@@ -164,8 +163,12 @@ def features_job(info, payload) -> dict:
     model.load_state_dict(state)  # the full state dict, in the module's keys
     full = model.full_state_dict()
     out["full_round_trip"] = list(full) == list(state) and all(torch.equal(full[k], state[k]) for k in state)
+    fused, n = state["transformer.h.0.attn.c_attn.weight"], plain.config.n_embd
+    tp = model._fivedc_ctx.coords[MeshAxis.TP]
+    blocks = [fused[i * n + tp * n // 2:i * n + (tp + 1) * n // 2] for i in range(3)]  # this rank's q, k, v rows
+    out["fused_qkv"] = torch.equal(model.state_dict()["transformer.h.0.attn.c_attn.weight"], torch.cat(blocks))
     again = DecoratedGPT(nanogpt.GPTConfig())
-    again.load_state_dict(model.state_dict())  # the sharded one, in the IR's names
+    again.load_state_dict(model.state_dict())  # this rank's shards, in the module's keys too
     out["sharded_round_trip"] = all(torch.equal(v, state[k]) for k, v in again.full_state_dict().items())
     out["local_shapes"] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     x, y = plain.example_inputs()
@@ -187,20 +190,23 @@ def features_job(info, payload) -> dict:
     plain.transformer.wte.weight.requires_grad_(False)  # frozen: no gradient, no hook, no bucket
     frozen = fivedc.parallelize(plain, mesh="2x1x2x1x1", example_inputs=(x, y))
     frozen(x, y).backward()
-    out["frozen"] = {n: p.grad is not None for n, p in frozen.named_parameters() if n in ("wte", "wpe")}
+    out["frozen"] = {n: p.grad is not None for n, p in frozen.named_parameters()
+                     if n.endswith(("wte.weight", "wpe.weight"))}
     return out if info.rank == 0 else {}
 
 
 def test_decorated_class_state_dicts_accumulation_and_overlap(worker_pool) -> None:
     out = worker_pool.run(features_job, world=4, payload=None)[0]
     assert out["type"] == "ParallelModule"
-    assert out["rank0_start"] and out["full_round_trip"] and out["sharded_round_trip"]
+    assert out["rank0_start"] and out["full_round_trip"] and out["sharded_round_trip"] and out["fused_qkv"]
     config = nanogpt.GPTConfig()
-    assert out["local_shapes"]["layers.0.c_fc"] == (config.n_embd, 4 * config.n_embd // 2)  # column over tp=2
-    assert out["local_shapes"]["wte"] == (config.vocab_size // 2, config.n_embd)  # vocab-parallel
+    shapes = out["local_shapes"]  # the module's keys and layouts: nn.Linear's weight [out, in]
+    assert shapes["transformer.h.0.mlp.c_fc.weight"] == (4 * config.n_embd // 2, config.n_embd)  # column over tp=2
+    assert shapes["transformer.wte.weight"] == (config.vocab_size // 2, config.n_embd)  # vocab-parallel
+    assert shapes["transformer.h.0.attn.c_attn.weight"] == (3 * config.n_embd // 2, config.n_embd)  # q, k, v rows
     assert out["accumulated"] <= 1e-12
     assert out["buckets_started_in_backward"] > 0
-    assert out["frozen"] == {"wte": False, "wpe": True}
+    assert out["frozen"] == {"transformer.wte.weight": False, "transformer.wpe.weight": True}
     assert "traced with idx of shape (4, 8), got (4, 4)" in out["shape_error"]
     module = DecoratedGPT.fivedc_plain(config)
     mesh = Mesh.parse("2x1x2x1x1")
@@ -217,9 +223,10 @@ def pipeline_zero_job(info, payload) -> dict:
     plan, out = model.fivedc_plan, {}
     out["chunks"] = [c.what for c in plan.pipeline.chunks]
     pp_rank = model._fivedc_ctx.coords[MeshAxis.PP]
-    sizes = {n: math.prod(plan.graph.dim(d) for d in p.dims) for n, p in qualified_params(plan.graph)}
+    sizes = {m.key: math.prod(m.key_shape) for m in model.fivedc_traced.params}
+    mine = chunk_param_names(plan.graph, plan.pipeline, pp_rank=pp_rank)
     held = dict(model.named_parameters())
-    out["holds_its_chunks"] = set(held) == chunk_param_names(plan.graph, plan.pipeline, pp_rank=pp_rank)
+    out["holds_its_chunks"] = set(held) == {m.key for m in model.fivedc_traced.params if m.ir_name in mine}
     out["flat_halves"] = all(p.shape == (math.ceil(sizes[n] / 2),) for n, p in held.items())
     with torch.no_grad():
         evaluated = model(*inputs)

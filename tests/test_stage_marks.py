@@ -276,7 +276,7 @@ def test_cli_shows_the_marked_chunks_and_refuses_a_wrong_count(tmp_path, capsys)
     assert "Pipeline chunks (cut at the model's @stage marks)" in text
     assert "embedding, layers.0-2" in text and "layers.3," in text and "rmsnorm+linear+cross_entropy" in text
     assert main(["compile", str(model), "--mesh", "1x4x1x1x1", "-o", str(tmp_path / "bad.json")]) == 2
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
     assert "the model marks 1 stage boundary (before layers.3), giving 2 chunks; 1f1b on pp=4 runs 4 chunks" in err
     assert "hint: add 2 marks" in err and "Traceback" not in err and not (tmp_path / "bad.json").exists()
     result = subprocess.run([sys.executable, "-m", "fivedc.cli.main", "compile", str(model), "--mesh", "1x2x1x1x1",

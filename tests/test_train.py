@@ -143,7 +143,7 @@ def test_bad_data_and_settings_are_refused_before_any_process(tmp_path, capsys, 
              "save-dir": ["--save-dir", str(tmp_path / "ck")], "resume": ["--resume", str(tmp_path / "nowhere")]
              }.get(case, [])
     code = main(["train", "examples/tiny_llama.5d", "--mesh", "1x1x1x1x1", "--data", str(data), *flags])
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())
     assert code == 2 and message.format(data=data) in err and "Traceback" not in err
 
 

@@ -3,7 +3,8 @@
 This file parses the command line and dispatches; what the commands share is in
 `shared.py`, and the two that start processes are `verify.py` and
 `run.py`. Every command turns a `FivedcError` into its rendered message
-(file:line:col, the line and a caret, a hint) on stderr and the error's exit code
+(file:line:col, the line and a caret, a hint) on stderr, wrapped to the output's width
+(`fivedc.errors.fit`: 100 columns at most, a path never broken), and the error's exit code
 (`fivedc.errors.EXIT_CODES`: 1 a mismatch, 2 bad input, 3 a rank failed, 4 a bug).
 Nothing is written unless the command succeeds.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from fivedc.cli import screen
 from fivedc.cli.shared import compile_model, load_graph
-from fivedc.errors import EXIT_CODES, FivedcError
+from fivedc.errors import EXIT_CODES, FivedcError, fit
 from fivedc.runtime import DEFAULT_TIMEOUT_S
 from fivedc.cli.rehearse import rehearse_args
 from fivedc.cli.train import train_args
@@ -373,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                "rehearse": cmd_rehearse}[args.command]
     try:
         return handler(args)
-    except FivedcError as error:
-        print(error.render(), file=sys.stderr)
+    except FivedcError as error:  # wrapped to the output's width, a path or file:line:col never broken
+        print(error.render(width=screen.columns()), file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         print("fivedc: interrupted", file=sys.stderr)
@@ -385,8 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # a bug in fivedc: one line, the traceback only when asked for
         if os.environ.get("FIVEDC_TRACEBACK"):
             traceback.print_exc()
-        print(f"error: internal error in fivedc ({type(error).__name__}: {error})\n"
-              "hint: this is a bug in fivedc; FIVEDC_TRACEBACK=1 shows the traceback to report", file=sys.stderr)
+        print(fit(f"error: internal error in fivedc ({type(error).__name__}: {error})\n"
+                  "hint: this is a bug in fivedc; FIVEDC_TRACEBACK=1 shows the traceback to report",
+                  screen.columns()), file=sys.stderr)
         return 4
 
 

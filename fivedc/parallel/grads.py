@@ -22,32 +22,44 @@ nothing to sum over (a 1x1x1x1x1 mesh) get no hooks at all.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.runtime.buckets import GradBuckets, expand_buckets
-from fivedc.runtime.kernels import KernelContext
-from fivedc.runtime.program import grad_groups
+from fivedc.runtime.buckets import GradBuckets
 from fivedc.runtime.flat_shard import FlatShard
 
 
+@dataclass(frozen=True, slots=True)
+class Grouping:
+    """The plan's gradient sums in the names a parallelized module holds its tensors by
+    (`fivedc/parallel/names.HeldNames.grouping`): each one's group (None: nothing to sum
+    over), the buckets in launch order, each bucket with its unit (ZeRO-3 gathers a unit's
+    groups together: `fivedc/runtime/zero3.py`)."""
+
+    groups: dict[str, object | None]
+    buckets: tuple[tuple[str, ...], ...]
+    units: tuple[tuple[tuple[str, ...], tuple[str, int]], ...]
+    overlap: bool
+    bucket_bytes: int
+
+
 class GradSync:
-    def __init__(self, params: dict[str, Tensor], plan: ExecutionPlan, ctx: KernelContext, *, stage: int = 0,
+    def __init__(self, params: dict[str, Tensor], grouping: Grouping, *, stage: int = 0,
                  specs: dict[str, FlatShard] | None = None, owners: dict[str, Tensor] | None = None) -> None:
-        groups = grad_groups(plan.graph, ctx)
+        groups = grouping.groups
         synced = {name for name, group in groups.items()
                   if group is not None and name in params and params[name].requires_grad}
-        buckets = [b for b in expand_buckets(plan.buckets) if all(groups.get(n) is not None for n in b)]
+        buckets = [b for b in grouping.buckets if all(groups.get(n) is not None for n in b)]
         buckets = [kept for b in buckets if (kept := tuple(n for n in b if n in synced))]  # frozen ones dropped
         covered = {name for b in buckets for name in b}
         # a parameter the plan left out of its buckets still gets summed, alone, after backward
         buckets += [(name,) for name in params if name in synced and name not in covered]
         self.params, self.stage, self.specs, self.owners = params, stage, specs or {}, owners
         self.synced = tuple(name for name in params if name in synced)
-        self.reducer = GradBuckets(params, buckets, self.specs, groups, stage=min(stage, 2), overlap=plan.overlap)
+        self.reducer = GradBuckets(params, buckets, self.specs, groups, stage=min(stage, 2), overlap=grouping.overlap)
         self.held: dict[str, Tensor | None] = {}  # .grad from earlier backwards, set aside
         self.queued = False
         for name in self.synced:

@@ -1,21 +1,26 @@
 """The module `fivedc.parallelize` returns: this rank's shards, run by fivedc's runtime.
 
-`ParallelModule` holds one `nn.Parameter` per IR parameter instance, cut to this
-rank's shard, under the IR's qualified names (`wte`, `layers.0.c_attn_q`), so
-`state_dict()` is the sharded state in the plan's names. `forward` takes the same
-arguments as the original module's, with FULL global tensors (every rank passes
-the same batch); it cuts this rank's shard (batch over dp, sequence over cp in the
-plan's layout), runs the plan's `Program`, and returns the full loss: the local
-summand all-reduced over the loss's pending axes, with an identity backward, so
-`loss.backward()` seeds each rank's own summand. Gradients are summed over their
-`grad_partial` axes before `backward()` returns (`fivedc/parallel/grads.py`), so
-a plain `torch.optim` optimizer over `parameters()` trains it. Under ZeRO the
-parameters are the owned chunks of the flattened shards instead, and the forward
-gathers them (`fivedc/parallel/weights.py`); under a pipeline a rank holds only
-its chunks' parameters, and the forward runs the whole schedule
-(`fivedc/parallel/pipeline.py`).
-`full_state_dict()` gathers the parameters back into the original module's keys
-(with its persistent buffers) and `load_state_dict` takes either form.
+`ParallelModule` holds one `nn.Parameter` per parameter of the original module that
+this rank holds, under the module's own key (`layers.0.attn.q_proj.weight`; a tied one
+under each of its keys, named once by `named_parameters()`, as torch does): this rank's
+block of the module's tensor, in the module's layout. The plan's parameters
+(`layers.0.wq`, a linear's weight [in, out]) are views of them, made at each forward
+(`fivedc/parallel/names.py`). Persistent buffers, and parameters forward never reads,
+are kept whole under their keys, so `state_dict()` has the module's keys.
+
+`forward` takes the same arguments as the original module's, with FULL global
+tensors (every rank passes the same batch); it cuts this rank's shard (batch over
+dp, sequence over cp in the plan's layout), runs the plan's `Program`, and returns
+the full loss: the local summand all-reduced over the loss's pending axes, with an
+identity backward, so `loss.backward()` seeds each rank's own summand. Gradients are
+summed over their `grad_partial` axes before `backward()` returns
+(`fivedc/parallel/grads.py`), so a plain `torch.optim` optimizer over `parameters()`
+trains it. Under ZeRO the parameters are the owned chunks of the flattened shards
+instead (still under the module's keys), and the forward gathers them
+(`fivedc/parallel/weights.py`); under a pipeline a rank holds only its chunks'
+parameters, and the forward runs the whole schedule (`fivedc/parallel/pipeline.py`).
+`full_state_dict()` gathers the parameters back into whole tensors (with the
+persistent buffers) and `load_state_dict` takes either form, told apart by shape.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from fivedc.frontends.fx_module import TracedModel
 from fivedc.ir.graph import Param
 from fivedc.ir.mesh import MeshAxis
 from fivedc.parallel.grads import GradSync
+from fivedc.parallel.names import held_names
 from fivedc.parallel.pipeline import PipelineLoss
 from fivedc.parallel.weights import make_weights
 from fivedc.passes.tied import holder_sets
@@ -64,23 +70,22 @@ class ParallelModule(nn.Module):
         state = module_state(module)  # by the names the tracer saw, whatever the module's state-dict hooks write
         keys = {m.key for m in traced.params}
         self._fivedc_keys = tuple(state)  # the original order, parameters and persistent buffers
-        self._fivedc_buffers = {k: v.detach().clone() for k, v in state.items() if k not in keys}
         full = traced.to_ir_params(state)
         if sync_module_states and self._fivedc_groups is not None:
             _broadcast(full, device)
-        frozen = {m.ir_name for m in traced.params if not module.get_parameter(m.key).requires_grad}
         held = self._fivedc_specs
         if plan.pipeline is not None:  # this rank's chunks' parameters only
             self._fivedc_pipeline = PipelineLoss(self._fivedc_program, plan, device)
             held = {n: spec for n, spec in held.items() if n in self._fivedc_pipeline.mine}
         else:
             self._fivedc_pipeline = None
-        local = {name: shard(full[name].detach(), spec.dims, spec.sharding, self._fivedc_ctx).to(device).clone()
+        self._fivedc_names = held_names(traced.params, plan, self._fivedc_ctx, held, self._fivedc_keys)
+        local = {name: shard(full[name].detach(), spec.dims, spec.sharding, self._fivedc_ctx).to(device)
                  for name, spec in held.items()}
-        self._fivedc_weights = make_weights(local, frozen, plan, self._fivedc_ctx)
-        self._fivedc_params: dict[str, nn.Parameter] = {}
-        for name, param in self._fivedc_weights.params.items():
-            self._register(name, param)
+        frozen = {key for key in self._fivedc_names.shapes if not module.get_parameter(key).requires_grad}
+        self._fivedc_weights = make_weights(self._fivedc_names.to_held(local), frozen, plan, self._fivedc_names,
+                                            self._fivedc_names.grouping(plan, self._fivedc_ctx))
+        self._fivedc_register(state, keys)
         axes = loss_partial_axes(plan.graph)
         self._fivedc_loss_steps = (Step("all_reduce", axes),) if axes and self._fivedc_groups is not None \
             and plan.mesh.size(*axes) > 1 else ()
@@ -142,31 +147,50 @@ class ParallelModule(nn.Module):
     def full_state_dict(self) -> dict[str, Tensor]:
         """The original module's state dict, gathered (a collective: call it on every rank)."""
         weights = self._fivedc_weights
-        params = self.fivedc_traced.from_ir_params(self._fivedc_gather({n: weights.local(n) for n in weights.params}))
-        merged = {**self._fivedc_buffers, **params}
+        local = self._fivedc_names.to_ir({k: weights.local(k) for k in weights.params})
+        params = self.fivedc_traced.from_ir_params(self._fivedc_gather(local))
+        merged = {**self._fivedc_state(), **params}
+        for alias, key in self._fivedc_aliases.items():  # a tied parameter under each of its names
+            merged[alias] = merged[key]
         return {k: merged[k] for k in self._fivedc_keys if k in merged}
 
     def full_grads(self) -> dict[str, Tensor]:
         """Every parameter's gradient, gathered, in the original module's parameter names (collective)."""
         weights = self._fivedc_weights
-        return self.fivedc_traced.from_ir_params(self._fivedc_gather({n: weights.local_grad(n) for n in weights.params}))
+        local = self._fivedc_names.to_ir({k: weights.local_grad(k) for k in weights.params})
+        return self.fivedc_traced.from_ir_params(self._fivedc_gather(local))
 
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Load the original module's (full) state dict: each rank keeps its shards."""
         ir = self.fivedc_traced.to_ir_params(dict(state_dict))
-        for name in self._fivedc_params:
+        names = self._fivedc_names
+        local = {}
+        for name in names.pieces:
             spec = self._fivedc_specs[name]
-            self._fivedc_weights.load_local(name, shard(ir[name], spec.dims, spec.sharding, self._fivedc_ctx))
-        for key in self._fivedc_buffers.keys() & state_dict.keys():
-            self._fivedc_buffers[key] = state_dict[key].detach().clone()
+            local[name] = shard(ir[name], spec.dims, spec.sharding, self._fivedc_ctx)
+        for key, tensor in names.to_held(local).items():
+            self._fivedc_weights.load_local(key, tensor)
+        state = self.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for key in self._fivedc_own:
+                if key in state_dict:
+                    state[key].copy_(state_dict[key])
 
     def load_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True, assign: bool = False):
-        """The sharded state dict (this rank's, in the IR's names) or the full one (the original module's keys)."""
-        keys = {m.key for m in self.fivedc_traced.params}
-        if state_dict and keys <= set(state_dict) and not set(state_dict) & set(self._fivedc_params):
+        """This rank's state dict (`state_dict()`: its shards) or the full one (the original
+        module's, as `full_state_dict()` gives): both are in the module's keys, told apart by
+        their shapes."""
+        if self._fivedc_is_full(state_dict):
             self.load_full_state_dict(state_dict)
             return torch.nn.modules.module._IncompatibleKeys([], [])
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _fivedc_is_full(self, state_dict: Mapping[str, Tensor]) -> bool:
+        """Whether `state_dict` holds every parameter whole (a rank's own shards are whole only
+        where nothing splits them: then both readings load the same)."""
+        whole = {m.key: m.key_shape for m in self.fivedc_traced.params}
+        return bool(state_dict) and all(k in state_dict and tuple(state_dict[k].shape) == shape
+                                        for k, shape in whole.items())
 
     def extra_repr(self) -> str:
         """`GPT, mesh 2x1x2x1x1, this rank at dp=0 pp=0 tp=1 cp=0 ep=0`."""
@@ -174,10 +198,32 @@ class ParallelModule(nn.Module):
         return f"{self._fivedc_name}, mesh {self.fivedc_plan.mesh}, this rank at {coords}"
 
     # ---- internals --------------------------------------------------------------------
-    def _register(self, name: str, param: nn.Parameter) -> None:
-        """`layers.0.wq` as parameter `wq` of a child `0` of a child `layers`, so that the
-        names in `named_parameters()` and `state_dict()` are the IR's."""
-        *path, leaf = name.split(".")
+    def _fivedc_register(self, state: dict[str, Tensor], mapped: set[str]) -> None:
+        """Each held tensor under its module key (a tied one under each of its keys, so
+        `named_parameters()` names it once, by its first, as torch does), in the module's
+        order, with what the plan does not hold (persistent buffers, and parameters forward
+        never reads: whole, as they were): `state_dict()` has the module's keys."""
+        held = self._fivedc_weights.params
+        primary = {id(state[key]): key for key in held}
+        planned = {id(state[key]) for key in mapped}  # the plan's, held on this rank or on another
+        self._fivedc_aliases: dict[str, str] = {}
+        own = []
+        for key, tensor in state.items():
+            if key in held:
+                self._fivedc_put(key, held[key])
+            elif id(tensor) in primary:
+                self._fivedc_aliases[key] = primary[id(tensor)]
+                self._fivedc_put(key, held[primary[id(tensor)]])
+            elif id(tensor) not in planned:
+                own.append(key)
+                copy = tensor.detach().clone().to(self._fivedc_device)
+                parameter = isinstance(tensor, nn.Parameter)
+                self._fivedc_put(key, nn.Parameter(copy, tensor.requires_grad) if parameter else copy)
+        self._fivedc_own = tuple(own)  # outside the plan, whole on every rank
+
+    def _fivedc_put(self, key: str, tensor: Tensor) -> None:
+        """`layers.0.attn.wq.weight` as `weight` of a child `wq` of ... of a child `layers`."""
+        *path, leaf = key.split(".")
         holder: nn.Module = self
         for part in path:
             child = holder._modules.get(part)
@@ -186,11 +232,18 @@ class ParallelModule(nn.Module):
                 holder.add_module(part, child)
             holder = child
         try:
-            holder.register_parameter(leaf, param)
+            if isinstance(tensor, nn.Parameter):
+                holder.register_parameter(leaf, tensor)
+            else:
+                holder.register_buffer(leaf, tensor)
         except KeyError as error:
-            raise FivedcError(f"the IR parameter {name} clashes with an attribute of nn.Module: {error}",
+            raise FivedcError(f"the module's {key} clashes with an attribute of nn.Module: {error}",
                               hint="rename the module that holds it") from None
-        self._fivedc_params[name] = param
+
+    def _fivedc_state(self) -> dict[str, Tensor]:
+        """What the plan does not hold, as it is now (on the CPU, as gathered tensors are)."""
+        state = self.state_dict(keep_vars=True)
+        return {k: state[k].detach().cpu().clone() for k in self._fivedc_own}
 
     def _fivedc_gather(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
         """Full tensors from this rank's shards: all-gather each split dim, undo its storage

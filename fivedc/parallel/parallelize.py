@@ -28,15 +28,17 @@ by the same pipeline as a DSL model, and every rank keeps only its shards
 Shapes are static: the plan is for the example inputs' shapes (and non-tensor
 arguments keep their example values; a call with others is an error). The result:
 `model.fivedc_plan` (an `ExecutionPlan`: `.save()`, `fivedc diff`);
-`model.state_dict()` is this rank's shards under the IR's names (`layers.0.c_fc`),
+`model.named_parameters()` and `model.state_dict()` keep the module's names, each
+tensor this rank's block of the module's (`fivedc/parallel/names.py`),
 `model.full_state_dict()` gathers the module's own state dict (a collective: call
 it on every rank), `load_state_dict` takes either; `model.full_grads()` gathers the
-gradients. With `zero=1|2|3` the parameters are this rank's flat ZeRO chunks
-(`fivedc/parallel/weights.py`), so the optimizer's state is sharded too; with
-pp > 1 a rank holds its pipeline chunks' parameters and `model(...)` runs the
-whole schedule, its backward handing over the gradients the schedule computed
-(`fivedc/parallel/pipeline.py`); the loop stays the same. `compile_module` does the
-tracing and compiling alone, with no process group (for the CLI).
+gradients. With `zero=1|2|3` the parameters are this rank's flat ZeRO chunks, still
+under the module's names (`fivedc/parallel/weights.py`), so the optimizer's state is
+sharded too; with pp > 1 a rank holds its pipeline chunks' parameters and
+`model(...)` runs the whole schedule, its backward handing over the gradients the
+schedule computed (`fivedc/parallel/pipeline.py`); the loop stays the same.
+`compile_module` does the tracing and compiling alone, with no process group (for
+the CLI).
 """
 
 from __future__ import annotations
@@ -136,12 +138,15 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     weights, default True); compile (each layer of a repeated block one `torch.compile`
     region; a string names the backend).
 
-    `model.fivedc_plan` is the plan. `model.named_parameters()` are this rank's shards in the
-    plan's names and layouts (`layers.0.c_fc`, a weight stored [in, out], a fused qkv weight as
-    three: `layers.0.c_attn_q`, ...; `model.fivedc_traced.params` maps each to the module's
-    key); `model.full_state_dict()` gathers the module's own state dict, its names and shapes
-    (call it on every rank). On a class, the constructor returns the parallel module and
-    `Class.fivedc_plain(...)` the plain one.
+    `model.fivedc_plan` is the plan. `model.named_parameters()` and `model.state_dict()` keep
+    the module's names (`layers.0.attn.q_proj.weight`; a tied weight once, under its first
+    name, as torch gives it), each tensor this rank's block of the module's in the module's
+    layout (a column-parallel linear's rows, a row-parallel one's columns, a fused qkv
+    weight's q, k and v rows of this rank; this rank's experts; under ZeRO a flat chunk), so
+    param groups by name, saving and loading work as on the module. `model.full_state_dict()`
+    gathers the module's own state dict, its names and shapes (call it on every rank). On a
+    class, the constructor returns the parallel module and `Class.fivedc_plain(...)` the
+    plain one.
     """
     request = _request(mesh, example_inputs, _options(options))
     if module is None:

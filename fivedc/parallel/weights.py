@@ -1,11 +1,12 @@
 """Where a parallelized module keeps its weights, per ZeRO stage (used by `fivedc/parallel/module.py`).
 
-Every mode registers one `nn.Parameter` per IR parameter instance this rank holds
-(`params`, under the IR's qualified names); they are what a torch optimizer over
-`parameters()` steps, so its state is sharded exactly as they are.
+Every mode holds one `nn.Parameter` per module parameter this rank holds (`params`,
+under the module's keys, in its layout: `fivedc/parallel/names.py`); they are what a
+torch optimizer over `parameters()` steps, so its state is sharded exactly as they are.
+`view()` gives the program the plan's parameters, by the IR's names: views of them.
 
 - `WholeShards` (ZeRO-0): the parameters are this rank's local (tp/ep-split)
-  shards, and the forward reads them. `GradSync` sums their gradients over their
+  shards, and the forward reads views of them. `GradSync` sums their gradients over their
   `grad_partial` axes during backward.
 - `FlatChunks` (ZeRO-1 and 2, and ZeRO-3 under a pipeline): the parameters are
   the owned chunks of the flattened local shards (`fivedc/runtime/flat_shard.FlatShard`, padded
@@ -32,11 +33,9 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from fivedc.parallel.grads import GradSync
+from fivedc.parallel.grads import GradSync, Grouping
+from fivedc.parallel.names import HeldNames
 from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.passes.overlap import expand_buckets, expand_units
-from fivedc.runtime.kernels import KernelContext
-from fivedc.runtime.program import grad_groups
 from fivedc.runtime.flat_shard import FlatShard, flat_shard, gather_flat
 from fivedc.runtime.zero import gathered_params_scope
 from fivedc.runtime.zero3 import ShardedParams
@@ -45,12 +44,13 @@ from fivedc.runtime.zero3 import ShardedParams
 class WholeShards:
     """ZeRO-0: the local shards themselves."""
 
-    def __init__(self, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan, ctx: KernelContext) -> None:
+    def __init__(self, local: dict[str, Tensor], frozen: set[str], names: HeldNames, grouping: Grouping) -> None:
+        self.names = names
         self.params = {n: nn.Parameter(t, requires_grad=n not in frozen) for n, t in local.items()}
-        self.sync = GradSync(self.params, plan, ctx)
+        self.sync = GradSync(self.params, grouping)
 
     def view(self) -> dict[str, Tensor]:
-        return self.params
+        return self.names.to_ir(self.params)
 
     def scope(self):
         return gathered_params_scope(0)
@@ -73,10 +73,10 @@ class WholeShards:
 class _Chunked:
     """The parameters are owned chunks (`FlatShard`) where the ZeRO group has more than one rank."""
 
-    def __init__(self, stage: int, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan,
-                 ctx: KernelContext) -> None:
-        self.stage, self.plan, self.ctx = stage, plan, ctx
-        groups = grad_groups(plan.graph, ctx)
+    def __init__(self, stage: int, local: dict[str, Tensor], frozen: set[str], names: HeldNames,
+                 grouping: Grouping) -> None:
+        self.stage, self.names, self.grouping = stage, names, grouping
+        groups = grouping.groups
         self.shapes = {n: t.shape for n, t in local.items()}
         self.specs: dict[str, FlatShard] = {}
         self.params: dict[str, nn.Parameter] = {}
@@ -108,12 +108,11 @@ class _Chunked:
 class FlatChunks(_Chunked):
     """ZeRO-1/2 (and ZeRO-3 under a pipeline): gathered once per forward, summed into the chunks."""
 
-    def __init__(self, stage: int, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan,
-                 ctx: KernelContext) -> None:
-        super().__init__(stage, local, frozen, plan, ctx)
+    def __init__(self, stage: int, local: dict[str, Tensor], frozen: set[str], names: HeldNames,
+                 grouping: Grouping) -> None:
+        super().__init__(stage, local, frozen, names, grouping)
         self.sync: GradSync | None = None  # the last forward's
         self.gathered: dict[str, Tensor] = {}  # the last forward's whole tensors
-        self.buckets = expand_buckets(plan.buckets)  # gathered by the plan's buckets, as it lists them
 
     def view(self) -> dict[str, Tensor]:
         """Every chunked parameter gathered whole (`gather_flat`: one all-gather per plan
@@ -126,11 +125,11 @@ class FlatChunks(_Chunked):
         collector (5 extra copies after 6 steps, benchmarks/parallelize_zero.py)."""
         self.gathered = {}  # the previous forward's, unless a graph still holds them: freed before the gather
         full = gather_flat({n: self.params[n].detach() for n in self.specs}, self.specs,
-                           buckets=self.buckets, bucket_bytes=self.plan.bucket_bytes)
+                           buckets=self.grouping.buckets, bucket_bytes=self.grouping.bucket_bytes)
         self.gathered = {n: full[n].view(self.shapes[n]).requires_grad_(True) for n in self.specs}
-        self.sync = GradSync(_WeakParams(self.gathered), self.plan, self.ctx, stage=self.stage, specs=self.specs,
+        self.sync = GradSync(_WeakParams(self.gathered), self.grouping, stage=self.stage, specs=self.specs,
                              owners={n: self.params[n] for n in self.gathered})
-        return {**self.params, **self.gathered}
+        return self.names.to_ir({**self.params, **self.gathered})
 
     def scope(self):
         return gathered_params_scope(0)
@@ -168,27 +167,45 @@ class GatheredOnUse(_Chunked):
     """ZeRO-3: gathered by group (the plan's buckets) while a layer runs, gathered again in
     backward, the group's gradients reduce-scattered into the chunks by autograd."""
 
-    def __init__(self, local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan, ctx: KernelContext) -> None:
-        super().__init__(3, local, frozen, plan, ctx)
+    def __init__(self, local: dict[str, Tensor], frozen: set[str], names: HeldNames, grouping: Grouping) -> None:
+        super().__init__(3, local, frozen, names, grouping)
         specs = {n: self.specs.get(n, FlatShard(t.numel(), 1, 0, None)) for n, t in local.items()}
-        self.sharded = ShardedParams(self.params, specs, self.shapes, overlap=plan.overlap,
-                                     groups=expand_units(plan.buckets))  # gathered by the plan's buckets
+        self.sharded = ShardedParams(self.params, specs, self.shapes, overlap=grouping.overlap,
+                                     groups=grouping.units)  # gathered by the plan's buckets
 
-    def view(self):
-        return self.sharded.view()
+    def view(self) -> _InPlan:
+        return _InPlan(self.sharded.view(), self.names)
 
     def scope(self):
         return gathered_params_scope(3)
 
-    def forward_done(self, view) -> None:
-        view.done()
+    def forward_done(self, view: _InPlan) -> None:
+        view.gathered.done()
 
 
-def make_weights(local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan, ctx: KernelContext):
+class _InPlan(Mapping[str, Tensor]):
+    """ZeRO-3's gathered parameters by the IR's names: each read gathers (or finds gathered)
+    the module-named tensors it is a view of, as the program reaches it."""
+
+    def __init__(self, gathered, names: HeldNames) -> None:
+        self.gathered, self.names = gathered, names
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.names.ir(name, self.gathered)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names.pieces)
+
+    def __len__(self) -> int:
+        return len(self.names.pieces)
+
+
+def make_weights(local: dict[str, Tensor], frozen: set[str], plan: ExecutionPlan, names: HeldNames,
+                 grouping: Grouping):
     """The weights of a parallelized module for the plan's ZeRO stage (a pipeline gathers
     once per step, so ZeRO-3 under pp keeps the gathered tensors through the step)."""
     if plan.zero == 0:
-        return WholeShards(local, frozen, plan, ctx)
+        return WholeShards(local, frozen, names, grouping)
     if plan.zero == 3 and plan.pipeline is None:
-        return GatheredOnUse(local, frozen, plan, ctx)
-    return FlatChunks(plan.zero, local, frozen, plan, ctx)
+        return GatheredOnUse(local, frozen, names, grouping)
+    return FlatChunks(plan.zero, local, frozen, names, grouping)
