@@ -10,6 +10,7 @@ enough for a loaded CI machine (`benchmarks/cpu_step_time.py` has the 20 % table
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,8 @@ from fivedc.ir.hardware import hardware
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan.work_counts import step_work
-from fivedc.runtime.calibrate import LinkSeconds, StepSeconds, profile_of
+from fivedc.plan.work_counts import compute_seconds, step_work
+from fivedc.runtime.calibrate import LinkSeconds, StepSeconds, profile_of, profile_text
 from fivedc.runtime.run import run_plan
 from fivedc.runtime.train import TrainSettings
 
@@ -55,20 +56,30 @@ def test_a_pipeline_cannot_be_calibrated() -> None:
 
 
 def test_a_calibrated_profile_gives_back_the_seconds_it_was_measured_from(tmp_path) -> None:
-    work = (step_work(_plan("1x1x1x1x1")), step_work(_plan("1x1x1x1x1", batch=2)))
-    latency, rate = 2e-4, 1e9  # the host's seconds per op, and bytes per second
-    other = [w.op_issues * latency + w.op_bytes / rate for w in work]
-    measured = (StepSeconds(matmul=0.30, attention=0.02, other=other[0], optimizer=0.05),
-                StepSeconds(matmul=0.15, attention=0.01, other=other[1], optimizer=0.05))
+    """Seconds 'measured' on a known machine (the model's own, on it) calibrate a profile that
+    prices both batches as that machine does, and finds its per-op latency."""
+    plans = (_plan("1x1x1x1x1"), _plan("1x1x1x1x1", batch=2))
+    truth = dataclasses.replace(hardware("a100"), op_latency_s=2e-4, op_memory_efficiency=0.3)
+    measured = tuple(_seconds_on(plan, truth) for plan in plans)
     links = LinkSeconds(latency_s=1e-4, bytes_per_s=1e9, overlap_share=0.9)
+    hw = profile_of("box", plans, measured, links, cores=2, source="a test")
+    assert hw.op_latency_s == pytest.approx(truth.op_latency_s, rel=1e-3)
+    for plan in plans:
+        assert compute_seconds(plan, hw) == pytest.approx(compute_seconds(plan, truth), rel=1e-4)
     path = tmp_path / "box.toml"
-    path.write_text(profile_of("box", work, measured, links, cores=2, source="a test"))
-    hw = hardware("box", (path,))
-    assert hw.op_latency_s == pytest.approx(latency, rel=1e-4)
-    estimated = _estimated_seconds(work[0], hw)
-    for kind, seconds in (("matmuls", 0.30), ("attention", 0.02), ("other ops", other[0]), ("optimizer", 0.05)):
-        assert estimated[kind] == pytest.approx(seconds, rel=1e-4), kind
-    assert (hw.nvlink_latency_s, hw.nvlink_bytes_per_s, hw.overlap_sm_share) == pytest.approx((1e-4, 1e9, 0.9))
+    path.write_text(profile_text(hw, measured, links, "a test"))
+    read = hardware("box", (path,))
+    assert (read.nvlink_latency_s, read.nvlink_bytes_per_s, read.overlap_sm_share) == pytest.approx((1e-4, 1e9, 0.9))
+    assert read.op_latency_s == pytest.approx(hw.op_latency_s, rel=1e-5)
+
+
+def _seconds_on(plan, hw) -> StepSeconds:
+    """A step as the model prices it on `hw`, by kind of work."""
+    work = step_work(plan)
+    matmul = work.matmul_flops / (hw.bf16_flops * hw.matmul_efficiency)
+    attention = work.attention_flops / (hw.bf16_flops * hw.attention_efficiency)
+    other = compute_seconds(plan, hw) - matmul - attention
+    return StepSeconds(matmul, attention, other, work.optimizer_bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency))
 
 
 def test_the_command_writes_a_profile_compile_prices_with(tmp_path, capsys) -> None:

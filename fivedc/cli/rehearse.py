@@ -180,15 +180,14 @@ def _write_profile(args, plan, timing: Timing, measured) -> None:
 
     from fivedc.files import write_output
     from fivedc.ir.hardware import hardware
-    from fivedc.plan.work_counts import step_work
-    from fivedc.runtime.calibrate import profile_of, time_links, time_rank
+    from fivedc.runtime.calibrate import profile_of, profile_text, time_links, time_rank
 
     half = time_rank(timing.half, 0, beside=timing.beside)
     links = time_links()
     key = "".join(ch if ch.isalnum() else "_" for ch in Path(args.calibrate).stem.lower()) or "cpu"
     source = f"{datetime.date.today()} fivedc rehearse {args.model} --mesh {plan.mesh} --device cpu"
-    text = profile_of(key, (timing.work, step_work(timing.half)), (measured, half), links,
-                      cores=os.cpu_count() or 1, source=source)
+    hw = profile_of(key, (plan, timing.half), (measured, half), links, cores=os.cpu_count() or 1, source=source)
+    text = profile_text(hw, (measured, half), links, source)
     write_output(args.calibrate, text, inputs=(args.model.split(":")[0],), what="profile")
     hardware(key, (args.calibrate,))  # it reads back as a profile
     print(f"\nwrote {args.calibrate}: links {links.bytes_per_s / 1e9:.2f} GB/s, {links.latency_s * 1e6:.0f} us, "

@@ -50,8 +50,13 @@ def step_work(plan: ExecutionPlan) -> StepWork:
         op_issues=_compute(plan, op_latency_s=1.0))
 
 
+def compute_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
+    """The model's forward and backward of `plan`'s step on `hw`."""
+    return _price(plan, hw).compute_seconds
+
+
 def _compute(plan: ExecutionPlan, **rates: float) -> float:
-    return _price(plan, _probe(**rates)).compute_seconds
+    return compute_seconds(plan, _probe(**rates))
 
 
 def _price(plan: ExecutionPlan, hw: Hardware):

@@ -14,15 +14,17 @@ an all-reduce of a few bytes gives the latency per algorithm step, one of 16 MiB
 bandwidth, and a matmul run beside an all-reduce what share of the compute the
 collective takes meanwhile (`overlap_sm_share`).
 
-`profile_of` turns both into a hardware profile (`fivedc/ir/hardware.toml`'s form):
-each rate is the step-time model's own count of that work (`fivedc/plan/work_counts.py`)
-over the seconds it took, so `fivedc compile --hardware FILE --gpu NAME` prices with
-what this machine did.
+`profile_of` turns both into a hardware profile (`profile_text`: `fivedc/ir/hardware.toml`'s
+form): each rate is the step-time model's own count of that work
+(`fivedc/plan/work_counts.py`) over the seconds it took, and the other ops' terms those for
+which the model gives back the measured step, so `fivedc compile --hardware FILE --gpu
+NAME` prices with what this machine did.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import resource
@@ -34,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from fivedc.errors import FivedcError
-from fivedc.ir.hardware import GiB
+from fivedc.ir.hardware import GiB, Hardware
 from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.plan.work_counts import StepWork
+from fivedc.plan.work_counts import compute_seconds, step_work
 from fivedc.runtime.pool_worker import RankInfo
 from fivedc.runtime.rehearse import quiet_stderr
 from fivedc.runtime.train import Trainer, TrainSettings
@@ -211,69 +213,80 @@ def _least_seconds(fn, repeats: int) -> float:
 
 
 # ---- the profile -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OtherOps:
-    """Forward and backward's other ops: bytes per second, and the host's seconds per op issued."""
-
-    bytes_per_s: float
-    latency_s: float
+RATE_RANGE = (1e3, 1e15)  # bytes per second the search for the other ops' rate spans
 
 
-def other_ops(work: tuple[StepWork, StepWork], step: tuple[StepSeconds, StepSeconds]) -> OtherOps:
-    """From the step at two batch sizes (the same ops on less data): the seconds that do not
-    shrink with the data are the host's per op issued, the rest moves the model's bytes.
-    Where the two do not separate (noise), every second is the bytes'."""
-    (full, half), (t_full, t_half) = work, (step[0].other, step[1].other)
-    moved, spent = full.op_bytes - half.op_bytes, t_full - t_half
-    if moved > 0 and spent > 0 and full.op_issues > 0:
-        rate = moved / spent
-        latency = (t_full - full.op_bytes / rate) / full.op_issues
-        if latency >= 0:
-            return OtherOps(rate, latency)
-    return OtherOps(full.op_bytes / t_full if t_full else 0.0, 0.0)
-
-
-def profile_of(key: str, work: tuple[StepWork, StepWork], step: tuple[StepSeconds, StepSeconds],
-               links: LinkSeconds, *, cores: int, source: str) -> str:
-    """A hardware profile in `fivedc/ir/hardware.toml`'s form: each rate is the model's count of
-    a kind of work over the seconds this machine took for it (the step at the full batch),
-    the per-op latency from the step at two batches (`other_ops`)."""
-    counts, seconds = work[0], step[0]
-    matmul = counts.matmul_flops / seconds.matmul if seconds.matmul else 0.0
-    if not matmul:
+def profile_of(key: str, plans: tuple[ExecutionPlan, ExecutionPlan], step: tuple[StepSeconds, StepSeconds],
+               links: LinkSeconds, *, cores: int, source: str) -> Hardware:
+    """This machine as a hardware profile, from one rank's step of `plans` (a plan, then the same
+    at half its batch) timed by kind of work, and the links. The matmul, attention and
+    optimizer rates are the model's count of that work (`work_counts.step_work`) over its
+    seconds at the full batch; the other ops' bytes per second and the host's seconds per op
+    are those for which the model's forward and backward (its roofline included) take what
+    was measured at both batches (`other_ops`)."""
+    counts, seconds = step_work(plans[0]), step[0]
+    if not seconds.matmul or not counts.matmul_flops:
         raise FivedcError("the calibration step ran no matmul", hint="calibrate on a model with linear layers")
+    matmul = counts.matmul_flops / seconds.matmul
     attention = counts.attention_flops / seconds.attention if seconds.attention else matmul
+    update = counts.optimizer_bytes / seconds.optimizer if seconds.optimizer and counts.optimizer_bytes else matmul
     peak = max(matmul, attention)
-    ops = other_ops(work, step)
-    update = counts.optimizer_bytes / seconds.optimizer if seconds.optimizer else 0.0
-    memory = max(ops.bytes_per_s, update)
-    if not memory:
-        raise FivedcError("the calibration step moved no bytes outside matmuls")
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / cores
-    lines = [
-        f"# measured by {source}",
-        *(f"# one rank's step at {label} batch: matmuls {t.matmul:.4f} s, attention {t.attention:.4f} s, "
-          f"other ops {t.other:.4f} s, optimizer {t.optimizer:.4f} s" for label, t in zip(("the", "half the"), step)),
-        f"# links (gloo, 2 local processes): latency {links.latency_s * 1e6:.1f} us, "
-        f"{links.bytes_per_s / 1e9:.3f} GB/s, overlap share {links.overlap_share:.2f}",
-        f"[{key}]",
-        f'name = "this machine, one core per rank ({source.split()[0]})"',
-        f"bf16_flops = {peak:.6g}             # FLOP/s at the plan's dtype: matmul or attention's",
-        f"hbm_bytes_per_s = {memory:.6g}",
-        f"memory_gib = {ram_gib:.3f}             # the machine's memory over its cores",
-        f"reserved_gib = {min(rss_gib, ram_gib / 2):.3f}           # a rank's process with torch loaded",
-        f"nvlink_bytes_per_s = {links.bytes_per_s:.6g}",
-        f"internode_bytes_per_s = {links.bytes_per_s:.6g}",
-        f"gpus_per_node = {cores}",
-        f"matmul_efficiency = {matmul / peak:.6g}",
-        f"attention_efficiency = {attention / peak:.6g}",
-        f"memory_efficiency = {(update or memory) / memory:.6g}     # the optimizer's update",
-        f"op_memory_efficiency = {(ops.bytes_per_s or memory) / memory:.6g}  # forward and backward's other ops",
-        f"op_latency_s = {ops.latency_s:.6g}         # the host's time per op issued",
-        "link_efficiency = 1.0",
-        f"nvlink_latency_s = {links.latency_s:.6g}",
-        f"internode_latency_s = {links.latency_s:.6g}",
-        f"overlap_sm_share = {links.overlap_share:.6g}",
-    ]
+
+    def machine(rate: float, latency: float) -> Hardware:
+        hbm = max(update, rate)
+        return Hardware(key, f"this machine, one core per rank ({source.split()[0]})", bf16_flops=peak,
+                        hbm_bytes_per_s=hbm, memory_gib=ram_gib, reserved_gib=min(rss_gib, ram_gib / 2),
+                        nvlink_bytes_per_s=links.bytes_per_s, internode_bytes_per_s=links.bytes_per_s,
+                        gpus_per_node=cores, matmul_efficiency=matmul / peak, attention_efficiency=attention / peak,
+                        memory_efficiency=update / hbm, link_efficiency=1.0, nvlink_latency_s=links.latency_s,
+                        internode_latency_s=links.latency_s, overlap_sm_share=links.overlap_share,
+                        op_memory_efficiency=rate / hbm, op_latency_s=latency)
+
+    rate, latency = other_ops(plans, (step[0].forward_backward, step[1].forward_backward), machine)
+    return machine(rate, latency)
+
+
+def other_ops(plans, measured: tuple[float, float], machine) -> tuple[float, float]:
+    """(bytes per second, seconds per op issued) of the other ops, for which the model's forward
+    and backward take the `measured` seconds of both plans: the seconds that do not shrink
+    with the batch are the host's per op. Where the two do not separate (noise), no time
+    per op, and the rate for the full batch alone."""
+    full, half = plans
+    issues = step_work(full).op_issues
+
+    def model(plan, rate: float, latency: float = 0.0) -> float:
+        return compute_seconds(plan, machine(rate, latency))
+
+    rate = _root(lambda r: model(full, r) - model(half, r) - (measured[0] - measured[1]))
+    latency = (measured[0] - model(full, rate)) / issues if rate and issues else -1.0
+    if latency < 0:
+        rate, latency = _root(lambda r: model(full, r) - measured[0]) or RATE_RANGE[1], 0.0
+    return rate, latency
+
+
+def _root(f) -> float | None:
+    """Where the decreasing `f` crosses zero, by bisection over `RATE_RANGE` in log space; None if it does not."""
+    low, high = RATE_RANGE
+    if f(low) < 0 or f(high) > 0:
+        return None
+    for _ in range(60):
+        middle = (low * high) ** 0.5
+        low, high = (middle, high) if f(middle) > 0 else (low, middle)
+    return (low * high) ** 0.5
+
+
+def profile_text(hw: Hardware, step: tuple[StepSeconds, StepSeconds], links: LinkSeconds, source: str) -> str:
+    """`hw` in `fivedc/ir/hardware.toml`'s form, with what was measured as comments."""
+    lines = [f"# measured by {source}",
+             *(f"# one rank's step at {label} batch: matmuls {t.matmul:.4f} s, attention {t.attention:.4f} s, "
+               f"other ops {t.other:.4f} s, optimizer {t.optimizer:.4f} s" for label, t in zip(("the", "half the"), step)),
+             f"# links (gloo, 2 local processes): latency {links.latency_s * 1e6:.1f} us, "
+             f"{links.bytes_per_s / 1e9:.3f} GB/s, overlap share {links.overlap_share:.2f}",
+             f"[{hw.key}]", f'name = "{hw.name}"']
+    for field in dataclasses.fields(hw):
+        if field.name not in ("key", "name"):
+            value = getattr(hw, field.name)
+            lines.append(f"{field.name} = {value if isinstance(value, int) else f'{value:.6g}'}")
     return "\n".join(lines) + "\n"
