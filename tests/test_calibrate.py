@@ -58,7 +58,7 @@ def test_a_pipeline_cannot_be_calibrated() -> None:
 def test_a_calibrated_profile_gives_back_the_seconds_it_was_measured_from(tmp_path) -> None:
     """Seconds 'measured' on a known machine (the model's own, on it) calibrate a profile that
     prices both batches as that machine does, and finds its per-op latency."""
-    plans = (_plan("1x1x1x1x1"), _plan("1x1x1x1x1", batch=2))
+    plans = (_plan("1x1x1x1x1"), _plan("1x1x1x1x1", batch=1))
     truth = dataclasses.replace(hardware("a100"), op_latency_s=2e-4, op_memory_efficiency=0.3)
     measured = tuple(_seconds_on(plan, truth) for plan in plans)
     links = LinkSeconds(latency_s=1e-4, bytes_per_s=1e9, overlap_share=0.9)
@@ -119,7 +119,7 @@ def test_the_step_time_model_holds_against_fivedc_run_on_this_machine(tmp_path) 
     """Calibrated on one rank, the model's step for two-rank layouts (data, tensor and pipeline
     parallel) against `fivedc run`'s: within 2x each (a loaded CI machine), and within 1.5x of
     each other (the load scales every layout alike; a structure gone wrong does not)."""
-    profile, model = tmp_path / "here.toml", tmp_path / "half.5d"
+    profile, model = tmp_path / "here.toml", tmp_path / "small.5d"
     text = (Path(_root()) / "benchmarks" / "cpu_step.5d").read_text()
     model.write_text(text.replace("batch = 8", "batch = 4"))  # half the bench model's batch: half the time
     assert main(["rehearse", str(model), "--mesh", "1x1x1x1x1", "--dtype", "fp32", "--device", "cpu",

@@ -91,11 +91,11 @@ def _check_device_flags(args) -> None:
 class Timing:
     """What --device cpu sets the measured seconds against: the model's counts of the step's
     work (a plan without a pipeline) and a profile's rates; for --calibrate, the plan at
-    half the batch too (the same ops on half the data)."""
+    a quarter of the batch too (the same ops on a quarter of the data)."""
 
     work: object | None  # StepWork
     hardware: object | None  # Hardware
-    half: object | None = None  # ExecutionPlan
+    small: object | None = None  # ExecutionPlan: the plan at a quarter of its batch
     beside: int = 0  # processes stepping beside the timed rank, as fivedc run's other ranks would
 
 
@@ -106,8 +106,8 @@ def _timing_setup(args, plan) -> Timing:
 
     work = step_work(plan) if args.calibrate is not None or plan.pipeline is None else None
     gpu = hardware(args.gpu, tuple(args.hardware)) if args.gpu else (plan.time.hardware if plan.time else None)
-    half = _half_batch(args, plan) if args.calibrate is not None else None
-    return Timing(work, gpu, half, _beside(args, plan))
+    small = _quarter_batch(args, plan) if args.calibrate is not None else None
+    return Timing(work, gpu, small, _beside(args, plan))
 
 
 def _beside(args, plan) -> int:
@@ -119,17 +119,17 @@ def _beside(args, plan) -> int:
     return (cores if args.calibrate is not None else min(plan.mesh.world, cores)) - 1
 
 
-def _half_batch(args, plan):
+def _quarter_batch(args, plan):
     from fivedc.cli.shared import compile_model
 
     batch = plan.graph.dim(plan.graph.batch_dim) if plan.graph.batch_dim else 0
     if args.model.endswith(".json"):
-        raise FivedcError("--calibrate compiles the model again at half its batch: give the model, not a plan",
+        raise FivedcError("--calibrate compiles the model again at a quarter of its batch: give the model, not a plan",
                           hint="e.g. fivedc rehearse model.5d --mesh 1x1x1x1x1 --device cpu --calibrate cpu.toml")
-    if batch < 2 or batch % (2 * plan.mesh.size("dp")):
-        raise FivedcError(f"--calibrate times the step at the batch ({batch}) and at half of it, which must split "
-                          f"over dp={plan.mesh.size('dp')}", hint="compile with --global-batch B, B a multiple of 2 x dp")
-    args = argparse.Namespace(**{**vars(args), "global_batch": batch // 2})
+    if batch < 4 or batch % (4 * plan.mesh.size("dp")):
+        raise FivedcError(f"--calibrate times the step at the batch ({batch}) and at a quarter of it, which must "
+                          f"split over dp={plan.mesh.size('dp')}", hint="a model whose batch is a multiple of 4 x dp")
+    args = argparse.Namespace(**{**vars(args), "global_batch": batch // 4})
     return compile_model(args.model, args.mesh, args, dtype=plan.dtype)
 
 
@@ -182,12 +182,12 @@ def _write_profile(args, plan, timing: Timing, measured) -> None:
     from fivedc.ir.hardware import hardware
     from fivedc.runtime.calibrate import profile_of, profile_text, time_links, time_rank
 
-    half = time_rank(timing.half, 0, beside=timing.beside)
+    small = time_rank(timing.small, 0, beside=timing.beside)
     links = time_links()
     key = "".join(ch if ch.isalnum() else "_" for ch in Path(args.calibrate).stem.lower()) or "cpu"
     source = f"{datetime.date.today()} fivedc rehearse {args.model} --mesh {plan.mesh} --device cpu"
-    hw = profile_of(key, (plan, timing.half), (measured, half), links, cores=os.cpu_count() or 1, source=source)
-    text = profile_text(hw, (measured, half), links, source)
+    hw = profile_of(key, (plan, timing.small), (measured, small), links, cores=os.cpu_count() or 1, source=source)
+    text = profile_text(hw, (measured, small), links, source)
     write_output(args.calibrate, text, inputs=(args.model.split(":")[0],), what="profile")
     hardware(key, (args.calibrate,))  # it reads back as a profile
     print(f"\nwrote {args.calibrate}: links {links.bytes_per_s / 1e9:.2f} GB/s, {links.latency_s * 1e6:.0f} us, "

@@ -19,7 +19,9 @@ A step (`estimate_time`) is
    gathers each group (a layer's parameters) at its use (forward gathers prefetched behind compute,
    backward ones and the reduce-scatters not) or, under a pipeline, once per step;
 4. the optimizer: AdamW reads and writes parameters, gradients and its state on the
-   owned part, memory-bound.
+   owned part, memory-bound; and the runtime's copies around the sums (gradients into
+   their buckets, ZeRO's gathered buffers into parameters: `_copy_bytes`), counted with
+   the gradient sync.
 
 The step is as long as its slowest pp rank. MFU = the model's FLOPs per step (3 x its
 forward matmuls and attention, whatever is recomputed) / (step x world x peak);
@@ -169,10 +171,26 @@ def after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipe
         exposed_sync = max(sync - beside * hw.overlap_keep, sync / max(len(buckets), 1)) if hidden else sync
         gathers = gather if zero >= 1 else 0.0
     state = 2 * dtype_bytes + dtype_bytes + 2 * OPTIMIZER_BYTES[dtype]  # p read+write, g read, state read+write
-    optimizer = owned * state / (hw.hbm_bytes_per_s * hw.memory_efficiency)
+    stream = hw.hbm_bytes_per_s * hw.memory_efficiency
+    optimizer = owned * state / stream
+    exposed_sync += _copy_bytes(sum(groups.values()), zero, pipeline) / stream
     if pipeline is not None and pipeline.schedule == "dualpipe":  # the two copies add their gradients
         exposed_sync += collective_seconds(K.SEND_RECV, (MeshAxis.PP,), owned * dtype_bytes, mesh, hw)
     return exposed_sync, gathers, optimizer
+
+
+def _copy_bytes(summed: float, zero: int, pipeline: PipelineSpec | None) -> float:
+    """The memory traffic of the runtime's copies around the sums of `summed` gradient bytes:
+    each gradient copied into its bucket (read and write, `runtime/buckets.py`); under
+    ZeRO-1/2 the updated chunks copied back into whole parameters after their all-gather;
+    under ZeRO-3 without a pipeline each group's gathered buffer split into its parameters
+    in forward and again in backward. On the compute's path: nothing hides it."""
+    copies = 2.0
+    if zero in (1, 2):
+        copies += 2.0
+    if zero == 3 and pipeline is None:
+        copies += 4.0
+    return copies * summed
 
 
 def _tied_seconds(sizes, tied, pp_rank: int | None, mesh: Mesh, dtype_bytes: int, hw: Hardware) -> float:

@@ -46,7 +46,7 @@ from fivedc.runtime.verify import setup_rank
 
 MATMUL_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm"})
 ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention")
-TIMED_STEPS = 3  # after one warm-up step; the least of these
+TIMED_STEPS = 5  # after one warm-up step; the least of these
 LINK_BYTES = 16 * 2**20  # the all-reduce whose time gives the bandwidth
 SMALL_BYTES = 64  # and the one whose time is all latency
 
@@ -219,7 +219,7 @@ RATE_RANGE = (1e3, 1e15)  # bytes per second the search for the other ops' rate 
 def profile_of(key: str, plans: tuple[ExecutionPlan, ExecutionPlan], step: tuple[StepSeconds, StepSeconds],
                links: LinkSeconds, *, cores: int, source: str) -> Hardware:
     """This machine as a hardware profile, from one rank's step of `plans` (a plan, then the same
-    at half its batch) timed by kind of work, and the links. The matmul, attention and
+    at a quarter of its batch) timed by kind of work, and the links. The matmul, attention and
     optimizer rates are the model's count of that work (`work_counts.step_work`) over its
     seconds at the full batch; the other ops' bytes per second and the host's seconds per op
     are those for which the model's forward and backward (its roofline included) take what
@@ -253,13 +253,13 @@ def other_ops(plans, measured: tuple[float, float], machine) -> tuple[float, flo
     and backward take the `measured` seconds of both plans: the seconds that do not shrink
     with the batch are the host's per op. Where the two do not separate (noise), no time
     per op, and the rate for the full batch alone."""
-    full, half = plans
+    full, small = plans
     issues = step_work(full).op_issues
 
     def model(plan, rate: float, latency: float = 0.0) -> float:
         return compute_seconds(plan, machine(rate, latency))
 
-    rate = _root(lambda r: model(full, r) - model(half, r) - (measured[0] - measured[1]))
+    rate = _root(lambda r: model(full, r) - model(small, r) - (measured[0] - measured[1]))
     latency = (measured[0] - model(full, rate)) / issues if rate and issues else -1.0
     if latency < 0:
         rate, latency = _root(lambda r: model(full, r) - measured[0]) or RATE_RANGE[1], 0.0
@@ -281,7 +281,7 @@ def profile_text(hw: Hardware, step: tuple[StepSeconds, StepSeconds], links: Lin
     """`hw` in `fivedc/ir/hardware.toml`'s form, with what was measured as comments."""
     lines = [f"# measured by {source}",
              *(f"# one rank's step at {label} batch: matmuls {t.matmul:.4f} s, attention {t.attention:.4f} s, "
-               f"other ops {t.other:.4f} s, optimizer {t.optimizer:.4f} s" for label, t in zip(("the", "half the"), step)),
+               f"other ops {t.other:.4f} s, optimizer {t.optimizer:.4f} s" for label, t in zip(("the", "a quarter of the"), step)),
              f"# links (gloo, 2 local processes): latency {links.latency_s * 1e6:.1f} us, "
              f"{links.bytes_per_s / 1e9:.3f} GB/s, overlap share {links.overlap_share:.2f}",
              f"[{hw.key}]", f'name = "{hw.name}"']
