@@ -214,7 +214,7 @@ def test_the_largest_seed_seeds_every_generator() -> None:
 def test_a_nan_stops_training_and_nothing_of_it_is_saved(tree: Path, capsys) -> None:
     code = main([*TRAIN, "--steps", "4", "--lr", "1e30", "--clip", "0", "--save-dir", "nan", "--save-every", "1",
                  "--val", "val.bin", "--log", "nan.jsonl"])
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())  # wrapped to 100 columns
     assert code == 1 and "Traceback" not in err
     stopped = [r["step"] for r in rows_of(tree / "nan.jsonl")][-1] + 1
     assert f"step {stopped} reached a " in err and "nan" in err
