@@ -16,6 +16,7 @@ of issue 36, each at full scale (minutes each on 2 cores).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,7 @@ def rehearse(command: str):
 
     args = build_parser().parse_args(["rehearse", *command.split()])
     plan = compile_model(args.model, args.mesh, args, dtype="bf16")
-    return rehearse_plan(plan)
+    return rehearse_plan(plan, workers=os.cpu_count() or 1 if len(plan.memory.ranks) >= 4 else 1)
 
 
 def table(commands: tuple[str, ...]) -> list[str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from fivedc.errors import FivedcError
 
 TOLERANCE = 0.05  # the estimate is held to the rehearsed peak within this
+MANY_CLASSES = 4  # from this many classes on, one process per core rehearses them
 
 
 def rehearse_args(p) -> None:
@@ -53,8 +54,10 @@ def run_rehearse(args, *, defaults) -> int:
                           hint="compile with --dtype bf16 (or fp32)")
     timing = _timing_setup(args, plan) if args.device == "cpu" else None
     print(f"rehearsing {args.model} on mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype})")
-    print(f"one rank of each of {len(plan.memory.ranks)} classes of ranks, one step on the {args.device} device")
-    rehearsal = rehearse_plan(plan, device=args.device, on_progress=progress_printer())
+    workers = _workers(len(plan.memory.ranks))
+    print(f"one rank of each of {len(plan.memory.ranks)} classes of ranks, one step on the {args.device} device"
+          + (f", {workers} at a time" if workers > 1 else ""))
+    rehearsal = rehearse_plan(plan, device=args.device, workers=workers, on_progress=progress_printer())
     for line in render_rehearsal(rehearsal):
         print(line)
     seconds = _timed_classes(plan, rehearsal, timing) if timing is not None else {}
@@ -71,6 +74,14 @@ def run_rehearse(args, *, defaults) -> int:
                      what="report")
         print(f"wrote {args.report}")
     return 0
+
+
+def _workers(classes: int) -> int:
+    """Processes rehearsing at once: one per core for a plan of many classes (a full-scale
+    pipeline: minutes each); a few classes run in this process (starting one costs seconds)."""
+    import os
+
+    return min(os.cpu_count() or 1, classes) if classes >= MANY_CLASSES else 1
 
 
 def _check_device_flags(args) -> None:

@@ -71,9 +71,10 @@ class LiveBytes(TorchDispatchMode):
             out = func(*args, **kwargs)
             if key is not None:
                 self._remember(key, out)
-        for t in tree_leaves(out):
+        made_by = func.overloadpacket.__name__
+        for t in (out,) if isinstance(out, Tensor) else tree_leaves(out):
             if isinstance(t, Tensor):
-                self.see(t, made_by=str(func.overloadpacket.__name__))
+                self.see(t, made_by=made_by)
         return out
 
     def _remember(self, key, out) -> None:
@@ -136,21 +137,43 @@ class LiveBytes(TorchDispatchMode):
         self.largest = tuple(sorted(self.live.values(), key=lambda s: -s.nbytes)[:LARGEST])
 
 
+_FUNCTIONAL: dict = {}  # op -> whether it neither mutates nor aliases (its schema says)
+
+
+def _is_mark(leaf) -> bool:
+    return type(leaf) is tuple and len(leaf) == 2 and leaf[0] == "list"
+
+
+def _flat(args, kwargs):
+    """The arguments one list deep, as ATen takes them, each list marked by its length (so
+    `([a], [b, c])` and `([a, b], [c])` differ); a list inside a list yields a value no key takes."""
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, (list, tuple)):
+            yield ("list", len(arg))
+            for item in arg:
+                yield object() if isinstance(item, (list, tuple)) else item
+        else:
+            yield arg
+
+
 def _shape_key(func, args, kwargs) -> tuple | None:
     """What a functional op's meta outputs depend on: the op, its tensors' shapes, strides
     and dtypes, its other arguments; None when the op may alias or mutate, or an input is
     not on the meta device, or an argument cannot be a key."""
-    schema = func._schema
-    if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+    functional = _FUNCTIONAL.get(func)
+    if functional is None:
+        schema = func._schema
+        functional = _FUNCTIONAL[func] = not (schema.is_mutable or any(r.alias_info for r in schema.returns))
+    if not functional:
         return None
-    parts: list = [func]
-    for leaf in tree_leaves((args, kwargs)):
+    parts: list = [func, tuple(kwargs)]
+    for leaf in _flat(args, kwargs):
         if isinstance(leaf, Tensor):
             if not leaf.is_meta:
                 return None
             parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.storage_offset()))
         elif leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype, torch.device,
-                                               torch.memory_format, torch.layout)):
+                                               torch.memory_format, torch.layout)) or _is_mark(leaf):
             parts.append((type(leaf), leaf))
         else:
             return None

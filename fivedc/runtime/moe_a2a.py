@@ -100,7 +100,11 @@ class Exchange:
         size = groups.size(axes)
         layout = ExpertLayout.of(op, experts, size)
         per_rank = experts // size
-        local = [layout.local_experts(r).index(e) for e, r in enumerate(layout.owners)]
+        held = [0] * size  # expert e is the held[r]-th of its owner r's (they store them in expert order)
+        local = []
+        for owner in layout.owners:
+            local.append(held[owner])
+            held[owner] += 1
         slot = torch.tensor([r * per_rank + i for r, i in zip(layout.owners, local)])
         levels = _levels(ctx, axes, layout.node_ranks) if layout.all_to_all == "hierarchical" else None
         return Exchange(size, slot, experts, groups.group(axes), levels)

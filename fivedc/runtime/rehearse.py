@@ -89,21 +89,46 @@ def class_ranks(plan: ExecutionPlan) -> list[tuple[RankMemory, int]]:
     return out
 
 
-def rehearse_plan(plan: ExecutionPlan, *, device: str = "meta", on_progress=None) -> Rehearsal:
-    """Rehearse one rank of each class of `plan`, one after the other in this process, on
-    `device`: meta (nothing allocated) or cpu (real tensors, real values)."""
+def rehearse_plan(plan: ExecutionPlan, *, device: str = "meta", workers: int = 1, on_progress=None) -> Rehearsal:
+    """Rehearse one rank of each class of `plan` on `device`: meta (nothing allocated) or cpu
+    (real tensors, real values); one after the other in this process, or with `workers` > 1
+    that many at once, each in a fresh process of its own."""
     if dist.is_initialized():
         raise RehearsalError("a rehearsal joins a fake process group of its own; this process is in one already")
-    settings = TrainSettings(steps=1, dtype=plan.dtype, keep_grads=False)
-    classes = []
-    for entry, rank in class_ranks(plan):
-        start = time.perf_counter()
-        live = rehearse_rank(plan, rank, settings, device=device)
-        classes.append(ClassRehearsal(entry.ranks, rank, entry, live.peak, dict(live.at_peak), live.largest,
-                                      time.perf_counter() - start))
-        if on_progress is not None:
-            on_progress(f"ranks {entry.ranks}: rank {rank} rehearsed in {classes[-1].seconds:.1f} s")
+    jobs = [(plan, entry, rank, device) for entry, rank in class_ranks(plan)]
+    if workers > 1 and len(jobs) > 1:
+        classes = _in_processes(jobs, min(workers, len(jobs)), on_progress)
+    else:
+        classes = [_heard(rehearse_class(*job), on_progress) for job in jobs]
     return Rehearsal(str(plan.mesh), plan.dtype, tuple(classes), device)
+
+
+def rehearse_class(plan: ExecutionPlan, entry: RankMemory, rank: int, device: str) -> ClassRehearsal:
+    """One class: its rank's step, what it held at its peak."""
+    start = time.perf_counter()
+    live = rehearse_rank(plan, rank, TrainSettings(steps=1, dtype=plan.dtype, keep_grads=False), device=device)
+    return ClassRehearsal(entry.ranks, rank, entry, live.peak, dict(live.at_peak), live.largest,
+                          time.perf_counter() - start)
+
+
+def _heard(c: ClassRehearsal, on_progress) -> ClassRehearsal:
+    if on_progress is not None:
+        on_progress(f"ranks {c.ranks}: rank {c.rank} rehearsed in {c.seconds:.1f} s")
+    return c
+
+
+def _in_processes(jobs: list, workers: int, on_progress) -> list[ClassRehearsal]:
+    """The classes rehearsed `workers` at a time in spawned processes (each joins its own fake
+    group); in the estimate's order whatever order they finish in."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    done: dict[int, ClassRehearsal] = {}
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(rehearse_class, *job): k for k, job in enumerate(jobs)}
+        for future in as_completed(futures):
+            done[futures[future]] = _heard(future.result(), on_progress)
+    return [done[k] for k in range(len(jobs))]
 
 
 def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings, *, device: str = "meta") -> LiveBytes:
