@@ -94,7 +94,8 @@ def _check_device_flags(args) -> None:
         from fivedc.files import check_output
 
         if not args.calibrate.endswith(".toml"):
-            raise FivedcError(f"--calibrate {args.calibrate}: a profile is a .toml file", hint="e.g. --calibrate cpu.toml")
+            raise FivedcError(f"--calibrate {args.calibrate}: a profile is a .toml file",
+                              hint="e.g. --calibrate cpu.toml")
         check_output(args.calibrate, inputs=(args.model.split(":")[0], *args.hardware), what="profile")
 
 

@@ -3,11 +3,12 @@
 `time_rank` runs one rank of a plan as `fivedc run` runs it (`setup_rank`, the
 `Trainer`), in this process, in torch's `fake` process group of the plan's world
 (collectives return at once and move nothing, so what is timed is the rank's own
-work), on the CPU with one thread as `fivedc run`'s workers have. After a warm-up step
-it times a few steps (each kind's least: other work on the machine only adds): torch's profiler splits forward and backward
-into matmuls (`aten::mm` and its kin), attention (the SDPA kernels) and the rest (the
-memory-bound ops and the runtime's own host work between ops), and the optimizer's
-update is timed after them.
+work), on the CPU with one thread as `fivedc run`'s workers have, while copies of the
+step run beside it on the other cores `fivedc run`'s ranks would keep busy. After a
+warm-up step it times a few steps (each kind's least: other work on the machine only
+adds): torch's profiler splits forward and backward into matmuls (`aten::mm` and its
+kin), attention (the SDPA kernels) and the rest (the memory-bound ops and the runtime's
+own host work between ops), and the optimizer's update is timed after them.
 
 `time_links` runs on two local processes joined by gloo (the pool `fivedc run` uses):
 an all-reduce of a few bytes gives the latency per algorithm step, one of 16 MiB the
@@ -28,7 +29,6 @@ import dataclasses
 import multiprocessing
 import os
 import resource
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -112,8 +112,7 @@ def _busy_copies(plan: ExecutionPlan, rank: int, count: int, timeout_s: float = 
     for copy in copies:
         copy.start()
     try:
-        for _ in copies:
-            ready.get(timeout=timeout_s)
+        _await_warm(copies, ready, timeout_s)
         yield
     finally:
         stop.set()
@@ -121,6 +120,23 @@ def _busy_copies(plan: ExecutionPlan, rank: int, count: int, timeout_s: float = 
             copy.join(timeout=60)
             if copy.is_alive():
                 copy.terminate()
+
+
+def _await_warm(copies: list, ready, timeout_s: float) -> None:
+    """Until every copy has said it is warm; a copy that exits first is an error, not a wait."""
+    import queue
+
+    warm, deadline = 0, time.monotonic() + timeout_s
+    while warm < len(copies):
+        try:
+            ready.get(timeout=1.0)
+            warm += 1
+        except queue.Empty:
+            dead = [c.exitcode for c in copies if c.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                what = f"exited with code {dead[0]}" if dead else f"was not warm after {timeout_s:.0f} s"
+                raise FivedcError(f"a copy of the timed step {what} before the timing began",
+                                  hint="run the plan with fivedc run to see its error")
 
 
 def _step_until(plan: ExecutionPlan, rank: int, ready, stop) -> None:
@@ -281,7 +297,8 @@ def profile_text(hw: Hardware, step: tuple[StepSeconds, StepSeconds], links: Lin
     """`hw` in `fivedc/ir/hardware.toml`'s form, with what was measured as comments."""
     lines = [f"# measured by {source}",
              *(f"# one rank's step at {label} batch: matmuls {t.matmul:.4f} s, attention {t.attention:.4f} s, "
-               f"other ops {t.other:.4f} s, optimizer {t.optimizer:.4f} s" for label, t in zip(("the", "a quarter of the"), step)),
+               f"other ops {t.other:.4f} s, optimizer {t.optimizer:.4f} s"
+               for label, t in zip(("the", "a quarter of the"), step)),
              f"# links (gloo, 2 local processes): latency {links.latency_s * 1e6:.1f} us, "
              f"{links.bytes_per_s / 1e9:.3f} GB/s, overlap share {links.overlap_share:.2f}",
              f"[{hw.key}]", f'name = "{hw.name}"']
