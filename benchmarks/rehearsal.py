@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_block import replace_block  # beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 BEGIN, END = "<!-- rehearsal:begin -->", "<!-- rehearsal:end -->"
@@ -87,11 +89,7 @@ def main() -> None:
     text = "\n".join(table(commands))
     print(text)
     if args.write:
-        old = RESULTS.read_text()
-        if BEGIN not in old or END not in old:
-            raise SystemExit(f"{RESULTS} has no {BEGIN} ... {END} block")
-        head, rest = old.split(BEGIN, 1)
-        RESULTS.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+        replace_block(RESULTS, BEGIN, END, text)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from results_block import replace_block  # beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
@@ -327,11 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.write:
-        old = RESULTS.read_text()
-        if BEGIN not in old:
-            raise SystemExit(f"{RESULTS} has no {BEGIN} ... {END} block")
-        head, rest = old.split(BEGIN, 1)
-        RESULTS.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+        replace_block(RESULTS, BEGIN, END, text)
     return 0
 
 
