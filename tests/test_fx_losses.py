@@ -127,3 +127,63 @@ def test_x_transformers_autoregressive_wrapper_trains_like_the_module(worker_poo
                           dtype="fp64", pool=worker_pool)
     assert report.max_error <= 1e-10, report
     assert report.losses[1] != report.losses[0]
+
+
+SMOOTH = 0.2
+FORMS = {  # each form of the loss as a user writes it: (how the IR op reads it, the loss)
+    "sum": ({"reduction": "sum"}, lambda z, t: F.cross_entropy(z, t, reduction="sum")),
+    "sum_ignoring": ({"reduction": "sum", "ignore_index": IGNORE},
+                     lambda z, t: F.cross_entropy(z, t, ignore_index=IGNORE, reduction="sum")),
+    "smoothed": ({"label_smoothing": SMOOTH}, lambda z, t: F.cross_entropy(z, t, label_smoothing=SMOOTH)),
+    "smoothed_ignoring": ({"label_smoothing": SMOOTH, "ignore_index": IGNORE},
+                          lambda z, t: F.cross_entropy(z, t, ignore_index=IGNORE, label_smoothing=SMOOTH)),
+    "smoothed_sum": ({"label_smoothing": SMOOTH, "reduction": "sum", "ignore_index": IGNORE},
+                     lambda z, t: nn.CrossEntropyLoss(ignore_index=IGNORE, reduction="sum", label_smoothing=SMOOTH)(z, t)),
+    "none_sum": ({"reduction": "sum", "ignore_index": IGNORE},
+                 lambda z, t: F.cross_entropy(z, t, ignore_index=IGNORE, reduction="none").sum()),
+    "none_mean": ({"reduction": "sum", "ignore_index": IGNORE},  # the mean of all tokens: a sum, divided
+                  lambda z, t: F.cross_entropy(z, t, ignore_index=IGNORE, reduction="none").mean()),
+}
+
+
+class LossForm(ClassDimLoss):
+    """ClassDimLoss's model with the loss in one of torch's forms (FORMS), over logits `[b, n, V]`."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__(extra=False)
+        self.loss = FORMS[form][1]
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        logits = self.out(x + self.down(torch.tanh(self.up(x))))
+        return self.loss(logits.flatten(0, 1), targets.flatten())
+
+
+def make_form(*, form: str, seed: int = 0):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    targets = torch.roll(ids, -1, dims=1)
+    targets[:, -1] = FORMS[form][0].get("ignore_index", -100)  # torch's default ignores -100 too
+    return LossForm(form).double(), (ids, targets)
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_form_of_the_loss_is_the_irs_cross_entropy_with_its_attrs(form: str) -> None:
+    module, inputs = make_form(form=form)
+    ops = [op for op, _ in walk_ops(trace_module(module, inputs).graph.body) if isinstance(op, Op)]
+    (loss,) = [op for op in ops if op.kind == "cross_entropy"]
+    assert not [op for op in ops if op.kind == "aten"]
+    want = {"reduction": "mean", "label_smoothing": 0.0, "ignore_index": -100} | FORMS[form][0]
+    assert {k: loss.attr(k, v) for k, v in want.items()} == want
+    assert [op.kind for op in ops[ops.index(loss) + 1:]] == (["div"] if form == "none_mean" else [])
+
+
+@pytest.mark.parametrize("mesh", ["1x1x1x1x1", "2x1x2x1x1", "1x1x1x2x1"])
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_each_form_of_the_loss_trains_like_the_module(worker_pool, form: str, mesh: str) -> None:
+    """One rank, dp2·tp2 (vocab-parallel: smoothing's mean over the classes summed over the tp shards)
+    and cp2: a sum is the sum over the token shards, a mean divides by the whole batch's count."""
+    report = check_module(f"{HERE}:make_form", kwargs={"form": form}, mesh=mesh, steps=2, dtype="fp64",
+                          pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+    assert report.losses[1] != report.losses[0]
