@@ -187,3 +187,47 @@ def test_each_form_of_the_loss_trains_like_the_module(worker_pool, form: str, me
                           pool=worker_pool)
     assert report.max_error <= 1e-10, report
     assert report.losses[1] != report.losses[0]
+
+
+class ItemsInBatch(nn.Module):
+    """A Hugging Face model as its Trainer calls it under gradient accumulation: `num_items_in_batch`
+    given, so `ForCausalLMLoss` takes `cross_entropy(..., ignore_index=-100, reduction="sum")` and
+    divides by that number (the labels' count over the whole step, not this batch's mean)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch,
+                          use_cache=False).loss
+
+
+def hf_items_in_batch(*, seed: int = 0):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_models", EXAMPLES / "hf_models.py")
+    hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf)
+    model, (ids, labels) = hf.build("llama", seed=seed)
+    labels[:, :2] = -100  # a prompt left out of the loss
+    # the Trainer counts the labels of the whole step: here as if this batch were one of 3 accumulated
+    return ItemsInBatch(model.model), (ids, labels, 3 * int((labels[:, 1:] != -100).sum()))
+
+
+def test_hf_loss_with_num_items_in_batch_is_a_sum_divided_by_that_number() -> None:
+    pytest.importorskip("transformers")
+    module, inputs = hf_items_in_batch()
+    ops = [op for op, _ in walk_ops(trace_module(module, inputs).graph.body) if isinstance(op, Op)]
+    assert [(op.kind, op.attrs) for op in ops[-2:]] == [
+        ("cross_entropy", (("ignore_index", -100), ("reduction", "sum"))), ("div", ())]
+    assert ops[-1].args[1] == float(inputs[2])
+
+
+@pytest.mark.parametrize("mesh", ["1x1x1x1x1", "2x1x2x1x1", "1x1x1x2x1"])
+def test_hf_loss_with_num_items_in_batch_trains_like_the_module(worker_pool, mesh: str) -> None:
+    """transformers' `ForCausalLMLoss` with `num_items_in_batch`: its sum is the sum over the token
+    shards (dp, cp) and the vocab shards (tp), divided by the step's count."""
+    pytest.importorskip("transformers")
+    report = check_module(f"{HERE}:hf_items_in_batch", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
