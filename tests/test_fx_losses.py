@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from fivedc.frontends.fx_module import trace_module
 from fivedc.ir.graph import Op, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.ir.ops import freqs_text
 from fivedc.parallel.check import check_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
@@ -130,33 +131,46 @@ def test_x_transformers_autoregressive_wrapper_trains_like_the_module(worker_poo
 
 
 SMOOTH = 0.2
-FORMS = {  # each form of the loss as a user writes it: (how the IR op reads it, the loss)
-    "sum": ({"reduction": "sum"}, lambda z, t: F.cross_entropy(z, t, reduction="sum")),
+FORMS = {  # each form of the loss as a user writes it: (how the IR op reads it, the loss of module m)
+    "sum": ({"reduction": "sum"}, lambda m, z, t: F.cross_entropy(z, t, reduction="sum")),
     "sum_ignoring": ({"reduction": "sum", "ignore_index": IGNORE},
-                     lambda z, t: F.cross_entropy(z, t, ignore_index=IGNORE, reduction="sum")),
-    "smoothed": ({"label_smoothing": SMOOTH}, lambda z, t: F.cross_entropy(z, t, label_smoothing=SMOOTH)),
+                     lambda m, z, t: F.cross_entropy(z, t, ignore_index=IGNORE, reduction="sum")),
+    "smoothed": ({"label_smoothing": SMOOTH}, lambda m, z, t: F.cross_entropy(z, t, label_smoothing=SMOOTH)),
     "smoothed_ignoring": ({"label_smoothing": SMOOTH, "ignore_index": IGNORE},
-                          lambda z, t: F.cross_entropy(z, t, ignore_index=IGNORE, label_smoothing=SMOOTH)),
+                          lambda m, z, t: F.cross_entropy(z, t, ignore_index=IGNORE, label_smoothing=SMOOTH)),
     "smoothed_sum": ({"label_smoothing": SMOOTH, "reduction": "sum", "ignore_index": IGNORE},
-                     lambda z, t: nn.CrossEntropyLoss(ignore_index=IGNORE, reduction="sum", label_smoothing=SMOOTH)(z, t)),
+                     lambda m, z, t: nn.CrossEntropyLoss(ignore_index=IGNORE, reduction="sum",
+                                                         label_smoothing=SMOOTH)(z, t)),
     "none_sum": ({"reduction": "sum", "ignore_index": IGNORE},
-                 lambda z, t: F.cross_entropy(z, t, ignore_index=IGNORE, reduction="none").sum()),
+                 lambda m, z, t: F.cross_entropy(z, t, ignore_index=IGNORE, reduction="none").sum()),
     "none_mean": ({"reduction": "sum", "ignore_index": IGNORE},  # the mean of all tokens: a sum, divided
-                  lambda z, t: F.cross_entropy(z, t, ignore_index=IGNORE, reduction="none").mean()),
+                  lambda m, z, t: F.cross_entropy(z, t, ignore_index=IGNORE, reduction="none").mean()),
+    "weighted": ({"ignore_index": IGNORE, "weight": True},
+                 lambda m, z, t: F.cross_entropy(z, t, weight=m.class_weight, ignore_index=IGNORE)),
+    "weighted_sum": ({"reduction": "sum", "weight": True},
+                     lambda m, z, t: F.cross_entropy(z, t, m.class_weight, reduction="sum")),
+    "weighted_none_mean": ({"reduction": "sum", "weight": True},
+                           lambda m, z, t: F.cross_entropy(z, t, m.class_weight, reduction="none").mean()),
+    "weighted_smoothed_module": ({"ignore_index": IGNORE, "label_smoothing": SMOOTH, "weight": True},
+                                 lambda m, z, t: m.criterion(z, t)),
 }
 
 
 class LossForm(ClassDimLoss):
-    """ClassDimLoss's model with the loss in one of torch's forms (FORMS), over logits `[b, n, V]`."""
+    """ClassDimLoss's model with the loss in one of torch's forms (FORMS), over logits `[b, n, V]`;
+    class weights are a buffer (and nn.CrossEntropyLoss's own, in `criterion`)."""
 
     def __init__(self, form: str) -> None:
         super().__init__(extra=False)
-        self.loss = FORMS[form][1]
+        self.form = form
+        self.register_buffer("class_weight", torch.linspace(0.5, 2.0, VOCAB))
+        self.criterion = nn.CrossEntropyLoss(weight=self.class_weight.clone(), ignore_index=IGNORE,
+                                             label_smoothing=SMOOTH)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.emb(ids)
         logits = self.out(x + self.down(torch.tanh(self.up(x))))
-        return self.loss(logits.flatten(0, 1), targets.flatten())
+        return FORMS[self.form][1](self, logits.flatten(0, 1), targets.flatten())
 
 
 def make_form(*, form: str, seed: int = 0):
@@ -173,9 +187,11 @@ def test_each_form_of_the_loss_is_the_irs_cross_entropy_with_its_attrs(form: str
     ops = [op for op, _ in walk_ops(trace_module(module, inputs).graph.body) if isinstance(op, Op)]
     (loss,) = [op for op in ops if op.kind == "cross_entropy"]
     assert not [op for op in ops if op.kind == "aten"]
-    want = {"reduction": "mean", "label_smoothing": 0.0, "ignore_index": -100} | FORMS[form][0]
+    want = {"reduction": "mean", "label_smoothing": 0.0, "ignore_index": -100, "weight": ""} | FORMS[form][0]
+    if want["weight"]:
+        want["weight"] = freqs_text(module.class_weight.tolist())  # by value, every class's
     assert {k: loss.attr(k, v) for k, v in want.items()} == want
-    assert [op.kind for op in ops[ops.index(loss) + 1:]] == (["div"] if form == "none_mean" else [])
+    assert [op.kind for op in ops[ops.index(loss) + 1:]] == (["div"] if form.endswith("none_mean") else [])
 
 
 @pytest.mark.parametrize("mesh", ["1x1x1x1x1", "2x1x2x1x1", "1x1x1x2x1"])

@@ -173,7 +173,21 @@ def _cross_entropy(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     smoothing = op.attr("label_smoothing", 0.0)
     if not 0.0 <= smoothing <= 1.0:
         raise _fail(op, f"cross_entropy's label_smoothing is between 0 and 1, got {smoothing}")
+    _class_weights(op, graph.dim(logits.dims[-1]))
     return TensorType(())
+
+
+def _class_weights(op: Op, classes: int) -> None:
+    """cross_entropy's `weight`: one number per class, or none."""
+    from fivedc.ir.ops import parse_freqs
+
+    text = op.attr("weight", "")
+    try:
+        count = len(parse_freqs(text)) if text else classes
+    except ValueError:
+        raise _fail(op, f"cross_entropy's weight is numbers separated by commas, got {text[:40]!r}") from None
+    if count != classes:
+        raise _fail(op, f"cross_entropy's weight has {count} numbers for {classes} classes", "give one per class")
 
 
 def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:

@@ -3,11 +3,12 @@
 `F.cross_entropy` / `nn.CrossEntropyLoss` over logits `[N, C]` or `[N, C, d1, ...]` (the
 class dim second; the transpose is a layout), with `ignore_index` (torch's -100 unless
 given), `label_smoothing` and `reduction` 'mean' or 'sum', is the IR's `cross_entropy`
-with those attrs (a default is left out, so plans that use none of them read as before).
+with those attrs (a default is left out, so plans that use none of them read as before);
+class weights (`weight=`, a buffer or a constant) are the op's `weight` attr, by value.
 `reduction='none'` whose one use is the whole tensor's `.sum()` or `.mean()` is the same
 loss: the sum is reduction='sum', the mean that sum divided by the number of tokens (torch's
-mean of the per-token losses counts the ignored ones, as zeros). Class weights and a
-per-token loss used any other way are refused at their line with the fix.
+mean of the per-token losses counts the ignored ones, as zeros). Trained or computed class
+weights and a per-token loss used any other way are refused at their line with the fix.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch.fx as fx
 from fivedc.errors import NotSupportedError
 from fivedc.frontends.fx.layers import _module, arg
 from fivedc.frontends.fx.locs import node_loc
-from fivedc.frontends.fx.values import Frame, T
+from fivedc.frontends.fx.values import Const, Frame, ParamRef, Pending, T
+from fivedc.ir.ops import freqs_text
 
 if TYPE_CHECKING:  # the walk that calls this handler (it imports this module)
     from fivedc.frontends.fx.lower import Lowering
@@ -30,16 +32,13 @@ _NAMES = ("weight", "size_average", "ignore_index", "reduce", "reduction", "labe
 
 def cross_entropy(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     opts = _options(frame, node, args, kwargs)
-    if opts["weight"] is not None:
-        raise _refuse(node, "cross_entropy with class weights (weight=)",
-                      "the IR's cross_entropy has no class weights; leave weight out, or compute the weighted loss "
-                      "from log_softmax yourself (it then runs replicated over the vocabulary)")
     reduction, then = opts["reduction"], None
     if reduction == "none":
         reduction, then = _reduced_after(lw, frame, node)
     attrs = (("ignore_index", int(opts["ignore_index"])),)
     attrs += (("reduction", "sum"),) if reduction == "sum" else ()
     attrs += (("label_smoothing", float(opts["label_smoothing"])),) if opts["label_smoothing"] else ()
+    attrs += (("weight", _weights(node, opts["weight"])),) if opts["weight"] is not None else ()
     logits, targets = lw.tensor(frame, args[0], node), lw.tensor(frame, args[1], node)
     vocab = _class_dim(lw, node, logits, targets)
     lw.dims.hint(vocab, "vocab", 90)
@@ -70,6 +69,21 @@ def _options(frame: Frame, node: fx.Node, args, kwargs) -> dict:
     opts["reduction"] = opts.get("reduction") or "mean"
     opts["label_smoothing"] = float(opts.get("label_smoothing") or 0.0)
     return opts
+
+
+def _weights(node: fx.Node, weight) -> str:
+    """Class weights by value (the op's `weight` attr): a module buffer or a constant tensor, read at
+    capture; weights that are trained or computed from the inputs are refused at their line."""
+    if isinstance(weight, Const):
+        weight = weight.value
+    if isinstance(weight, torch.nn.Parameter) and weight.requires_grad or isinstance(weight, (ParamRef, T, Pending)):
+        raise _refuse(node, "cross_entropy with class weights that are trained or computed from the inputs",
+                      "the plan reads class weights as constants: register them as a buffer "
+                      "(self.register_buffer('class_weight', w)) or a tensor fixed before the forward")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        raise _refuse(node, f"cross_entropy with class weights {type(weight).__name__} (not a 1-D tensor)",
+                      "give weight= one number per class, as torch requires")
+    return freqs_text(weight.detach().to(torch.float64).tolist())
 
 
 def _reduced_after(lw: Lowering, frame: Frame, node: fx.Node) -> tuple[str, tuple[fx.Node, bool]]:
