@@ -181,6 +181,11 @@ def make_form(*, form: str, seed: int = 0):
     return LossForm(form).double(), (ids, targets)
 
 
+def weighted_smoothed(*, seed: int = 0):
+    """nn.CrossEntropyLoss with class weights, label smoothing and ignore_index (tests/test_agreement.py)."""
+    return make_form(form="weighted_smoothed_module", seed=seed)
+
+
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_each_form_of_the_loss_is_the_irs_cross_entropy_with_its_attrs(form: str) -> None:
     module, inputs = make_form(form=form)
@@ -240,10 +245,46 @@ def test_hf_loss_with_num_items_in_batch_is_a_sum_divided_by_that_number() -> No
     assert ops[-1].args[1] == float(inputs[2])
 
 
-@pytest.mark.parametrize("mesh", ["1x1x1x1x1", "2x1x2x1x1", "1x1x1x2x1"])
-def test_hf_loss_with_num_items_in_batch_trains_like_the_module(worker_pool, mesh: str) -> None:
+@pytest.mark.parametrize("mesh, options", [("1x1x1x1x1", {}), ("2x1x2x1x1", {}), ("1x1x1x2x1", {}),
+                                           ("1x2x1x2x1", {"schedule": "1f1b", "microbatches": 2})])
+def test_hf_loss_with_num_items_in_batch_trains_like_the_module(worker_pool, mesh: str, options: dict) -> None:
     """transformers' `ForCausalLMLoss` with `num_items_in_batch`: its sum is the sum over the token
-    shards (dp, cp) and the vocab shards (tp), divided by the step's count."""
+    shards (dp, cp, the microbatches of a pipeline) and the vocab shards (tp), divided by the step's count."""
     pytest.importorskip("transformers")
-    report = check_module(f"{HERE}:hf_items_in_batch", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool)
+    report = check_module(f"{HERE}:hf_items_in_batch", mesh=mesh, steps=2, dtype="fp64", pool=worker_pool,
+                          **options)
     assert report.max_error <= 1e-10, report
+
+
+class RefusedLoss(ClassDimLoss):
+    """Forms of the loss the plan does not compute: per-token losses averaged per sequence first
+    (`none_per_row`), class weights that are a trained parameter (`trained_weights`)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__(extra=False)
+        self.form = form
+        self.class_weight = nn.Parameter(torch.ones(VOCAB))
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.out(self.emb(ids)).flatten(0, 1)
+        if self.form == "none_per_row":
+            per_token = F.cross_entropy(logits, targets.flatten(), reduction="none")  # the refused line
+            return per_token.view(BATCH, SEQ).mean(1).sum()
+        return F.cross_entropy(logits, targets.flatten(), weight=self.class_weight)  # the refused line
+
+
+@pytest.mark.parametrize("form, what", [("none_per_row", "reduction='none') used other than"),
+                                        ("trained_weights", "class weights that are trained")])
+def test_a_form_of_the_loss_the_plan_does_not_compute_is_refused_at_its_line(form: str, what: str) -> None:
+    from fivedc.errors import NotSupportedError
+    from fivedc.frontends.fx.values import Unrecognised
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    with pytest.raises(NotSupportedError) as info:
+        trace_module(RefusedLoss(form).double(), (ids, ids))
+    error = info.value
+    assert not isinstance(error, Unrecognised)  # refused, not kept as a replicated aten call
+    assert what in error.message and error.hint
+    lines = Path(HERE).read_text().splitlines()
+    assert error.loc.file == HERE and "# the refused line" in lines[error.loc.line - 1]
