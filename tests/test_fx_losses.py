@@ -199,13 +199,18 @@ def test_each_form_of_the_loss_is_the_irs_cross_entropy_with_its_attrs(form: str
     assert [op.kind for op in ops[ops.index(loss) + 1:]] == (["div"] if form.endswith("none_mean") else [])
 
 
-@pytest.mark.parametrize("mesh", ["1x1x1x1x1", "2x1x2x1x1", "1x1x1x2x1"])
+PIPELINE = {"schedule": "1f1b", "microbatches": 2, "stage_boundaries": ("down",)}
+
+
+@pytest.mark.parametrize("mesh, options", [("1x1x1x1x1", {}), ("2x1x2x1x1", {}), ("1x1x1x2x1", {}),
+                                           ("2x2x1x1x1", PIPELINE)])
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_each_form_of_the_loss_trains_like_the_module(worker_pool, form: str, mesh: str) -> None:
-    """One rank, dp2·tp2 (vocab-parallel: smoothing's mean over the classes summed over the tp shards)
-    and cp2: a sum is the sum over the token shards, a mean divides by the whole batch's count."""
+def test_each_form_of_the_loss_trains_like_the_module(worker_pool, form: str, mesh: str, options: dict) -> None:
+    """One rank, dp2·tp2 (vocab-parallel: smoothing's mean over the classes summed over the tp shards),
+    cp2 and dp2·pp2 (the count, or the class weights' sum, taken for the step before its microbatches): a
+    sum is the sum over the token shards, a mean divides by the whole batch's count."""
     report = check_module(f"{HERE}:make_form", kwargs={"form": form}, mesh=mesh, steps=2, dtype="fp64",
-                          pool=worker_pool)
+                          pool=worker_pool, **options)
     assert report.max_error <= 1e-10, report
     assert report.losses[1] != report.losses[0]
 
