@@ -27,6 +27,7 @@ from fivedc.ir.ops import freqs_text
 if TYPE_CHECKING:  # the walk that calls this handler (it imports this module)
     from fivedc.frontends.fx.lower import Lowering
 
+_WHOLE = {torch.sum: "sum", torch.mean: "mean"}  # torch.sum(loss), as loss.sum()
 _NAMES = ("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 
 
@@ -39,7 +40,8 @@ def cross_entropy(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     attrs += (("reduction", "sum"),) if reduction == "sum" else ()
     attrs += (("label_smoothing", float(opts["label_smoothing"])),) if opts["label_smoothing"] else ()
     attrs += (("weight", _weights(node, opts["weight"])),) if opts["weight"] is not None else ()
-    logits, targets = lw.tensor(frame, args[0], node), lw.tensor(frame, args[1], node)
+    logits = lw.tensor(frame, arg(args, kwargs, 0, "input"), node)
+    targets = lw.tensor(frame, arg(args, kwargs, 1, "target"), node)
     vocab = _class_dim(lw, node, logits, targets)
     lw.dims.hint(vocab, "vocab", 90)
     loss = T(lw.emit(frame, node, "cross_entropy", (logits.ref, targets.ref), (), attrs), (), ())
@@ -47,7 +49,7 @@ def cross_entropy(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
         return loss
     user, divide = then
     if divide:
-        tokens = frame.traced.values[node.args[1]].numel()
+        tokens = frame.traced.values[arg(node.args, node.kwargs, 1, "target")].numel()
         loss = T(lw.emit(frame, user, "div", (loss.ref, float(tokens)), ()), (), ())
     lw.ahead[user] = loss
     return loss
@@ -64,7 +66,7 @@ def _options(frame: Frame, node: fx.Node, args, kwargs) -> dict:
         opts = {n: arg(args, kwargs, i + 2, n) for i, n in enumerate(_NAMES)}
         size_average, reduce = opts.pop("size_average"), opts.pop("reduce")
         if size_average is not None or reduce is not None:  # torch's legacy flags win over reduction
-            opts["reduction"] = torch.nn._reduction.legacy_get_string(size_average, reduce)
+            opts["reduction"] = torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=False)
     opts["ignore_index"] = -100 if opts.get("ignore_index") is None else opts["ignore_index"]
     opts["reduction"] = opts.get("reduction") or "mean"
     opts["label_smoothing"] = float(opts.get("label_smoothing") or 0.0)
@@ -91,6 +93,7 @@ def _reduced_after(lw: Lowering, frame: Frame, node: fx.Node) -> tuple[str, tupl
     it computes, the user node and whether it divides by the number of tokens."""
     users = list(node.users)
     name = lw.op_name(frame, users[0]) if len(users) == 1 else None
+    name = _WHOLE.get(users[0].target, name) if len(users) == 1 and users[0].op == "call_function" else name
     if name in ("sum", "mean") and len(users[0].args) == 1 and not users[0].kwargs.get("dim"):
         return "sum", (users[0], name == "mean")
     raise _refuse(node, "cross_entropy(reduction='none') used other than by one .sum() or .mean() of all of it",
