@@ -231,8 +231,9 @@ def _cross_entropy(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> Ru
     if counts_targets(op) and split:
         collectives += (Collective(
             CollectiveKind.ALL_REDUCE, split, Phase.FORWARD, op.out, 8,
-            f"cross-entropy with ignore_index={op.attr('ignore_index')}: the number of counted targets over the "
-            "token shards (the mean divides by it)", loc=op.loc,
+            f"cross-entropy with ignore_index={op.attr('ignore_index')}: "
+            + ("the class weights of the counted targets, summed" if op.attr("weight", "") else
+               "the number of counted targets") + " over the token shards (the mean divides by it)", loc=op.loc,
         ),)
     return RuleResult((logits, targets), Sharding(partial=split), collectives)
 
