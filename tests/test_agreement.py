@@ -50,6 +50,10 @@ def compiled(model: str, mesh: str, stage_boundaries: tuple[str, ...] = (), **op
     ("examples/tiny_llama.5d", "1x2x1x1x1", dict(schedule="dualpipe", microbatches=4, zero=1)),  # two copies
     # the library's loss: its shifted labels (pad, slice along the sequence under cp) counted for the step up front
     ("examples/hf_models.py:llama", "1x2x1x2x1", dict(schedule="1f1b", microbatches=2)),
+    # class weights and label smoothing folded into the vocab-parallel loss's 3 all-reduces; the weights' sum over dp
+    ("tests/test_fx_losses.py:weighted_smoothed", "2x1x2x1x1", {}),
+    # transformers' loss with num_items_in_batch: a sum (no count up front) divided by that number, under 1f1b
+    ("tests/test_fx_losses.py:hf_items_in_batch", "1x2x1x2x1", dict(schedule="1f1b", microbatches=2)),
     # a tied table on both stages: its copies' gradients summed over pp, then each stage's ZeRO-1 buckets over dp
     ("tests/replicated_models.py:tied_targets", "2x2x1x1x1", dict(stage_boundaries=("head",), microbatches=2, zero=1)),
 ])

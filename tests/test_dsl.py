@@ -371,3 +371,40 @@ def test_parse_is_fast_after_the_first_call() -> None:
     start = time.perf_counter()
     parse_model(text)
     assert time.perf_counter() - start < 0.1
+
+
+def _loss_model(keywords: str) -> str:
+    return ("model m {\n  dims {\n    b = 2\n    s = 4\n    h = 8\n    v = 4\n  }\n"
+            "  input tokens: int[b, s]\n  input targets: int[b, s]\n  param e: [v, h]\n  param w: [h, v]\n"
+            f"  loss = cross_entropy(linear(embedding(tokens, e), w), targets{keywords})\n  return loss\n}}\n")
+
+
+def test_cross_entropy_takes_reduction_label_smoothing_and_class_weights() -> None:
+    from fivedc.ir.mesh import Mesh
+    from fivedc.passes.base import CompileOptions
+    from fivedc.pipeline import compile_graph
+
+    text = _loss_model(', ignore_index=0, reduction="sum", label_smoothing=0.1, weight="1.0,2.0,0.5,1"')
+    graph = parse_model(text, filename="m.5d")
+    (loss,) = [op for op, _ in walk_ops(graph.body) if isinstance(op, Op) and op.kind == "cross_entropy"]
+    assert loss.attrs == (("ignore_index", 0), ("reduction", "sum"), ("label_smoothing", 0.1),
+                          ("weight", "1.0,2.0,0.5,1"))
+    compile_graph(graph, CompileOptions(mesh=Mesh.parse("2x1x2x1x1"), dtype="fp64"))  # the proof agrees
+    assert "label_smoothing takes a number" in _error(_loss_model(', label_smoothing="x"')).message
+
+
+@pytest.mark.parametrize("keywords, message", [
+    (', reduction="none"', "reduction is 'mean' or 'sum', got 'none'"),
+    (', label_smoothing=1.5', "label_smoothing is between 0 and 1, got 1.5"),
+    (', weight="1,2"', "weight has 2 numbers for 4 classes"),
+])
+def test_a_cross_entropy_the_plan_cannot_compute_is_an_error_at_its_call(keywords: str, message: str) -> None:
+    from fivedc.ir.mesh import Mesh
+    from fivedc.passes.base import CompileOptions
+    from fivedc.pipeline import compile_graph
+
+    text = _loss_model(keywords)
+    with pytest.raises(FivedcError) as info:
+        compile_graph(parse_model(text, filename="m.5d"), CompileOptions(mesh=Mesh.parse("1x1x1x1x1")))
+    assert message in info.value.message
+    assert (info.value.loc.file, info.value.loc.line) == ("m.5d", _at(text, "loss =")[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -97,6 +98,50 @@ def test_cross_entropy_is_the_global_token_mean() -> None:
     logits, targets = torch.randn(2, 6, 8, dtype=torch.float64), torch.randint(0, 8, (2, 6))
     got = KERNELS["cross_entropy"](ctx(), op("cross_entropy", ()), [logits, targets], [("b", "s", "v"), ("b", "s")])
     torch.testing.assert_close(got, F.cross_entropy(logits.reshape(-1, 8), targets.reshape(-1)))
+
+
+CLASS_WEIGHTS = torch.linspace(0.5, 2.0, 8, dtype=torch.float64)
+LOSS_FORMS = [  # the op's attrs, torch's keywords
+    ({"ignore_index": 3, "reduction": "sum"}, {"ignore_index": 3, "reduction": "sum"}),
+    ({"ignore_index": 3, "label_smoothing": 0.3}, {"ignore_index": 3, "label_smoothing": 0.3}),
+    ({"ignore_index": 3, "weight": ",".join(map(repr, CLASS_WEIGHTS.tolist()))}, {"ignore_index": 3, "weight": CLASS_WEIGHTS}),
+    ({"weight": ",".join(map(repr, CLASS_WEIGHTS.tolist())), "label_smoothing": 0.3, "reduction": "sum"},
+     {"weight": CLASS_WEIGHTS, "label_smoothing": 0.3, "reduction": "sum"}),
+]
+
+
+@pytest.mark.parametrize("attrs, keywords", LOSS_FORMS)
+def test_cross_entropy_in_each_form_is_torchs(attrs: dict, keywords: dict) -> None:
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 6, 8, dtype=torch.float64), torch.randint(0, 8, (2, 6))
+    targets[0, :2] = 3
+    got = KERNELS["cross_entropy"](ctx(), op("cross_entropy", (), **attrs), [logits, targets], [("b", "s", "v"), ("b", "s")])
+    torch.testing.assert_close(got, F.cross_entropy(logits.reshape(-1, 8), targets.reshape(-1), **keywords))
+
+
+@pytest.mark.parametrize("attrs, keywords", LOSS_FORMS)
+def test_vocab_parallel_cross_entropy_forward_and_backward_are_torchs(attrs: dict, keywords: dict) -> None:
+    """The vocab-parallel function itself (its all-reduces over a group of one): the loss and the
+    logits' gradient of each form, smoothing and weights folded into its three all-reduces."""
+    import torch.distributed as dist
+
+    from fivedc.runtime.loss import _VocabParallelCrossEntropy, class_weights
+
+    torch.manual_seed(0)
+    logits, targets = torch.randn(12, 8, dtype=torch.float64, requires_grad=True), torch.randint(0, 8, (12,))
+    targets[:3] = 3
+    counted = (targets != attrs.get("ignore_index", -100)).double()
+    weight = class_weights(op("cross_entropy", (), **attrs), 8, torch.float64, "cpu")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        total = _VocabParallelCrossEntropy.apply(logits * 1, targets, counted, 0, dist.group.WORLD,
+                                                 float(attrs.get("label_smoothing", 0.0)), weight)
+        (got,) = torch.autograd.grad(total, logits)
+    finally:
+        dist.destroy_process_group()
+    want = F.cross_entropy(logits, targets, **(keywords | {"reduction": "sum"}))
+    torch.testing.assert_close(total, want)
+    torch.testing.assert_close(got, torch.autograd.grad(want, logits)[0])
 
 
 def test_linear_contracts_named_dims() -> None:

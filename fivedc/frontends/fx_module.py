@@ -22,7 +22,8 @@ Recognised:
   `F.embedding`, `F.layer_norm`, `F.rms_norm`, the activations above, `+ - * /` and
   `neg` with tensors (broadcast) or numbers, `F.scaled_dot_product_attention`
   (is_causal or not, no mask, default scale, GQA by `repeat_interleave` of k/v
-  heads or `enable_gqa`), `F.cross_entropy` (mean), views and reshapes, transposes
+  heads or `enable_gqa`), `F.cross_entropy` (mean or sum, ignore_index, label smoothing, constant class
+  weights; reduction='none' under one whole `.sum()`/`.mean()`: `fx/losses.py`), views and reshapes, transposes
   and permutes, size-1 `unsqueeze`/`squeeze`, full slices, casts and copies (no-ops:
   the plan's dtype decides the precision);
 - patterns: a linear followed by `view(b, s, heads, head_dim)` (one linear with a
@@ -60,8 +61,8 @@ Not recognised, a `NotSupportedError` at the user's line with a hint: softmax,
 matmul of activations, pow/mean/rsqrt outside those patterns, masks other than
 causal, real slicing and indexing (`logits[:, :-1]`), `cat`/`stack`, interleaved
 (complex) rotary embeddings, an `expand` that does not repeat k/v exactly,
-tied or shared weights, `padding_idx`, data-dependent control flow, class weights
-or label smoothing or non-mean losses, a squeeze of a model dim of size 1, the router
+tied or shared weights, `padding_idx`, data-dependent control flow, trained class
+weights, per-token losses used other than by one whole sum or mean, a squeeze of a model dim of size 1, the router
 logits of an MoE block used (the hint: `fivedc_aux_loss`), any other op or module. Approximations are an
 `FxWarning` at the user's line: active dropout dropped, `ignore_index` not
 represented, extra outputs beside the loss dropped.

@@ -75,9 +75,14 @@ OP_SPECS: dict[str, OpSpec] = {
                 "softcap c > 0: each score s capped at c * tanh(s / c) before the mask (Gemma 2); kernel: "
                 "flash (fused, scores never held) or math (scores materialised and kept for backward)",
         ),
-        OpSpec("cross_entropy", ("logits", "targets"), 2, (("ignore_index", -100),),
-               doc="mean token cross-entropy (scalar); with ignore_index given, targets equal to it are left out "
-                   "and the mean is over the others (as torch's F.cross_entropy); without, every token counts"),
+        OpSpec("cross_entropy", ("logits", "targets"), 2,
+               (("ignore_index", -100), ("reduction", "mean"), ("label_smoothing", 0.0), ("weight", "")),
+               doc="token cross-entropy (scalar); with ignore_index given, targets equal to it are left out "
+                   "and the mean is over the others (as torch's F.cross_entropy); without, every token counts; "
+                   "reduction: mean (over the counted tokens of the whole batch) or sum; label_smoothing eps: "
+                   "(1 - eps) x the target's -log p + eps x the mean over the classes of -log p; weight: class "
+                   "weights (comma-separated, one per class; a constant), each token's loss times its target's, "
+                   "the mean divided by their sum"),
         OpSpec(
             "moe",
             ("x", "router", "w_gate", "w_up", "w_down"),
@@ -102,3 +107,11 @@ OP_SPECS: dict[str, OpSpec] = {
         ),
     )
 }
+
+
+def counts_targets(op) -> bool:
+    """A cross-entropy whose mean divides by the count of its targets other than ignore_index
+    (with class weights: their sum) over the whole batch (an all-reduce over the token shards, or a pipeline's count up front);
+    reduction='sum' divides by nothing."""
+    return op.kind == "cross_entropy" and (op.attr("ignore_index") is not None or bool(op.attr("weight", ""))) \
+        and op.attr("reduction", "mean") == "mean"

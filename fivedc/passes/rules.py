@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from fivedc.ir.ops import counts_targets
 from fivedc.ir.aten_layout import whole_dims
 from fivedc.errors import ShardingError
 from fivedc.ir.graph import Collective, CollectiveKind, Op, Phase, TensorType
@@ -227,11 +228,12 @@ def _cross_entropy(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> Ru
         for what in ("max of the logits", "sum of exp(logits)", "logit of the target")
     ) if vocab_axes else ()
     split = targets.split_axes()
-    if op.attr("ignore_index") is not None and split:
+    if counts_targets(op) and split:
         collectives += (Collective(
             CollectiveKind.ALL_REDUCE, split, Phase.FORWARD, op.out, 8,
-            f"cross-entropy with ignore_index={op.attr('ignore_index')}: the number of counted targets over the "
-            "token shards (the mean divides by it)", loc=op.loc,
+            f"cross-entropy with ignore_index={op.attr('ignore_index')}: "
+            + ("the class weights of the counted targets, summed" if op.attr("weight", "") else
+               "the number of counted targets") + " over the token shards (the mean divides by it)", loc=op.loc,
         ),)
     return RuleResult((logits, targets), Sharding(partial=split), collectives)
 

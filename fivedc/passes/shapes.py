@@ -167,7 +167,27 @@ def _cross_entropy(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     logits, targets = _tensor(op, types, 0), _tensor(op, types, 1, DType.INT)
     if logits.dims[:-1] != targets.dims:
         raise _fail(op, f"targets {_fmt(targets)} must be the logits' dims {_fmt(logits)} without the last")
+    if op.attr("reduction", "mean") not in ("mean", "sum"):
+        raise _fail(op, f"cross_entropy's reduction is 'mean' or 'sum', got {op.attr('reduction')!r}",
+                    "the loss is one scalar: reduction='none' is for a sum or mean taken afterwards")
+    smoothing = op.attr("label_smoothing", 0.0)
+    if not 0.0 <= smoothing <= 1.0:
+        raise _fail(op, f"cross_entropy's label_smoothing is between 0 and 1, got {smoothing}")
+    _class_weights(op, graph.dim(logits.dims[-1]))
     return TensorType(())
+
+
+def _class_weights(op: Op, classes: int) -> None:
+    """cross_entropy's `weight`: one number per class, or none."""
+    from fivedc.ir.ops import parse_freqs
+
+    text = op.attr("weight", "")
+    try:
+        count = len(parse_freqs(text)) if text else classes
+    except ValueError:
+        raise _fail(op, f"cross_entropy's weight is numbers separated by commas, got {text[:40]!r}") from None
+    if count != classes:
+        raise _fail(op, f"cross_entropy's weight has {count} numbers for {classes} classes", "give one per class")
 
 
 def _aten(op: Op, types: ArgTypes, graph: Graph) -> TensorType:

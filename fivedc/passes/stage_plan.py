@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fivedc.ir.ops import counts_targets
 from fivedc.ir.aten_layout import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir.graph import Collective, CollectiveKind, DType, Graph, Op, Phase, Redistribute, Repeat, walk_ops
@@ -346,7 +347,7 @@ def _check_per_microbatch(graph: Graph, m: int) -> None:
             raise NotSupportedError(
                 f"{op.attr('target')} {how} and sees the whole batch, so it cannot run "
                 f"in {m} microbatches", loc=op.loc, hint="use --microbatches 1, or pp=1")
-        if op.kind == "cross_entropy" and op.attr("ignore_index") is not None and op.args[1] not in inputs \
+        if counts_targets(op) and op.args[1] not in inputs \
                 and input_only_items(graph, op.args[1]) is None:
             raise NotSupportedError(
                 f"cross_entropy with ignore_index over targets computed from more than the inputs ({op.args[1]}): "

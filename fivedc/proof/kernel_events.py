@@ -9,6 +9,7 @@ graph, dims, dtype, pipeline, microbatches (`m`) and `numel`.
 
 from __future__ import annotations
 
+from fivedc.ir.ops import counts_targets
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.stage_plan import input_only_items
 from fivedc.plan.sites import Site
@@ -44,7 +45,7 @@ class KernelEvents:
             tokens = self.numel(dims[:-1], logits)
             out += [Event("all_reduce", vocab_axes, tokens, self.dtype, f"vocab-parallel cross-entropy: {what}",
                           op.loc) for what in ("max of the logits", "sum of exp(logits)", "logit of the target")]
-        if op.attr("ignore_index") is not None and self._counted_up_front(op) is None:
+        if counts_targets(op) and self._counted_up_front(op) is None:
             out += self._count(op)
         return out
 

@@ -11,6 +11,7 @@ sites and `_units`.
 
 from __future__ import annotations
 
+from fivedc.ir.ops import counts_targets
 from fivedc.ir.graph import Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.stages import value_types
@@ -76,8 +77,8 @@ class PipelineEvents:
             top = {id(site.node): site for site in self.sites if site.repeat is None}
             for site in self.sites:
                 node = site.node
-                items = self._counted_up_front(node) if isinstance(node, Op) and node.kind == "cross_entropy" \
-                    and node.attr("ignore_index") is not None else None
+                items = self._counted_up_front(node) if isinstance(node, Op) and counts_targets(node) \
+                    else None
                 if items is not None:
                     out += [e for i in items for e in self._step_forward(top[id(self.graph.body.items[i])])]
                     out += self._count(node)

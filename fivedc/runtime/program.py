@@ -28,6 +28,7 @@ import zlib
 import torch
 from torch import Tensor
 
+from fivedc.ir.ops import counts_targets
 from fivedc.ir.graph import Block, DType, Graph, Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.graph import param_instances as qualified_params
 from fivedc.passes.communication import weight_readers
@@ -169,7 +170,7 @@ class Program:
     def losses_ignoring(self) -> list[Op]:
         """The cross-entropy ops with ignore_index (their mean divides by a count of targets)."""
         return [op for op, _ in walk_ops(self.graph.body)
-                if isinstance(op, Op) and op.kind == "cross_entropy" and op.attr("ignore_index") is not None]
+                if isinstance(op, Op) and counts_targets(op)]
 
     def run_units(self, units, params, env: dict[str, Tensor], dims: dict[str, tuple[str, ...]]) -> None:
         """Run a pipeline chunk: top-level item ranges and single layers of repeats

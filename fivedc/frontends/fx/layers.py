@@ -326,30 +326,3 @@ def rope(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
             "0..seq-1 with frequencies theta**(-i/half); the interleaved (complex) form is not supported",
         )
     return T(lw.emit(frame, node, "rope", (x.ref,), lw.ir(x), (("theta", float(theta)),)), x.ir, x.layout)
-
-
-# ---- the loss ---------------------------------------------------------------------------------
-def cross_entropy(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
-    if node.op == "call_module":
-        m = _module(frame, node)
-        opts = {"weight": m.weight, "ignore_index": m.ignore_index, "reduction": m.reduction, "label_smoothing": m.label_smoothing}
-    else:
-        names = ("weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
-        opts = {n: arg(args, kwargs, i + 2, n) for i, n in enumerate(names)}
-    if opts.get("weight") is not None or (opts.get("reduction") or "mean") != "mean" or opts.get("label_smoothing"):
-        raise lw.unsupported(node, "cross_entropy with class weights, label smoothing or a reduction other than mean")
-    ignore = opts.get("ignore_index")
-    ignore = -100 if ignore is None else ignore  # torch's default: targets of -100 are left out of the mean
-    logits, targets = lw.tensor(frame, args[0], node), lw.tensor(frame, args[1], node)
-    groups = lw.groups(logits)
-    c = 1 if len(groups) >= 2 else 0
-    if len(groups[c]) != 1:
-        raise lw.unsupported(node, "cross_entropy over a class dim made of several dims")
-    vocab = groups[c][0]
-    rest = tuple(a for i, g in enumerate(groups) if i != c for a in g)
-    lw.unify(rest, tuple(a for g in lw.groups(targets) for a in g), node, "cross_entropy: logits and targets disagree")
-    if lw.ir(logits) != lw.ir(targets) + (vocab,):
-        raise lw.unsupported(node, "cross_entropy whose logits are not [tokens..., vocab] in the targets' order")
-    lw.dims.hint(vocab, "vocab", 90)
-    attrs = (("ignore_index", int(ignore)),)
-    return T(lw.emit(frame, node, "cross_entropy", (logits.ref, targets.ref), (), attrs), (), ())

@@ -45,6 +45,7 @@ class Lowering:
         self.warned: list[str] = []
         self.repeats = {spec.calls[0]: spec for spec in trace.repeats}
         self.later = {n for spec in trace.repeats for n in spec.calls[1:]}
+        self.ahead: dict[fx.Node, object] = {}  # nodes an earlier node's handler lowered with it (a loss's mean)
         self.seq_atom: int | None = None
         self.token_atoms: list[int] = []  # the inputs' batch and sequence dims
         self.owners: dict[int, tuple[str, str]] = {}  # id of a parameter tensor -> (key, role) of its first use
@@ -102,6 +103,9 @@ class Lowering:
     def walk(self, frame: Frame):
         for node in frame.traced.gm.graph.nodes:
             if node.op == "placeholder" or node in self.later:
+                continue
+            if node in self.ahead:
+                frame.syms[node] = self.ahead.pop(node)
                 continue
             if node.op == "output":
                 return fx.node.map_arg(node.args[0], lambda n: frame.syms[n])

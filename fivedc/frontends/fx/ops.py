@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fivedc.frontends.fx import attention_lower, layers
+from fivedc.frontends.fx import attention_lower, layers, losses
 from fivedc.frontends.fx.moe_lower import moe_block
 from fivedc.frontends.fx.build import DParam
 from fivedc.frontends.fx.layers import arg
@@ -296,5 +296,5 @@ HANDLERS = {
     "embedding": layers.embedding, "layer_norm": layers.layer_norm, "rms_norm": layers.rms_norm, "rope": layers.rope,
     "moe": moe_block,
     "sdpa": attention_lower.attention, "repeat_interleave": attention_lower.repeat_interleave,
-    "cross_entropy": layers.cross_entropy,
+    "cross_entropy": losses.cross_entropy,
 }
