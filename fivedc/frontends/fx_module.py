@@ -64,8 +64,8 @@ causal, real slicing and indexing (`logits[:, :-1]`), `cat`/`stack`, interleaved
 tied or shared weights, `padding_idx`, data-dependent control flow, trained class
 weights, per-token losses used other than by one whole sum or mean, a squeeze of a model dim of size 1, the router
 logits of an MoE block used (the hint: `fivedc_aux_loss`), any other op or module. Approximations are an
-`FxWarning` at the user's line: active dropout dropped, `ignore_index` not
-represented, extra outputs beside the loss dropped.
+`FxWarning` at the user's line: active dropout dropped, extra outputs beside the loss
+dropped (`ignore_index` is represented: the loss's mean is over the targets it keeps).
 """
 
 from __future__ import annotations
