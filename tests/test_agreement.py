@@ -27,8 +27,7 @@ from fivedc.passes.overlap import expand_buckets, plan_buckets
 from fivedc.passes.param_sync import sync_bytes
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.runtime.train import TrainSettings
-from wire_log import by_group, expected_calls, record_step, same_call
+from wire_log import assert_calls_match
 
 
 def compiled(model: str, mesh: str, stage_boundaries: tuple[str, ...] = (), **options):
@@ -58,16 +57,7 @@ def compiled(model: str, mesh: str, stage_boundaries: tuple[str, ...] = (), **op
     ("tests/replicated_models.py:tied_targets", "2x2x1x1x1", dict(stage_boundaries=("head",), microbatches=2, zero=1)),
 ])
 def test_the_programs_are_what_the_runtime_calls(model, mesh, options, worker_pool) -> None:
-    plan = compiled(model, mesh, **options)
-    programs = class_programs(plan)
-    calls = worker_pool.run(record_step, world=plan.mesh.world, payload=(plan, TrainSettings(steps=1, keep_grads=False)))
-    for rank, got in enumerate(calls):
-        want = by_group(expected_calls(programs[plan.mesh.coords(rank)[MeshAxis.PP]]))
-        got = by_group(got)
-        assert set(got) == set(want), (rank, set(got) ^ set(want))
-        for group in want:
-            assert len(got[group]) == len(want[group]) and all(map(same_call, got[group], want[group])), \
-                (rank, group, got[group], want[group])
+    assert_calls_match(compiled(model, mesh, **options), worker_pool)
 
 
 def _pipeline_plan():

@@ -20,10 +20,9 @@ from fivedc.passes.stages import chunk_param_names
 from fivedc.passes.tied import tied_names
 from fivedc.pipeline import compile_graph
 from fivedc.proof.agreement import prove_agreement
-from fivedc.proof.comm_program import class_programs
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
-from wire_log import by_group, expected_calls, record_step, same_call
+from wire_log import assert_calls_match
 
 SHARED = """
 model shared {
@@ -140,14 +139,4 @@ def test_a_shared_parameter_trains_like_one_device(model: str, mesh: str, option
     ("one stage", "2x2x1x1x1", {"zero": 1, "microbatches": 2}),
 ])
 def test_the_proof_expects_what_the_runtime_calls(model: str, mesh: str, options: dict, worker_pool) -> None:
-    plan = plan_of(model, mesh, **options)
-    programs = class_programs(plan)
-    settings = TrainSettings(steps=1, keep_grads=False)
-    calls = worker_pool.run(record_step, world=plan.mesh.world, payload=(plan, settings))
-    for rank, got in enumerate(calls):
-        want = by_group(expected_calls(programs[plan.mesh.coords(rank)[MeshAxis.PP]]))
-        got = by_group(got)
-        assert set(got) == set(want), (rank, set(got) ^ set(want))
-        for group in want:
-            assert len(got[group]) == len(want[group]) and all(map(same_call, got[group], want[group])), \
-                (rank, group, got[group], want[group])
+    assert_calls_match(plan_of(model, mesh, **options), worker_pool)

@@ -113,3 +113,20 @@ def by_group(calls: list[tuple]) -> dict[tuple, list[tuple]]:
 def same_call(got: tuple, want: tuple) -> bool:
     """Equal, where an expected size of None (sized at run time) matches any."""
     return got[:2] == want[:2] and got[3:] == want[3:] and (want[2] is None or got[2] == want[2])
+
+
+def assert_calls_match(plan, pool) -> None:
+    """One step of `plan` on `pool` (a worker pool), each rank's recorded collectives held to
+    the agreement proof's program of its class, group by group and in order."""
+    from fivedc.proof.comm_program import class_programs
+    from fivedc.runtime.train import TrainSettings
+
+    programs = class_programs(plan)
+    calls = pool.run(record_step, world=plan.mesh.world, payload=(plan, TrainSettings(steps=1, keep_grads=False)))
+    for rank, got in enumerate(calls):
+        want = by_group(expected_calls(programs[plan.mesh.coords(rank)[MeshAxis.PP]]))
+        got = by_group(got)
+        assert set(got) == set(want), (rank, set(got) ^ set(want))
+        for group in want:
+            assert len(got[group]) == len(want[group]) and all(map(same_call, got[group], want[group])), \
+                (rank, group, got[group], want[group])
