@@ -162,8 +162,8 @@ def render_seconds(ranks: str, rank: int, measured, timing: Timing) -> list[str]
     head = f"  {'kind':<12} {'measured s':>11}"
     if estimated:
         head += f" {'estimated s':>12} {'est / measured':>15}   ({timing.hardware.key})"
-    lines = ["", f"ranks {ranks} (rank {rank}): one step's seconds by kind of work, fake collectives, "
-             f"{timing.beside} copies beside", head]
+    beside = f", {timing.beside} cop{'y' if timing.beside == 1 else 'ies'} of it beside" if timing.beside else ""
+    lines = ["", f"ranks {ranks} (rank {rank}): one step's seconds by kind of work, fake collectives{beside}", head]
     rows = {"matmuls": measured.matmul, "attention": measured.attention, "other ops": measured.other,
             "optimizer": measured.optimizer}
     rows["total"] = sum(rows.values())
