@@ -76,12 +76,13 @@ def measured_step(plan) -> float:
 
 
 def own_work(plan) -> tuple[float, float]:
-    """Rank 0's own work per step (its compute and optimizer, no collective, no idle time): the
-    model's, and measured with the collectives faked (`fivedc rehearse --device cpu`'s timing)."""
+    """Rank 0's own work per step (compute, the copies around the sums, the optimizer; no
+    collective, no idle time): the model's, and measured with the collectives faked
+    (`fivedc rehearse --device cpu`'s timing)."""
+    from fivedc.plan.work_counts import own_work_seconds
     from fivedc.runtime.calibrate import time_rank
 
-    t = plan.time
-    predicted = t.compute_seconds * (1 - t.bubble) - t.layer_comm_seconds + t.optimizer_seconds
+    predicted = own_work_seconds(plan, plan.time.hardware)
     seconds = time_rank(plan, 0, beside=1)
     return predicted, seconds.forward_backward + seconds.optimizer
 

@@ -24,7 +24,7 @@ from fivedc.ir.hardware import hardware
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan.work_counts import compute_seconds, step_work
+from fivedc.plan.work_counts import compute_seconds, own_work_seconds, step_work
 from fivedc.runtime.calibrate import LinkSeconds, StepSeconds, profile_of, profile_text
 from fivedc.runtime.run import run_plan
 from fivedc.runtime.train import TrainSettings
@@ -144,3 +144,13 @@ def _least_step(plan, *, unless: float, tries: int = 3) -> float:
         if least <= 2 * unless:
             break
     return least
+
+
+def test_own_work_is_the_step_without_its_collectives_and_idle_time() -> None:
+    hw = hardware("a100")
+    one = _plan("1x1x1x1x1", hardware=hw)  # nothing to sum, no schedule: all of the step is its own
+    assert own_work_seconds(one, hw) == pytest.approx(one.time.step_seconds)
+    dp = _plan("2x1x1x1x1", hardware=hw, overlap=False)  # the sum after backward: its copies are own work
+    assert dp.time.compute_seconds + dp.time.optimizer_seconds < own_work_seconds(dp, hw) < dp.time.step_seconds
+    pp = _plan("1x2x1x1x1", hardware=hw, schedule="gpipe", microbatches=2)  # gpipe's idle share is not work
+    assert own_work_seconds(pp, hw) < pp.time.step_seconds

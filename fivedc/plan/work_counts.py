@@ -13,6 +13,7 @@ so the profile it writes prices exactly what it measured.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fivedc.errors import FivedcError
@@ -53,6 +54,16 @@ def step_work(plan: ExecutionPlan) -> StepWork:
 def compute_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
     """The model's forward and backward of `plan`'s step on `hw`."""
     return _price(plan, hw).compute_seconds
+
+
+def own_work_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
+    """What a rank of `plan` spends on its own work in a step on `hw`: the model's step with
+    every link free (no collective costs anything), less the schedule's idle share: compute,
+    the runtime's copies around the sums, the optimizer."""
+    free = dataclasses.replace(hw, nvlink_bytes_per_s=FREE, internode_bytes_per_s=FREE, nvlink_latency_s=0.0,
+                               internode_latency_s=0.0)
+    t = _price(plan, free)
+    return t.step_seconds - t.compute_seconds * t.bubble
 
 
 def _compute(plan: ExecutionPlan, **rates: float) -> float:
