@@ -30,6 +30,7 @@ class FlexAttention(llama.Attention):
     `score_mod`: flex attention's score modifier, if any."""
 
     document: int | None = None
+    window: int | None = None  # a sliding window of that many keys, the query's own among them
     score_mod = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,8 +43,11 @@ class FlexAttention(llama.Attention):
             positions = positions % self.document
         starts = torch.arange(s, device=x.device) - positions  # each token's document start
 
+        window = self.window
+
         def document_mask(batch, head, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (kv_idx >= starts[batch, q_idx])
+            seen = (kv_idx <= q_idx) & (kv_idx >= starts[batch, q_idx])
+            return seen if window is None else seen & (kv_idx > q_idx - window)
 
         flex, block_mask_of = compiled()
         block_mask = block_mask_of(document_mask, b, None, s, s, device=x.device)
@@ -73,3 +77,4 @@ def _factory(attention: type[FlexAttention]):
 flex_causal = _factory(FlexAttention)
 flex_documents = _factory(type("TwoDocuments", (FlexAttention,), {"document": 4}))
 flex_softcap = _factory(type("Softcapped", (FlexAttention,), {"score_mod": staticmethod(_softcap)}))
+flex_window = _factory(type("SlidingWindow", (FlexAttention,), {"window": 3}))

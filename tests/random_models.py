@@ -4,7 +4,7 @@
 GPT-style (layernorm, gelu MLP with bias, learned positions) or Llama-style
 (rmsnorm, rope, GQA, SwiGLU), with random layers, heads, kv-heads and widths.
 `draw_cp_case` adds context parallelism (cp in {2, 4}) with its attention variant
-and sequence layout. `draw_moe_case` draws mixture-of-experts models (experts,
+and sequence layout, and sometimes a causal sliding window. `draw_moe_case` draws mixture-of-experts models (experts,
 top-k, score, SwiGLU or GELU experts, a shared expert, balancing, capacity) on
 meshes with ep in {2, 4} composed with dp and tp.
 """
@@ -117,6 +117,9 @@ def draw_cp_case(draw, *, max_world: int = 8) -> Case:
     sp = draw(st.booleans()) if tp > 1 else False
     # the sequence: the balanced layout's 2*cp chunks, each split over tp
     text = _draw_dense(draw, dp=dp, tp=tp, seq_unit=2 * cp * tp, seq_most=2, ffn_most=3, vocab_most=5)
+    window = draw(st.sampled_from([0, 0, 2, 3, 5]))  # a causal sliding window of that many keys (0: none)
+    if window:
+        text = text.replace("causal=true)", f"causal=true, window={window})")
     return Case(
         text, f"{dp}x1x{tp}x{cp}x1", sp,
         cp_attention=draw(st.sampled_from(["ring", "allgather"])),

@@ -290,3 +290,47 @@ def test_scores_capped_by_a_softcap_match_the_written_out_attention(kv_blocks: i
     dout = torch.randn(got.shape, dtype=torch.float64, generator=gen)
     for name, g, w in zip("qkv", torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
         assert rel(g, w) <= TOL, f"d{name}: {rel(g, w):.2e}"
+
+
+def band(seq: int, window: int) -> torch.Tensor:
+    """The sliding-window mask written out: the query at i sees the keys at i - window < j <= i."""
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+@pytest.mark.parametrize("window, kv_blocks", [(2, 1), (3, 2), (5, 4), (16, 2)])
+def test_a_sliding_window_matches_the_written_out_band(kernels: str, window: int, kv_blocks: int) -> None:
+    """One cp rank's rows of a balanced layout against the gathered k/v: forward and gradients equal
+    SDPA with the band as its mask, and the pairs wholly below the band are not computed."""
+    gen = torch.Generator().manual_seed(window)
+    q, k, v = (torch.randn(2, h, 16, 8, dtype=torch.float64, generator=gen).requires_grad_(True) for h in (4, 2, 2))
+    q_pos, kv_pos = cp_positions(16, cp=2, rank=0, balanced=True), gathered(16, 2, balanced=True)
+    mask = band(16, window)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                          attn_mask=mask)[:, :, q_pos]
+    got = blockwise_attention(q[:, :, q_pos], k[:, :, kv_pos], v[:, :, kv_pos], q_pos, kv_pos, causal=True,
+                              kv_blocks=kv_blocks, window=window)
+    assert rel(got, want) <= TOL
+    dout = torch.randn(got.shape, dtype=torch.float64, generator=gen)
+    for name, g, w in zip("qkv", torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        assert rel(g, w) <= TOL, f"d{name}: {rel(g, w):.2e}"
+    pairs = plan_pairs(q_pos, kv_pos, causal=True, kv_blocks=kv_blocks, window=window)
+    seen = [(p.q, p.kv) for p in plan_pairs(q_pos, kv_pos, causal=True, kv_blocks=kv_blocks)]
+    assert len(pairs) <= len(seen) and (window >= 16 or len(pairs) < len(seen))
+
+
+def test_an_off_by_one_band_is_caught() -> None:
+    """A window of W keys and one of W - 1 differ: the band's edge is exact, not near enough."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    pos = torch.arange(12)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=band(12, 4))
+    assert rel(blockwise_attention(q, k, v, pos, pos, causal=True, window=4), want) <= TOL
+    assert rel(blockwise_attention(q, k, v, pos, pos, causal=True, window=3), want) > 1e-3
+    assert rel(blockwise_attention(q, k, v, pos, pos, causal=True, window=5), want) > 1e-3
+
+
+def test_a_window_without_causal_is_refused() -> None:
+    pos = torch.arange(4)
+    with pytest.raises(ShapeError, match="window=2 with causal=False"):
+        plan_pairs(pos, pos, causal=False, window=2)

@@ -220,3 +220,53 @@ def test_a_missing_cp_gradient_reduction_is_caught(worker_pool) -> None:
     reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype="fp64"))
     report = verify_plan(broken, reference, settings=TrainSettings(steps=2), pool=worker_pool)
     assert report.grad_error > 1e-3
+
+
+# ---- a sliding window --------------------------------------------------------------------
+def windowed(window: int) -> str:
+    """`small` at sequence 16 with a sliding window of `window` keys on its attention."""
+    return small(seq=16).replace("causal=true)", f"causal=true, window={window})")
+
+
+@pytest.mark.parametrize("variant", ["ring", "allgather"])
+def test_a_sliding_window_splits_the_sequence_and_matches_single_device(variant: str, worker_pool,
+                                                                       tmp_path) -> None:
+    """window=3 of 16 positions: the attention keeps its window under cp (the sequence split, not
+    replicated) and in the saved plan, and the run equals one device's, which computes the band itself."""
+    graph = parse_model(windowed(3), filename="m.5d")
+    plan = compile_text(windowed(3), "1x1x1x2x1", dtype="fp64", cp_attention=variant)
+    ops = _attention_ops(plan)
+    assert ops and all(op.attr("window") == 3 and str(op.annotation("cp")) == f"@cp({variant})" for op in ops)
+    assert all(op.sharding.axes_of("seq") == (CP,) for op in ops), [op.sharding for op in ops]
+    plan.save(tmp_path / "plan.json")
+    assert type(plan).load(tmp_path / "plan.json") == plan
+    check(graph, Case("", "1x1x1x2x1", False, cp_attention=variant), worker_pool)
+
+
+def test_the_window_changes_the_run(worker_pool) -> None:
+    """A plan whose attention lost a key of its window differs from the reference: the check can fail."""
+    plan = compile_text(windowed(2), "1x1x1x2x1", dtype="fp64")
+    reference = compile_graph(parse_model(windowed(3), filename="m.5d"),
+                              CompileOptions(mesh=single_device_mesh(), dtype="fp64"))
+    report = verify_plan(plan, reference, settings=TrainSettings(steps=1), pool=worker_pool)
+    assert report.max_error > 1e-3
+
+
+def test_a_window_counts_only_its_keys_in_the_estimate() -> None:
+    """window W of seq: W (1 - W / 2 seq) keys a query; as long as the sequence: plain causal (seq / 2)."""
+    from fivedc.estimates.costs import attended_keys
+
+    def keys(text: str) -> float:
+        return attended_keys(_attention_ops(compile_text(text, "1x1x1x2x1"))[0], 16)
+
+    assert keys(small(seq=16)) == keys(windowed(16)) == keys(windowed(40)) == 8.0
+    assert keys(windowed(4)) == 3.5 and keys(windowed(1)) == 1 - 1 / 32
+
+
+@pytest.mark.parametrize("attrs, message", [("causal=false, window=3", "needs causal=true"),
+                                            ("causal=true, window=-1", "got -1")])
+def test_a_bad_window_is_an_error_at_its_line(attrs: str, message: str) -> None:
+    text = small(seq=16).replace("causal=true)", f"{attrs})")
+    with pytest.raises(ShapeError) as error:
+        compile_text(text, "1x1x1x1x1")
+    assert message in str(error.value) and error.value.loc.line == 27  # the attention's line

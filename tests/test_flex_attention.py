@@ -41,6 +41,20 @@ def test_flex_attention_over_a_causal_block_mask_is_the_irs_causal_attention(wor
     assert report.max_error <= 1e-10, report
 
 
+def test_flex_attention_over_a_sliding_window_is_the_irs_windowed_attention(worker_pool) -> None:
+    """A mask_mod of the causal band of 3 keys: each layer's attention has window=3, nothing runs
+    replicated, and under cp2 (ring) the model trains as on one device."""
+    from flex_models import flex_window
+
+    module, inputs = flex_window()
+    tm = trace_module(module, inputs)
+    attention = _ops(tm.graph, "attention")
+    assert len(attention) == len(module.layers) and all(op.attr("window") == 3 for op in attention)
+    assert not [op for op in _ops(tm.graph, "aten") if op.attr("rule") == "replicated"]
+    report = check_module(f"{MODELS}:flex_window", mesh="1x1x1x2x1", steps=2, dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+
+
 def test_flex_attention_over_documents_runs_as_sdpa_with_its_mask_replicated() -> None:
     """Two documents per row: the mask is not the causal one, so the attention is SDPA with the
     dense mask, an ATen op without a sharding rule: it runs replicated (as any replicated op:

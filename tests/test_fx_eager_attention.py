@@ -32,11 +32,24 @@ def test_written_out_attention_with_a_softcap_is_the_irs_attention() -> None:
         assert_same_as_module(tm, module, inputs)
 
 
-def test_a_mask_that_is_not_causal_runs_as_aten_ops() -> None:
+def test_a_sliding_window_mask_is_the_attentions_window() -> None:
     module, inputs = decoder()
-    s = inputs[0].shape[1]  # layer 0 sees a sliding window of 2 keys: not the causal mask
+    s = inputs[0].shape[1]  # layer 0 sees a sliding window of 2 keys, its own and the one before
     window = torch.full((s, s), torch.finfo(torch.float32).min).triu(1) + torch.full((s, s), -1e9).tril(-2)
     module.attn[0].forward = lambda x, mask, layer=module.attn[0]: type(layer).forward(layer, x, window)
+    tm = trace_module(module, inputs)
+    attention = _ops(tm.graph, "attention")
+    assert [op.attr("window", 0) for op in attention] == [2, 0] and not _ops(tm.graph, "aten")
+    with float64_everywhere():
+        assert_same_as_module(tm, module, inputs)
+
+
+def test_a_mask_that_is_neither_causal_nor_a_window_runs_as_aten_ops() -> None:
+    module, inputs = decoder()
+    s = inputs[0].shape[1]  # layer 0: a window of 2 keys and the first key (an attention sink)
+    sink = torch.full((s, s), torch.finfo(torch.float32).min).triu(1) + torch.full((s, s), -1e9).tril(-2)
+    sink[:, 0] = 0.0
+    module.attn[0].forward = lambda x, mask, layer=module.attn[0]: type(layer).forward(layer, x, sink)
     tm = trace_module(module, inputs)
     assert len(_ops(tm.graph, "attention")) == 1 and _ops(tm.graph, "aten")
     with float64_everywhere():

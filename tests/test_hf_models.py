@@ -69,22 +69,45 @@ def test_library_models_train_in_parallel(worker_pool, arch: str, mesh: str, opt
     assert report.max_error <= 1e-10, report
 
 
-@pytest.mark.parametrize("arch, mesh, options", [
-    ("gemma2", "2x1x2x1x1", {}),  # the issue's crash: softmax(dtype=float32) of its eager attention in float64
-    ("mistral", "1x1x1x2x1", {}),  # SDPA with the banded mask as a constant, the sequence split over cp
-    ("gemma2", "1x2x1x1x1", {"microbatches": 2, "schedule": "1f1b"}),
-])
+WINDOW_LAYOUTS = [("1x1x1x1x1", {}), ("2x1x2x1x1", {}), ("1x1x1x2x1", {}),
+                  ("1x2x1x1x1", {"microbatches": 2, "schedule": "1f1b"})]
+
+
+@pytest.mark.parametrize("mesh, options", WINDOW_LAYOUTS, ids=["1", "dp2tp2", "cp2", "pp2_1f1b"])
+@pytest.mark.parametrize("arch", ["gemma2", "mistral", "gemma3"])
 def test_sliding_windows_shorter_than_the_sequence_train_in_parallel(worker_pool, arch: str, mesh: str,
                                                                      options: dict) -> None:
     """A window of 4 positions in a sequence of 8: the mask is banded, not causal (the library's own
-    configs have windows longer than the examples' sequences, where it is plain causal). The
-    attention of the windowed layers runs as the library writes it, and the run equals the module's."""
+    configs have windows longer than the examples' sequences, where it is plain causal). Gemma 2's
+    eager attention adds it to softcapped scores, Mistral's and Gemma 3's SDPA takes it as attn_mask;
+    either is the IR's attention with window=4, and the run equals the module's in float64."""
     from fivedc.parallel.check import check_module
 
     kwargs = {"arch": arch, "sliding_window": 4}
     report = check_module("examples/hf_models.py:build", kwargs=kwargs, mesh=mesh, steps=2, dtype="fp64",
                           pool=worker_pool, **options)
     assert report.max_error <= 1e-10, report
+
+
+@pytest.mark.parametrize("arch, windowed", [("gemma2", 1), ("mistral", 2), ("gemma3", 2)])
+def test_a_sliding_window_is_the_attentions_window_and_cp_splits_it(arch: str, windowed: int) -> None:
+    """The library's band (the query at i sees i - 4 < j <= i, read off the mask's value) is
+    `window=4` on the attention (Gemma 2's other layer attends fully), nothing runs replicated, and
+    under cp2 the attention's sequence is split over cp, not gathered on every rank."""
+    from fivedc.frontends.python_file import traced_from_spec
+    from fivedc.ir.aten_call import whole_dims
+    from fivedc.ir.graph import Op, walk_ops
+    from fivedc.ir.mesh import Mesh, MeshAxis
+    from fivedc.passes.base import CompileOptions
+    from fivedc.pipeline import compile_graph
+
+    _, _, tm = traced_from_spec("examples/hf_models.py:build", kwargs={"arch": arch, "sliding_window": 4})
+    ops = [op for op, _ in walk_ops(tm.graph.body) if isinstance(op, Op)]
+    assert sorted(op.attr("window", 0) for op in ops if op.kind == "attention") == [0] * (2 - windowed) + [4] * windowed
+    assert not [op for op in ops if op.kind == "aten" and whole_dims(op) is None]
+    plan = compile_graph(tm.graph, CompileOptions(mesh=Mesh.parse("1x1x1x2x1")))
+    attention = [op for op, _ in walk_ops(plan.graph.body) if isinstance(op, Op) and op.kind == "attention"]
+    assert all(op.sharding.axes_of(plan.graph.seq_dim) == (MeshAxis.CP,) for op in attention)
 
 
 def test_hugging_face_llama_trains_with_its_own_loss(worker_pool) -> None:

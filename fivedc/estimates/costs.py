@@ -5,7 +5,8 @@ peak and its memory traffic at the achievable share of HBM bandwidth (`Hardware`
 
     linear, matmul   2 x output x contracted FLOPs; backward: as much again for the
                      input gradient (I) and for the weight gradient (W)
-    attention        flash: 4 x batch x heads x sq x sk x head dim (half of it causal),
+    attention        flash: 4 x batch x heads x sq x sk x head dim (half of it causal;
+                     with a window W: sk is W (1 - W / 2 seq) keys a query, W <= seq),
                      at the attention efficiency; backward 2.5 x; math (the scores
                      materialised): kernel by kernel, `attention_cost.py`
     moe              the experts' matmuls on its routed rows (top_k per token) and the
@@ -97,13 +98,22 @@ def op_work(c: SaveContext, op: Op) -> Work:
         return Work(matmul_flops=flops, weight_flops=flops if op.args[1] in c.params else 0.0)
     if op.kind == "attention":  # every query row against the whole sequence (ring or gathered K/V)
         q_rows = c.numel(op.type.dims[:-1], op.sharding)  # batch x seq x heads on this rank
-        keys = c.graph.dim(c.graph.seq_dim)
-        flops = 4.0 * q_rows * keys * c.graph.dim(op.type.dims[-1]) * (0.5 if op.attr("causal", True) else 1.0)
+        flops = 4.0 * q_rows * attended_keys(op, c.graph.dim(c.graph.seq_dim)) * c.graph.dim(op.type.dims[-1])
         return Work(attention_flops=flops, bytes=4.0 * c.value_bytes(op.out))
     if op.kind == "moe":
         return _moe_work(c, op)
     moved = sum(c.value_bytes(a) for a in op.args if isinstance(a, str) and a in c.layouts and a not in c.params)
     return Work(bytes=float(moved + (c.value_bytes(op.out) if op.type.dims else 0)))
+
+
+def attended_keys(op: Op, seq: int) -> float:
+    """Keys a query attends to, on average: seq, half of it causal; with a sliding window W the
+    band's W a query less the triangle the first W queries miss, W (1 - W / 2 seq) (seq / 2 at
+    W = seq, so a window as long as the sequence counts as plain causal)."""
+    if not op.attr("causal", True):
+        return float(seq)
+    window = min(int(op.attr("window", 0) or 0) or seq, seq)
+    return window * (1.0 - window / (2.0 * seq))
 
 
 def _moe_work(c: SaveContext, op: Op) -> Work:

@@ -70,9 +70,11 @@ OP_SPECS: dict[str, OpSpec] = {
             "attention",
             ("q", "k", "v"),
             3,
-            (("causal", True), ("softcap", 0.0), ("kernel", "flash")),
+            (("causal", True), ("softcap", 0.0), ("kernel", "flash"), ("window", 0)),
             doc="softmax(q k^T / sqrt(d)) v; GQA when k, v have fewer heads; @cp(ring|allgather) under cp; "
-                "softcap c > 0: each score s capped at c * tanh(s / c) before the mask (Gemma 2); kernel: "
+                "softcap c > 0: each score s capped at c * tanh(s / c) before the mask (Gemma 2); window "
+                "W > 0 (causal): the query at i sees the keys at i - W < j <= i (Mistral's, Gemma 2's "
+                "sliding_window), blocks outside the band skipped; kernel: "
                 "flash (fused, scores never held) or math (scores materialised and kept for backward)",
         ),
         OpSpec("cross_entropy", ("logits", "targets"), 2,

@@ -160,7 +160,17 @@ def _attention(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     dims = q.dims[:3] + (v.dims[3],)
     if len(set(dims)) != 4:
         raise _fail(op, f"the result {_fmt(TensorType(dims))} would name a dim twice")
+    _check_window(op)
     return TensorType(dims)
+
+
+def _check_window(op: Op) -> None:
+    window = op.attr("window", 0)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise _fail(op, f"attention's window is a whole number of keys >= 1 (0: none), got {window!r}")
+    if window and not op.attr("causal", True):
+        raise _fail(op, f"attention's window={window} needs causal=true",
+                    "a sliding window is the causal band i - window < j <= i; drop window= or set causal=true")
 
 
 def _cross_entropy(op: Op, types: ArgTypes, graph: Graph) -> TensorType:

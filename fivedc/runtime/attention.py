@@ -13,6 +13,10 @@ ring of a context-parallel group. Layout: q [batch, heads, sq, head_dim], k and 
 A `softcap` c > 0 (Gemma 2's logit softcapping) caps each scaled score s at
 c * tanh(s / c) before the mask and the softmax; backward multiplies the scores'
 gradient by its derivative 1 - tanh(s / c)^2, recomputed with the scores.
+A causal `window` W > 0 (Mistral's and Gemma 2's sliding window) lets a query at
+position i see the keys at i - W < j <= i: pairs whose keys all lie before every
+query's window are skipped like those above the diagonal (a ring still passes the
+block on), and pairs cut by the band's lower edge are masked.
 """
 
 from __future__ import annotations
@@ -75,9 +79,11 @@ class Pair:
 
 
 def plan_pairs(q_pos: Tensor, kv_pos: Tensor, *, causal: bool, kv_blocks: int = 1,
-               tiles: bool = True) -> tuple[Pair, ...]:
+               tiles: bool = True, window: int = 0) -> tuple[Pair, ...]:
     """The (q run, k/v run) pairs that see at least one key, k/v cut into `kv_blocks` blocks;
-    with `tiles` every run is cut at TILE rows (a fused kernel takes whole runs)."""
+    with `tiles` every run is cut at TILE rows (a fused kernel takes whole runs); `window`
+    W > 0 (causal only): a query at i sees the keys at i - W < j <= i."""
+    _check_window(causal, window)
     cut = _tiles if tiles else (lambda runs: list(runs))
     sk = kv_pos.numel()
     if kv_blocks < 1 or sk % kv_blocks:
@@ -95,10 +101,24 @@ def plan_pairs(q_pos: Tensor, kv_pos: Tensor, *, causal: bool, kv_blocks: int = 
     pairs = []
     for qo, qn, q_first, q_last in q_runs:
         for ko, kn, k_first, k_last in kv_runs:
-            if causal and k_first > q_last:
-                continue  # every key is after every query
-            pairs.append(Pair((qo, qn), (ko, kn), masked=causal and k_last > q_first))
+            if causal and k_first > q_last or window and k_last <= q_first - window:
+                continue  # every key is after every query, or before every query's window
+            cut_by_band = bool(window) and k_first <= q_last - window
+            pairs.append(Pair((qo, qn), (ko, kn), masked=causal and k_last > q_first or cut_by_band))
     return tuple(pairs)
+
+
+def _check_window(causal: bool, window: int) -> None:
+    if window < 0 or window and not causal:
+        raise ShapeError(f"attention window={window} with causal={causal}",
+                         hint="a window is a number of keys >= 1 up to and including the query's own "
+                              "position, so it needs causal attention; 0 means no window")
+
+
+def visible(q_pos: Tensor, kv_pos: Tensor, window: int) -> Tensor:
+    """[len(q_pos), len(kv_pos)] True where a query sees a key: j <= i, and i - W < j with a window W."""
+    seen = kv_pos[None, :] <= q_pos[:, None]
+    return seen & (kv_pos[None, :] > q_pos[:, None] - window) if window else seen
 
 
 # ---- one pair of runs ------------------------------------------------------------------
@@ -150,13 +170,14 @@ class _Block:
     kv_pos: Tensor
     pairs: tuple[Pair, ...]
     softcap: float = 0.0
+    window: int = 0
 
 
-def _mask(pair: Pair, q_pos: Tensor, kv_pos: Tensor, device: torch.device) -> Tensor | None:
+def _mask(pair: Pair, q_pos: Tensor, block: _Block, device: torch.device) -> Tensor | None:
     if not pair.masked:
         return None
     (qo, qn), (ko, kn) = pair.q, pair.kv
-    return (kv_pos[ko:ko + kn][None, :] <= q_pos[qo:qo + qn][:, None]).to(device)
+    return visible(q_pos[qo:qo + qn], block.kv_pos[ko:ko + kn], block.window).to(device)
 
 
 def _forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block: _Block, *, fused: bool) -> None:
@@ -175,7 +196,7 @@ def _pair_forward(q: Tensor, q_pos: Tensor, block: _Block, pair: Pair, dtype: to
     heads, kv_heads, scale = q.shape[1], block.k.shape[1], q.shape[-1] ** -0.5
     (ko, kn) = pair.kv
     k_run, v_run = block.k[:, :, ko:ko + kn].to(dtype), block.v[:, :, ko:ko + kn].to(dtype)
-    probs = _scores(_rows(q, pair.q, kv_heads, dtype), k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale,
+    probs = _scores(_rows(q, pair.q, kv_heads, dtype), k_run, _mask(pair, q_pos, block, q.device), scale,
                     block.softcap)
     row_max = _finite(probs.amax(dim=-1))  # in place below: torch.logsumexp would copy the scores
     row_sum = probs.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
@@ -198,7 +219,7 @@ def _backward_into(
         lse_rows = _rows(lse.unsqueeze(-1), pair.q, kv_heads, dtype)
         delta_rows = _rows(delta.unsqueeze(-1), pair.q, kv_heads, dtype)
         capped: list[Tensor] = []
-        probs = _scores(q_rows, k_run, _mask(pair, q_pos, block.kv_pos, q.device), scale, block.softcap, capped)
+        probs = _scores(q_rows, k_run, _mask(pair, q_pos, block, q.device), scale, block.softcap, capped)
         probs.sub_(_finite(lse_rows)).exp_()
         dkv[1, :, :, ko:ko + kn] += torch.matmul(probs.transpose(-1, -2), dout_rows)
         dscores = torch.matmul(dout_rows, v_run.transpose(-1, -2)).sub_(delta_rows).mul_(probs).mul_(scale)
@@ -263,15 +284,15 @@ def _check(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor) -> No
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor,
-                causal: bool, kv_blocks: int, softcap: float, fused: bool) -> Tensor:
+                causal: bool, kv_blocks: int, softcap: float, fused: bool, window: int) -> Tensor:
         fused = fused and attention_fused.available(q) and not softcap  # torch's kernel has no softcap
-        block = _Block(k, v, kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks, tiles=not fused),
-                       softcap)
+        pairs = plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks, tiles=not fused, window=window)
+        block = _Block(k, v, kv_pos, pairs, softcap, window)
         out, lse = _empty_partial(q)
         _forward_into(out, lse, q, q_pos, block, fused=fused)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.positions, ctx.pairs, ctx.fused, ctx.softcap = (q_pos, kv_pos), block.pairs, fused, softcap
+        ctx.positions, ctx.pairs, ctx.fused, ctx.softcap, ctx.window = (q_pos, kv_pos), pairs, fused, softcap, window
         return out
 
     @staticmethod
@@ -280,26 +301,29 @@ class _BlockwiseAttention(torch.autograd.Function):
         (q_pos, kv_pos), dtype = ctx.positions, _compute_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
-        block = _Block(k, v, kv_pos, ctx.pairs, ctx.softcap)
+        block = _Block(k, v, kv_pos, ctx.pairs, ctx.softcap, ctx.window)
         if ctx.fused:
             attention_fused.backward_into(dq, dkv, q, q_pos, block, dout, out, lse)
         else:
             _backward_into(dq, dkv, q, q_pos, block, (dout, lse, _delta(dout, out)))
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
 def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor, *,
-                        causal: bool, kv_blocks: int = 1, softcap: float = 0.0, fused: bool = True) -> Tensor:
+                        causal: bool, kv_blocks: int = 1, softcap: float = 0.0, fused: bool = True,
+                        window: int = 0) -> Tensor:
     """Softmax attention of q to k/v [batch, heads, sq, head_dim], computed without ever
     holding the scores of more than one (q run x k/v run) pair; exact, differentiable.
 
     q_pos [sq] and kv_pos [sk] are global positions; under `causal`, a query sees the
     keys at positions up to its own. k/v are cut into `kv_blocks` equal blocks. softcap > 0: scores
     capped at softcap * tanh(score / softcap). fused=False (the `math` kernel): explicit matmuls.
+    window W > 0: a query at i sees the keys at i - W < j <= i (pairs outside the band skipped).
     """
     q, k, v, width = _one_head_dim(q, k, v)
     _check(q, k, v, q_pos, kv_pos)
-    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks, float(softcap), fused)[..., :width]
+    return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks, float(softcap), fused,
+                                     int(window))[..., :width]
 
 
 # ---- ring attention --------------------------------------------------------------------
@@ -338,27 +362,32 @@ def _exchange(ring: Ring, send: Tensor, tag: int) -> tuple[Tensor, Transfer]:
 
 
 def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool, fused: bool,
-                softcap: float) -> _Block:
+                softcap: float, window: int) -> _Block:
+    """The block in hand at `step`; its pairs are none where every key is outside the window
+    (nothing computed, the block still passed on)."""
     kv_pos = ring.block_positions[(ring.index - step) % ring.size]
-    return _Block(kv[0], kv[1], kv_pos, plan_pairs(q_pos, kv_pos, causal=causal, tiles=not fused), softcap)
+    pairs = plan_pairs(q_pos, kv_pos, causal=causal, tiles=not fused, window=window)
+    return _Block(kv[0], kv[1], kv_pos, pairs, softcap, window)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, causal: bool,
-                softcap: float, fused: bool) -> Tensor:
+                softcap: float, fused: bool, window: int) -> Tensor:
         out, lse = _empty_partial(q)
         fused = fused and attention_fused.available(q) and not softcap  # torch's kernel has no softcap
         kv = torch.stack((k, v))  # one packed buffer to send
         for step in range(ring.size):
             last = step == ring.size - 1
             arriving, transfer = (None, NOTHING) if last else _exchange(ring, kv, tag=0)
-            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused, softcap), fused=fused)
+            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused, softcap, window),
+                          fused=fused)
             transfer.wait()
             kv = arriving
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.q_pos, ctx.ring, ctx.causal, ctx.fused, ctx.softcap = q_pos, ring, causal, fused, softcap
+        ctx.window = window
         return out
 
     @staticmethod
@@ -372,7 +401,7 @@ class _RingAttention(torch.autograd.Function):
             last = step == ring.size - 1
             arriving, kv_transfer = (None, NOTHING) if last else _exchange(ring, kv, tag=0)
             dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-            block = _ring_block(kv, ring, step, ctx.q_pos, ctx.causal, ctx.fused, ctx.softcap)
+            block = _ring_block(kv, ring, step, ctx.q_pos, ctx.causal, ctx.fused, ctx.softcap, ctx.window)
             if ctx.fused:
                 attention_fused.backward_into(dq, dkv, q, ctx.q_pos, block, dout, out, lse)
             else:
@@ -384,11 +413,11 @@ class _RingAttention(torch.autograd.Function):
             kv_transfer.wait()
             kv = arriving
         acc_transfer.wait()  # the extra hop: every accumulator is home
-        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *, causal: bool,
-                   softcap: float = 0.0, fused: bool = True) -> Tensor:
+                   softcap: float = 0.0, fused: bool = True, window: int = 0) -> Tensor:
     """Softmax attention of this rank's q rows to the K/V blocks of every ring member,
     exact and differentiable; K/V blocks travel the ring, the sequence is never gathered.
 
@@ -397,4 +426,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *
     """
     q, k, v, width = _one_head_dim(q, k, v)
     _check(q, k, v, q_pos, ring.block_positions[ring.index])
-    return _RingAttention.apply(q, k, v, q_pos, ring, causal, float(softcap), fused)[..., :width]
+    return _RingAttention.apply(q, k, v, q_pos, ring, causal, float(softcap), fused, int(window))[..., :width]

@@ -33,17 +33,20 @@ def available(q: Tensor) -> bool:
     return _FORWARD is not None and _BACKWARD is not None and q.device.type == "cpu" and q.dtype in _DTYPES
 
 
-def _mask(pair, q_pos: Tensor, kv_pos: Tensor, dtype: torch.dtype) -> tuple[bool, Tensor | None, Tensor | None]:
+def _mask(pair, q_pos: Tensor, block, dtype: torch.dtype) -> tuple[bool, Tensor | None, Tensor | None]:
     """(is_causal, attn_mask, blind rows) for a pair: no mask, the kernel's causal mask (the
-    same positions on both sides), or an additive mask from the positions, with the rows
-    that see no key of the pair (the kernel gives them log-sum-exp 0, not -inf)."""
+    same positions on both sides, no window), or an additive mask from the positions (a
+    sliding window's band among them), with the rows that see no key of the pair (the
+    kernel gives them log-sum-exp 0, not -inf)."""
+    from fivedc.runtime.attention import visible as seen  # that module imports this one
+
     if not pair.masked:
         return False, None, None
     (qo, qn), (ko, kn) = pair.q, pair.kv
-    rows, cols = q_pos[qo:qo + qn], kv_pos[ko:ko + kn]
-    if qn == kn and bool((rows == cols).all()):
+    rows, cols = q_pos[qo:qo + qn], block.kv_pos[ko:ko + kn]
+    if qn == kn and not block.window and bool((rows == cols).all()):
         return True, None, None
-    visible = cols[None, :] <= rows[:, None]
+    visible = seen(rows, cols, block.window)
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, -math.inf)
     return False, mask, ~visible.any(dim=1)
 
@@ -52,7 +55,7 @@ def pair_forward(q: Tensor, q_pos: Tensor, block, pair) -> tuple[Tensor, Tensor]
     """The attention of the pair's q rows to its k/v rows: (output, log-sum-exp), which
     `fivedc/runtime/attention.py` merges with the other pairs'."""
     (qo, qn), (ko, kn) = pair.q, pair.kv
-    causal, mask, blind = _mask(pair, q_pos, block.kv_pos, q.dtype)
+    causal, mask, blind = _mask(pair, q_pos, block, q.dtype)
     part, part_lse = _FORWARD(q[:, :, qo:qo + qn], block.k[:, :, ko:ko + kn], block.v[:, :, ko:ko + kn], 0.0,
                               causal, attn_mask=mask)
     if blind is not None and bool(blind.any()):
@@ -66,7 +69,7 @@ def backward_into(dq: Tensor, dkv: Tensor, q: Tensor, q_pos: Tensor, block, dout
     kv_heads, sk, d]; `out` and `lse` are the rows' final ones (over every block)."""
     for pair in block.pairs:
         (qo, qn), (ko, kn) = pair.q, pair.kv
-        causal, mask, _ = _mask(pair, q_pos, block.kv_pos, q.dtype)
+        causal, mask, _ = _mask(pair, q_pos, block, q.dtype)
         rows = slice(qo, qo + qn)
         grad_q, grad_k, grad_v = _BACKWARD(
             dout[:, :, rows].contiguous(), q[:, :, rows], block.k[:, :, ko:ko + kn], block.v[:, :, ko:ko + kn],

@@ -313,16 +313,19 @@ def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
 def _attention(ctx, op, args, dims):
     """SDPA on one device; across cp, blockwise attention at global positions: ring
     attention, or over the gathered K/V (one block per cp rank) for @cp(allgather).
-    Scores capped by a `softcap` (which SDPA has not) take the blockwise kernel on one device too.
+    Scores capped by a `softcap` (which SDPA has not) take the blockwise kernel on one device too, and
+    so does a sliding `window` (its pairs outside the band skipped, as across cp).
     The op's kernel (`fivedc/passes/attention_kernel.py`): `math` runs SDPA's math backend
     (the scores materialised), and across cp the blocks by explicit matmuls."""
     q, k, v = [t.transpose(1, 2) for t in for_matmul(*args)]  # [batch, heads, seq, head_dim]
     causal, softcap = bool(op.attr("causal", True)), float(op.attr("softcap", 0.0) or 0.0)
+    window = int(op.attr("window", 0) or 0)
     fused = kernel_of(op) != "math"
     cp = ctx.mesh.size(MeshAxis.CP)
-    if cp == 1 and softcap:
+    if cp == 1 and (softcap or window):
         pos = torch.arange(q.shape[2], device=index_device(q.device))
-        return blockwise_attention(q, k, v, pos, pos, causal=causal, softcap=softcap, fused=fused).transpose(1, 2)
+        return blockwise_attention(q, k, v, pos, pos, causal=causal, softcap=softcap, fused=fused,
+                                   window=window).transpose(1, 2)
     if cp == 1 and fused and q.is_meta:  # a rehearsal: the fused kernel a GPU runs (meta would take SDPA's math)
         return _fused_on_meta(q, k, v, causal).transpose(1, 2)
     if cp == 1:  # grouped-query heads share K/V inside the kernel: no repeated copies are kept
@@ -333,10 +336,11 @@ def _attention(ctx, op, args, dims):
     q_pos = ctx.positions(seq, op.arg_sharding(0)).to(index_device(q.device))
     if op.annotation("cp").args[0] == "ring":
         out = ring_attention(q, k, v, q_pos, ctx.ring(op.arg_sharding(1), q.device), causal=causal, softcap=softcap,
-                             fused=fused)
+                             fused=fused, window=window)
     else:
         kv_pos = ctx.positions(seq, op.arg_sharding(1)).to(index_device(q.device))
-        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap, fused=fused)
+        out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap, fused=fused,
+                                  window=window)
     return out.transpose(1, 2)
 
 

@@ -63,7 +63,9 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     for atom, hint in ((h, "heads"), (kh, "kv_heads"), (d, "head_dim"), (vd, "head_dim")):
         lw.dims.hint(atom, hint, 70)
     atoms = (b, s, h, vd)
-    attrs = (("causal", bool(a["is_causal"])),) + ((("softcap", float(softcap)),) if softcap else ())
+    window = int(kwargs.get("window") or 0)  # windowed_attention, capped_attention: a causal sliding window
+    attrs = (("causal", bool(a["is_causal"])),) + ((("softcap", float(softcap)),) if softcap else ()) \
+        + ((("window", window),) if window else ())
     out = lw.emit(frame, node, "attention", (q.ref, k.ref, v.ref), atoms, attrs)
     return T(out, atoms, ((b,), (h,), (s,), (vd,)))
 

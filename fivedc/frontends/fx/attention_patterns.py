@@ -7,6 +7,12 @@
 - `scaled_dot_product_attention(..., attn_mask=M)` with M a constant equal to the causal
   mask -> `is_causal=True`.
 
+A mask that is, by value, a causal sliding window of W keys (the query at i sees the
+keys at i - W < j <= i: Mistral's, Gemma 2's and Gemma 3's `sliding_window` as their
+mask functions build it from positions) is the same attention with `window=W`
+(`capped_attention` or the `windowed_attention` marker); W is read off the mask's last
+row and the whole mask checked against the band, so any other mask lowers as before.
+
 A mixin of the pattern matcher: it uses its helpers (`name`, `strip`, `operands`,
 `number`, `value`, `constant`, `replace`) and its example values.
 """
@@ -19,7 +25,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fivedc.frontends.fx.recognise import CASTS, capped_attention
+from fivedc.frontends.fx.recognise import CASTS, band, capped_attention, windowed_attention
 
 
 class AttentionPatterns:
@@ -30,29 +36,35 @@ class AttentionPatterns:
         probs, v = self.strip(pair[0], frozenset({"dropout"})), pair[1]
         if self.name(probs) != "softmax" or _softmax_dim(probs) not in (-1, 3):
             return False
-        scores, causal = probs.args[0], False
-        if self.name(scores) == "masked_fill":
-            if not self._causal_fill(scores):
-                return False
-            scores, causal = scores.args[0], True
-        elif self.name(scores) == "add":
-            scores = self._causal_added(scores)
-            if scores is None:
-                return False
-            causal = True
+        found = self._masked(probs.args[0])
+        if found is None:
+            return False
+        scores, causal, window = found
         scores, softcap = self.capped(scores)
         found = self.scaled(scores)
         if found is None:
             return False
         q, k, scale = found
         kwargs = {"is_causal": causal, "dropout_p": self.dropout_p(pair[0])}  # the lowering warns about dropout
+        kwargs |= {"window": window} if window else {}
         if softcap is not None:
             self.replace(node, capped_attention, (q, k, v), kwargs | {"scale": scale, "softcap": softcap})
             return True
         if not math.isclose(scale, 1.0 / math.sqrt(self.values[q].shape[-1]), rel_tol=1e-12):
             kwargs["scale"] = scale
-        self.replace(node, F.scaled_dot_product_attention, (q, k, v), kwargs)
+        self.replace(node, windowed_attention if window else F.scaled_dot_product_attention, (q, k, v), kwargs)
         return True
+
+    def _masked(self, scores: fx.Node) -> tuple | None:
+        """(the scores before the mask, causal, window) of masked scores (no mask: not causal),
+        or None where the mask is neither causal nor a causal sliding window."""
+        if self.name(scores) == "masked_fill":
+            window = self._fill_window(scores)
+            return None if window is None else (scores.args[0], True, window)
+        if self.name(scores) == "add":
+            found = self._causal_added(scores)
+            return None if found is None else (found[0], True, found[1])
+        return scores, False, 0
 
     def capped(self, node) -> tuple:
         """(s, c) when `node` is c * tanh(s / c) (or s * (1 / c)), else (node, None)."""
@@ -70,20 +82,20 @@ class AttentionPatterns:
         return node, None
 
     def _causal_added(self, node: fx.Node):
-        """The scores of `scores + M` with M a constant additive causal mask (0 where a key is seen,
-        below -1e4 elsewhere, checked on its value), else None."""
+        """(the scores, window) of `scores + M` with M a constant additive causal mask, or a sliding
+        window's (0 where a key is seen, below -1e4 elsewhere, checked on its value), else None."""
         for scores, mask in (node.args[:2], node.args[1::-1]):
             value, shape = self.values.get(mask), getattr(self.values.get(scores), "shape", None)
             if not isinstance(mask, fx.Node) or not self.constant(mask) or not isinstance(value, torch.Tensor) \
                     or shape is None or value.dtype == torch.bool:
                 continue
-            causal = torch.ones(shape[-2], shape[-1], dtype=torch.bool).tril()
             try:
                 full = value.expand(shape)
             except RuntimeError:
                 continue
-            if bool((full[..., causal] == 0).all()) and bool((full[..., ~causal] < -1e4).all()):
-                return scores
+            window = band_window(full == 0)
+            if window is not None and bool((full[..., ~band(shape[-2], shape[-1], window)] < -1e4).all()):
+                return scores, window
         return None
 
     def dropout_p(self, node) -> float:
@@ -118,23 +130,24 @@ class AttentionPatterns:
                     return q, kt.args[0], scale
         return None
 
-    def _causal_fill(self, node: fx.Node) -> bool:
+    def _fill_window(self, node: fx.Node) -> int | None:
+        """The window of `masked_fill(scores, M, fill)` with M True exactly where a causal mask hides
+        a key (0), or a sliding window's (W), and fill below -1e4; else None."""
         mask, fill = self.value(node.args[1]), self.number(node.args[2])
         scores = self.values.get(node.args[0])
         if fill is None or fill > -1e4 or not isinstance(mask, torch.Tensor) or scores is None:
-            return False
-        tq, tk = scores.shape[-2:]
-        expected = torch.ones(tq, tk, dtype=torch.bool).triu(1)
+            return None
         try:
             full = mask.to(torch.bool).expand(scores.shape)
         except RuntimeError:
-            return False
-        return bool((full == expected).all())
+            return None
+        return band_window(~full)
 
     def causal_mask(self, node: fx.Node) -> bool:
         """scaled_dot_product_attention(q, k, v, attn_mask=M) with M a constant that is
         exactly the causal mask (bool: True where j <= i; or additive: 0 there and
-        -inf or below -1e4 elsewhere), checked on its value -> `is_causal=True`."""
+        -inf or below -1e4 elsewhere), checked on its value -> `is_causal=True`; with M
+        a causal sliding window's band of W keys -> `windowed_attention(..., window=W)`."""
         if self.name(node) != "sdpa" or node.kwargs.get("is_causal") or (len(node.args) > 5 and node.args[5]):
             return False
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -142,19 +155,43 @@ class AttentionPatterns:
         mask, q, k = given.get("attn_mask"), self.values.get(node.args[0]), self.values.get(node.args[1])
         if not isinstance(mask, fx.Node) or not self.constant(mask) or q is None or k is None:
             return False
-        value = self.values.get(mask)
-        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
-        try:
-            attend = value if value.dtype == torch.bool else value == 0
-            if value.dtype != torch.bool and not bool((value[~causal.expand(value.shape)] < -1e4).all()):
-                return False
-            if not bool((attend.expand(*q.shape[:-2], *causal.shape) == causal).all()):
-                return False
-        except (RuntimeError, AttributeError):
+        window = _mask_window(self.values.get(mask), (*q.shape[:-2], q.shape[-2], k.shape[-2]))
+        if window is None:
             return False
         kwargs = {k: v for k, v in given.items() if k not in ("query", "key", "value", "attn_mask")}
-        self.replace(node, F.scaled_dot_product_attention, tuple(node.args[:3]), kwargs | {"is_causal": True})
+        kwargs |= {"is_causal": True} | ({"window": window} if window else {})
+        self.replace(node, windowed_attention if window else F.scaled_dot_product_attention, tuple(node.args[:3]),
+                     kwargs)
         return True
+
+
+def _mask_window(value, shape: tuple) -> int | None:
+    """0 where an SDPA mask (bool: True where a key is seen; additive: 0 there, below -1e4
+    elsewhere) is causal, W where it is a causal sliding window of W keys, else None."""
+    try:
+        attend = (value if value.dtype == torch.bool else value == 0).expand(shape)
+        window = band_window(attend)
+        if window is None:
+            return None
+        if value.dtype != torch.bool and not bool((value.expand(shape)[..., ~band(*shape[-2:], window)] < -1e4).all()):
+            return None
+    except (RuntimeError, AttributeError):
+        return None
+    return window
+
+
+def band_window(attend: torch.Tensor) -> int | None:
+    """attend [..., tq, tk] (True where a query sees a key): 0 where it is exactly the causal
+    mask, W where it is the causal band of W keys (i - W < j <= i; W read off the last query,
+    the whole mask checked), else None."""
+    tq, tk = attend.shape[-2:]
+    if tq == 0 or tk == 0:
+        return None
+    seen = int(attend.reshape(-1, tq, tk)[0, -1].sum()) if tq == tk else tk
+    if seen == 0:
+        return None
+    window = 0 if seen >= tk else seen
+    return window if bool((attend == band(tq, tk, window)).all()) else None
 
 
 def _softmax_dim(node: fx.Node):

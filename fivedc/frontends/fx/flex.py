@@ -8,7 +8,8 @@ its log-sum-exp), that is `scaled_dot_product_attention(q, k, v, attn_mask=M, sc
 with M the `mask_mod` evaluated at every (batch, head, query, key) by torch's own
 `create_mask`; the block tables only skip work. M is computed from the buffers `mask_mod`
 reads, constants where the model builds them from positions, so the fx frontend folds it,
-and a causal M becomes `is_causal=True` (`patterns.causal_mask`), the IR's attention. SDPA
+and a causal M becomes `is_causal=True` (`patterns.causal_mask`), the IR's attention, as does a
+causal sliding window's band (its `window=W`: `attention_patterns.band_window`). SDPA
 with any other mask runs replicated (an ATen op with no sharding rule, listed in the plan
 with its line); a score_mod, or a read log-sum-exp, is refused at the call.
 

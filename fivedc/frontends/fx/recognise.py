@@ -48,15 +48,32 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
-                     softcap: float, dropout_p: float = 0.0) -> torch.Tensor:
+                     softcap: float, dropout_p: float = 0.0, window: int = 0) -> torch.Tensor:
     """softmax(softcap * tanh(q k^T * scale / softcap) [causal]) v: the marker eager attention with
-    logit softcapping becomes (`fivedc/frontends/fx/patterns.py`; k, v already repeated to q's heads)."""
+    logit softcapping becomes (`fivedc/frontends/fx/patterns.py`; k, v already repeated to q's heads);
+    `window` W > 0 (causal): the query at i sees the keys at i - W < j <= i."""
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     scores = softcap * torch.tanh(scores / softcap)
     if is_causal:
         sq, sk = scores.shape[-2:]
-        scores = scores.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        scores = scores.masked_fill(~band(sq, sk, window, q.device), float("-inf"))
     return torch.matmul(scores.softmax(-1), v)
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, is_causal: bool = True,
+                       dropout_p: float = 0.0, scale: float | None = None,
+                       enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA through a causal sliding window of W keys (the query at i sees i - W < j <= i): the marker
+    a mask recognised by value as that band becomes (`fivedc/frontends/fx/attention_patterns.py`)."""
+    mask = band(q.shape[-2], k.shape[-2], window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+def band(sq: int, sk: int, window: int, device=None) -> torch.Tensor:
+    """[sq, sk] True where the query at i sees the key at j: j <= i, and i - window < j with a window."""
+    seen = torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+    return seen & ~torch.ones(sq, sk, dtype=torch.bool, device=device).tril(-window) if window else seen
 
 
 def rope(x: torch.Tensor, *, theta: float, seq_axis: int, freqs: str = "") -> torch.Tensor:
@@ -84,7 +101,8 @@ _FUNCTIONS = {
     torch.split: "split", torch.chunk: "chunk", torch.masked_fill: "masked_fill",
     torch.repeat_interleave: "repeat_interleave", torch.arange: "arange", torch.cat: "cat",
     F.linear: "linear", F.embedding: "embedding", F.layer_norm: "layer_norm", F.rms_norm: "rms_norm",
-    F.scaled_dot_product_attention: "sdpa", capped_attention: "sdpa", F.cross_entropy: "cross_entropy",
+    F.scaled_dot_product_attention: "sdpa", capped_attention: "sdpa", windowed_attention: "sdpa",
+    F.cross_entropy: "cross_entropy",
     rms_norm: "rms_norm", swiglu: "swiglu", rope: "rope", **dict.fromkeys(MOE_OPS, "moe"),
 }
 _MODULES = {
