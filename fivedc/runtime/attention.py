@@ -31,6 +31,7 @@ from torch import Tensor
 
 from fivedc.errors import ShapeError
 from fivedc.runtime import attention_fused
+from fivedc.runtime.attention_band import visible
 from fivedc.runtime.p2p import NOTHING, Transfer, exchange
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -113,12 +114,6 @@ def _check_window(causal: bool, window: int) -> None:
         raise ShapeError(f"attention window={window} with causal={causal}",
                          hint="a window is a number of keys >= 1 up to and including the query's own "
                               "position, so it needs causal attention; 0 means no window")
-
-
-def visible(q_pos: Tensor, kv_pos: Tensor, window: int) -> Tensor:
-    """[len(q_pos), len(kv_pos)] True where a query sees a key: j <= i, and i - W < j with a window W."""
-    seen = kv_pos[None, :] <= q_pos[:, None]
-    return seen & (kv_pos[None, :] > q_pos[:, None] - window) if window else seen
 
 
 # ---- one pair of runs ------------------------------------------------------------------

@@ -23,6 +23,8 @@ import math
 import torch
 from torch import Tensor
 
+from fivedc.runtime.attention_band import visible as band
+
 _FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -38,15 +40,13 @@ def _mask(pair, q_pos: Tensor, block, dtype: torch.dtype) -> tuple[bool, Tensor 
     same positions on both sides, no window), or an additive mask from the positions (a
     sliding window's band among them), with the rows that see no key of the pair (the
     kernel gives them log-sum-exp 0, not -inf)."""
-    from fivedc.runtime.attention import visible as seen  # that module imports this one
-
     if not pair.masked:
         return False, None, None
     (qo, qn), (ko, kn) = pair.q, pair.kv
     rows, cols = q_pos[qo:qo + qn], block.kv_pos[ko:ko + kn]
     if qn == kn and not block.window and bool((rows == cols).all()):
         return True, None, None
-    visible = seen(rows, cols, block.window)
+    visible = band(rows, cols, block.window)
     mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, -math.inf)
     return False, mask, ~visible.any(dim=1)
 
