@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from fivedc.errors import FivedcError
 
@@ -79,8 +82,6 @@ def run_rehearse(args, *, defaults) -> int:
 def _workers(classes: int) -> int:
     """Processes rehearsing at once: one per core for a plan of many classes (a full-scale
     pipeline: minutes each); a few classes run in this process (starting one costs seconds)."""
-    import os
-
     return min(os.cpu_count() or 1, classes) if classes >= MANY_CLASSES else 1
 
 
@@ -125,8 +126,6 @@ def _timing_setup(args, plan) -> Timing:
 def _beside(args, plan) -> int:
     """How many processes step beside the timed one: one per other core `fivedc run`'s ranks
     would keep busy (for a profile, every core: it is for runs with a rank per core)."""
-    import os
-
     cores = os.cpu_count() or 1
     return (cores if args.calibrate is not None else min(plan.mesh.world, cores)) - 1
 
@@ -186,10 +185,6 @@ def _estimated_seconds(work, hw) -> dict[str, float]:
 
 
 def _write_profile(args, plan, timing: Timing, measured) -> None:
-    import datetime
-    import os
-    from pathlib import Path
-
     from fivedc.files import write_output
     from fivedc.ir.hardware import hardware
     from fivedc.runtime.calibrate import profile_of, profile_text, time_links, time_rank
