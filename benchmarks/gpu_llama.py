@@ -67,6 +67,15 @@ def memory_factory(*, tiny: bool = False):
     return m.factory(batch=2, args=args, dtype=torch.float32)
 
 
+def step_factory(*, layers: int = LAYERS):
+    """The benchmark's own 1.1B Llama (batch 4 x 2048 tokens) for `fivedc run` and `fivedc
+    compile`: the runtime's step and the plan's predicted step on the same model."""
+    m = import_file(EXAMPLES / "llama.py")
+    args = m.ModelArgs(dim=2048, n_layers=layers, n_heads=32, n_kv_heads=4, vocab_size=32000, ffn_dim=5632,
+                       max_seq_len=2048)
+    return m.factory(batch=4, args=args, dtype=torch.float32)
+
+
 def tiny_memory_factory():
     return memory_factory(tiny=True)
 

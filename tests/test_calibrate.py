@@ -73,6 +73,32 @@ def test_a_calibrated_profile_gives_back_the_seconds_it_was_measured_from(tmp_pa
     assert read.op_latency_s == pytest.approx(hw.op_latency_s, rel=1e-5)
 
 
+def test_a_gpu_keeps_its_data_sheet_and_gets_its_measured_efficiencies() -> None:
+    """On a GPU the profile is the GPU's (peaks, memory, links) with the shares of its peaks
+    that the measured step gives: a GPU that runs at known shares is found at them."""
+    plans = (_plan("1x1x1x1x1"), _plan("1x1x1x1x1", batch=1))
+    # a slow GPU, so that the tiny model's ops are not all shorter than their issue
+    base = dataclasses.replace(hardware("h100"), bf16_flops=1e9, hbm_bytes_per_s=1e8)
+    truth = dataclasses.replace(base, matmul_efficiency=0.6, attention_efficiency=0.3, memory_efficiency=0.7,
+                                op_memory_efficiency=0.4, op_latency_s=3e-5, host_runs_ahead=True)
+    measured = tuple(_seconds_on(plan, truth) for plan in plans)
+    hw = profile_of("h100_here", plans, measured, None, cores=1, source="2026-11-28 a test", base=base)
+    assert (hw.bf16_flops, hw.nvlink_bytes_per_s, hw.memory_gib) == (base.bf16_flops, base.nvlink_bytes_per_s,
+                                                                     base.memory_gib)
+    for field in ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "op_memory_efficiency",
+                  "op_latency_s"):
+        assert getattr(hw, field) == pytest.approx(getattr(truth, field), rel=1e-3), field
+    assert "one GPU measures no link" in profile_text(hw, measured, None, "a test")
+
+
+def test_cuda_without_a_gpu_is_refused_before_anything_runs(capsys, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["rehearse", MODEL, "--mesh", "1x1x1x1x1", "--device", "cuda"]) == 2
+    assert "no GPU that torch can use" in " ".join(capsys.readouterr().err.split())
+
+
 def _seconds_on(plan, hw) -> StepSeconds:
     """A step as the model prices it on `hw`, by kind of work."""
     work = step_work(plan)

@@ -195,3 +195,19 @@ def test_check_plan_names_the_first_difference() -> None:
     edited = type(plan)(**{**{f: getattr(plan, f) for f in plan.__dataclass_fields__}, "zero": 1})
     with pytest.raises(PlanError, match=r"plan\.(collectives|memory|buckets|zero|notes)"):
         check_plan(edited)
+
+
+def test_a_figure_in_its_last_bits_loads_and_an_edited_one_does_not(tmp_path) -> None:
+    """A plan compiled on another machine differs in the last bits of its figures (another
+    maths library, another order of sums): it loads. A figure changed beyond that does not."""
+    from fivedc.ir.hardware import hardware
+
+    plan = compile_graph(load_graph("examples/gpt.5d"), CompileOptions(mesh=Mesh.parse("2x1x2x1x1"),
+                                                                       hardware=hardware("h100")))
+
+    def scaled(factor: float):
+        return lambda d: d["time"].update(step_seconds=d["time"]["step_seconds"] * factor)
+
+    assert load_plan(saved(tmp_path, plan, scaled(1 + 4e-16))).time.step_seconds != plan.time.step_seconds
+    with pytest.raises(PlanError, match=r"plan\.time\.step_seconds"):
+        load_plan(saved(tmp_path, plan, scaled(1 + 1e-6)))

@@ -16,6 +16,7 @@ reads plans (`fivedc check PLAN.json` runs it alone).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -128,25 +129,29 @@ def _strip_block(block: Block, original) -> Block:
 
 
 # ---- where two plans differ ---------------------------------------------------------------------
+FLOAT_TOLERANCE = 1e-9  # relative: the last bits of a figure differ between machines' maths libraries
+
+
 def first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
-    """(path, a's value, b's value) of the first field where `a` and `b` differ, or None."""
+    """(path, a's value, b's value) of the first field where `a` and `b` differ, or None.
+    Floats agree within `FLOAT_TOLERANCE`: a plan compiled on one machine loads on another."""
     if a == b:
         return None
     if type(a) is not type(b):
         return path, a, b
+    if isinstance(a, float):
+        return None if math.isclose(a, b, rel_tol=FLOAT_TOLERANCE) else (path, a, b)
     if dataclasses.is_dataclass(a):
-        for field in dataclasses.fields(a):
-            if field.compare:
-                found = first_difference(getattr(a, field.name), getattr(b, field.name), f"{path}.{field.name}")
-                if found is not None:
-                    return found
-        return path, a, b
-    if isinstance(a, tuple):
-        for index, (x, y) in enumerate(zip(a, b)):
-            found = first_difference(x, y, f"{path}[{index}]")
-            if found is not None:
-                return found
-        return f"{path} (length)", len(a), len(b)
+        fields = (f.name for f in dataclasses.fields(a) if f.compare)
+        return next((d for f in fields if (d := first_difference(getattr(a, f), getattr(b, f), f"{path}.{f}"))), None)
+    if isinstance(a, (tuple, list)):
+        if len(a) != len(b):
+            return f"{path} (length)", len(a), len(b)
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := first_difference(x, y, f"{path}[{i}]"))), None)
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return f"{path} (keys)", sorted(map(str, a)), sorted(map(str, b))
+        return next((d for k in a if (d := first_difference(a[k], b[k], f"{path}[{k!r}]"))), None)
     return path, a, b
 
 

@@ -9,6 +9,9 @@ runs each rank on real tensors and also times its step by kind of work
 (`fivedc/runtime/calibrate.py`), against the seconds a profile estimates for them (the
 plan's `--gpu`, or `--gpu NAME --hardware FILE`); `--calibrate OUT.toml` writes this
 machine's profile from those times and its links, for `fivedc compile --hardware`.
+`--device cuda` does the same on a GPU, one class after another, and holds the estimate to
+the CUDA caching allocator's peak; its `--calibrate` keeps the GPU's data-sheet profile
+(`--gpu`, else the one its name matches) with the efficiencies measured.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ MANY_CLASSES = 4  # from this many classes on, one process per core rehearses th
 
 
 def rehearse_args(p) -> None:
-    p.add_argument("--device", choices=("meta", "cpu"), default="meta",
+    p.add_argument("--device", choices=("meta", "cpu", "cuda"), default="meta",
                    help="meta (default): shapes and storages without memory, any plan on any machine; "
-                   "cpu: real tensors, and each rank's step timed by kind of work")
+                   "cpu, cuda: real tensors, and each rank's step timed by kind of work")
     p.add_argument("--calibrate", default=None, metavar="OUT.toml",
-                   help="with --device cpu: write this machine's hardware profile, measured (a plan with pp=1)")
+                   help="with --device cpu or cuda: write this machine's hardware profile, measured (a plan "
+                   "with pp=1)")
     p.add_argument("--gpu", default=None, metavar="NAME",
-                   help="with --device cpu: the profile whose estimate the measured seconds are set against")
+                   help="with --device cpu or cuda: the profile whose estimate the measured seconds are set "
+                   "against (on cuda, the profile --calibrate measures the efficiencies of)")
     p.add_argument("--hardware", default=[], action="append", metavar="FILE",
                    help="a TOML file of profiles (as written by --calibrate) for --gpu")
     p.add_argument("--dtype", default=None, help="bf16 (default), fp32 or fp64, for a model compiled here")
@@ -55,7 +60,7 @@ def run_rehearse(args, *, defaults) -> int:
     if plan.dtype not in DTYPES:
         raise FivedcError(f"the plan trains in {plan.dtype}; the runtime trains in {', '.join(DTYPES)}",
                           hint="compile with --dtype bf16 (or fp32)")
-    timing = _timing_setup(args, plan) if args.device == "cpu" else None
+    timing = _timing_setup(args, plan) if args.device != "meta" else None
     print(f"rehearsing {args.model} on mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype})")
     workers = _workers(len(plan.memory.ranks))
     print(f"one rank of each of {len(plan.memory.ranks)} classes of ranks, one step on the {args.device} device"
@@ -86,11 +91,17 @@ def _workers(classes: int) -> int:
 
 
 def _check_device_flags(args) -> None:
-    if args.device != "cpu":
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise FivedcError("--device cuda: this machine has no GPU that torch can use",
+                              hint="use --device cpu, or --device meta for memory alone")
+    if args.device == "meta":
         for flag, value in (("--calibrate", args.calibrate), ("--gpu", args.gpu), ("--hardware", args.hardware)):
             if value:
                 raise FivedcError(f"{flag} times the step on this machine; the {args.device} device runs nothing",
-                                  hint="add --device cpu")
+                                  hint="add --device cpu (or cuda on a GPU)")
     if args.calibrate is not None:
         from fivedc.files import check_output
 
@@ -110,6 +121,7 @@ class Timing:
     hardware: object | None  # Hardware
     small: object | None = None  # ExecutionPlan: the plan at a quarter of its batch
     beside: int = 0  # processes stepping beside the timed rank, as fivedc run's other ranks would
+    device: str = "cpu"  # where the step is timed: cpu or cuda
 
 
 def _timing_setup(args, plan) -> Timing:
@@ -119,13 +131,32 @@ def _timing_setup(args, plan) -> Timing:
 
     work = step_work(plan) if args.calibrate is not None or plan.pipeline is None else None
     gpu = hardware(args.gpu, tuple(args.hardware)) if args.gpu else (plan.time.hardware if plan.time else None)
+    if args.device == "cuda" and args.gpu is None:
+        gpu = hardware(_profile_of_this_gpu())
     small = _quarter_batch(args, plan) if args.calibrate is not None else None
-    return Timing(work, gpu, small, _beside(args, plan))
+    return Timing(work, gpu, small, _beside(args, plan), args.device)
+
+
+def _profile_of_this_gpu() -> str:
+    """The built-in profile whose GPU this one is, by the name CUDA gives it."""
+    import torch
+
+    from fivedc.ir.hardware import profiles
+
+    name = torch.cuda.get_device_name()
+    for key in profiles():
+        if key.replace("-", "").upper() in name.replace(" ", "").upper():
+            return key
+    raise FivedcError(f"--device cuda: no built-in profile is this GPU ({name})",
+                      hint="name the nearest with --gpu NAME (fivedc/ir/hardware.toml lists them)")
 
 
 def _beside(args, plan) -> int:
     """How many processes step beside the timed one: one per other core `fivedc run`'s ranks
-    would keep busy (for a profile, every core: it is for runs with a rank per core)."""
+    would keep busy (for a profile, every core: it is for runs with a rank per core); on a
+    GPU none (one rank per GPU)."""
+    if args.device == "cuda":
+        return 0
     cores = os.cpu_count() or 1
     return (cores if args.calibrate is not None else min(plan.mesh.world, cores)) - 1
 
@@ -149,7 +180,7 @@ def _timed_classes(plan, rehearsal, timing: Timing) -> dict:
 
     seconds = {}
     for c in rehearsal.classes:
-        seconds[c.ranks] = time_rank(plan, c.rank, beside=timing.beside)
+        seconds[c.ranks] = time_rank(plan, c.rank, beside=timing.beside, device=timing.device)
         for line in render_seconds(c.ranks, c.rank, seconds[c.ranks], timing):
             print(line)
     return seconds
@@ -189,16 +220,22 @@ def _write_profile(args, plan, timing: Timing, measured) -> None:
     from fivedc.ir.hardware import hardware
     from fivedc.runtime.calibrate import profile_of, profile_text, time_links, time_rank
 
-    small = time_rank(timing.small, 0, beside=timing.beside)
-    links = time_links()
-    key = "".join(ch if ch.isalnum() else "_" for ch in Path(args.calibrate).stem.lower()) or "cpu"
-    source = f"{datetime.date.today()} fivedc rehearse {args.model} --mesh {plan.mesh} --device cpu"
-    hw = profile_of(key, (plan, timing.small), (measured, small), links, cores=os.cpu_count() or 1, source=source)
+    gpu = timing.device == "cuda"
+    small = time_rank(timing.small, 0, beside=timing.beside, device=timing.device)
+    links = None if gpu else time_links()
+    key = "".join(ch if ch.isalnum() else "_" for ch in Path(args.calibrate).stem.lower()) or timing.device
+    source = f"{datetime.date.today()} fivedc rehearse {args.model} --mesh {plan.mesh} --device {timing.device}"
+    hw = profile_of(key, (plan, timing.small), (measured, small), links, cores=os.cpu_count() or 1, source=source,
+                    base=timing.hardware if gpu else None)
     text = profile_text(hw, (measured, small), links, source)
     write_output(args.calibrate, text, inputs=(args.model.split(":")[0],), what="profile")
     hardware(key, (args.calibrate,))  # it reads back as a profile
-    print(f"\nwrote {args.calibrate}: links {links.bytes_per_s / 1e9:.2f} GB/s, {links.latency_s * 1e6:.0f} us, "
-          f"overlap share {links.overlap_share:.2f}")
+    if links:
+        print(f"\nwrote {args.calibrate}: links {links.bytes_per_s / 1e9:.2f} GB/s, {links.latency_s * 1e6:.0f} us, "
+              f"overlap share {links.overlap_share:.2f}")
+    else:
+        print(f"\nwrote {args.calibrate}: matmuls {hw.matmul_efficiency:.2f}, attention {hw.attention_efficiency:.2f} "
+              f"of the peak; other ops {hw.op_bytes_per_s / 1e12:.2f} TB/s, {hw.op_latency_s * 1e6:.1f} us per op")
     print(f"use it: fivedc compile MODEL --mesh ... --hardware {args.calibrate} --gpu {key}")
 
 
@@ -211,9 +248,13 @@ def render_rehearsal(rehearsal) -> list[str]:
     lines = []
     for c in rehearsal.classes:
         verdict = "within" if abs(c.ratio - 1) <= TOLERANCE else "OUTSIDE"
+        what = "CUDA allocator's peak" if c.allocator else "rehearsed peak"
         lines += ["", f"ranks {c.ranks} (rank {c.rank}): estimate {format_bytes(c.estimated.total)}, "
-                  f"rehearsed peak {format_bytes(c.peak)}: {c.ratio:.3f}x, {verdict} "
-                  f"{TOLERANCE:.0%}", f"  {'':<12} {'estimated':>10} {'at the peak':>12}"]
+                  f"{what} {format_bytes(c.measured)}: {c.ratio:.3f}x, {verdict} {TOLERANCE:.0%}"]
+        if c.allocator:
+            lines.append(f"  live storages' peak {format_bytes(c.peak)}, allocator reserved "
+                         f"{format_bytes(c.allocator.reserved)}")
+        lines.append(f"  {'':<12} {'estimated':>10} {'at the peak':>12}")
         lines += [f"  {k:<12} {format_bytes(getattr(c.estimated, k)):>10} {format_bytes(c.at_peak[k]):>12}"
                   for k in CATEGORIES]
         lines.append("  largest live at the peak:")

@@ -153,11 +153,19 @@ def work_seconds(work: Work, hw: Hardware) -> float:
 def op_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of one op: a matmul's backward
     is one matmul per operand needing a gradient (the weight's is W), attention's 2.5 x
-    its forward, memory-bound work twice its traffic; each phase that runs also the host's
-    time to issue it (`Hardware.op_latency_s`)."""
+    its forward, memory-bound work twice its traffic. Where the host runs the op itself (a
+    CPU), each phase that runs takes also the host's time to issue it
+    (`Hardware.op_latency_s`); where it issues ops ahead of the device (a GPU's stream),
+    `unit_time` sets the issues against the work of the whole unit instead."""
     forward, backward, weight = _work_times(c, op, hw)
-    latency = hw.op_latency_s
+    latency = 0.0 if hw.host_runs_ahead else hw.op_latency_s
     return forward + latency, backward + latency, weight + (latency if weight else 0.0)
+
+
+def issue_bound(seconds: float, issues: int, hw: Hardware) -> float:
+    """A unit's phase where the host issues ahead of the device: the device's work, unless the
+    host takes longer to issue its ops (then the device waits on it)."""
+    return max(seconds, issues * hw.op_latency_s) if hw.host_runs_ahead else seconds
 
 
 def _work_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]:
@@ -226,6 +234,7 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
     made: dict[str, tuple[float, float]] = {}  # a linear's output: its forward and input-gradient seconds
     ahead = 0.0  # of the forward's collectives, what the matmuls beside them hide
     back = 0.0  # of the backward's gathers of a sum's gradient in a ring, what the input gradient hides
+    issues = [0, 0, 0]  # ops issued in forward, input gradients, weight gradients
     per = repeat.count if repeat else 1
     for node in items:
         if isinstance(node, Redistribute):
@@ -266,9 +275,12 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             inputs[node.args[0]] = inputs.get(node.args[0], 0.0) + i
         extra_f, extra_i = _op_collectives(c, node, hw, f), _op_collectives(c, node, hw, i, backward=True)
         f, i, comm = f + extra_f, i + extra_i, comm + extra_f + extra_i
-        if recomputes_op(node, repeat, recompute):
+        again_here = recomputes_op(node, repeat, recompute)
+        if again_here:
             i += f  # its forward runs again in backward
         fwd, bwd_in, bwd_w = fwd + f, bwd_in + i, bwd_w + w
+        issues = [issues[0] + 1, issues[1] + 1 + again_here, issues[2] + bool(w)]
+    fwd, bwd_in, bwd_w = (issue_bound(t, n, hw) for t, n in zip((fwd, bwd_in, bwd_w), issues))
     keep = hw.overlap_keep  # what runs beside compute slows it by the SMs it holds
     fwd, comm = fwd - ahead * keep, comm - ahead * keep
     if repeat is not None and recomputes_layer(repeat, recompute):

@@ -45,6 +45,7 @@ class Hardware:
     overlap_sm_share: float = 0.0  # of the compute units, what a collective beside compute takes
     op_memory_efficiency: float | None = None  # of hbm, what forward and backward's memory-bound ops reach
     op_latency_s: float = 0.0  # the host's time to issue one op, forward or backward, beyond its work
+    host_runs_ahead: bool = False  # a GPU's stream: the host issues the next op while this one runs
 
     @property
     def op_bytes_per_s(self) -> float:
@@ -67,7 +68,8 @@ class Hardware:
         return int((self.memory_gib - self.reserved_gib) * GiB)
 
 
-OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None, "op_latency_s": 0.0}  # a profile may leave these out
+OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None, "op_latency_s": 0.0,
+            "host_runs_ahead": False}  # a profile may leave these out
 FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name", *OPTIONAL))
 
 
@@ -126,6 +128,10 @@ def _parse(text: str, source: str) -> dict[str, Hardware]:
         if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < 1:
             raise HardwareError(f"{source}: [{key}] op_latency_s = {latency!r} must be seconds in [0, 1)")
         values["op_latency_s"] = float(latency)
+        ahead = table.get("host_runs_ahead", False)
+        if not isinstance(ahead, bool):
+            raise HardwareError(f"{source}: [{key}] host_runs_ahead = {ahead!r} must be true or false")
+        values["host_runs_ahead"] = ahead
         out[key.lower()] = Hardware(key.lower(), str(table.get("name", key)), **values)
     return out
 

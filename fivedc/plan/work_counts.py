@@ -56,6 +56,11 @@ def compute_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
     return _price(plan, hw).compute_seconds
 
 
+def step_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
+    """The model's whole step of `plan` on `hw` (a plan priced on another profile than its own)."""
+    return _price(plan, hw).step_seconds
+
+
 def own_work_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
     """What a rank of `plan` spends on its own work in a step on `hw`: the model's step with
     every link free (no collective costs anything), less the schedule's idle share: compute,

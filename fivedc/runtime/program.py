@@ -24,6 +24,7 @@ it (`fivedc/runtime/tp_ring.py`).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Collection
 
 import torch
 from torch import Tensor
@@ -52,11 +53,15 @@ def grad_groups(graph: Graph, ctx: KernelContext) -> dict[str, object | None]:
     return {name: ctx.group(p.grad_partial) if p.grad_partial else None for name, p in qualified_params(graph)}
 
 
-def init_params(graph: Graph, *, seed: int, dtype: torch.dtype, meta: bool = False) -> dict[str, Tensor]:
+def init_params(graph: Graph, *, seed: int, dtype: torch.dtype, meta: bool = False,
+                only: Collection[str] | None = None) -> dict[str, Tensor]:
     """Full, unsharded initial parameters; each seeded by its name, so any rank can
-    make any of them without making the others. `meta`: shapes without values (a rehearsal)."""
+    make any of them without making the others (`only`: just these, a pipeline stage's).
+    `meta`: shapes without values (a rehearsal)."""
     out = {}
     for name, param in qualified_params(graph):
+        if only is not None and name not in only:
+            continue
         shape = tuple(graph.dim(d) for d in param.dims)
         if meta:
             out[name] = torch.empty(shape, dtype=dtype, device="meta")

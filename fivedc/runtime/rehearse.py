@@ -9,13 +9,17 @@ step, on the meta device (tensors with shapes and storages, no memory). `LiveByt
 (`fivedc/runtime/live_bytes.py`) counts every storage from its allocation to its free,
 so the peak is what this rank's program holds at its busiest moment, by category.
 
-What a rehearsal cannot do: values. The loss is NaN; an op that needs values (routing
-tokens to experts, `.item()`) raises `RehearsalError` naming it.
+What a rehearsal cannot do on meta: values. The loss is NaN; an op that needs values
+(routing tokens to experts, `.item()`) raises `RehearsalError` naming it. On `cpu` and
+`cuda` the tensors are real (random values); on `cuda` the CUDA caching allocator's own
+peak over the step (allocated and reserved) stands beside `LiveBytes`' count, and the
+estimate is held to the allocator's peak: what the GPU must really have.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -52,11 +56,27 @@ class ClassRehearsal:
     at_peak: dict[str, int]  # how the peak splits, by category
     largest: tuple[Storage, ...]  # the biggest storages live at the peak
     seconds: float  # wall time of this rank's rehearsal
+    allocator: AllocatorPeak | None = None  # on cuda: the caching allocator's peak over the step
+
+    @property
+    def measured(self) -> int:
+        """What the estimate is held to: the allocator's peak on a GPU, else the live storages'."""
+        return self.allocator.allocated if self.allocator else self.peak
 
     @property
     def ratio(self) -> float:
         """Estimated total / rehearsed peak (1.0: the estimate is exact)."""
-        return self.estimated.total / self.peak if self.peak else float("inf")
+        return self.estimated.total / self.measured if self.measured else float("inf")
+
+
+@dataclass(frozen=True)
+class AllocatorPeak:
+    """The CUDA caching allocator over one step: the most bytes its tensors held at once
+    (`max_memory_allocated`) and the most it held from the driver (`max_memory_reserved`:
+    those plus its cached free blocks and fragmentation)."""
+
+    allocated: int
+    reserved: int
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,7 @@ class Rehearsal:
         return {"mesh": self.mesh, "dtype": self.dtype, "device": self.device,
                 "classes": [{"ranks": c.ranks, "rank": c.rank, "estimated": estimated(c),
                              "rehearsed": {**c.at_peak, "total": c.peak}, "ratio": round(c.ratio, 4),
+                             **({"allocator": dataclasses.asdict(c.allocator)} if c.allocator else {}),
                              "largest": [{"bytes": s.nbytes, "category": s.category, "made_by": s.made_by,
                                           "shape": list(s.shape), "dtype": s.dtype} for s in c.largest]}
                             for c in self.classes]}
@@ -90,13 +111,13 @@ def class_ranks(plan: ExecutionPlan) -> list[tuple[RankMemory, int]]:
 
 
 def rehearse_plan(plan: ExecutionPlan, *, device: str = "meta", workers: int = 1, on_progress=None) -> Rehearsal:
-    """Rehearse one rank of each class of `plan` on `device`: meta (nothing allocated) or cpu
-    (real tensors, real values); one after the other in this process, or with `workers` > 1
-    that many at once, each in a fresh process of its own."""
+    """Rehearse one rank of each class of `plan` on `device`: meta (nothing allocated), cpu or
+    cuda (real tensors, random values); one after the other in this process, or with `workers`
+    > 1 that many at once, each in a fresh process of its own (not on cuda: one GPU)."""
     if dist.is_initialized():
         raise RehearsalError("a rehearsal joins a fake process group of its own; this process is in one already")
     jobs = [(plan, entry, rank, device) for entry, rank in class_ranks(plan)]
-    if workers > 1 and len(jobs) > 1:
+    if workers > 1 and len(jobs) > 1 and device != "cuda":
         classes = _in_processes(jobs, min(workers, len(jobs)), on_progress)
     else:
         classes = [_heard(rehearse_class(*job), on_progress) for job in jobs]
@@ -106,9 +127,11 @@ def rehearse_plan(plan: ExecutionPlan, *, device: str = "meta", workers: int = 1
 def rehearse_class(plan: ExecutionPlan, entry: RankMemory, rank: int, device: str) -> ClassRehearsal:
     """One class: its rank's step, what it held at its peak."""
     start = time.perf_counter()
-    live = rehearse_rank(plan, rank, TrainSettings(steps=1, dtype=plan.dtype, keep_grads=False), device=device)
+    peaks: list[AllocatorPeak] = []
+    live = rehearse_rank(plan, rank, TrainSettings(steps=1, dtype=plan.dtype, keep_grads=False), device=device,
+                         allocator=peaks)
     return ClassRehearsal(entry.ranks, rank, entry, live.peak, dict(live.at_peak), live.largest,
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, peaks[0] if peaks else None)
 
 
 def _heard(c: ClassRehearsal, on_progress) -> ClassRehearsal:
@@ -131,14 +154,18 @@ def _in_processes(jobs: list, workers: int, on_progress) -> list[ClassRehearsal]
     return [done[k] for k in range(len(jobs))]
 
 
-def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings, *, device: str = "meta") -> LiveBytes:
-    """One step of `rank`'s program on `device` (meta or cpu), in a fake process group of the
-    plan's world; what it held, storage by storage."""
+def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings, *, device: str = "meta",
+                  allocator: list | None = None) -> LiveBytes:
+    """One step of `rank`'s program on `device` (meta, cpu or cuda), in a fake process group of
+    the plan's world; what it held, storage by storage. On cuda the allocator's peak over the
+    step is appended to `allocator`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=rank, world_size=plan.mesh.world)
+    backends = "cpu:fake,cuda:fake" if device == "cuda" else "cpu:fake,meta:fake"
+    dist.init_process_group(backends, store=FakeStore(), rank=rank, world_size=plan.mesh.world)
     live, threads = LiveBytes(), torch.get_num_threads()
-    torch.set_num_threads(1)  # the host's work is small index arithmetic (routing), slower split over threads
+    if device == "meta":  # the host's work is small index arithmetic (routing), slower split over threads
+        torch.set_num_threads(1)
     try:
         with live:
             program, params, inputs, _ = setup_rank(plan, RankInfo(rank, plan.mesh.world, device), settings)
@@ -147,11 +174,12 @@ def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings, *, de
             del params  # the optimizer holds them now (ZeRO-3: only the owned chunks)
             _mark_held(live, trainer, inputs)
             live.reset_peak()
-            with saving_scope(live):  # what autograd keeps for backward: activations
-                trainer.forward_backward(inputs)
-            live.mark(trainer.optimizer.grads.values(), "grads")
-            trainer.optimizer.step()
-            trainer.end_step()
+            with _allocator_peak(device, allocator):
+                with saving_scope(live):  # what autograd keeps for backward: activations
+                    trainer.forward_backward(inputs)
+                live.mark(trainer.optimizer.grads.values(), "grads")
+                trainer.optimizer.step()
+                trainer.end_step()
     except (RuntimeError, NotImplementedError) as error:
         raise RehearsalError(f"rank {rank}'s step failed on the {device} device: {str(error).splitlines()[0]}",
                              hint="an op that needs values (which a rehearsal has not) cannot be rehearsed; "
@@ -161,6 +189,20 @@ def rehearse_rank(plan: ExecutionPlan, rank: int, settings: TrainSettings, *, de
         with quiet_stderr():  # c10d warns that the group's undefined device type has no hooks: it has none
             dist.destroy_process_group()
     return live
+
+
+@contextlib.contextmanager
+def _allocator_peak(device: str, out: list | None):
+    """On cuda: the caching allocator's peak from here to the end of the block, into `out`."""
+    if device != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    torch.cuda.synchronize()
+    if out is not None:
+        out.append(AllocatorPeak(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
 
 
 @contextlib.contextmanager

@@ -233,8 +233,7 @@ def _starting_params(job: TrainJob, settings: TrainSettings, held: set[str], dev
         full = {n: t.detach().to(settings.torch_dtype) for n, t in job.init.items()}
         _broadcast_from_first(full, device)
         return {n: full[n] for n in sorted(held)}
-    full = init_params(job.plan.graph, seed=settings.seed, dtype=settings.torch_dtype)
-    return {n: t for n, t in full.items() if n in held}
+    return init_params(job.plan.graph, seed=settings.seed, dtype=settings.torch_dtype, only=held)
 
 
 def _broadcast_from_first(full: dict[str, torch.Tensor], device: torch.device) -> None:

@@ -88,10 +88,8 @@ def setup_rank(plan: ExecutionPlan, info, settings: TrainSettings) -> tuple[Prog
                         pp_subsets=holder_sets(graph, plan.pipeline, mesh.size(MeshAxis.PP)))
     ctx = KernelContext(graph, mesh, mesh.coords(info.rank), groups)
     device, meta = torch.device(info.device), info.device == "meta"
-    full = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype, meta=meta)
-    if plan.pipeline is not None:
-        mine = chunk_param_names(graph, plan.pipeline, pp_rank=ctx.coords[MeshAxis.PP])
-        full = {n: t for n, t in full.items() if n in mine}
+    mine = chunk_param_names(graph, plan.pipeline, pp_rank=ctx.coords[MeshAxis.PP]) if plan.pipeline else None
+    full = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype, meta=meta, only=mine)
     named = dict(qualified_params(graph))
     params = {n: shard(t, named[n].dims, named[n].sharding, ctx).to(device) for n, t in full.items()}
     inputs = {
