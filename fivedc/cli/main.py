@@ -35,8 +35,8 @@ COMMANDS = {
     "export": "consolidate a checkpoint into one .safetensors file with the model's own parameter names",
     "diff": "compare two plans (or model@mesh pairs): mesh, sharding, collectives, memory",
     "check": "check a saved plan: exactly what this fivedc compiles, and every group's ranks agree on its collectives",
-    "rehearse": "run one rank of each class of a plan at full scale on the meta device: its peak memory "
-    "against the estimate",
+    "rehearse": "run one rank of each class of a plan at full scale (on the meta device, or timed on cpu or "
+    "cuda): its peak memory and step against the estimate",
     "search": "find the fastest layout (mesh and options) of a model on N GPUs: ranked, and the best plan written",
 }
 

@@ -122,7 +122,7 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
         graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline, recompute=recompute, memo=memo))
     parts = transients(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
                        recompute=recompute, regions=regions, buckets=buckets, overlap=overlap, memo=memo, tied=tied,
-                       activations=activations)
+                       activations=activations, grads=[grads for _, grads, _ in held])
     rows = [(params, grads, optimizer, activations[r], max(parts[r].values()))
             for r, (params, grads, optimizer) in enumerate(held)]
     return MemoryEstimate(_classes(rows, pipeline is not None))

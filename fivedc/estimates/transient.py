@@ -10,7 +10,9 @@ largest, not their sum, is added to what the rank keeps):
   before its reduce-scatter, the gathered input of a linear under SP, a norm's
   output): the program holds one unit's values until the next unit overwrites them;
 - loss: the logits' gradient beside the kept softmax, and a temporary as large
-  (2 x the logits);
+  (2 x the logits); without a pipeline the loss comes once in a step, before backward has
+  made any gradient, so of it only what exceeds the gradients (which the total counts
+  whole) is a part;
 - ZeRO-3: without a pipeline, gathered by group (the buckets): in forward the groups
   of the unit running (a layer's, or the top level's) and the next group, prefetched;
   in backward a group gathered again, its gradients and their reduce-scatter buffer
@@ -56,10 +58,12 @@ from fivedc.passes.stages import PipelineSpec, Unit
 
 def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
                recompute: str, regions: list[int], buckets=(), overlap: bool = True,
-               memo: Memo | None = None, tied=(), activations: list[int] | None = None) -> list[dict[str, int]]:
+               memo: Memo | None = None, tied=(), activations: list[int] | None = None,
+               grads: list[int] | None = None) -> list[dict[str, int]]:
     """Per pp rank (one entry without a pipeline): each transient part, in bytes. The parts
     that depend on the recomputation and those that depend on ZeRO are kept in `memo` apart
-    (a layout search asks for every pairing of the two)."""
+    (a layout search asks for every pairing of the two). `activations` and `grads`, per pp
+    rank, set the optimizer step and the loss against what is not held at their moments."""
     memo = memo_for(memo, graph, mesh, dtype)
     kept = memo.get(("kept transients", dtype_bytes, recompute, pipeline, tuple(regions), tuple(tied)),
                     lambda: _kept_parts(memo, dtype_bytes, pipeline, recompute, regions, tied))
@@ -76,10 +80,13 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
         for r, parts in enumerate(out):
             step = STEP_BYTES.get(dtype, 0) * largest_update(memo, zero, pipeline, r if pipeline else None)
             parts[OPTIMIZER_STEP] = max(step - activations[r], 0)
+    if grads is not None and pipeline is None and out[0].get("loss"):  # once, before any gradient
+        out[0][LOSS_FIRST] = max(out[0].pop("loss") - grads[0], 0)
     return out
 
 
 OPTIMIZER_STEP = "optimizer step's temporaries beyond the activations freed by then"
+LOSS_FIRST = "loss, beyond the gradients not made yet"
 # AdamW's temporaries per element of the part it updates (fivedc/runtime/zero.adamw_): in
 # 16-bit training the gradient in float32, the square root of the second moment and its
 # quotient (float32 each); in fp32 and fp64 the last two, at the dtype.

@@ -70,9 +70,10 @@ def transient_text(plan: ExecutionPlan) -> str:
 
     kw = dict(dtype=plan.dtype, dtype_bytes=DTYPE_BYTES[plan.dtype], pipeline=plan.pipeline, recompute=plan.recompute)
     activations, regions = rank_activations(plan.graph, plan.mesh, **kw)
-    parts = transients(plan.graph, plan.mesh, zero=plan.zero, regions=regions, buckets=plan.buckets,
-                       overlap=plan.overlap, activations=activations, **kw)
     pp = plan.mesh.size(MeshAxis.PP)
+    grads = [plan.memory.of_pp_rank(r, pp).grads for r in range(pp)] if plan.pipeline else [plan.memory.grads]
+    parts = transients(plan.graph, plan.mesh, zero=plan.zero, regions=regions, buckets=plan.buckets,
+                       overlap=plan.overlap, activations=activations, grads=grads, **kw)
     rank = plan.memory.busiest.pp_ranks(pp)[0] if plan.pipeline else 0
     name, value = max(parts[rank].items(), key=lambda item: item[1])
     if not value:
