@@ -67,6 +67,10 @@ def test_collectives_run_over_nvlink_inside_a_node_and_the_network_across() -> N
     assert collective_seconds(K.ALL_GATHER, (MeshAxis.DP,), b, wide, H100) == pytest.approx(
         7 / 8 * b / (min(H100.nvlink_bytes_per_s, 4 * H100.internode_bytes_per_s) * H100.link_efficiency)
         + 7 * H100.internode_latency_s)
+    # a ring hop, one GPU to the next, crosses between the nodes through one NIC: a ring's step
+    # waits on that hop, whatever the other three NICs of the node carry for their own rings
+    assert collective_seconds(K.SEND_RECV, (MeshAxis.DP,), b, wide, H100) == pytest.approx(
+        b / net + H100.internode_latency_s)
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 5, 2, 1), ("1f1b", 8, 3, 1),

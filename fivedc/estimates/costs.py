@@ -203,7 +203,9 @@ def collective_seconds(kind: CollectiveKind, axes: tuple, nbytes: float, mesh: M
     nodes, per_node = node_span(mesh, axes, hw.gpus_per_node)
     if nodes == 1:
         bandwidth, latency = hw.nvlink_bytes_per_s, hw.nvlink_latency_s
-    else:
+    elif kind == K.SEND_RECV:  # one GPU to one GPU: through its own NIC (a ring's step waits on its slowest hop)
+        bandwidth, latency = min(hw.nvlink_bytes_per_s, hw.internode_bytes_per_s), hw.internode_latency_s
+    else:  # the group's members on a node drive their NICs together (NCCL's rings over them)
         bandwidth, latency = min(hw.nvlink_bytes_per_s, per_node * hw.internode_bytes_per_s), hw.internode_latency_s
     bandwidth *= hw.link_efficiency
     if kind == K.ALL_REDUCE:
