@@ -85,6 +85,26 @@ def test_a_plan_with_new_options_is_refused(tmp_path, capsys) -> None:
     assert "--zero would change them" in " ".join(capsys.readouterr().err.split())
 
 
+def test_layers_scales_a_stage_down_to_fewer_layers_and_the_estimate_with_it(tmp_path, capsys) -> None:
+    """--layers 1 of a two-layer model over two stages: rehearsed and estimated alike, the
+    parameters of the layer left out gone from both."""
+    full, small = tmp_path / "full.json", tmp_path / "small.json"
+    flags = ["--mesh", "1x2x1x1x1", "--microbatches", "2"]
+    assert main(["rehearse", "examples/gpt.5d", *flags, "--report", str(full)]) == 0
+    assert main(["rehearse", "examples/gpt.5d", *flags, "--layers", "1", "--report", str(small)]) == 0
+    capsys.readouterr()
+    before, after = (json.loads(f.read_text())["classes"] for f in (full, small))
+    assert sum(c["estimated"]["params"] for c in after) < sum(c["estimated"]["params"] for c in before)
+    for little in after:
+        assert little["rehearsed"]["params"] == little["estimated"]["params"]
+        assert abs(little["ratio"] - 1) <= 0.05
+    plan = tmp_path / "gpt.plan.json"
+    assert main(["compile", "examples/gpt.5d", "--mesh", "2x1x1x1x1", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["rehearse", str(plan), "--layers", "1"]) == 2
+    assert "--layers would change them" in " ".join(capsys.readouterr().err.split())
+
+
 @pytest.mark.parametrize("mesh", ["2x1x1x2x1"])
 def test_context_parallel_rehearses_with_its_positions_on_the_host(mesh) -> None:
     """Ring attention reads the positions' values; on the meta device they stay on the CPU."""

@@ -43,6 +43,9 @@ def rehearse_args(p) -> None:
     p.add_argument("--hardware", default=[], action="append", metavar="FILE",
                    help="a TOML file of profiles (as written by --calibrate) for --gpu")
     p.add_argument("--dtype", default=None, help="bf16 (default), fp32 or fp64, for a model compiled here")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="for a model compiled here: at most N layers in each repeat (a stage too large for the "
+                   "device, at its per-layer shapes; the estimate is of the same smaller model)")
     p.add_argument("--source", default=None, metavar="MODEL",
                    help="for a plan: the model file it was compiled from (default: the file the plan names)")
     p.add_argument("--report", default=None, metavar="OUT.json",

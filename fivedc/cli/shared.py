@@ -128,6 +128,27 @@ def with_shape(graph, *, batch: int | None, seq: int | None):
     return dataclasses.replace(graph, dims=tuple((k, changes.get(k, v)) for k, v in graph.dims))
 
 
+def with_layers(graph, layers: int | None):
+    """The model with at most `layers` layers in each repeat (`fivedc rehearse --layers`: a
+    stage too large for one device, rehearsed at its per-layer shapes with fewer layers)."""
+    from fivedc.ir.graph import Repeat
+
+    if layers is None:
+        return graph
+    if layers < 1:
+        raise FivedcError(f"--layers {layers} must be at least 1", hint="the layers each repeat keeps, e.g. --layers 2")
+    items = []
+    for item in graph.body.items:
+        if isinstance(item, Repeat) and item.count > layers:
+            if any(k >= layers for k in item.stage_layers):
+                raise FivedcError(f"--layers {layers}: repeat {item.name} marks a pipeline chunk at layer "
+                                  f"{max(item.stage_layers)}, which fewer layers would drop",
+                                  hint=f"give --layers {max(item.stage_layers) + 1} or more")
+            item = dataclasses.replace(item, count=layers)
+        items.append(item)
+    return dataclasses.replace(graph, body=dataclasses.replace(graph.body, items=tuple(items)))
+
+
 def check_no_stage_boundaries(model: str, stage_boundaries) -> None:
     if stage_boundaries:
         raise FivedcError(
@@ -146,6 +167,7 @@ def compile_model(model: str, mesh_text: str, args, *, dtype: str, pipeline_flag
     options = compile_options(args, mesh, dtype=dtype, pipeline_flags_need_pp=pipeline_flags_need_pp)
     graph = load_graph(model, args.stage_boundary, weights=getattr(args, "weights", True))
     graph = with_shape(graph, batch=getattr(args, "global_batch", None), seq=getattr(args, "seq", None))
+    graph = with_layers(graph, getattr(args, "layers", None))
     return compile_graph(graph, options, proofs=proofs, timings=timings)
 
 
@@ -188,10 +210,11 @@ def executed_plan(args, defaults, *, verb: str, dtype: str, say=print):
 
 
 PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "attention_kernel", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",
-              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute")
+              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute", "layers")
 
 
 def plan_flags_given(args, defaults) -> list[str]:
     """The options that shape a plan given on the command line (not left at their defaults)."""
     names = {"sp": "--sp/--no-sp", "overlap": "--no-overlap"}
-    return [names.get(k, "--" + k.replace("_", "-")) for k in PLAN_FLAGS if getattr(args, k) != getattr(defaults, k)]
+    return [names.get(k, "--" + k.replace("_", "-")) for k in PLAN_FLAGS
+            if getattr(args, k, None) != getattr(defaults, k, None)]  # a command may not have every flag
