@@ -360,12 +360,11 @@ def other_ops(plans, measured: tuple[float, float], machine) -> tuple[float, flo
     most = measured[1] / max(step_work(small).op_issues, 1.0)  # the quarter batch all issue, no work
     if small_excess(0.0) >= 0 or small_excess(most) <= 0:
         return rate_for(0.0) or RATE_RANGE[1], 0.0
-    low, high = 0.0, most
+    low, high = 0.0, most  # small_excess(low) < 0 throughout: a rate exists there
     for _ in range(50):
         middle = (low + high) / 2
         low, high = (middle, high) if small_excess(middle) < 0 else (low, middle)
-    latency = (low + high) / 2
-    return rate_for(latency), latency
+    return rate_for(low), low
 
 
 def _root(f) -> float | None:
