@@ -84,6 +84,7 @@ class ParallelizeOptions:
     compile: bool | str = False  # each repeat's layer one torch.compile region (fivedc/runtime/regions.py)
     gpus: int | None = None  # mesh="auto": GPUs the layout search plans for (default: the job's world size)
     gpu: str | None = None  # mesh="auto": their kind (h100, ...)
+    after_step: object = None  # fn(model) or a tuple of them, run by model.after_step() (None: the module's own)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shardings", dict(self.shardings or {}))
@@ -136,7 +137,11 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     whole schedule; recompute "none" | "selective" | "full"; device (default: the current
     CUDA device with NCCL, else the module's); sync_module_states (start from rank 0's
     weights, default True); compile (each layer of a repeated block one `torch.compile`
-    region; a string names the backend).
+    region; a string names the backend); after_step (a function fn(model), or a tuple of them:
+    updates the training loop makes after each optimizer step from the buffers the forward
+    writes, as torchtitan's trainer updates its MoE expert bias from the tokens per expert;
+    call `model.after_step()` after `optimizer.step()` to run them; default: the module's
+    `fivedc_after_step` attribute).
 
     `model.fivedc_plan` is the plan. `model.named_parameters()` and `model.state_dict()` keep
     the module's names (`layers.0.attn.q_proj.weight`; a tied weight once, under its first
@@ -260,7 +265,20 @@ def _build(module: nn.Module, request: _Request):
             recompute=options.recompute,
         )
     return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
-                          sync_module_states=options.sync_module_states, compile=options.compile)
+                          sync_module_states=options.sync_module_states, compile=options.compile,
+                          after_step=after_step_hooks(module, options.after_step))
+
+
+def after_step_hooks(module: nn.Module, given) -> tuple:
+    """The after-step hooks: `after_step=` (a callable or a tuple of them), else the module's own
+    `fivedc_after_step` attribute (as a factory sets it), else none."""
+    hooks = given if given is not None else getattr(module, "fivedc_after_step", None)
+    hooks = () if hooks is None else tuple(hooks) if isinstance(hooks, (tuple, list)) else (hooks,)
+    for hook in hooks:
+        if not callable(hook):
+            raise FivedcError(f"after_step takes functions fn(model), not {type(hook).__name__}",
+                              hint="after_step=fn, where fn(model) updates model's buffers after optimizer.step()")
+    return hooks
 
 
 def _decorate(cls: type, request: _Request) -> type:
