@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from fivedc.errors import NotSupportedError
-from fivedc.frontends.fx.locs import node_loc
 from fivedc.frontends.fx.moe import ExpertWeight
 from fivedc.frontends.fx.moe_leaves import leaf
 from fivedc.frontends.fx.values import Frame, RouterLogits, T
@@ -73,10 +71,9 @@ def _states(lw: Lowering, node: fx.Node, this, prefix: str) -> tuple:
     spec = this.spec
     if not (spec.bias or spec.counts):
         return ()
-    if prefix != this.path + ".":
-        raise NotSupportedError(f"an MoE block with state (its buffer {spec.bias or spec.counts}) in a layer stack "
-                                f"traced once (fx node {node.name})", loc=node_loc(node),
-                                hint="trace without the stack (torch.export keeps every layer)")
+    if prefix != this.path + ".":  # Unrecognised: the model is captured again with torch.export (no stack)
+        raise lw.unsupported(node, f"an MoE block with state (its buffer {spec.bias or spec.counts}) in a layer "
+                             "stack traced once", "trace without the stack (torch.export keeps every layer)")
     return tuple((attr, f"{this.path}.{name}") for attr, name in (("bias_state", spec.bias),
                                                                   ("count_state", spec.counts)) if name)
 

@@ -1,0 +1,47 @@
+"""Buffers the forward writes (issue 37): an MoE block's routing bias and tokens per expert are
+state in the plan (fivedc/ir/states.py), the counts summed over the ranks that split the batch,
+updated by after-step hooks; the module check compares them with the plain module's."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivedc.ir.states import graph_states
+from fivedc.parallel.check import check_module, check_module_here
+
+MODEL = "tests/balanced_moe.py:build"
+
+
+def test_the_probe_reads_the_bias_and_the_counts_and_the_plan_sums_them_over_the_batch() -> None:
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.ir.mesh import Mesh
+    from fivedc.parallel.parallelize import compile_module
+
+    module, inputs = load_factory(MODEL)
+    traced, plan = compile_module(module, inputs, mesh=Mesh.parse("2x1x1x1x2"))
+    states = {(s.key, s.written) for s in graph_states(plan.graph)}
+    assert states == {(f"layers.{i}.moe.{name}", name == "tokens_per_expert")
+                      for i in (0, 1) for name in ("expert_bias", "tokens_per_expert")}
+    counted = [c for c in plan.collectives if "the state layers." in c.reason]
+    assert len(counted) == 2 and all(c.kind == "all_reduce" and set(c.axes) == {"dp", "ep"} for c in counted)
+    assert not any(b.abs().max() for b in module.buffers())  # tracing left the module's buffers as they were
+
+
+def test_one_rank_trains_the_bias_as_the_plain_loop_and_a_wrong_count_is_caught(monkeypatch) -> None:
+    report = check_module_here(MODEL, steps=3, dtype="fp64")
+    assert report.max_error <= 1e-10, report
+    import fivedc.runtime.moe as moe
+
+    monkeypatch.setattr(moe, "add_to_state", lambda *args: None)  # the counts never reach the buffer
+    report = check_module_here(MODEL, kwargs={"after_step": False}, steps=2, dtype="fp64")
+    assert report.state_error > 0.5 and "tokens_per_expert" in report.worst
+
+
+@pytest.mark.parametrize("mesh", ["2x1x2x1x1", "1x1x1x1x2", "1x2x1x1x1"])
+def test_the_bias_and_the_counts_train_as_one_device_on_every_axis(worker_pool, mesh: str) -> None:
+    """3 steps with the hook (the bias after 3 updates), then without (the counts of 3 steps)."""
+    options = {"schedule": "1f1b"} if mesh == "1x2x1x1x1" else {}
+    for after_step in (True, False):
+        report = check_module(MODEL, kwargs={"after_step": after_step}, mesh=mesh, steps=3, dtype="fp64",
+                              pool=worker_pool, **options)
+        assert report.max_error <= 1e-10, (mesh, after_step, report)
