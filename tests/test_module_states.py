@@ -45,3 +45,14 @@ def test_the_bias_and_the_counts_train_as_one_device_on_every_axis(worker_pool, 
         report = check_module(MODEL, kwargs={"after_step": after_step}, mesh=mesh, steps=3, dtype="fp64",
                               pool=worker_pool, **options)
         assert report.max_error <= 1e-10, (mesh, after_step, report)
+
+
+def test_the_routing_reads_the_bias(monkeypatch) -> None:
+    """A plan that chose without the bias would route otherwise once the bias moves: caught."""
+    import torch
+
+    import fivedc.runtime.moe as moe
+
+    monkeypatch.setattr(moe, "read_state", lambda ctx, key, like, size: torch.zeros(size, dtype=like.dtype))
+    report = check_module_here(MODEL, steps=3, dtype="fp64")
+    assert report.loss_error > 1e-4 and report.state_error > 0.5

@@ -68,3 +68,29 @@ def test_torchtitans_default_llama3_with_flex_attention_trains_as_one_device(wor
         report = check_module("examples/titan_tune_models.py:titan_llama3", mesh=mesh, steps=2, dtype="fp64",
                               pool=worker_pool, **options)
         assert report.max_error <= 1e-10, (mesh, report)
+
+
+# torchtitan's MoE models with their default load balancing (load_balance_coeff 1e-3): the expert bias
+# and tokens per expert are state (fivedc/ir/states.py), and the trainer's bias update is the factory's
+# after-step hook (examples/titan_tune_models.expert_bias_update); Qwen3-MoE's layouts with the flag
+LAYOUTS = ("2x1x2x1x1", "1x1x1x1x2", "1x2x1x1x1")
+BALANCED = ("titan_deepseek_v3", "titan_qwen3_moe_sdpa")
+
+
+@pytest.mark.parametrize("balanced", BALANCED)
+def test_torchtitans_moe_balancing_bias_trains_as_its_trainers_loop(worker_pool, request, balanced) -> None:
+    """The bias after 3 steps (and the losses, gradients, parameters) as a one-device loop running
+    the trainer's update after each optimizer step, in float64, at 1 rank, dp2·tp2, ep2 and pp2."""
+    from fivedc.ir.states import graph_states
+    from fivedc.parallel.check import check_module, check_module_here
+
+    spec = f"examples/titan_tune_models.py:{balanced}"
+    graph = load_graph(spec)
+    assert {s.key.rpartition(".")[2] for s in graph_states(graph)} == {"expert_bias_E", "tokens_per_expert_E"}
+    report = check_module_here(spec, steps=3, dtype="fp64")
+    assert report.max_error <= 1e-10, report
+    every = balanced == "titan_deepseek_v3" or request.config.getoption("--all-library-models")
+    for mesh in LAYOUTS if every else ():
+        options = {"schedule": "1f1b"} if mesh == "1x2x1x1x1" else {}
+        report = check_module(spec, mesh=mesh, steps=3, dtype="fp64", pool=worker_pool, **options)
+        assert report.max_error <= 1e-10, (mesh, report)
