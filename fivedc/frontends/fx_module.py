@@ -114,6 +114,20 @@ class TracedModel:
         """The inverse: state_dict entries (parameters only; buffers stay with the module)."""
         return from_ir_params(self.params, ir_params)
 
+    def state_values(self, module: nn.Module) -> dict[str, Tensor]:
+        """The graph's states (`fivedc/ir/states.py`: buffers the forward reads or adds to) as the
+        module holds them now, copies by key: what a program starts from (`runtime/states.set_states`)."""
+        from fivedc.ir.states import state_sizes
+
+        out = {}
+        for key in state_sizes(self.graph):
+            try:
+                out[key] = module.get_buffer(key).detach().clone()
+            except AttributeError:
+                raise NotSupportedError(f"the plan's state {key} is not a buffer of {type(module).__name__}",
+                                        hint="give the module that was traced") from None
+        return out
+
     def match(self, pattern: str) -> tuple[ParamMapping, ...]:
         """The IR parameters of the modules matching a path pattern (`transformer.h.*.attn.c_attn`)."""
         return tuple(m for m in self.params if m.matches(pattern))

@@ -249,16 +249,7 @@ class ParallelModule(nn.Module):
         """The module's buffers the plan reads or adds to (`fivedc/ir/states.py`): whole on every rank
         (rank 0's, as the weights), registered under their keys (as the module registers them), and the
         program's states (`fivedc/runtime/states.py`)."""
-        values = {}
-        for key, size in state_sizes(self.fivedc_plan.graph).items():
-            try:
-                buffer = module.get_buffer(key)
-            except AttributeError:
-                raise FivedcError(f"the plan's state {key} is not a buffer of {self._fivedc_name}",
-                                  hint="parallelize the module that was traced") from None
-            if buffer.numel() != size:
-                raise FivedcError(f"the plan's state {key} has {size} elements, the module's buffer {buffer.numel()}")
-            values[key] = buffer.detach().clone()
+        values = self.fivedc_traced.state_values(module)
         if sync and self._fivedc_groups is not None and values:
             _broadcast(values, self._fivedc_device)
         own = set(self._fivedc_own)

@@ -23,10 +23,12 @@ The block may return `out` or `(out, router_logits)` (only `out` may then be use
 Which parameter is which, the layouts, `top_k` (a `top_k`/`num_experts_per_tok`
 attribute, else 2 or 1), softmax or sigmoid scores, renormalised gates or not, and
 the scale are found by running the block with random weights on a random probe
-against `reference_moe`, the IR's dropless moe written densely. Buffers take part as
-they are: a balancing bias that is zero (DeepSeek's `e_score_correction_bias` at
-initialisation) selects as none does; one that is not zero, or group-limited routing
-that selects other experts, does not match, and the block is traced through. A block
+against `reference_moe`, the IR's dropless moe written densely. Buffers are read too
+(`fivedc/frontends/fx/moe_states.py`): a floating buffer [experts] added to the scores to
+choose the experts is the op's routing bias (`bias_state`; a non-zero one, as a trained
+model holds, is read at zero first), one the forward adds its tokens per expert to is
+its `count_state`; any other write of a buffer, or a buffer that changes the output
+otherwise (group-limited routing), does not match, and the block is traced through. A block
 marked `fivedc_moe = True` that matches no reading is an error naming it.
 `fivedc_aux_loss = a` on a block sets the op's Switch balancing-loss coefficient.
 """
@@ -146,7 +148,13 @@ def _probe(m: nn.Module) -> MoeSpec | str:
     if isinstance(found, str):
         return found
     hidden = found[0].readings[0][2].ir_value(params).shape[-1]
-    ran = _run_probe(m, params, hidden)
+    spec = _probe_once(m, params, found, hidden, zeroed=False)
+    # a routing bias that is not zero (a trained model) chooses other experts: read with it at zero
+    return _probe_once(m, params, found, hidden, zeroed=True) if isinstance(spec, str) else spec
+
+
+def _probe_once(m: nn.Module, params: dict[str, Tensor], found: list, hidden: int, *, zeroed: bool) -> MoeSpec | str:
+    ran = _run_probe(m, params, hidden, zeroed)
     if isinstance(ran, str):
         return ran
     x, values, out, _ = ran
@@ -175,7 +183,7 @@ def _probe(m: nn.Module) -> MoeSpec | str:
 def _with_states(m: nn.Module, spec: MoeSpec, ran, shared: Tensor) -> MoeSpec | str:
     """`spec` with the buffers the block reads as a routing bias and writes as tokens per expert
     (`fivedc/frontends/fx/moe_states.py`), or why its buffers are not read."""
-    x, values, _, before = ran
+    x, values, _, before = ran  # `before`: the buffers the block ran with
     r, experts = spec.router_value(values), spec.weights[2].ir_value(values).shape[0]
     gains = written(before, {n: values[n] for n in before})
     bias = ""
@@ -188,6 +196,9 @@ def _with_states(m: nn.Module, spec: MoeSpec, ran, shared: Tensor) -> MoeSpec | 
         if found:
             bias = name
             break
+    stray = [n for n, b in m.named_buffers() if n != bias and not torch.equal(b.to(before[n]), before[n])]
+    if stray:  # a buffer the reading set to zero, which is not the routing bias
+        return f"it computes the IR's moe only with its buffer {stray[0]} at zero, which it does not read as a bias"
     chosen = choices(x, r, top_k=spec.top_k, score=spec.score, bias=before[bias] if bias else None)
     counts = read_counts(gains, counts_of(chosen, experts))
     return counts if isinstance(counts, str) else replace(spec, bias=bias, counts=counts.counts)
@@ -239,7 +250,7 @@ def with_shared(output, shared: tuple[str, ...], gates: tuple[tuple[str, str], .
     return total
 
 
-def _run_probe(m: nn.Module, params: dict[str, Tensor], hidden: int):
+def _run_probe(m: nn.Module, params: dict[str, Tensor], hidden: int, zeroed: bool = False):
     """(x, random parameters and copies of the buffers, the block's output, the buffers before it ran) at the
     parameters' dtype (float64 as fivedc's float64 mode computes it: `fivedc/frontends/fx/precision.py`), or in
     float32 where the block has no kernel for it; else what failed."""
@@ -249,7 +260,7 @@ def _run_probe(m: nn.Module, params: dict[str, Tensor], hidden: int):
         x = torch.randn(4, 6, hidden, generator=gen, dtype=dtype)
         values = {n: torch.randn(p.shape, generator=gen, dtype=dtype) * (p.shape[-1] ** -0.5)
                   for n, p in params.items()}
-        buffers = probe_buffers(m, dtype)  # copies: the block's own buffers are never written by a probe
+        buffers = probe_buffers(m, dtype, zeroed)  # copies: the block's own buffers are never written by a probe
         before = {n: b.clone() for n, b in buffers.items()}
         values.update(buffers)
         try:

@@ -32,11 +32,15 @@ class StateReading:
     counts: str = ""
 
 
-def probe_buffers(m: nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+def probe_buffers(m: nn.Module, dtype: torch.dtype, zeroed: bool = False) -> dict[str, Tensor]:
     """Copies of the block's floating buffers in the probe's dtype (the block's own are never written
-    by a probe), and its other buffers as they are."""
-    return {n: b.detach().clone().to(dtype) if b.is_floating_point() else b.detach().clone()
-            for n, b in m.named_buffers()}
+    by a probe), and its other buffers as they are; `zeroed`: its floating 1-D buffers at zero (a
+    routing bias that a trained model holds chooses other experts than the scores: read at zero)."""
+    out = {}
+    for n, b in m.named_buffers():
+        copy = b.detach().clone().to(dtype) if b.is_floating_point() else b.detach().clone()
+        out[n] = torch.zeros_like(copy) if zeroed and copy.is_floating_point() and copy.dim() == 1 else copy
+    return out
 
 
 def choices(x: Tensor, router: Tensor, *, top_k: int, score: str, bias: Tensor | None) -> Tensor:
