@@ -40,7 +40,8 @@ def test_one_rank_trains_the_bias_as_the_plain_loop_and_a_wrong_count_is_caught(
 @pytest.mark.parametrize("mesh", ["2x1x2x1x1", "1x1x1x1x2", "1x2x1x1x1"])
 def test_the_bias_and_the_counts_train_as_one_device_on_every_axis(worker_pool, mesh: str) -> None:
     """3 steps with the hook (the bias after 3 updates), then without (the counts of 3 steps)."""
-    options = {"schedule": "1f1b"} if mesh == "1x2x1x1x1" else {}
+    # pp2: layer 1's MoE on pp rank 1 only, so rank 0 holds its states through the sum over pp
+    options = {"schedule": "1f1b", "stage_boundaries": ("layers.1",)} if mesh == "1x2x1x1x1" else {}
     for after_step in (True, False):
         report = check_module(MODEL, kwargs={"after_step": after_step}, mesh=mesh, steps=3, dtype="fp64",
                               pool=worker_pool, **options)
@@ -56,3 +57,40 @@ def test_the_routing_reads_the_bias(monkeypatch) -> None:
     monkeypatch.setattr(moe, "read_state", lambda ctx, key, like, size: torch.zeros(size, dtype=like.dtype))
     report = check_module_here(MODEL, steps=3, dtype="fp64")
     assert report.loss_error > 1e-4 and report.state_error > 0.5
+
+
+def test_fivedc_train_runs_the_hooks_and_saves_and_resumes_the_states(worker_pool, tmp_path) -> None:
+    """fivedc's own loop: 2 steps on pp2 (the counts summed over pp before the hook), saved, resumed
+    on one device for 2 more: the bias, the counts and the losses of 4 steps on one device."""
+    import dataclasses
+
+    import torch
+
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.ir.mesh import Mesh
+    from fivedc.parallel.parallelize import compile_module
+    from fivedc.runtime.checkpoint import read_index
+    from fivedc.runtime.reshard import consolidate
+    from fivedc.runtime.train_loop import train_job
+    from train_helpers import job_for, make_tokens, one_device
+
+    data = make_tokens(tmp_path, vocab=32)
+    module, inputs = load_factory(MODEL)
+    traced, pp2 = compile_module(module, inputs, mesh=Mesh.parse("1x2x1x1x1"), schedule="1f1b",
+                                 stage_boundaries=("layers.1",))  # layer 1 on pp rank 1: rank 0 saves its states
+    _, one = compile_module(module, inputs, mesh=Mesh.parse("1x1x1x1x1"))
+    start = dict(states=traced.state_values(module), hooks=MODEL, init=traced.to_ir_params(module.state_dict()))
+    config = dict(steps=4, lr=1e-2, save_every=2, keep=5, clip=0.5, seed=1)
+    first = dataclasses.replace(job_for(pp2, data, **config), **start, save_dir=str(tmp_path / "a"), until=2)
+    worker_pool.run(train_job, world=2, payload=first)
+    whole = one_device(dataclasses.replace(first, plan=one, save_dir=str(tmp_path / "b"), until=None))
+    resumed = one_device(dataclasses.replace(first, plan=one, save_dir=str(tmp_path / "c"), until=None, init=None,
+                                             states=None, resume=str(tmp_path / "a" / "step-00000002")))
+    for got, want in zip(resumed, whole[2:], strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-12 * abs(want["loss"])
+    folders = [tmp_path / d / "step-00000004" for d in ("b", "c")]
+    states = [consolidate(f, read_index(f), kind="state") for f in folders]
+    assert set(states[0]) == {f"layers.{i}.moe.{n}" for i in (0, 1) for n in ("expert_bias", "tokens_per_expert")}
+    assert all(states[0][k].abs().max() > 0 for k in states[0] if k.endswith("bias"))  # the hook moved them
+    for key, want in states[0].items():
+        assert torch.allclose(states[1][key], want, rtol=0, atol=1e-12), key

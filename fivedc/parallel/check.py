@@ -30,7 +30,7 @@ from fivedc.errors import FivedcError
 from fivedc.frontends.fx.params import module_state
 from fivedc.frontends.fx.flex import flex_attention_on_cpu
 from fivedc.frontends.fx.precision import float64_everywhere, without_dropout
-from fivedc.parallel.parallelize import after_step_hooks
+from fivedc.runtime.states import after_step_hooks
 from fivedc.runtime.compare import check_reference, compare_runs, compare_states
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}

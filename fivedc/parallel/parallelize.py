@@ -57,6 +57,7 @@ from fivedc.ir.mesh import Mesh
 from fivedc.parallel.pins import pin_shardings
 from fivedc.passes.base import DEFAULT_BUCKET_MB, CompileOptions
 from fivedc.pipeline import compile_graph
+from fivedc.runtime.states import after_step_hooks
 from fivedc.plan.execution_plan import ExecutionPlan
 
 _DTYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -268,17 +269,6 @@ def _build(module: nn.Module, request: _Request):
                           sync_module_states=options.sync_module_states, compile=options.compile,
                           after_step=after_step_hooks(module, options.after_step))
 
-
-def after_step_hooks(module: nn.Module, given) -> tuple:
-    """The after-step hooks: `after_step=` (a callable or a tuple of them), else the module's own
-    `fivedc_after_step` attribute (as a factory sets it), else none."""
-    hooks = given if given is not None else getattr(module, "fivedc_after_step", None)
-    hooks = () if hooks is None else tuple(hooks) if isinstance(hooks, (tuple, list)) else (hooks,)
-    for hook in hooks:
-        if not callable(hook):
-            raise FivedcError(f"after_step takes functions fn(model), not {type(hook).__name__}",
-                              hint="after_step=fn, where fn(model) updates model's buffers after optimizer.step()")
-    return hooks
 
 
 def _decorate(cls: type, request: _Request) -> type:

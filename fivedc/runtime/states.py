@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fivedc.errors import FivedcError
 from fivedc.ir.mesh import MeshAxis
 
 
@@ -94,3 +95,44 @@ def mark_summed(ctx) -> None:
     """The states as they are now are every rank's (after a sum, after the hooks changed them alike)."""
     store = state_store(ctx)
     store.summed = {k: t.detach().clone() for k, t in store.tensors.items()}
+
+
+def after_step(ctx, written: tuple[str, ...], hooks: tuple) -> None:
+    """What follows the optimizer's step in fivedc's own loop (`fivedc train`): the written states
+    summed over pp, then each hook `fn(module)` on a module holding every state as a buffer under
+    its key (the tensors themselves), under no_grad, as `ParallelModule.after_step` runs them."""
+    sum_over_pp(ctx, written)
+    if hooks:
+        holder = state_module(state_store(ctx).tensors)
+        with torch.no_grad():
+            for hook in hooks:
+                hook(holder)
+    mark_summed(ctx)
+
+
+def state_module(tensors: dict[str, Tensor]):
+    """An `nn.Module` whose buffers are `tensors` by their keys (`a.b.c`: buffer `c` of child `b` of `a`)."""
+    from torch import nn
+
+    root = nn.Module()
+    for key, tensor in tensors.items():
+        *path, leaf = key.split(".")
+        holder = root
+        for part in path:
+            if part not in holder._modules:
+                holder.add_module(part, nn.Module())
+            holder = holder._modules[part]
+        holder.register_buffer(leaf, tensor)
+    return root
+
+
+def after_step_hooks(module, given) -> tuple:
+    """The after-step hooks: `after_step=` (a callable or a tuple of them), else the module's own
+    `fivedc_after_step` attribute (as a factory sets it), else none."""
+    hooks = given if given is not None else getattr(module, "fivedc_after_step", None)
+    hooks = () if hooks is None else tuple(hooks) if isinstance(hooks, (tuple, list)) else (hooks,)
+    for hook in hooks:
+        if not callable(hook):
+            raise FivedcError(f"after_step takes functions fn(model), not {type(hook).__name__}",
+                              hint="after_step=fn, where fn(model) updates model's buffers after optimizer.step()")
+    return hooks
