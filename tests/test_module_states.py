@@ -94,3 +94,37 @@ def test_fivedc_train_runs_the_hooks_and_saves_and_resumes_the_states(worker_poo
     assert all(states[0][k].abs().max() > 0 for k in states[0] if k.endswith("bias"))  # the hook moved them
     for key, want in states[0].items():
         assert torch.allclose(states[1][key], want, rtol=0, atol=1e-12), key
+
+
+WRITES = "tests/buffer_models.py:build"
+
+
+def test_a_buffer_the_traced_forward_adds_to_is_a_state_summed_over_the_batch(worker_pool) -> None:
+    """`self.seen.add_(x.abs().sum(dim=(0, 1)))` in each layer and a token histogram at the top:
+    `state_add` ops (the batch's sums computed whole), verified at 1 rank and dp2·tp2."""
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.ir.mesh import Mesh
+    from fivedc.parallel.parallelize import compile_module
+
+    module, inputs = load_factory(WRITES)
+    _, plan = compile_module(module, inputs, mesh=Mesh.parse("2x1x2x1x1"))
+    assert {(s.key, s.written) for s in graph_states(plan.graph)} == {
+        ("hist", True), ("layers.0.seen", True), ("layers.1.seen", True)}
+    assert check_module_here(WRITES, steps=3, dtype="fp64").max_error <= 1e-10
+    report = check_module(WRITES, mesh="2x1x2x1x1", steps=3, dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+
+
+def test_other_buffer_writes_are_refused_at_their_line() -> None:
+    from fivedc.errors import FivedcError
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.ir.mesh import Mesh
+    from fivedc.parallel.parallelize import compile_module
+
+    module, inputs = load_factory(WRITES, kwargs={"layer": "moving"})  # read and written: a moving average
+    with pytest.raises(FivedcError, match="average other than an addition") as refused:
+        compile_module(module, inputs, mesh=Mesh.parse("2x1x1x1x1"))
+    assert "self.average.mul_(0.9)" in refused.value.loc.text
+    module, inputs = load_factory(WRITES)  # each of 2 microbatches would add its part: refused
+    with pytest.raises(FivedcError, match="cannot run in 2 microbatches"):
+        compile_module(module, inputs, mesh=Mesh.parse("1x2x1x1x1"), schedule="1f1b")

@@ -56,6 +56,9 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("gelu", _UNARY, 1, (("approximate", "none"),), doc="GELU activation"),
         OpSpec("silu", _UNARY, 1, doc="SiLU (swish) activation"),
         OpSpec("relu", _UNARY, 1, doc="ReLU activation"),
+        OpSpec("state_add", ("value",), 1, (("state", ""),),
+               doc="adds value (whole on every rank: the whole batch's) to the module buffer `state` in a "
+                   "training forward, and returns value (fivedc/ir/states.py)"),
         OpSpec("tanh", _UNARY, 1, doc="tanh activation"),
         OpSpec("sigmoid", _UNARY, 1, doc="sigmoid activation"),
         OpSpec("swiglu", ("gate", "up"), 2, doc="silu(gate) * up"),

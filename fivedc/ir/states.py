@@ -4,6 +4,9 @@ A state is a module's buffer (a key of the module's buffers, `model.layers.1.moe
 held whole on every rank, never trained by the optimizer. Ops name the states they use in
 their attributes; `graph_states` reads them off the graph, one table entry per op kind:
 
+- `state_add`: the value (whole on every rank) is added to the state `state` in a training
+  forward: a module's `buffer.add_(value)` in traced code (its sum over the batch is computed
+  whole, as any reduction along the batch);
 - `moe`: `bias_state` is read (a routing bias added to the scores in the choice);
   `count_state` is written: each training forward adds the tokens per expert of the whole
   batch (the counts summed over the ranks that split the batch: dp, ep and cp, an
@@ -43,7 +46,14 @@ def _moe(graph: Graph, op: Op, dims: dict[str, tuple[str, ...]]) -> list[State]:
     return out
 
 
-_RULES = {"moe": _moe}
+def _state_add(graph: Graph, op: Op, dims: dict[str, tuple[str, ...]]) -> list[State]:
+    size = 1
+    for d in op.type.dims if op.type is not None else ():
+        size *= graph.dim(d)
+    return [State(str(op.attr("state")), size, True, op.out, op.loc)]
+
+
+_RULES = {"moe": _moe, "state_add": _state_add}
 
 
 def graph_states(graph: Graph) -> tuple[State, ...]:

@@ -341,6 +341,11 @@ def _check_per_microbatch(graph: Graph, m: int) -> None:
     for op, _ in walk_ops(graph.body):
         if not isinstance(op, Op):
             continue
+        if op.kind == "state_add":
+            raise NotSupportedError(
+                f"a write of the module buffer {op.attr('state')} in a pipeline of {m} microbatches: each "
+                "microbatch's forward would write it, one device's forward writes it once", loc=op.loc,
+                hint="use --microbatches 1, or pp=1")
         whole = whole_dims(op) if op.kind == "aten" else frozenset()
         if whole is None or graph.batch_dim in whole:
             how = "runs replicated (no sharding rule)" if whole is None else "runs along the batch"

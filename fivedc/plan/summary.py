@@ -267,7 +267,7 @@ def _states(plan: ExecutionPlan) -> Table | None:
         return None
     table = titled_table("States: module buffers the forward uses, whole on every rank", "buffer", "use")
     for state in found:
-        use = "adds the whole batch's counts" if state.written else "reads"
+        use = "adds the whole batch's value to it" if state.written else "reads it"
         text_row(table, state.key, f"{state.op} {use}")
     return table
 
