@@ -95,3 +95,71 @@ def test_torchtitans_moe_balancing_bias_trains_as_its_trainers_loop(worker_pool,
         options = {"schedule": "1f1b", "stage_boundaries": ("model.layers.1",)} if mesh == "1x2x1x1x1" else {}
         report = check_module(spec, mesh=mesh, steps=3, dtype="fp64", pool=worker_pool, **options)
         assert report.max_error <= 1e-10, (mesh, report)
+
+
+def _trainer_loop(spec: str, tokens: str, config, steps: int) -> tuple[list[float], dict]:
+    """torchtitan's trainer as a plain one-device loop in float64: fivedc train's batches (the same
+    windows of the token file), torch's AdamW at the same learning rate per step, torch's clipping,
+    then the trainer's expert-bias update (the factory's after-step hook). (losses, buffers)."""
+    import numpy as np
+    import torch
+
+    from fivedc.frontends.fx.flex import flex_attention_on_cpu
+    from fivedc.frontends.fx.precision import float64_everywhere
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.runtime.data import Sampler, read_windows
+
+    module, (ids, _) = load_factory(spec)
+    batch, seq = ids.shape
+    array = np.memmap(tokens, dtype=np.uint16, mode="r")
+    sampler = Sampler(len(array), seq, batch, config.seed)
+    opt = torch.optim.AdamW(module.parameters(), lr=config.lr, weight_decay=config.weight_decay, foreach=False)
+    losses = []
+    for step in range(steps):
+        windows = torch.from_numpy(read_windows(array, sampler.rows(step), seq))
+        opt.zero_grad(set_to_none=True)
+        with float64_everywhere(), flex_attention_on_cpu(eager=True):  # the model's ops as fivedc's fp64 runs them
+            loss = module(windows[:, :-1], windows[:, 1:])
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.grad is not None], config.clip)
+        for group in opt.param_groups:
+            group["lr"] = config.lr_at(step)
+        opt.step()
+        with torch.no_grad():  # the bias (float32, as torchtitan keeps it) updated as the trainer does
+            module.fivedc_after_step(module)
+        losses.append(loss.item())
+    return losses, {k: b.detach().clone() for k, b in module.named_buffers() if "expert" in k}
+
+
+def test_fivedc_train_updates_the_expert_bias_as_torchtitans_trainer(worker_pool, tmp_path) -> None:
+    """torchtitan's DeepSeek-V3 trained 3 steps by `fivedc train`'s loop on pp2 (the MoE layer on pp
+    rank 1), float64: the losses and the expert bias of the trainer's one-device loop."""
+    import dataclasses
+
+    import torch
+
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.ir.mesh import Mesh
+    from fivedc.parallel.parallelize import compile_module
+    from fivedc.runtime.checkpoint import read_index
+    from fivedc.runtime.reshard import consolidate
+    from fivedc.runtime.train_loop import train_job
+    from train_helpers import job_for, make_tokens
+
+    spec = "examples/titan_tune_models.py:titan_deepseek_v3"
+    data = make_tokens(tmp_path, vocab=64)
+    module, inputs = load_factory(spec)
+    traced, plan = compile_module(module, inputs, mesh=Mesh.parse("1x2x1x1x1"), schedule="1f1b",
+                                  stage_boundaries=("model.layers.1",))
+    job = dataclasses.replace(job_for(plan, data, steps=3, lr=1e-2, save_every=3, clip=0.5, seed=1),
+                              save_dir=str(tmp_path / "run"), states=traced.state_values(module), hooks=spec,
+                              init=traced.to_ir_params(module.state_dict()))
+    rows = worker_pool.run(train_job, world=2, payload=job)[0]["rows"]
+    losses, buffers = _trainer_loop(spec, data[0], job.config, 3)
+    assert max(abs(r["loss"] - want) / abs(want) for r, want in zip(rows, losses, strict=True)) <= 1e-10
+    folder = tmp_path / "run" / "step-00000003"
+    states = consolidate(folder, read_index(folder), kind="state")
+    bias = "model.layers.1.moe.expert_bias_E"
+    assert buffers[bias].abs().max() > 0 and set(states) == set(buffers)
+    for key, want in buffers.items():
+        assert torch.allclose(states[key].to(want.dtype), want, rtol=0, atol=1e-12), (key, states[key], want)
