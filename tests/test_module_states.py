@@ -101,7 +101,8 @@ WRITES = "tests/buffer_models.py:build"
 
 def test_a_buffer_the_traced_forward_adds_to_is_a_state_summed_over_the_batch(worker_pool) -> None:
     """`self.seen.add_(x.abs().sum(dim=(0, 1)))` in each layer and a token histogram at the top:
-    `state_add` ops (the batch's sums computed whole), verified at 1 rank and dp2·tp2."""
+    `state_add` ops (the batch's sums computed whole), verified at 1 rank, dp2·tp2 and pp2 with
+    two microbatches (each adds its rows' sum)."""
     from fivedc.frontends.python_file import load_factory
     from fivedc.ir.mesh import Mesh
     from fivedc.parallel.parallelize import compile_module
@@ -112,6 +113,10 @@ def test_a_buffer_the_traced_forward_adds_to_is_a_state_summed_over_the_batch(wo
         ("hist", True), ("layers.0.seen", True), ("layers.1.seen", True)}
     assert check_module_here(WRITES, steps=3, dtype="fp64").max_error <= 1e-10
     report = check_module(WRITES, mesh="2x1x2x1x1", steps=3, dtype="fp64", pool=worker_pool)
+    assert report.max_error <= 1e-10, report
+    # a sum over the batch adds up over a pipeline's microbatches (the histogram's one_hot runs replicated)
+    report = check_module(WRITES, kwargs={"histogram": False}, mesh="1x2x1x1x1", steps=3, dtype="fp64",
+                          pool=worker_pool, schedule="1f1b", microbatches=2, stage_boundaries=("layers.1",))
     assert report.max_error <= 1e-10, report
 
 
@@ -125,6 +130,6 @@ def test_other_buffer_writes_are_refused_at_their_line() -> None:
     with pytest.raises(FivedcError, match="average other than an addition") as refused:
         compile_module(module, inputs, mesh=Mesh.parse("2x1x1x1x1"))
     assert "self.average.mul_(0.9)" in refused.value.loc.text
-    module, inputs = load_factory(WRITES)  # each of 2 microbatches would add its part: refused
-    with pytest.raises(FivedcError, match="cannot run in 2 microbatches"):
+    module, inputs = load_factory(WRITES)  # the histogram's one_hot runs replicated: not per microbatch
+    with pytest.raises(FivedcError, match="one_hot.default runs replicated .* cannot run in 2 microbatches"):
         compile_module(module, inputs, mesh=Mesh.parse("1x2x1x1x1"), schedule="1f1b")

@@ -6,7 +6,7 @@ their attributes; `graph_states` reads them off the graph, one table entry per o
 
 - `state_add`: the value (whole on every rank) is added to the state `state` in a training
   forward: a module's `buffer.add_(value)` in traced code (its sum over the batch is computed
-  whole, as any reduction along the batch);
+  whole, as any reduction along the batch; a pipeline's microbatches each add their rows' sum);
 - `moe`: `bias_state` is read (a routing bias added to the scores in the choice);
   `count_state` is written: each training forward adds the tokens per expert of the whole
   batch (the counts summed over the ranks that split the batch: dp, ep and cp, an

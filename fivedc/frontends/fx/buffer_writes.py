@@ -6,8 +6,9 @@ whole, as any reduction along the batch, so every rank adds the whole batch's va
 device does). Only an addition is read (`add_`, with alpha 1, of a value of the buffer's
 shape); the buffer must be read nowhere else in the forward (a read would be a constant of
 the plan, fixed when traced), and the write's result must not be used. Anything else stays
-refused at its line. A pipeline of several microbatches refuses the op (each microbatch
-would add): `fivedc/passes/stage_plan.py`.
+refused at its line. Under a pipeline of several microbatches each adds its rows' part: only a
+sum over the batch that nothing else reads adds up to the one-device value; any other value is
+refused there (`fivedc/passes/stage_plan.py`).
 """
 
 from __future__ import annotations
