@@ -133,3 +133,29 @@ def test_other_buffer_writes_are_refused_at_their_line() -> None:
     module, inputs = load_factory(WRITES)  # the histogram's one_hot runs replicated: not per microbatch
     with pytest.raises(FivedcError, match="one_hot.default runs replicated .* cannot run in 2 microbatches"):
         compile_module(module, inputs, mesh=Mesh.parse("1x2x1x1x1"), schedule="1f1b")
+
+
+def test_the_parallel_modules_buffers_are_its_states_and_load_back() -> None:
+    """`model.after_step()` runs the hook on the parallel module's own buffers; its state_dict carries
+    the bias, and another parallel module loading it (in place or assigned) routes by it."""
+    import torch
+
+    import fivedc
+    from fivedc.frontends.python_file import load_factory
+
+    module, inputs = load_factory(MODEL)
+    model = fivedc.parallelize(module, mesh="1x1x1x1x1", example_inputs=inputs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        model(*inputs).backward()
+        opt.step()
+        opt.zero_grad()
+        model.after_step()
+    bias = model.get_buffer("layers.0.moe.expert_bias")
+    assert bias.abs().max() > 0 and model.full_states()["layers.0.moe.expert_bias"].equal(bias)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for assign in (False, True):
+        other = fivedc.parallelize(load_factory(MODEL)[0], mesh="1x1x1x1x1", example_inputs=inputs)
+        other.load_state_dict(state, assign=assign)
+        with torch.no_grad():
+            assert other(*inputs).item() == model(*inputs).item()

@@ -199,6 +199,7 @@ class ParallelModule(nn.Module):
             for key in self._fivedc_own:
                 if key in state_dict:
                     state[key].copy_(state_dict[key])
+        self._fivedc_bind_states()
 
     def load_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True, assign: bool = False):
         """This rank's state dict (`state_dict()`: its shards) or the full one (the original
@@ -207,7 +208,9 @@ class ParallelModule(nn.Module):
         if self._fivedc_is_full(state_dict):
             self.load_full_state_dict(state_dict)
             return torch.nn.modules.module._IncompatibleKeys([], [])
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._fivedc_bind_states()
+        return result
 
     def _fivedc_is_full(self, state_dict: Mapping[str, Tensor]) -> bool:
         """Whether `state_dict` holds every parameter whole (a rank's own shards are whole only
@@ -260,7 +263,12 @@ class ParallelModule(nn.Module):
             else:
                 persistent = key.rpartition(".")[2] not in _owner(module, key)._non_persistent_buffers_set
                 self._fivedc_put(key, value.to(self._fivedc_device), persistent=persistent)
-        set_states(self._fivedc_ctx, {key: self.get_buffer(key) for key in values})
+        self._fivedc_bind_states()
+
+    def _fivedc_bind_states(self) -> None:
+        """The program's states are this module's buffers (as they are now: loaded ones are every rank's,
+        not additions to sum over pp; `assign=True` gives new tensors)."""
+        set_states(self._fivedc_ctx, {key: self.get_buffer(key) for key in state_sizes(self.fivedc_plan.graph)})
 
     def _fivedc_put(self, key: str, tensor: Tensor, *, persistent: bool = True) -> None:
         """`layers.0.attn.wq.weight` as `weight` of a child `wq` of ... of a child `layers`."""
