@@ -61,6 +61,35 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.roll(ids, -1, dims=1)
 
 
+# --- torchtitan's auxiliary-loss-free load balancing, as its trainer runs it ---
+
+def expert_bias_update(model: nn.Module):
+    """The update torchtitan's trainer makes after each step to every MoE layer's expert bias
+    (`_update_expert_bias` in torchtitan/components/optimizer/optimizer.py, there an optimizer step
+    pre-hook; the bias is first read by the next forward either way), as an after-step hook on the
+    buffers by key, so it runs alike on the plain module and on `fivedc.parallelize`'s:
+
+        delta = coeff * sign(mean(tokens) - tokens);  bias += delta - mean(delta);  tokens = 0
+
+    per layer, `tokens` being the layer's tokens per expert over the whole batch since the last
+    update (its forward adds them: `tokens_per_expert_E.add_(...)` under no_grad). None when no
+    layer balances (`load_balance_coeff` None)."""
+    coeffs = {f"{path}.": m.load_balance_coeff for path, m in model.named_modules()
+              if getattr(m, "load_balance_coeff", None) is not None and hasattr(m, "tokens_per_expert_E")}
+    if not coeffs:
+        return None
+
+    def update(module: nn.Module) -> None:
+        buffers = dict(module.named_buffers())
+        for prefix, coeff in coeffs.items():
+            tokens, bias = buffers[prefix + "tokens_per_expert_E"], buffers[prefix + "expert_bias_E"]
+            delta = coeff * torch.sign(tokens.mean() - tokens).to(bias.dtype)
+            bias.add_(delta - delta.mean())
+            tokens.zero_()
+
+    return update
+
+
 # --- torchtitan: the library's config builders (its own per-family layer builders and inits) ---
 
 def _titan_sdpa(config):
@@ -148,7 +177,9 @@ def _titan(config_fn, *, sdpa: bool):
             model.init_states()  # the library's own param_init for every weight, and its RoPE caches
         finally:
             torch.set_default_dtype(default)
-        return LogitsLoss(model, masks=not sdpa), _inputs()
+        wrapped = LogitsLoss(model, masks=not sdpa)
+        wrapped.fivedc_after_step = expert_bias_update(wrapped)  # the trainer's bias update (None: no MoE)
+        return wrapped, _inputs()
 
     return build
 

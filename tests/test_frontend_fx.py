@@ -31,6 +31,7 @@ from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.states import set_states
 from fivedc.runtime.program import Program
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
@@ -56,6 +57,7 @@ def run_ir(tm: TracedModel, module: nn.Module, inputs: tuple) -> tuple[torch.Ten
     """Loss and state-dict gradients of the traced graph, run by fivedc on one device."""
     plan = compile_graph(tm.graph, CompileOptions(mesh=single_device_mesh(), dtype="fp64"))
     ctx = KernelContext(plan.graph, plan.mesh, plan.mesh.coords(0))
+    set_states(ctx, tm.state_values(module))  # the buffers the forward reads (an MoE routing bias)
     params = {k: v.detach().clone().requires_grad_(True) for k, v in tm.to_ir_params(module.state_dict()).items()}
     loss = Program(plan.graph, ctx).loss(params, {i.name: t for i, t in zip(tm.graph.inputs, inputs)})
     loss.backward()

@@ -7,9 +7,10 @@ as stacked parameters with gate and up fused in one, a loop over the experts, an
 shared experts added. Traced, it is one IR `moe` op (sigmoid, top-2), a
 multiplication by its scale and the shared experts as ordinary linears, computing
 the module's loss and gradients (float64, 1e-12) with an exact parameter map (each
-half of the fused weight a slice), and it trains at ep=2 like one device. A bias that
-selects other experts than the scores do is not the IR's moe: that block is traced
-through, its ops kept as ATen calls, and computes the module's loss just the same.
+half of the fused weight a slice), and it trains at ep=2 like one device. Its bias is
+the op's routing bias (state), also where it is not zero; a buffer that changes the
+routing otherwise is not the IR's moe: that block is traced through, its ops kept as
+ATen calls, and computes the module's loss just the same.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def test_a_block_with_a_scale_and_shared_experts_is_one_moe_op_plus_ordinary_ops
     module, inputs = _tiny(RoutedAndShared())
     tm = trace_module(module, inputs)
     (op,) = moe_ops(tm.graph)
-    assert dict(op.attrs) == {"top_k": 2, "score": "sigmoid", "normalize": True}
+    assert dict(op.attrs) == {"top_k": 2, "score": "sigmoid", "normalize": True,
+                              "bias_state": "moe.router.bias"}  # the balancing bias: state (fivedc/ir/states.py)
     assert [o.args for o in _ops(tm.graph, "mul") if o.args[0] == op.out] == [(op.out, 2.5)]  # its scale
     assert len(_ops(tm.graph, "linear")) == 4 and not _ops(tm.graph, "aten")  # the shared experts, the head
     assert_same_as_module(tm, module, inputs)
@@ -107,9 +109,22 @@ def test_a_block_with_a_scale_and_shared_experts_is_one_moe_op_plus_ordinary_ops
     assert all(torch.equal(back[k], state[k]) for k in back) and set(back) == set(state) - {"moe.router.bias"}
 
 
-def test_a_bias_that_selects_other_experts_is_traced_through_not_refused() -> None:
+def test_a_bias_that_selects_other_experts_is_the_ops_routing_bias() -> None:
+    """A trained model's bias (not zero): read at zero, then as the bias it is; the plan computes
+    the module's loss with it (it chooses expert 0 always, 1 never)."""
     block = RoutedAndShared()
-    block.router.bias.copy_(torch.tensor([4.0, -4.0, 0.0, 0.0]))  # expert 0 always, 1 never: not top-k of scores
+    block.router.bias.copy_(torch.tensor([4.0, -4.0, 0.0, 0.0]))
+    module, inputs = _tiny(block)
+    tm = trace_module(module, inputs)
+    (op,) = moe_ops(tm.graph)
+    assert op.attr("bias_state") == "moe.router.bias" and not _ops(tm.graph, "aten")
+    assert_same_as_module(tm, module, inputs)
+
+
+def test_a_buffer_that_changes_the_routing_otherwise_is_traced_through_not_refused() -> None:
+    block = RoutedAndShared()
+    block.router.forward = lambda flat: Router.forward(block.router, flat * (1 + block.router.bias[0]))
+    block.router.bias.copy_(torch.tensor([0.5, 0.0, 0.0, 0.0]))  # scales the tokens: not a bias of the choice
     module, inputs = _tiny(block)
     tm = trace_module(module, inputs)
     assert not moe_ops(tm.graph) and {o.attr("target") for o in _ops(tm.graph, "aten")} >= {"aten.topk.default"}

@@ -138,15 +138,17 @@ def _job(args, plan, module, saves):
 
     tokens = check_token_file(args.data, args.data_dtype, graph=plan.graph, what="training")
     val_tokens = check_token_file(args.val, args.data_dtype, graph=plan.graph, what="validation") if args.val else 0
-    init = names = None
+    init = names = states = hooks = None
     if module is not None:
         module, traced = module
         names = names_of(traced, module)
         init = None if saves.resume else traced.to_ir_params(module.state_dict())
+        states = None if saves.resume else traced.state_values(module)  # its buffers the forward uses
+        hooks = args.model if getattr(module, "fivedc_after_step", None) is not None else None
     return TrainJob(plan=plan, config=saves.config, train=TokenFile(args.data, args.data_dtype), train_tokens=tokens,
                     val=TokenFile(args.val, args.data_dtype) if args.val else None, val_tokens=val_tokens, init=init,
                     resume=saves.resume, save_dir=saves.save_dir, names=names, until=args.until,
-                    faults=faults_from_env())
+                    faults=faults_from_env(), states=states, hooks=hooks)
 
 
 def _header(args, job, roles, saves, mesh_note: str | None) -> None:

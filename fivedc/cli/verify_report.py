@@ -60,6 +60,8 @@ def _print_report(report, tol: float) -> None:
     print(f"  loss        {report.loss_error:.3e}")
     print(f"  gradients   {report.grad_error:.3e}")
     print(f"  parameters  {report.param_error:.3e}   (worst: {report.worst})")
+    if getattr(report, "state_error", None) is not None and getattr(report, "module", False):
+        print(f"  buffers     {report.state_error:.3e}   (the states the forward writes, after the hooks)")
     _print_expert_load(report)
     if report.traced:
         say(report.divergence.describe() if report.divergence is not None

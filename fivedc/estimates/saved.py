@@ -287,6 +287,7 @@ def _moe(c: SaveContext, op: Op) -> list[Saved]:
 
 SAVE_RULES = {
     "linear": _linear, "matmul": _linear, "add": _nothing, "sub": _nothing, "mul": _mul, "div": _div,
+    "state_add": _nothing,
     "gelu": _input(0), "silu": _input(0), "relu": _output, "tanh": _output, "sigmoid": _output,
     "swiglu": lambda c, op: c.value(op.args[0]) + c.value(op.args[1]),
     "rmsnorm": _norm(1), "layernorm": _norm(2), "rope": _rope, "attention": _attention,

@@ -70,6 +70,7 @@ dropped (`ignore_index` is represented: the loss's mean is over the targets it k
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,20 @@ class TracedModel:
         """The inverse: state_dict entries (parameters only; buffers stay with the module)."""
         return from_ir_params(self.params, ir_params)
 
+    def state_values(self, module: nn.Module) -> dict[str, Tensor]:
+        """The graph's states (`fivedc/ir/states.py`: buffers the forward reads or adds to) as the
+        module holds them now, copies by key: what a program starts from (`runtime/states.set_states`)."""
+        from fivedc.ir.states import state_sizes
+
+        out = {}
+        for key in state_sizes(self.graph):
+            try:
+                out[key] = module.get_buffer(key).detach().clone()
+            except AttributeError:
+                raise NotSupportedError(f"the plan's state {key} is not a buffer of {type(module).__name__}",
+                                        hint="give the module that was traced") from None
+        return out
+
     def match(self, pattern: str) -> tuple[ParamMapping, ...]:
         """The IR parameters of the modules matching a path pattern (`transformer.h.*.attn.c_attn`)."""
         return tuple(m for m in self.params if m.matches(pattern))
@@ -129,8 +144,22 @@ def trace_module(module: nn.Module, example_inputs: tuple | dict, *, name: str |
     which a pipeline chunk begins, besides the modules marked `fivedc_stage_boundary = True`
     (`fivedc/frontends/fx/marks.py`)."""
     _no_meta_buffers(module)
-    with in_float64(module):  # a model without weights, in bf16: captured as float64 (fivedc/frontends/weightless.py)
-        return _trace(module, example_inputs, name, stage_boundaries)
+    with in_float64(module), _kept_buffers(module):  # a model without weights, in bf16: captured as float64
+        return _trace(module, example_inputs, name, stage_boundaries)  # (fivedc/frontends/weightless.py)
+
+
+@contextlib.contextmanager
+def _kept_buffers(module: nn.Module):
+    """The module's buffers as they were, after the runs a trace makes (a forward that adds to a
+    buffer, as an MoE block counting its tokens, must not count the example's)."""
+    before = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in before:
+                if b.shape == value.shape and b.dtype == value.dtype:
+                    b.copy_(value)
 
 
 def _trace(module: nn.Module, example_inputs: tuple | dict, name: str | None, stage_boundaries) -> TracedModel:

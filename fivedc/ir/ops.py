@@ -56,6 +56,9 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("gelu", _UNARY, 1, (("approximate", "none"),), doc="GELU activation"),
         OpSpec("silu", _UNARY, 1, doc="SiLU (swish) activation"),
         OpSpec("relu", _UNARY, 1, doc="ReLU activation"),
+        OpSpec("state_add", ("value",), 1, (("state", ""),),
+               doc="adds value (whole on every rank: the whole batch's) to the module buffer `state` in a "
+                   "training forward, and returns value (fivedc/ir/states.py)"),
         OpSpec("tanh", _UNARY, 1, doc="tanh activation"),
         OpSpec("sigmoid", _UNARY, 1, doc="sigmoid activation"),
         OpSpec("swiglu", ("gate", "up"), 2, doc="silu(gate) * up"),
@@ -90,12 +93,15 @@ OP_SPECS: dict[str, OpSpec] = {
             ("x", "router", "w_gate", "w_up", "w_down"),
             4,
             (("top_k", 2), ("score", "softmax"), ("capacity_factor", 0.0), ("aux_loss", 0.0),
-             ("bias_update", 0.0), ("normalize", True)),
+             ("bias_update", 0.0), ("normalize", True), ("bias_state", ""), ("count_state", "")),
             doc="routed experts: router[hidden, experts], w_*[experts, ...]; SwiGLU with 5 args, GELU with 4. "
                 "Each token goes to its top_k experts by score (softmax|sigmoid), gates normalised to sum 1; "
                 "capacity_factor left out: dropless, given (> 0): each expert keeps ceil(factor x tokens per "
                 "sequence x top_k / experts) per sequence; aux_loss: Switch balancing loss coefficient; "
-                "bias_update: DeepSeek-V3 loss-free balancing rate (0: off). See fivedc/passes/experts.py",
+                "bias_update: DeepSeek-V3 loss-free balancing rate (0: off); bias_state: a state [experts] added "
+                "to the scores to choose (a module's routing bias); count_state: a state [experts] each "
+                "training forward adds the whole batch's tokens per expert to (fivedc/ir/states.py). See "
+                "fivedc/passes/experts.py",
         ),
         OpSpec(
             "aten",

@@ -30,7 +30,8 @@ from fivedc.errors import FivedcError
 from fivedc.frontends.fx.params import module_state
 from fivedc.frontends.fx.flex import flex_attention_on_cpu
 from fivedc.frontends.fx.precision import float64_everywhere, without_dropout
-from fivedc.runtime.compare import check_reference, compare_runs
+from fivedc.runtime.states import after_step_hooks
+from fivedc.runtime.compare import check_reference, compare_runs, compare_states
 
 _DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,6 +51,8 @@ class ModuleRun:
     losses: list[float] = field(default_factory=list)
     grads: list[dict[str, Tensor]] = field(default_factory=list)  # per step, the module's parameter names
     params: dict[str, Tensor] = field(default_factory=dict)  # after the last step
+    buffers: dict[str, Tensor] = field(default_factory=dict)  # after the last step: the states (plain: every buffer)
+    changed: tuple[str, ...] = ()  # (plain) the buffers training changed
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class ModuleCheck:
     grad_error: float
     param_error: float
     worst: str
+    state_error: float = 0.0  # the buffers the forward writes and the after-step hooks update
     world: int = 1
     expert_load: tuple = ()  # (MoE routing statistics: none for a dense module)
     dtype: str | None = None  # the precision both runs took ("fp32" where float64 had no kernel)
@@ -74,7 +78,7 @@ class ModuleCheck:
     @property
     def max_error(self) -> float:
         traced = self.divergence.error if self.divergence is not None else 0.0
-        return max(self.loss_error, self.grad_error, self.param_error, traced)
+        return max(self.loss_error, self.grad_error, self.param_error, self.state_error, traced)
 
 
 def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: float = 1e-2,
@@ -84,6 +88,8 @@ def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: 
     from fivedc.parallel.module import ParallelModule
 
     parallel = isinstance(model, ParallelModule)
+    hooks = () if parallel else after_step_hooks(model, None)
+    start = {} if parallel else {k: b.detach().clone() for k, b in model.named_buffers()}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
     device = next(model.parameters()).device.type
     run = ModuleRun()
@@ -96,12 +102,30 @@ def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: 
         grads = model.full_grads() if parallel else {n: p.grad for n, p in model.named_parameters()}
         run.grads.append({n: g.detach().clone().cpu() for n, g in grads.items()})
         opt.step()
+        _after_step(model, parallel, hooks)
         if on_step is not None:
             on_step(len(run.losses), run.losses[-1])
     state = model.full_state_dict() if parallel else module_state(model)
     names = {m.key for m in model.fivedc_traced.params} if parallel else dict(model.named_parameters())
     run.params = {k: v.detach().clone().cpu() for k, v in state.items() if k in names}
+    if parallel:
+        run.buffers = {**{k: v.detach().clone().cpu() for k, v in state.items() if k not in names},
+                       **model.full_states()}
+    else:
+        run.buffers = {k: b.detach().clone().cpu() for k, b in model.named_buffers()}
+        run.changed = tuple(k for k, b in run.buffers.items() if k in start and not torch.equal(b, start[k].cpu()))
     return run
+
+
+def _after_step(model: nn.Module, parallel: bool, hooks: tuple) -> None:
+    """What the training loop does after the optimizer's step: the parallel module's `after_step`
+    (its states summed over pp, its hooks), or the plain module's hooks on it."""
+    if parallel:
+        model.after_step()
+        return
+    with torch.no_grad():
+        for hook in hooks:
+            hook(model)
 
 
 def rank_job(info, payload) -> ModuleRun | None:
@@ -226,8 +250,11 @@ def compare(reference: ModuleRun, parallel: ModuleRun) -> ModuleCheck:
     """The worst relative error of each kind (fivedc/runtime/compare.py: a missing step or
     tensor, or a non-finite value in the parallel run, is an infinite error)."""
     worst = compare_runs(parallel, reference, names=tuple(reference.params))
+    keys = dict.fromkeys((*reference.changed, *(k for k in parallel.buffers if k in reference.buffers
+                                                 and reference.buffers[k].is_floating_point())))
+    worst["state"] = compare_states(parallel.buffers, reference.buffers, keys)
     return ModuleCheck(tuple(reference.losses), tuple(parallel.losses), worst["loss"][0], worst["grad"][0],
-                       worst["param"][0], max(worst.values())[1])
+                       worst["param"][0], max(worst.values())[1], state_error=worst["state"][0])
 
 
 def _cast(inputs, dtype: torch.dtype):

@@ -36,6 +36,7 @@ from fivedc.errors import FivedcError
 from fivedc.frontends.fx.params import module_state
 from fivedc.frontends.fx_module import TracedModel
 from fivedc.ir.graph import Param
+from fivedc.ir.states import state_sizes, written_keys
 from fivedc.ir.mesh import MeshAxis
 from fivedc.parallel.grads import GradSync
 from fivedc.parallel.names import held_names
@@ -47,6 +48,7 @@ from fivedc.runtime.collectives import Step, apply_steps, redistribute
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.moe import end_step, register_params
 from fivedc.runtime.program import Program, qualified_params, shard
+from fivedc.runtime.states import mark_summed, set_states, state_store, sum_over_pp
 from fivedc.runtime.train import loss_axes_of, loss_partial_axes
 
 
@@ -54,7 +56,8 @@ class ParallelModule(nn.Module):
     """One rank's part of a module parallelized by fivedc (see `fivedc.parallelize`)."""
 
     def __init__(self, module: nn.Module, traced: TracedModel, plan: ExecutionPlan, *, example_inputs,
-                 device: torch.device, sync_module_states: bool = True, compile: bool | str = False) -> None:
+                 device: torch.device, sync_module_states: bool = True, compile: bool | str = False,
+                 after_step: tuple = ()) -> None:
         super().__init__()
         self.fivedc_plan = plan
         self.fivedc_traced = traced
@@ -86,6 +89,8 @@ class ParallelModule(nn.Module):
         self._fivedc_weights = make_weights(self._fivedc_names.to_held(local), frozen, plan, self._fivedc_names,
                                             self._fivedc_names.grouping(plan, self._fivedc_ctx))
         self._fivedc_register(state, keys)
+        self._fivedc_hooks = tuple(after_step)
+        self._fivedc_init_states(module, sync_module_states)
         axes = loss_partial_axes(plan.graph)
         self._fivedc_loss_steps = (Step("all_reduce", axes),) if axes and self._fivedc_groups is not None \
             and plan.mesh.size(*axes) > 1 else ()
@@ -100,6 +105,7 @@ class ParallelModule(nn.Module):
         """The full loss of the model on the global batch given (every rank passes the same)."""
         inputs = self._fivedc_inputs(args, kwargs)
         end_step(self._fivedc_ctx)  # MoE: drop the previous call's token counts (no bias update is lowered)
+        state_store(self._fivedc_ctx).training = self.training  # a module's state gains only in training
         weights = self._fivedc_weights
         if self._fivedc_pipeline is not None:
             return self._fivedc_pipeline.loss(weights.view(), inputs)
@@ -143,6 +149,24 @@ class ParallelModule(nn.Module):
             out[item.name] = shard(value, item.type.dims, item.sharding, self._fivedc_ctx).to(self._fivedc_device)
         return out
 
+    def after_step(self) -> None:
+        """Call after `optimizer.step()` (every rank): the states the forward added to (the module's
+        buffers it writes, `fivedc/ir/states.py`) are summed over the pipeline's ranks, so every rank
+        holds the one-device value, then the after-step hooks (`parallelize(..., after_step=fn)`) run
+        as `fn(model)` under `torch.no_grad()` on this module, whose buffers have the module's keys."""
+        ctx = self._fivedc_ctx
+        sum_over_pp(ctx, written_keys(self.fivedc_plan.graph))
+        with torch.no_grad():
+            for hook in self._fivedc_hooks:
+                hook(self)
+        mark_summed(ctx)
+
+    def full_states(self) -> dict[str, Tensor]:
+        """The states (the module's buffers the forward reads or writes), whole, by their keys (every rank)."""
+        sum_over_pp(self._fivedc_ctx, written_keys(self.fivedc_plan.graph))
+        tensors = state_store(self._fivedc_ctx).tensors
+        return {k: tensors[k].detach().cpu().clone() for k in state_sizes(self.fivedc_plan.graph)}
+
     # ---- state dicts ------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, Tensor]:
         """The original module's state dict, gathered (a collective: call it on every rank)."""
@@ -175,6 +199,7 @@ class ParallelModule(nn.Module):
             for key in self._fivedc_own:
                 if key in state_dict:
                     state[key].copy_(state_dict[key])
+        self._fivedc_bind_states()
 
     def load_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True, assign: bool = False):
         """This rank's state dict (`state_dict()`: its shards) or the full one (the original
@@ -183,7 +208,9 @@ class ParallelModule(nn.Module):
         if self._fivedc_is_full(state_dict):
             self.load_full_state_dict(state_dict)
             return torch.nn.modules.module._IncompatibleKeys([], [])
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._fivedc_bind_states()
+        return result
 
     def _fivedc_is_full(self, state_dict: Mapping[str, Tensor]) -> bool:
         """Whether `state_dict` holds every parameter whole (a rank's own shards are whole only
@@ -221,7 +248,29 @@ class ParallelModule(nn.Module):
                 self._fivedc_put(key, nn.Parameter(copy, tensor.requires_grad) if parameter else copy)
         self._fivedc_own = tuple(own)  # outside the plan, whole on every rank
 
-    def _fivedc_put(self, key: str, tensor: Tensor) -> None:
+    def _fivedc_init_states(self, module: nn.Module, sync: bool) -> None:
+        """The module's buffers the plan reads or adds to (`fivedc/ir/states.py`): whole on every rank
+        (rank 0's, as the weights), registered under their keys (as the module registers them), and the
+        program's states (`fivedc/runtime/states.py`)."""
+        values = self.fivedc_traced.state_values(module)
+        if sync and self._fivedc_groups is not None and values:
+            _broadcast(values, self._fivedc_device)
+        own = set(self._fivedc_own)
+        for key, value in values.items():
+            if key in own:
+                with torch.no_grad():
+                    self.get_buffer(key).copy_(value)
+            else:
+                persistent = key.rpartition(".")[2] not in _owner(module, key)._non_persistent_buffers_set
+                self._fivedc_put(key, value.to(self._fivedc_device), persistent=persistent)
+        self._fivedc_bind_states()
+
+    def _fivedc_bind_states(self) -> None:
+        """The program's states are this module's buffers (as they are now: loaded ones are every rank's,
+        not additions to sum over pp; `assign=True` gives new tensors)."""
+        set_states(self._fivedc_ctx, {key: self.get_buffer(key) for key in state_sizes(self.fivedc_plan.graph)})
+
+    def _fivedc_put(self, key: str, tensor: Tensor, *, persistent: bool = True) -> None:
         """`layers.0.attn.wq.weight` as `weight` of a child `wq` of ... of a child `layers`."""
         *path, leaf = key.split(".")
         holder: nn.Module = self
@@ -235,7 +284,7 @@ class ParallelModule(nn.Module):
             if isinstance(tensor, nn.Parameter):
                 holder.register_parameter(leaf, tensor)
             else:
-                holder.register_buffer(leaf, tensor)
+                holder.register_buffer(leaf, tensor, persistent=persistent)
         except KeyError as error:
             raise FivedcError(f"the module's {key} clashes with an attribute of nn.Module: {error}",
                               hint="rename the module that holds it") from None
@@ -265,6 +314,11 @@ class ParallelModule(nn.Module):
         return out
 
 
+def _owner(module: nn.Module, key: str) -> nn.Module:
+    """The submodule holding the buffer `key`."""
+    return module.get_submodule(key.rpartition(".")[0])
+
+
 def _fixed_arguments(signature: inspect.Signature, example) -> dict[str, object]:
     """The forward's non-tensor arguments in the example: the trace fixed them."""
     bound = signature.bind(**example) if isinstance(example, dict) else signature.bind(*example)
@@ -289,6 +343,8 @@ def _mesh_groups(plan: ExecutionPlan, device: torch.device):
     axis_sets |= {p.grad_partial for _, p in qualified_params(plan.graph) if p.grad_partial}
     axis_sets |= {p.sharding.axes_of(d) for _, p in qualified_params(plan.graph) for d in p.dims}
     axis_sets |= {loss_axes_of(plan.graph, plan.mesh)}
+    if written_keys(plan.graph) and plan.mesh.size(MeshAxis.PP) > 1:
+        axis_sets |= {(MeshAxis.PP,)}  # the states' sum over pp (fivedc/runtime/states.py)
     return MeshGroups(plan.mesh, device_type=device.type, axis_sets=sorted(a for a in axis_sets if a),
                       pp_subsets=holder_sets(plan.graph, plan.pipeline, plan.mesh.size(MeshAxis.PP)))
 

@@ -57,6 +57,7 @@ from fivedc.ir.mesh import Mesh
 from fivedc.parallel.pins import pin_shardings
 from fivedc.passes.base import DEFAULT_BUCKET_MB, CompileOptions
 from fivedc.pipeline import compile_graph
+from fivedc.runtime.states import after_step_hooks
 from fivedc.plan.execution_plan import ExecutionPlan
 
 _DTYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -84,6 +85,7 @@ class ParallelizeOptions:
     compile: bool | str = False  # each repeat's layer one torch.compile region (fivedc/runtime/regions.py)
     gpus: int | None = None  # mesh="auto": GPUs the layout search plans for (default: the job's world size)
     gpu: str | None = None  # mesh="auto": their kind (h100, ...)
+    after_step: object = None  # fn(model) or a tuple of them, run by model.after_step() (None: the module's own)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shardings", dict(self.shardings or {}))
@@ -136,7 +138,11 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     whole schedule; recompute "none" | "selective" | "full"; device (default: the current
     CUDA device with NCCL, else the module's); sync_module_states (start from rank 0's
     weights, default True); compile (each layer of a repeated block one `torch.compile`
-    region; a string names the backend).
+    region; a string names the backend); after_step (a function fn(model), or a tuple of them:
+    updates the training loop makes after each optimizer step from the buffers the forward
+    writes, as torchtitan's trainer updates its MoE expert bias from the tokens per expert;
+    call `model.after_step()` after `optimizer.step()` to run them; default: the module's
+    `fivedc_after_step` attribute).
 
     `model.fivedc_plan` is the plan. `model.named_parameters()` and `model.state_dict()` keep
     the module's names (`layers.0.attn.q_proj.weight`; a tied weight once, under its first
@@ -260,7 +266,9 @@ def _build(module: nn.Module, request: _Request):
             recompute=options.recompute,
         )
     return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
-                          sync_module_states=options.sync_module_states, compile=options.compile)
+                          sync_module_states=options.sync_module_states, compile=options.compile,
+                          after_step=after_step_hooks(module, options.after_step))
+
 
 
 def _decorate(cls: type, request: _Request) -> type:

@@ -45,8 +45,9 @@ def moe_collectives(ctx: RuleContext, op: Op, x: Sharding, types: list) -> tuple
         layout = ExpertLayout.of(op, experts, mesh.size(MeshAxis.EP))
         out += _all_to_alls(ctx, op, layout, tokens, graph.dim(x_t.dims[-1]), experts, s)
     axes = token_axes(mesh)
-    if axes and (s.aux_loss or s.bias_update):
-        uses = " and ".join(w for w, on in (("the auxiliary loss", s.aux_loss), ("the bias update", s.bias_update)) if on)
+    if axes and (s.aux_loss or s.bias_update or s.count_state):
+        uses = " and ".join(w for w, on in (("the auxiliary loss", s.aux_loss), ("the bias update", s.bias_update),
+                                            (f"the state {s.count_state}", s.count_state)) if on)
         out.append(Collective(
             K.ALL_REDUCE, axes, Phase.FORWARD, op.out, experts * COUNT_BYTES,
             f"tokens per expert over the whole batch for {uses} ({experts} counts): each rank routed only "

@@ -57,6 +57,8 @@ class MoeSettings:
     bias_update: float
     normalize: bool
     swiglu: bool
+    bias_state: str = ""  # a state [experts] added to the scores in the choice (fivedc/ir/states.py)
+    count_state: str = ""  # a state [experts] that gains the whole batch's tokens per expert
 
     @staticmethod
     def of(op: Op) -> MoeSettings:
@@ -67,6 +69,7 @@ class MoeSettings:
             capacity_factor=None if factor is None else float(factor),
             aux_loss=float(op.attr("aux_loss", 0.0)), bias_update=float(op.attr("bias_update", 0.0)),
             normalize=bool(op.attr("normalize", True)), swiglu=len(op.args) == 5,
+            bias_state=str(op.attr("bias_state", "")), count_state=str(op.attr("count_state", "")),
         )
 
     def capacity(self, group_tokens: int, experts: int) -> int:
@@ -190,6 +193,9 @@ def _check_settings(op: Op) -> None:
             "ceil(capacity_factor x tokens per sequence x top_k / experts) tokens of a sequence)",
             loc=op.loc, hint="e.g. capacity_factor=1.25; leave it out for dropless routing (no token dropped)",
         )
+    if s.bias_update and s.bias_state:
+        raise DslError("moe: bias_update and bias_state are two routing biases; a layer has one", loc=op.loc,
+                       hint="keep bias_state (the module's bias, updated by an after-step hook) or bias_update")
     for name, value in (("aux_loss", s.aux_loss), ("bias_update", s.bias_update)):
         if value < 0:
             raise DslError(f"moe: {name}={value:g} must be >= 0", loc=op.loc,

@@ -146,6 +146,12 @@ def _unary(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult
     return RuleResult((x,), x)
 
 
+def _whole(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
+    """The argument whole on every rank (pending sums added, splits gathered): a state's update is the
+    one-device value, the same on every rank (fivedc/ir/states.py)."""
+    return RuleResult((Sharding(),), Sharding())
+
+
 def _swiglu(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
     gate = ctx.resolve_partial(shs[0], types[0])
     return RuleResult((gate, gate), gate)
@@ -295,6 +301,7 @@ SHARDING_RULES: dict[str, Rule] = {
     "div": _elementwise,
     "gelu": _unary,
     "silu": _unary,
+    "state_add": _whole,
     "relu": _unary,
     "tanh": _unary,
     "sigmoid": _unary,

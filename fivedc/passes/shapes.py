@@ -263,6 +263,7 @@ SHAPE_RULES: dict[str, Callable[[Op, ArgTypes, Graph], TensorType]] = {
     "div": _elementwise,
     "gelu": _unary,
     "silu": _unary,
+    "state_add": _unary,
     "relu": _unary,
     "tanh": _unary,
     "sigmoid": _unary,

@@ -338,9 +338,15 @@ def _check_per_microbatch(graph: Graph, m: int) -> None:
     if m == 1:
         return
     inputs = {i.name for i in graph.inputs}
+    additive = _added_sums(graph)
     for op, _ in walk_ops(graph.body):
-        if not isinstance(op, Op):
+        if not isinstance(op, Op) or op.out in additive:
             continue
+        if op.kind == "state_add":
+            raise NotSupportedError(
+                f"a write of the module buffer {op.attr('state')} in a pipeline of {m} microbatches: each "
+                "microbatch's forward would add it, one device's forward adds it once (only a sum over the "
+                "batch adds up over the microbatches)", loc=op.loc, hint="use --microbatches 1, or pp=1")
         whole = whole_dims(op) if op.kind == "aten" else frozenset()
         if whole is None or graph.batch_dim in whole:
             how = "runs replicated (no sharding rule)" if whole is None else "runs along the batch"
@@ -354,6 +360,35 @@ def _check_per_microbatch(graph: Graph, m: int) -> None:
                 f"the count of targets spans the {m} microbatches", loc=op.loc,
                 hint="compute the targets from the inputs only (a shift, a mask), pass them as an input, "
                 "or use --microbatches 1")
+
+
+_CASTS = ("aten.to.", "aten._to_copy.")
+
+
+def _added_sums(graph: Graph) -> set[str]:
+    """The `state_add` ops whose value is a sum over the batch (`aten.sum`, then casts) that nothing
+    else reads, with that sum and its casts: each microbatch adds its rows' sum, and the
+    microbatches' sums add up to the whole batch's (what one device adds)."""
+    ops = {op.out: op for op, _ in walk_ops(graph.body) if isinstance(op, Op)}
+    readers: dict[str, list[Op]] = {}
+    for op in ops.values():
+        for a in op.args:
+            if isinstance(a, str):
+                readers.setdefault(a, []).append(op)
+    out: set[str] = set()
+    for op in ops.values():
+        if op.kind != "state_add":
+            continue
+        chain, name = [op.out], op.args[0]
+        while name in ops and ops[name].kind == "aten" and str(ops[name].attr("target")).startswith(_CASTS):
+            chain.append(name)
+            name = ops[name].args[0]
+        source = ops.get(name)
+        alone = all(len(readers.get(n, [])) == 1 for n in chain[1:] + [name])
+        if source is not None and source.kind == "aten" and str(source.attr("target")).startswith("aten.sum.") \
+                and alone:
+            out.update(chain + [name])
+    return out
 
 
 def _describe(graph: Graph, chunk_units: list[Unit]) -> str:

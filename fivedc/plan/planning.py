@@ -32,6 +32,7 @@ from fivedc.passes.param_sync import (
 from fivedc.passes.recompute import recompute_notes
 from fivedc.passes.stage_plan import choose_schedule, partition_stages, pipeline_collectives
 from fivedc.passes.stages import PipelineSpec, chunk_starts
+from fivedc.passes.state_sync import state_sync_collectives
 from fivedc.passes.tied import TiedGroup, tied_groups
 from fivedc.plan.execution_plan import PLAN_VERSION, ExecutionPlan, graph_collectives, groups_of
 from fivedc.schedule import Schedule
@@ -174,10 +175,10 @@ class EstimateTime(PlanningPass):
 def assemble(draft: Draft, options: CompileOptions) -> ExecutionPlan:
     """The plan of a finished draft: the collectives in a fixed order (the graph's, the
     gradient sums, ZeRO's gathers, SP's gathers again, the pipeline's, the tied parameters'
-    sums, DualPipe's) and the groups they use."""
+    sums, DualPipe's, the states' sum over pp) and the groups they use."""
     graph, mesh = draft.graph, options.mesh
     collectives = (graph_collectives(graph) + draft.sums + draft.gathers + draft.regathers + draft.transfers
-                   + draft.tied_sync + draft.copy_sync)
+                   + draft.tied_sync + draft.copy_sync + state_sync_collectives(graph, mesh))
     return ExecutionPlan(PLAN_VERSION, graph, mesh, options.sp_enabled(graph), options.dtype,
                          groups_of(mesh, collectives), collectives, draft.memory, options.zero, options.overlap,
                          options.bucket_bytes, draft.buckets, draft.pipeline, draft.notes, draft.recompute, draft.time)

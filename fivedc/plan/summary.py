@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fivedc.ir.aten_layout import whole_dims
+from fivedc.ir.states import graph_states
 from fivedc.ir.graph import Collective, Graph, Op, Param, Phase, Redistribute, Repeat, walk_ops, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.plan.execution_plan import ExecutionPlan, qualified
@@ -259,6 +260,18 @@ def _replicated(plan: ExecutionPlan) -> Table | None:
     return table
 
 
+def _states(plan: ExecutionPlan) -> Table | None:
+    """The module buffers the forward reads or adds to (fivedc/ir/states.py), whole on every rank."""
+    found = graph_states(plan.graph)
+    if not found:
+        return None
+    table = titled_table("States: module buffers the forward uses, whole on every rank", "buffer", "use")
+    for state in found:
+        use = "adds the whole batch's value to it" if state.written else "reads it"
+        text_row(table, state.key, f"{state.op} {use}")
+    return table
+
+
 def _where(c: Collective | Op, graph: Graph) -> str:
     """`line:col` in the model's own file (named in the header), else `file:line:col`."""
     if c.loc is None:
@@ -319,10 +332,10 @@ def render_summary(plan: ExecutionPlan, *, console: Console, verbose: bool = Fal
     console.print()
     console.print(_op_kinds(plan))
     console.print()
-    replicated = _replicated(plan)
-    if replicated is not None:
-        console.print(replicated)
-        console.print()
+    for table in (_replicated(plan), _states(plan)):
+        if table is not None:
+            console.print(table)
+            console.print()
     console.print(_collectives(plan, wide=wide))
     totals = phase_totals(plan.collectives)
     line = ", ".join(f"{phase} {format_bytes(n)}" for phase, n in totals.items())

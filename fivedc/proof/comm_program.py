@@ -127,6 +127,7 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
         tail += self._loss()
         if self.plan.zero in (1, 2):
             tail += self._gathers(mine, "gather the updated parameters (ZeRO-1/2)")
+        tail += self._states()
         out.append(Run(tuple(tail)))
         return tuple(run for run in out if run.events)
 

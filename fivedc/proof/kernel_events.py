@@ -103,7 +103,7 @@ class KernelEvents:
             out.append(Event("all_reduce", (MeshAxis.CP,), c.bytes // 8 // self._batch_parts(op), "int64",
                              "MoE capacity: assignments per sequence chunk and expert", op.loc))
         axes = token_axes(mesh)
-        if axes and (s.aux_loss or s.bias_update):
+        if axes and (s.aux_loss or s.bias_update or s.count_state):
             out.append(Event("all_reduce", axes, experts, "int64", "MoE: tokens per expert over the batch", op.loc))
         if ep > 1:
             out += [a2a(experts, "int64", "MoE: rows per expert (count exchange)", lv) for lv in levels]

@@ -4,14 +4,15 @@ A mixin of the class-program expander (`fivedc/proof/comm_program._Expander`, wh
 the plan and the sites): the gradient buckets, started from backward as their last
 gradient arrives or after it (`Buckets`); then, after backward, ZeRO-3's reduce-scatters
 under a pipeline, the tied parameters' sums over the pp ranks holding them, DualPipe's
-exchange of the two copies' gradients, the loss's sum and ZeRO's gathers of the
-parameters (`gather_flat`).
+exchange of the two copies' gradients, the loss's sum, ZeRO's gathers of the
+parameters (`gather_flat`) and, after the step, the states' sum over pp.
 """
 
 from __future__ import annotations
 
 from fivedc.ir.graph import walk_ops
 from fivedc.ir.mesh import MeshAxis
+from fivedc.passes.state_sync import state_sync_numel
 from fivedc.proof.events import Event
 
 GATHER_BUCKET_BYTES = 25 * 2**20  # fivedc/runtime/flat_shard.gather_flat's cap for parameters in no bucket
@@ -64,6 +65,12 @@ class SyncEvents:
                 out.append(Event("reduce_scatter", param.grad_partial, n * self.chunk_numel(name),
                                  self.dtype, f"ZeRO-3 gradient of {name}", param.loc))
         return out
+
+    def _states(self) -> list[Event]:
+        """After the step: the states the forward adds to, summed over pp (`fivedc/passes/state_sync.py`)."""
+        numel = state_sync_numel(self.graph, self.mesh)
+        return [Event("all_reduce", (MeshAxis.PP,), numel, "float64",
+                      "the states the forward adds to, summed over pp for the after-step hooks")] if numel else []
 
     def _tied(self, pp_rank: int) -> list[Event]:
         """Tied parameters (`fivedc/passes/tied.py`): after the last microbatch, the pp ranks that

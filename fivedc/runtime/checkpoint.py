@@ -10,8 +10,9 @@ What a rank writes: for each parameter it holds, its value and AdamW's two momen
 tensor (the global indices of each dim it holds: `fivedc/runtime/reshard.py`), or under
 ZeRO its flat chunk of that block. A piece held alike by several ranks (replicas
 over dp, over tp for a norm weight, a tied weight's copies on several pp ranks, ...)
-is written by the first of them only (`first_holder`); a MoE layer's balancing bias likewise; each rank's RNG state is
-its own. The safetensors header lists the rank's pieces.
+is written by the first of them only (`first_holder`); a MoE layer's balancing bias likewise; the
+states (a module's buffers the forward uses: `state/KEY`, whole, alike everywhere after a step) by rank 0;
+each rank's RNG state is its own. The safetensors header lists the rank's pieces.
 
 Commit: every rank writes into `.tmp-step-N/` and fsyncs its file; after a barrier
 rank 0 reads the headers (no tensor data), checks that the pieces of every tensor
@@ -38,6 +39,7 @@ from fivedc.errors import CheckpointError, NonFiniteError
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.tied import shared_instances
 from fivedc.runtime.moe import moe_state
+from fivedc.runtime.states import state_store
 from fivedc.runtime.checkpoint_dirs import INDEX, STEP_DIR, committed, find_checkpoint, step_dir  # noqa: F401
 from fivedc.runtime.reshard import as_block, block_of, block_text, first_holder, shape_of, whole
 
@@ -114,6 +116,11 @@ def rank_pieces(run) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
             tensors[f"moe_bias/{name}"] = bias.detach().cpu().clone()
             pieces[f"moe_bias/{name}"] = {"block": block_text(whole(tuple(bias.shape))), "flat": None,
                                           "dtype": str(bias.dtype).removeprefix("torch.")}
+    if all(c == 0 for c in ctx.coords.values()):  # the states: whole and alike on every rank after the step
+        for key, value in state_store(ctx).tensors.items():
+            tensors[f"state/{key}"] = value.detach().cpu().clone()
+            pieces[f"state/{key}"] = {"block": block_text(whole(tuple(value.shape))), "flat": None,
+                                      "dtype": str(value.dtype).removeprefix("torch.")}
     tensors["rng/torch"] = torch.get_rng_state()
     return tensors, pieces
 
@@ -186,6 +193,9 @@ def build_index(run, folder: Path, *, world: int, meta: dict) -> dict:
         kind, name = key.split("/", 1)
         if kind == "moe_bias":
             entry.update(shape=list(shape_of(_block(entry["pieces"][0]))), dims=["experts"], sharding="")
+        elif kind == "state":  # a module buffer (fivedc/ir/states.py), whole
+            shape = list(shape_of(_block(entry["pieces"][0])))
+            entry.update(shape=shape, dims=[f"dim{i}" for i in range(len(shape))], sharding="")
         else:
             param = run.named[name]
             entry.update(shape=[graph.dim(d) for d in param.dims], dims=list(param.dims),

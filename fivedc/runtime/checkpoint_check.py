@@ -21,7 +21,7 @@ from fivedc.runtime.checkpoint_dirs import damaged_hint
 from fivedc.runtime.train_config import MAX_STEPS
 
 RANK_FILE = re.compile(r"rank-\d{5,}\.safetensors")
-KINDS = ("param", "exp_avg", "exp_avg_sq", "master", "moe_bias")
+KINDS = ("param", "exp_avg", "exp_avg_sq", "master", "moe_bias", "state")
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 CONFIG = {"steps": int, "lr": float, "min_lr": (float, None), "warmup": int, "weight_decay": float,
           "clip": float, "seed": int, "val_every": int, "val_batches": int, "save_every": int, "keep": int}

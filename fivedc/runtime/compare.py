@@ -97,6 +97,19 @@ def compare_runs(got, want, *, names: tuple[str, ...], shard_of=None) -> dict[st
     return {kind: (w.error, w.where) for kind, w in worst.items()}
 
 
+def compare_states(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
+                   keys: Iterable[str]) -> tuple[float, str]:
+    """The worst error (and where) of the buffers `keys` after the last step: the states a forward
+    writes and the after-step hooks update. One the parallel run lacks is an infinite error."""
+    worst = Worst()
+    for key in keys:
+        full = want[key]
+        mine = got.get(key)
+        worst = worst.add(_error(None if mine is None else mine.to(full.dtype), key, full, lambda n, f: f),
+                          f"buffer {key}")
+    return worst.error, worst.where
+
+
 ROUNDING = 1  # machine epsilons of the model's largest gradient: at most that, a gradient is rounding noise
 
 

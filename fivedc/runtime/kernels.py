@@ -205,6 +205,16 @@ def _unary(fn):
     return lambda ctx, op, args, dims: fn(args[0])
 
 
+def _state_add(ctx, op, args, dims):
+    """The module buffer `state` gains the value (a recomputed forward adds nothing): runtime/states.py."""
+    from fivedc.runtime.recompute import recomputing
+    from fivedc.runtime.states import add_to_state
+
+    if not recomputing(ctx):
+        add_to_state(ctx, str(op.attr("state")), args[0].detach())
+    return args[0]
+
+
 def _gelu(ctx, op, args, dims):
     return F.gelu(args[0], approximate=str(op.attr("approximate", "none")))
 
@@ -378,6 +388,7 @@ KERNELS: dict[str, Kernel] = {
     "div": _binary(torch.div),
     "gelu": _gelu,
     "silu": _unary(F.silu),
+    "state_add": _state_add,
     "relu": _unary(F.relu),
     "tanh": _unary(torch.tanh),
     "sigmoid": _unary(torch.sigmoid),

@@ -37,6 +37,9 @@ It reaches the gradients through `_AddAuxLoss` (identity forward; gradient 1 for
 the loss in backward); the reported loss stays the model's. `bias_update=g`:
 DeepSeek-V3's auxiliary-loss-free balancing, bias_e += g * sign(mean load - load_e)
 after each step, from the whole batch's counts (summed over microbatches).
+A module's own balancing (`bias_state`, `count_state`: its buffers, `fivedc/runtime/states.py`)
+chooses with the bias state and adds the whole batch's counts to the count state; the update
+from them is the module's after-step hook.
 
 Per-layer state (the bias, this step's tokens per expert) lives on the
 `KernelContext`, keyed by the router's qualified name (`moe.3.router`), which
@@ -60,6 +63,7 @@ from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.experts import MoeSettings, token_axes
 from fivedc.runtime.moe_a2a import Exchange
 from fivedc.runtime.recompute import recomputing
+from fivedc.runtime.states import add_to_state, read_state
 from fivedc.ir.seq_layout import chunks_per_rank
 from fivedc.ir.sharding import Sharding
 
@@ -135,13 +139,14 @@ def moe_kernel(ctx, op: Op, args: list, dims: list, *, experts_fn=None) -> Tenso
     name = state.instance(op, router)
     experts = router.shape[1]
     xt = x.reshape(-1, x.shape[-1])
-    bias = state.bias.setdefault(name, xt.new_zeros(experts)) if s.bias_update else None
+    bias = state.bias.setdefault(name, xt.new_zeros(experts)) if s.bias_update else \
+        read_state(ctx, s.bias_state, xt, experts) if s.bias_state else None
     chosen, gates, scores = route(xt, router, s, bias)
     keep = capacity_keep(ctx, op, chosen, dims[0], tuple(x.shape), experts, s) if s.capacity_factor else None
     routed = torch.bincount(chosen.reshape(-1), minlength=experts)
     dropped = torch.bincount(chosen[~keep], minlength=experts) if keep is not None else torch.zeros_like(routed)
     total = routed
-    if s.aux_loss or s.bias_update:
+    if s.aux_loss or s.bias_update or s.count_state:
         total = routed.clone()
         group = ctx.group(token_axes(ctx.mesh))
         if group is not None:
@@ -153,6 +158,8 @@ def moe_kernel(ctx, op: Op, args: list, dims: list, *, experts_fn=None) -> Tenso
         y = _AddAuxLoss.apply(y, _aux_part(ctx, scores, total, dims[0], experts, s))
     if not recomputing(ctx):  # a recomputed forward (fivedc/runtime/recompute.py) counts its tokens once
         _record(state, name, s, total, routed, dropped)
+        if s.count_state:  # the module's tokens-per-expert buffer gains the whole batch's counts
+            add_to_state(ctx, s.count_state, total)
     return y.reshape(x.shape)
 
 

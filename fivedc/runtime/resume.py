@@ -18,6 +18,7 @@ import torch
 from fivedc.errors import FivedcError
 from fivedc.runtime.checkpoint import STATES, plan_hash, rank_file
 from fivedc.runtime.moe import moe_state
+from fivedc.runtime.states import set_states
 from fivedc.runtime.reshard import CheckpointReader, block_of
 
 
@@ -69,5 +70,10 @@ def restore_state(reader: CheckpointReader, run, *, rank: int) -> None:
             entry = index["tensors"][key]
             bias = reader.read(key, tuple(((0, n),) for n in entry["shape"]), getattr(torch, entry["dtype"]))
             moe_state(ctx).bias[key[len("moe_bias/"):]] = bias.to(run.device)
+    states = {key[len("state/"):]: reader.read(key, tuple(((0, n),) for n in entry["shape"]),
+                                               getattr(torch, entry["dtype"])).to(run.device)
+              for key, entry in index["tensors"].items() if key.startswith("state/")}
+    if states:  # the module's buffers the forward uses, whole on every rank
+        set_states(ctx, states)
     if index["world"] == ctx.mesh.world and index["plan"]["hash"] == plan_hash(run.plan):
         torch.set_rng_state(reader.file_tensor(rank_file(rank), "rng/torch"))

@@ -43,6 +43,8 @@ from fivedc.runtime.train import Trainer, TrainSettings, loss_axes_of, synchroni
 from fivedc.passes.stages import chunk_param_names
 from fivedc.passes.tied import holder_sets, shared_instances
 from fivedc.runtime.train_config import TrainConfig
+from fivedc.ir.states import written_keys
+from fivedc.runtime.states import after_step, set_states, state_store
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class TrainJob:
     until: int | None = None  # stop after this step (saving there), though the schedule runs to config.steps
     attempt: int = 0  # 0 the first run of the job; k its k-th restart (torchrun's, Ray's or the local launcher's)
     faults: tuple = ()  # test-only deaths (`fivedc/runtime/fault_hook.py`: FIVEDC_FAULT)
+    states: dict | None = None  # a traced module's buffers the plan reads or adds to, by key (fivedc/ir/states.py)
+    hooks: str | None = None  # the `file.py:factory` whose module's `fivedc_after_step` runs after each step
 
     @property
     def stop(self) -> int:
@@ -84,6 +88,7 @@ class RankRun:
     device: torch.device
     start: int = 0  # steps done before (a resumed run)
     best: dict | None = None  # the checkpoint with the lowest validation loss so far: {"step", "val_loss"}
+    hooks: tuple = ()  # the after-step hooks (fivedc/runtime/states.after_step)
 
 
 def train_job(info, job: TrainJob) -> dict:
@@ -116,6 +121,7 @@ def train_steps(run: RankRun, job: TrainJob, info) -> Iterator[dict]:
         optimizer.lr = config.lr_at(step)
         optimizer.step()
         run.trainer.end_step()
+        after_step(run.program.ctx, written_keys(run.plan.graph), run.hooks)  # states summed over pp; hooks
         synchronize(optimizer.params)
         done = step + 1
         row = {"step": done, "loss": loss, "lr": optimizer.lr, "grad_norm": norm, "tokens": done * batch * seq,
@@ -174,7 +180,12 @@ def check_finite(step: int, **values: float) -> None:
 def validate(run: RankRun, batches: int) -> float:
     """The mean full loss over the first `batches` batches of the validation file."""
     count = min(batches, run.val.sampler.steps_per_epoch)
-    return sum(run.trainer.evaluate(run.val.at(k)) for k in range(count)) / count
+    store = state_store(run.program.ctx)
+    store.training = False  # an evaluation adds nothing to the states, as a module's `if self.training:`
+    try:
+        return sum(run.trainer.evaluate(run.val.at(k)) for k in range(count)) / count
+    finally:
+        store.training = True
 
 
 def setup(info, job: TrainJob) -> RankRun:
@@ -196,6 +207,8 @@ def setup(info, job: TrainJob) -> RankRun:
             full = _starting_params(job, settings, held, device)
             params = {n: shard(t, named[n].dims, named[n].sharding, ctx) for n, t in full.items()}
         program = Program(graph, ctx, recompute=plan.recompute)
+        if job.states:  # the module's buffers (a resumed run reads the checkpoint's: restore_state)
+            set_states(ctx, {k: t.detach().clone().to(device) for k, t in job.states.items()})
         trainer = Trainer(program, {n: t.to(device) for n, t in params.items()}, settings, zero=plan.zero,
                           buckets=plan.buckets, overlap=plan.overlap, pipeline=plan.pipeline)
         batch, seq = token_shape(graph)
@@ -205,11 +218,23 @@ def setup(info, job: TrainJob) -> RankRun:
             val = RankBatches(job.val, Sampler(job.val_tokens, seq, batch, 0, shuffle=False), graph, ctx, device)
         counted = counted_params(named, params, ctx=ctx, zero=plan.zero, specs=trainer.optimizer.specs,
                                  shared=shared_instances(graph, plan.pipeline))
-        run = RankRun(plan, program, trainer, named, batches, val, counted, device)
+        run = RankRun(plan, program, trainer, named, batches, val, counted, device, hooks=_hooks(job.hooks))
         if reader is not None:
             restore_state(reader, run, rank=info.rank)
             run.start, run.best = reader.index["step"], reader.index.get("best")
     return run
+
+
+def _hooks(spec: str | None) -> tuple:
+    """The after-step hooks of a `file.py:factory` model: its module's `fivedc_after_step` (this rank
+    builds the module to get them: a function of the factory's file does not pickle)."""
+    if spec is None:
+        return ()
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.runtime.states import after_step_hooks
+
+    module, _ = load_factory(spec)
+    return after_step_hooks(module, None)
 
 
 def _reader(job: TrainJob):

@@ -23,10 +23,12 @@ The block may return `out` or `(out, router_logits)` (only `out` may then be use
 Which parameter is which, the layouts, `top_k` (a `top_k`/`num_experts_per_tok`
 attribute, else 2 or 1), softmax or sigmoid scores, renormalised gates or not, and
 the scale are found by running the block with random weights on a random probe
-against `reference_moe`, the IR's dropless moe written densely. Buffers take part as
-they are: a balancing bias that is zero (DeepSeek's `e_score_correction_bias` at
-initialisation) selects as none does; one that is not zero, or group-limited routing
-that selects other experts, does not match, and the block is traced through. A block
+against `reference_moe`, the IR's dropless moe written densely. Buffers are read too
+(`fivedc/frontends/fx/moe_states.py`): a floating buffer [experts] added to the scores to
+choose the experts is the op's routing bias (`bias_state`; a non-zero one, as a trained
+model holds, is read at zero first), one the forward adds its tokens per expert to is
+its `count_state`; any other write of a buffer, or a buffer that changes the output
+otherwise (group-limited routing), does not match, and the block is traced through. A block
 marked `fivedc_moe = True` that matches no reading is an error naming it.
 `fivedc_aux_loss = a` on a block sets the op's Switch balancing-loss coefficient.
 """
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fivedc.errors import NotSupportedError
+from fivedc.frontends.fx.moe_states import bias_candidates, choices, counts_of, probe_buffers, read_counts, written
 
 _MOE_NAME = re.compile(r"moe", re.IGNORECASE)
 _TOPK_ATTRS = ("top_k", "num_experts_per_tok", "n_activated_experts", "k")
@@ -88,16 +91,19 @@ class MoeSpec:
     logits: bool = False  # returns (out, router_logits)
     experts: str = ""  # the nn.ModuleList of separate experts; "" when stacked
     gates: tuple[tuple[str, str], ...] = ()  # (shared child, its gate): the child's output times sigmoid(gate(x))
+    bias: str = ""  # a buffer [experts] added to the scores to choose the experts (fx/moe_states.py)
+    counts: str = ""  # a buffer [experts] the forward adds its tokens per expert to
 
     def router_value(self, params: dict[str, Tensor]) -> Tensor:
         r = params[self.router]
         return r.t() if self.router_transposed else r
 
-    def routed(self, params: dict[str, Tensor], x: Tensor) -> Tensor:
-        """The routed experts' output (before `scale`) with these parameters, as the IR computes it."""
+    def routed(self, params: dict[str, Tensor], x: Tensor, bias: Tensor | None = None) -> Tensor:
+        """The routed experts' output (before `scale`) with these parameters (and the routing bias),
+        as the IR computes it."""
         ws = [w.ir_value(params) for w in self.weights]
         return reference_moe(x, self.router_value(params), *ws, top_k=self.top_k, score=self.score,
-                             normalize=self.normalize)
+                             normalize=self.normalize, bias=bias)
 
 
 def is_marked_moe(m: nn.Module) -> bool:
@@ -142,10 +148,16 @@ def _probe(m: nn.Module) -> MoeSpec | str:
     if isinstance(found, str):
         return found
     hidden = found[0].readings[0][2].ir_value(params).shape[-1]
-    ran = _run_probe(m, params, hidden)
+    spec = _probe_once(m, params, found, hidden, zeroed=False)
+    # a routing bias that is not zero (a trained model) chooses other experts: read with it at zero
+    return _probe_once(m, params, found, hidden, zeroed=True) if isinstance(spec, str) else spec
+
+
+def _probe_once(m: nn.Module, params: dict[str, Tensor], found: list, hidden: int, *, zeroed: bool) -> MoeSpec | str:
+    ran = _run_probe(m, params, hidden, zeroed)
     if isinstance(ran, str):
         return ran
-    x, values, out = ran
+    x, values, out, _ = ran
     top_ks = _top_ks(m)
     reason = "it does not compute the IR's moe on a probe for any reading of its weights, top_k, score and gates"
     for c in found:
@@ -163,8 +175,56 @@ def _probe(m: nn.Module) -> MoeSpec | str:
             routed = got - with_shared(outputs.__getitem__, shared, gates, torch.zeros_like(got))
             spec = _match(m, c, values, x, routed, top_ks, logits)
             if spec is not None:
-                return replace(spec, shared=shared, gates=gates)
+                spec = replace(spec, shared=shared, gates=gates)
+                return _with_states(m, spec, ran, got - routed)
     return reason
+
+
+def _with_states(m: nn.Module, spec: MoeSpec, ran, shared: Tensor) -> MoeSpec | str:
+    """`spec` with the buffers the block reads as a routing bias and writes as tokens per expert
+    (`fivedc/frontends/fx/moe_states.py`), or why its buffers are not read."""
+    x, values, _, before = ran  # `before`: the buffers the block ran with
+    r, experts = spec.router_value(values), spec.weights[2].ir_value(values).shape[0]
+    gains = written(before, {n: values[n] for n in before})
+    bias = ""
+    for name in bias_candidates(m, experts, exclude=""):
+        if name in gains:
+            continue
+        found = _bias_reading(m, spec, values, before, x, shared, name)
+        if isinstance(found, str):
+            return found
+        if found:
+            bias = name
+            break
+    stray = [n for n, b in m.named_buffers() if n != bias and not torch.equal(b.to(before[n]), before[n])]
+    if stray:  # a buffer the reading set to zero, which is not the routing bias
+        return f"it computes the IR's moe only with its buffer {stray[0]} at zero, which it does not read as a bias"
+    chosen = choices(x, r, top_k=spec.top_k, score=spec.score, bias=before[bias] if bias else None)
+    counts = read_counts(gains, counts_of(chosen, experts))
+    return counts if isinstance(counts, str) else replace(spec, bias=bias, counts=counts.counts)
+
+
+def _bias_reading(m: nn.Module, spec: MoeSpec, values, before, x: Tensor, shared: Tensor, name: str) -> bool | str:
+    """Whether buffer `name` is the routing bias: with random values in it the block computes the IR's
+    moe with them added to the scores in the choice (True), or it changes nothing (False)."""
+    gen = torch.Generator().manual_seed(1)
+    given = {**values, **{n: b.clone() for n, b in before.items()}}
+    given[name] = torch.randn(before[name].shape, generator=gen, dtype=before[name].dtype) * 0.5
+    try:
+        out = _run(m, given, x)
+    except Exception as error:
+        return f"running it with another value in its buffer {name} failed ({type(error).__name__}: {error})"
+    got, _ = _outputs(out, x, x @ spec.router_value(values))
+    if got is None:
+        return f"with another value in its buffer {name} it returns something else"
+    want = spec.scale * spec.routed(values, x, given[name]) + shared
+    if torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        return True
+    base = spec.scale * spec.routed(values, x, before[name] if before[name].abs().max() > 0 else None) + shared
+    if torch.allclose(got, base, rtol=1e-5, atol=1e-6):
+        return False
+    return (f"its buffer {name} changes what it computes otherwise than as a bias added to the scores to "
+            "choose the experts")
 
 
 def _shared_readings(outputs: dict[str, Tensor], x: Tensor):
@@ -190,24 +250,32 @@ def with_shared(output, shared: tuple[str, ...], gates: tuple[tuple[str, str], .
     return total
 
 
-def _run_probe(m: nn.Module, params: dict[str, Tensor], hidden: int):
-    """(x, random parameters, the block's output) at the parameters' dtype (float64 as fivedc's float64
-    mode computes it: `fivedc/frontends/fx/precision.py`), or in float32 where the block has no kernel for it;
-    else what failed."""
-    from fivedc.frontends.fx.precision import float64_everywhere
-
+def _run_probe(m: nn.Module, params: dict[str, Tensor], hidden: int, zeroed: bool = False):
+    """(x, random parameters and copies of the buffers, the block's output, the buffers before it ran) at the
+    parameters' dtype (float64 as fivedc's float64 mode computes it: `fivedc/frontends/fx/precision.py`), or in
+    float32 where the block has no kernel for it; else what failed."""
     dtypes = dict.fromkeys((next(iter(params.values())).dtype, torch.float32))
     for dtype in dtypes:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(4, 6, hidden, generator=gen, dtype=dtype)
         values = {n: torch.randn(p.shape, generator=gen, dtype=dtype) * (p.shape[-1] ** -0.5)
                   for n, p in params.items()}
+        buffers = probe_buffers(m, dtype, zeroed)  # copies: the block's own buffers are never written by a probe
+        before = {n: b.clone() for n, b in buffers.items()}
+        values.update(buffers)
         try:
-            with torch.no_grad(), float64_everywhere(dtype == torch.float64):
-                return x, values, torch.func.functional_call(m, values, (x,))
+            return x, values, _run(m, values, x), before
         except Exception as error:
             failure = f"running it on a probe failed ({type(error).__name__}: {error})"
     return failure
+
+
+def _run(m: nn.Module, values: dict[str, Tensor], x: Tensor):
+    """The block's output on x with these parameters and buffers (its writes land in `values`' buffers)."""
+    from fivedc.frontends.fx.precision import float64_everywhere
+
+    with torch.no_grad(), float64_everywhere(x.dtype == torch.float64):
+        return torch.func.functional_call(m, values, (x,), tie_weights=False)
 
 
 def _router(c: _Candidate, values: dict[str, Tensor]) -> Tensor:
@@ -358,12 +426,13 @@ def _outputs(out, x: Tensor, logits: Tensor) -> tuple[Tensor | None, bool | str]
 
 
 def reference_moe(x: Tensor, router: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, *, top_k: int = 2,
-                  score: str = "softmax", normalize: bool = True) -> Tensor:
+                  score: str = "softmax", normalize: bool = True, bias: Tensor | None = None) -> Tensor:
     """The IR's dropless `moe` with SwiGLU experts, densely: router [hidden, E], w_gate/w_up [E, hidden, ffn],
-    w_down [E, ffn, hidden]."""
+    w_down [E, ffn, hidden]; `bias` [E] (a routing bias) is added to the scores to choose, not to the gates."""
     logits = x @ router
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
-    top, chosen = scores.topk(top_k, dim=-1)
+    chosen = choices(x, router, top_k=top_k, score=score, bias=bias)
+    top = scores.gather(-1, chosen)
     if normalize:
         top = top / top.sum(-1, keepdim=True)
     gates = torch.zeros_like(scores).scatter(-1, chosen, top)  # [..., E]

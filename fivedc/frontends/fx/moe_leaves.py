@@ -38,7 +38,8 @@ class Leaf:
     experts: int
 
     def routed(self, x: Tensor) -> Tensor:
-        return self.spec.routed(dict(self.block.named_parameters()), x)
+        bias = self.block.get_buffer(self.spec.bias) if self.spec.bias else None
+        return self.spec.routed(dict(self.block.named_parameters()), x, bias)
 
     def logits(self, x: Tensor) -> Tensor:
         router = self.spec.router_value(dict(self.block.named_parameters()))

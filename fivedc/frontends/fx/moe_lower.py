@@ -7,7 +7,9 @@ and which the gate, up and down weights, and how they are stored. The IR's route
 [experts, ffn, hidden] (down); every IR parameter maps back to the module's own by
 a transpose, a half of a fused gate-up (`rows` along its output dim), or, for
 experts kept as separate modules, a stack of their weights (`fivedc/frontends/fx/params.py`).
-The block's scale and shared experts are outside the call, traced as ordinary ops.
+The block's scale and shared experts are outside the call, traced as ordinary ops. Its
+routing bias and tokens-per-expert buffers (`fivedc/frontends/fx/moe_states.py`) are the op's
+`bias_state` and `count_state`, by their module keys (`fivedc/ir/states.py`).
 """
 
 from __future__ import annotations
@@ -55,11 +57,25 @@ def moe_block(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs):
                              "fivedc_aux_loss is the Switch balancing loss coefficient: a number >= 0 (0.01)")
     if aux:
         attrs += (("aux_loss", float(aux)),)
+    attrs += _states(lw, node, this, prefix)
     base = this.path.rpartition(".")[2]  # the block's own name: `moe`, `mlp`, `block_sparse_moe`
     out = T(lw.emit(frame, node, "moe", (x.ref, router, *ws), ir, attrs, base=base), x.ir, x.layout)
     if spec.logits:
         return out, RouterLogits(this.path, type(this.block).__name__, node)
     return out
+
+
+def _states(lw: Lowering, node: fx.Node, this, prefix: str) -> tuple:
+    """The block's routing bias and tokens-per-expert buffers as the op's states (their module keys:
+    `fivedc/ir/states.py`); not in a layer stack's body, whose one op stands for every layer's."""
+    spec = this.spec
+    if not (spec.bias or spec.counts):
+        return ()
+    if prefix != this.path + ".":  # Unrecognised: the model is captured again with torch.export (no stack)
+        raise lw.unsupported(node, f"an MoE block with state (its buffer {spec.bias or spec.counts}) in a layer "
+                             "stack traced once", "trace without the stack (torch.export keeps every layer)")
+    return tuple((attr, f"{this.path}.{name}") for attr, name in (("bias_state", spec.bias),
+                                                                  ("count_state", spec.counts)) if name)
 
 
 def _relative(frame: Frame, path: str) -> str:

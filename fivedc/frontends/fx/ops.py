@@ -28,6 +28,7 @@ from fivedc.frontends.fx.values import (DYNAMIC, SHAPE_QUERIES, SIZE_ONE_HINT, C
 
 if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
     from fivedc.frontends.fx.lower import Lowering
+from fivedc.frontends.fx.buffer_writes import buffer_write, is_buffer_write
 from fivedc.frontends.fx.recognise import CASTS
 from fivedc.ir.graph import DType
 from fivedc.ir.ops import OP_SPECS
@@ -63,6 +64,8 @@ def dispatch(lw: Lowering, frame: Frame, node: fx.Node):
         used = next((a for a in leaves((args, kwargs)) if isinstance(a, RouterLogits)), None)
         if used is not None:
             raise lw.logits_used(used, node)
+    if is_buffer_write(node):  # `buffer.add_(value)`: a state of the plan (fivedc/frontends/fx/buffer_writes.py)
+        return buffer_write(lw, frame, node, args, kwargs)
     stateful = node.op == "call_module" and any(True for _ in frame.traced.gm.get_submodule(node.target).parameters())
     if not stateful and not any(isinstance(a, DYNAMIC) for a in leaves((args, kwargs))):
         value = values.get(node)
