@@ -29,7 +29,8 @@ largest, not their sum, is added to what the rank keeps):
   and dS (backward), 2 x the score elements at the dtype;
 - weight gradients put off behind a tensor-parallel sum: the output gradients of the
   linears reading the summed input, the input's gradient and the sum's buffer (and
-  under SP the input gathered again for dW);
+  under SP the input gathered again for dW); in the unit of the loss, beside the loss's
+  buffers, which its backward reads (the head's dW, put off behind its input's sum);
 - pipeline sends: one forward and one backward send buffer in flight (2 x the
   largest boundary);
 - tied parameters: the flat buffer their holders all-reduce their gradients in (the
@@ -82,7 +83,23 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
             parts[OPTIMIZER_STEP] = max(step - activations[r], 0)
     if grads is not None and pipeline is None and out[0].get("loss"):  # once, before any gradient
         out[0][LOSS_FIRST] = max(out[0].pop("loss") - grads[0], 0)
+        if out[0].get(LOSS_BESIDE):  # the loss unit's own weight gradients are being made
+            made = _loss_unit_grads(memo, dtype_bytes)
+            out[0][LOSS_BESIDE] = max(out[0][LOSS_BESIDE] - max(grads[0] - made, 0), 0)
     return out
+
+
+def _loss_unit_grads(memo: Memo, dtype_bytes: int) -> int:
+    """Bytes of the gradients of the top-level parameters the loss's unit reads (its head)."""
+    graph, mesh = memo.graph, memo.mesh
+    params = {p.name: p for p in graph.body.params}
+    for unit in memo_units(memo):
+        items, repeat = _items(graph, unit)
+        ops = [op for op in items if isinstance(op, Op)]
+        if repeat is None and any(op.kind == "cross_entropy" for op in ops):
+            read = {a for op in ops for a in op.args if isinstance(a, str) and a in params}
+            return sum(graph.local_numel(params[n].dims, params[n].sharding, mesh) for n in read) * dtype_bytes
+    return 0
 
 
 OPTIMIZER_STEP = "optimizer step's temporaries beyond the activations freed by then"
@@ -156,7 +173,9 @@ def _zero_parts(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec 
 
 ZERO3_BACKWARD = "ZeRO-3 layer gathered, its gradients and its recomputed region"
 ZERO3_STEP = "ZeRO-3 gathers and the largest other part"
-UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "attention buffers", "weight gradients put off")
+LOSS_BESIDE = "loss beside its unit's weight gradients put off"
+UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "attention buffers", "weight gradients put off",
+              LOSS_BESIDE)
 
 
 def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit], recompute: str) -> list[tuple[int, ...]]:
@@ -167,9 +186,10 @@ def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit], recompute: 
     for unit in all_units:
         key = ("layer", unit.start) if unit.layer is not None else (unit.start, unit.stop)
         if key not in cache:
-            cache[key] = (working_set(c, graph, unit, recompute), loss_bytes(c, graph, unit),
+            loss, put_off = loss_bytes(c, graph, unit), put_off_bytes(c, graph, unit, again)
+            cache[key] = (working_set(c, graph, unit, recompute), loss,
                           _kernel_buffers(c, graph, unit, "moe"), _kernel_buffers(c, graph, unit, "attention"),
-                          put_off_bytes(c, graph, unit, again))
+                          put_off, loss + put_off if loss and put_off else 0)
         out.append(cache[key])
     return out
 
