@@ -63,7 +63,8 @@ def test_torchrun_restarts_from_the_latest_checkpoint(tmp_path) -> None:
     out = " ".join(done.stdout.split())
     assert "rank 1 exits at step 3" in done.stderr and out.count("resuming from") == 1, out
     assert "resuming from ck/step-00000002 at step 2 (--resume auto: the latest committed checkpoint" in out
-    assert "step 4/4" in out and "lost a peer" in done.stderr and "internal error" not in done.stderr
+    # rank 0 says it lost a peer when it notices first; under load torchrun may stop it before
+    assert "step 4/4" in out and "internal error" not in done.stderr
     assert [step for step, _ in committed(tmp_path / "ck")] == [2, 4]
     assert_same(final_params(tmp_path / "ck", 4), reference(tmp_path, data, steps=4, save_every=2))
 
