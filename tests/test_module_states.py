@@ -159,3 +159,26 @@ def test_the_parallel_modules_buffers_are_its_states_and_load_back() -> None:
         other.load_state_dict(state, assign=assign)
         with torch.no_grad():
             assert other(*inputs).item() == model(*inputs).item()
+
+
+def test_a_checkpoints_buffers_are_held_to_the_models_before_resuming() -> None:
+    """A checkpoint is untrusted: a buffer the model does not use, or one of another size, is
+    refused by name before anything is read."""
+    from fivedc.errors import FivedcError
+    from fivedc.frontends.python_file import load_factory
+    from fivedc.ir.mesh import Mesh
+    from fivedc.ir.states import state_sizes
+    from fivedc.parallel.parallelize import compile_module
+    from fivedc.runtime.program import qualified_params
+    from fivedc.runtime.resume import check_same_model
+
+    module, inputs = load_factory(MODEL)
+    _, plan = compile_module(module, inputs, mesh=Mesh.parse("1x1x1x1x1"))
+    params = {f"param/{n}": {"shape": [plan.graph.dim(d) for d in p.dims]} for n, p in qualified_params(plan.graph)}
+    states = {f"state/{k}": {"shape": [n]} for k, n in state_sizes(plan.graph).items()}
+    check_same_model({"tensors": params | states}, plan, where="ck")
+    key = next(iter(states))
+    for edit, message in (({key: {"shape": [99]}}, "of 99 elements"),
+                          ({"state/nowhere": {"shape": [2]}}, "nowhere, which the model does not use")):
+        with pytest.raises(FivedcError, match=message):
+            check_same_model({"tensors": params | states | edit}, plan, where="ck")

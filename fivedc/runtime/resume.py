@@ -13,6 +13,8 @@ and plan hash): after a reshard rank r is not the rank r that saved.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fivedc.errors import FivedcError
@@ -39,6 +41,24 @@ def check_same_model(index: dict, plan, *, where: str) -> None:
         if want[name] != have[name]:
             raise FivedcError(f"the checkpoint {where} holds {name} of shape {have[name]}; the model's is {want[name]}",
                               hint="resume with the model that saved it (another mesh or options are fine)")
+    _check_states(index, plan, where=where)
+
+
+def _check_states(index: dict, plan, *, where: str) -> None:
+    """A state the checkpoint holds is one of the model's, with its elements (`fivedc/ir/states.py`)."""
+    from fivedc.ir.states import state_sizes
+
+    want = state_sizes(plan.graph)
+    for key, entry in index["tensors"].items():
+        if not key.startswith("state/"):
+            continue
+        name, elements = key[len("state/"):], math.prod(entry.get("shape") or [0])
+        if name not in want:
+            raise FivedcError(f"the checkpoint {where} holds the buffer {name}, which the model does not use",
+                              hint="resume with the model that saved it (another mesh or options are fine)")
+        if elements != want[name]:
+            raise FivedcError(f"the checkpoint {where} holds the buffer {name} of {elements} elements; the model's "
+                              f"has {want[name]}", hint="resume with the model that saved it")
 
 
 def local_params(reader: CheckpointReader, named: dict, held: set[str], ctx, dtype: torch.dtype
