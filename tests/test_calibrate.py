@@ -180,3 +180,18 @@ def test_own_work_is_the_step_without_its_collectives_and_idle_time() -> None:
     assert dp.time.compute_seconds + dp.time.optimizer_seconds < own_work_seconds(dp, hw) < dp.time.step_seconds
     pp = _plan("1x2x1x1x1", hardware=hw, schedule="gpipe", microbatches=2)  # gpipe's idle share is not work
     assert own_work_seconds(pp, hw) < pp.time.step_seconds
+
+
+@pytest.mark.parametrize("name, key", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", None)])
+def test_a_gpus_profile_is_the_built_in_one_its_name_holds(monkeypatch, name, key) -> None:
+    import torch
+
+    from fivedc.cli.rehearse import _profile_of_this_gpu
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    if key is None:
+        with pytest.raises(FivedcError, match="no built-in profile is this GPU"):
+            _profile_of_this_gpu()
+    else:
+        assert _profile_of_this_gpu() == key
