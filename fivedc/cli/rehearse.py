@@ -65,7 +65,7 @@ def run_rehearse(args, *, defaults) -> int:
                           hint="compile with --dtype bf16 (or fp32)")
     timing = _timing_setup(args, plan) if args.device != "meta" else None
     print(f"rehearsing {args.model} on mesh {plan.mesh} ({plan.mesh.world} ranks, {plan.dtype})")
-    workers = _workers(len(plan.memory.ranks))
+    workers = 1 if args.device == "cuda" else _workers(len(plan.memory.ranks))  # one GPU: one class at a time
     print(f"one rank of each of {len(plan.memory.ranks)} classes of ranks, one step on the {args.device} device"
           + (f", {workers} at a time" if workers > 1 else ""))
     rehearsal = rehearse_plan(plan, device=args.device, workers=workers, on_progress=progress_printer())
