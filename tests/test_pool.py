@@ -436,4 +436,5 @@ def test_a_pool_run_leaves_no_threads_behind(worker_pool, model: str, mesh: str)
     for _ in range(2):  # the first run may start what stays (a library's threads): compare the next
         verify_plan(plan, reference, settings=TrainSettings(steps=1), pool=worker_pool)
         counts.append(worker_pool.run(_threads, world=4, payload=None))
-    assert counts[1] == counts[0], counts
+    # a leak grows; threads an earlier test started on a worker may still be going away
+    assert all(later <= first for first, later in zip(counts[0], counts[1])), counts
