@@ -6,7 +6,9 @@ dim of a fused `c_attn` only becomes `[heads, head_dim]` at the `view` that spli
 it. So every dim starts as an anonymous *atom* with a size. Ops that need two dims
 to be the same (a residual add, a linear contracting its input, attention's q and
 k) merge their atoms (union-find); a `view` that splits a dim *refines* its atom
-into parts, row-major, everywhere it occurs (the weight that produced it too).
+into parts, row-major, everywhere it occurs (the weight that produced it too), unless an op
+read it as one dim that must stay one (attention's sequence: `keep_whole`); a view that would
+split such a dim has no rule, and runs as its ATen call (`fivedc/frontends/fx/generic.py`).
 Roles seen along the way leave *hints* (`heads`, `vocab`, ...) with a priority; at
 the end `DimTable.names` gives each atom class the best hint as its name. Two
 classes never merge because their sizes happen to be equal; they share a name only
@@ -35,6 +37,7 @@ class DimTable:
         self._parts: dict[int, tuple[int, ...]] = {}  # root -> its refinement
         self._hints: dict[int, list[tuple[int, int, str]]] = {}  # root -> (-priority, order, name)
         self._order = 0
+        self._whole: set[int] = set()  # roots an op reads as one dim: never refined
 
     # ---- atoms ----------------------------------------------------------------------
     def new(self, size: int, hint: str | None = None, prio: int = 0) -> int:
@@ -87,8 +90,12 @@ class DimTable:
             return
         if self._size[ra] != self._size[rb]:
             raise DimMismatch(f"sizes {self._size[ra]} and {self._size[rb]}")
+        if {ra, rb} & self._whole and (ra in self._parts or rb in self._parts):
+            raise DimMismatch(f"a dim of size {self._size[ra]} read whole meets one split into parts")
         pa, pb = self._parts.pop(ra, None), self._parts.pop(rb, None)
         self._parent[rb] = ra
+        if rb in self._whole:
+            self._whole.add(ra)
         self._hints.setdefault(ra, []).extend(self._hints.pop(rb, []))
         if pa and pb:
             self._parts[ra] = pa
@@ -96,11 +103,21 @@ class DimTable:
         elif pa or pb:
             self._parts[ra] = pa or pb
 
+    def keep_whole(self, atom: int) -> None:
+        """Mark an atom's class as one dim for good (attention's sequence): `refine` refuses it."""
+        root = self.find(atom)
+        if root in self._parts:
+            raise DimMismatch(f"a dim of size {self._size[root]} read whole is already split into parts")
+        self._whole.add(root)
+
     def refine(self, atom: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """Split a leaf atom row-major into parts of `sizes`; returns the parts."""
         root = self.find(atom)
         if root in self._parts or math.prod(sizes) != self._size[root]:
             raise DimMismatch(f"cannot split a dim of size {self._size[root]} into {sizes}")
+        if root in self._whole:
+            raise DimMismatch(f"a dim of size {self._size[root]} that an op reads whole (attention, "
+                              f"an ATen call: the batch or sequence) cannot be split into {sizes}")
         parts = tuple(self.new(s) for s in sizes)
         self._parts[root] = parts
         return parts
