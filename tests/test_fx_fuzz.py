@@ -125,3 +125,11 @@ def test_a_loss_that_splits_the_sequence_after_attention_runs_its_reshape_as_ate
     everywhere, also in the attention before it (SDPA: an inconsistent graph; written out: a
     crash in the kernel). The sequence an attention or an ATen call reads stays one dim."""
     assert_verifies_on_one_device_and_compiles(grammar.Spec(mask=mask, loss="class_dim_extra"))
+
+
+@pytest.mark.parametrize("rotary", ["complex", "interleaved"])
+def test_one_kv_head_after_a_rotary_of_pairs_is_attention(rotary: str) -> None:
+    """Multi-query attention (one k/v head) with a rotary that rotates pairs of head_dim: the clone
+    that made head_dim one dim again had that dim split into a head after it (an inconsistent
+    graph); the clone now gives the head its own dim itself."""
+    assert_verifies_on_one_device_and_compiles(grammar.Spec(rotary=rotary, heads=2, kv_heads=1))
