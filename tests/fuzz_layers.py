@@ -228,12 +228,17 @@ class Attention(nn.Module):
     def repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
         """[batch, kv_heads, seq, hd] repeated to the query heads (Hugging Face's, or torch's)."""
         rep = self.spec.heads // self.spec.kv_heads
-        if rep == 1 or self.spec.repeat == "gqa_flag":
+        if rep == 1 or self.gqa():
             return t
         if self.spec.repeat == "repeat_interleave":
             return t.repeat_interleave(rep, dim=1)
         b, kv, s, hd = t.shape
         return t[:, :, None, :, :].expand(b, kv, rep, s, hd).reshape(b, kv * rep, s, hd)
+
+    def gqa(self) -> bool:
+        """Whether SDPA repeats k/v itself (`enable_gqa`): only where SDPA computes the attention."""
+        sdpa = self.spec.mask in ("is_causal", "none", "additive_sdpa", "window_sdpa", "bool_sdpa")
+        return sdpa and self.spec.repeat == "gqa_flag" and self.spec.heads != self.spec.kv_heads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -248,8 +253,7 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd) + mask) v, by SDPA or written out, as the spec's mask says."""
-        kind, s = self.spec.mask, q.shape[2]
-        gqa = self.spec.repeat == "gqa_flag" and self.spec.heads != self.spec.kv_heads
+        kind, s, gqa = self.spec.mask, q.shape[2], self.gqa()
         if kind in ("is_causal", "none"):
             return F.scaled_dot_product_attention(q, k, v, is_causal=kind == "is_causal", enable_gqa=gqa)
         if kind in ("additive_sdpa", "window_sdpa", "bool_sdpa"):

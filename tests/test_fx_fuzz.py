@@ -28,6 +28,7 @@ import fuzz_layers as grammar  # noqa: E402
 from fivedc.errors import FivedcError  # noqa: E402
 from fivedc.frontends.fx.precision import float64_everywhere  # noqa: E402
 from fivedc.frontends.fx_module import trace_module  # noqa: E402
+from fivedc.ir.graph import Op, walk_ops  # noqa: E402
 from fivedc.ir.mesh import Mesh  # noqa: E402
 from fivedc.passes.base import CompileOptions  # noqa: E402
 from fivedc.pipeline import compile_graph  # noqa: E402
@@ -133,3 +134,14 @@ def test_one_kv_head_after_a_rotary_of_pairs_is_attention(rotary: str) -> None:
     that made head_dim one dim again had that dim split into a head after it (an inconsistent
     graph); the clone now gives the head its own dim itself."""
     assert_verifies_on_one_device_and_compiles(grammar.Spec(rotary=rotary, heads=2, kv_heads=1))
+
+
+def test_q_k_v_unbound_from_one_fused_view_are_attention_on_shards() -> None:
+    """`wqkv(x).view(b, s, 3, heads, head_dim).unbind(2)` then a masked attention: the unbind ran
+    replicated with dims of its own, so the attention was refused ("not the inputs' sequence");
+    each part is now a select, along the 3 on shards of the rest, and the attention is the IR's."""
+    spec = grammar.Spec(projection="unbind", mask="additive_sdpa")
+    module, inputs = grammar.build(**spec.kwargs())
+    kinds = [op.kind for op, _ in walk_ops(trace_module(module, inputs).graph.body) if isinstance(op, Op)]
+    assert "attention" in kinds
+    assert_verifies_on_one_device_and_compiles(spec)
