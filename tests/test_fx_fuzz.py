@@ -38,7 +38,7 @@ from test_frontend_fx import assert_same_as_module  # noqa: E402
 
 GRAMMAR = Path(grammar.__file__).resolve()
 MESHES = ("2x1x2x1x1", "1x1x1x2x1")  # dp2·tp2, cp2
-EXAMPLES = int(os.environ.get("FIVEDC_FUZZ_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("FIVEDC_FUZZ_EXAMPLES", "10"))
 SETTINGS = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
@@ -109,7 +109,6 @@ def test_drawn_modules_verify_or_are_refused_at_their_line(worker_pool) -> None:
     assert len(verified) * 2 >= len(outcomes), refusals  # most verify: the test is not "refuse all"
 
 
-# ---- what the fuzzer found: each the smallest module that failed inside the frontend -----------------
 def assert_verifies_on_one_device_and_compiles(spec: grammar.Spec) -> None:
     """The traced IR computes the module's loss and gradients, and dp2·tp2 and cp2 compile."""
     module, inputs = grammar.build(**spec.kwargs())
@@ -120,6 +119,20 @@ def assert_verifies_on_one_device_and_compiles(spec: grammar.Spec) -> None:
         compile_graph(traced.graph, CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64"))
 
 
+SLOTS = {"norm": grammar.NORMS, "projection": grammar.PROJECTIONS, "rotary": grammar.ROTARIES,
+         "mask": grammar.MASKS, "mlp": grammar.MLPS, "residual": grammar.RESIDUALS, "loss": grammar.LOSSES}
+
+
+@pytest.mark.parametrize("slot", sorted(SLOTS))
+def test_every_form_of_a_slot_computes_the_modules_loss(slot: str) -> None:
+    """Each form of each slot once, the others at their defaults (the drawn test sees a few
+    combinations): each is followed, none refused: the traced IR gives the module's loss and
+    gradients, and dp2·tp2 and cp2 compile."""
+    for form in SLOTS[slot]:
+        assert_verifies_on_one_device_and_compiles(grammar.Spec(**{slot: form}))
+
+
+# ---- what the fuzzer found: each the smallest module that failed inside the frontend -----------------
 @pytest.mark.parametrize("mask", ["is_causal", "tril_fill"])
 def test_a_loss_that_splits_the_sequence_after_attention_runs_its_reshape_as_aten(mask: str) -> None:
     """`logits.reshape(b, 2, n // 2, V)` for the (N, C, d1, d2) loss split the sequence into two dims
