@@ -22,15 +22,16 @@ import torch.nn.functional as F
 
 BATCH, SEQ, VOCAB, THETA, EPS, IGNORE = 4, 8, 16, 10000.0, 1e-5, 3
 
-NORMS = ("layernorm", "rmsnorm", "ln_written", "rms_llama", "rms_hf", "rms_gemma")
+NORMS = ("layernorm", "rmsnorm", "ln_written", "ln_functional", "rms_llama", "rms_hf", "rms_gemma")
 PROJECTIONS = ("separate", "split", "chunk", "unbind")
-ROTARIES = ("none", "complex", "rotate_half", "interleaved")
+ROTARIES = ("none", "complex", "rotate_half", "hf_dynamic", "interleaved")
 MASKS = ("is_causal", "tril_fill", "triu_fill", "additive", "additive_sdpa", "window_fill",
+         "tril_forward", "additive_forward", "window_forward",
          "window_sdpa", "bool_sdpa", "none")
 REPEATS = ("expand", "repeat_interleave", "gqa_flag")
-MLPS = ("gelu", "gelu_tanh", "swiglu", "swiglu_fused")
+MLPS = ("gelu", "gelu_tanh", "gelu_sequential", "swiglu", "swiglu_fused")
 RESIDUALS = ("pre", "parallel", "post")
-LOSSES = ("flat", "default_ignore", "ignore_index", "class_dim", "class_dim_extra", "module",
+LOSSES = ("flat", "default_ignore", "ignore_index", "class_dim", "class_dim_extra", "module", "nll",
           "sum", "smoothing", "none_mean", "shifted")
 
 
@@ -69,6 +70,15 @@ class LayerNormWritten(nn.Module):
         mean = x.mean(-1, keepdim=True)
         var = ((x - mean) ** 2).mean(-1, keepdim=True)
         return (x - mean) / torch.sqrt(var + EPS) * self.weight + self.bias
+
+
+class LayerNormFunctional(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, EPS)
 
 
 class RMSNormLlama(nn.Module):
@@ -110,7 +120,7 @@ def make_norm(kind: str, dim: int) -> nn.Module:
         return nn.LayerNorm(dim, eps=EPS)
     if kind == "rmsnorm":
         return nn.RMSNorm(dim, eps=EPS)
-    return {"ln_written": LayerNormWritten, "rms_llama": RMSNormLlama, "rms_hf": RMSNormHF,
+    return {"ln_written": LayerNormWritten, "ln_functional": LayerNormFunctional, "rms_llama": RMSNormLlama, "rms_hf": RMSNormHF,
             "rms_gemma": RMSNormGemma}[kind](dim)
 
 
@@ -150,6 +160,23 @@ class HalfRotary(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos[None, None, : x.shape[2]], self.sin[None, None, : x.shape[2]]
+        return x * cos + rotate_half(x) * sin
+
+
+class DynamicRotary(nn.Module):
+    """Hugging Face's rotary module: cos and sin computed in the forward from `inv_freq` and the
+    positions, then applied with rotate_half on [batch, heads, seq, head_dim]."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[2], device=x.device)[None, :].to(self.inv_freq.dtype)
+        freqs = (self.inv_freq[None, :, None] @ positions[:, None, :]).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
         return x * cos + rotate_half(x) * sin
 
 
@@ -204,7 +231,7 @@ class Attention(nn.Module):
             self.wqkv = nn.Linear(dim, dim + 2 * kv, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
         self.rotary = {"none": None, "complex": ComplexRotary, "rotate_half": HalfRotary,
-                       "interleaved": InterleavedRotary}[spec.rotary]
+                       "hf_dynamic": DynamicRotary, "interleaved": InterleavedRotary}[spec.rotary]
         self.rotary = self.rotary(hd) if self.rotary else None
         mask = mask_buffer(spec.mask, spec.window)
         if mask is not None:
@@ -246,7 +273,7 @@ class Attention(nn.Module):
         if self.spec.rotary in ("complex", "interleaved"):
             q, k = self.rotary(q), self.rotary(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.spec.rotary == "rotate_half":
+        if self.spec.rotary in ("rotate_half", "hf_dynamic"):
             q, k = self.rotary(q), self.rotary(k)
         y = self.attend(q, self.repeat_kv(k), self.repeat_kv(v))
         return self.wo(y.transpose(1, 2).contiguous().view(b, s, -1))
@@ -265,6 +292,14 @@ class Attention(nn.Module):
             scores = scores.masked_fill(self.mask[:s, :s], float("-inf"))
         elif kind == "additive":
             scores = scores + self.mask[:s, :s]
+        elif kind == "tril_forward":
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+        elif kind == "additive_forward":
+            scores = scores + torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+        elif kind == "window_forward":
+            i, j = torch.arange(s, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
+            scores = scores.masked_fill((j > i) | (i - j >= self.spec.window), float("-inf"))
         else:
             scores = scores.masked_fill(~self.mask[:s, :s], float("-inf"))
         if self.spec.float_softmax:
@@ -277,6 +312,9 @@ class MLP(nn.Module):
     def __init__(self, kind: str, dim: int) -> None:
         super().__init__()
         self.kind, ffn = kind, 2 * dim
+        if kind == "gelu_sequential":
+            self.seq = nn.Sequential(nn.Linear(dim, ffn), nn.GELU(), nn.Linear(ffn, dim))
+            return
         if kind == "swiglu_fused":
             self.gate_up = nn.Linear(dim, 2 * ffn, bias=False)
         else:
@@ -287,6 +325,8 @@ class MLP(nn.Module):
         self.act = nn.GELU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "gelu_sequential":
+            return self.seq(x)
         if self.kind == "gelu":
             return self.down(self.act(self.up(x)))
         if self.kind == "gelu_tanh":
@@ -352,6 +392,8 @@ class Model(nn.Module):
             return F.cross_entropy(parts, targets.reshape(b, 2, n // 2))
         if kind == "module":
             return self.criterion(flat, labels)
+        if kind == "nll":
+            return F.nll_loss(F.log_softmax(flat, dim=-1), labels)
         if kind == "sum":
             return F.cross_entropy(flat, labels, reduction="sum")
         if kind == "smoothing":
