@@ -54,6 +54,11 @@ class Spec:
     window: int = 3
     tied: bool = False
     float_softmax: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k (OLMo 2, Qwen3)
+    positions: bool = False  # a learned position embedding added to the tokens' (GPT-2)
+    emb_scale: bool = False  # the embedding times sqrt(hidden) (Gemma)
+    softcap: float = 0.0  # the logits capped by c * tanh(logits / c) (Gemma 2)
+    dropout: float = 0.0  # nn.Dropout after attention and MLP (off in the plan: a warning)
 
     def kwargs(self) -> dict:
         """The spec as the factory's keyword arguments (plain data a worker process can take)."""
@@ -233,6 +238,8 @@ class Attention(nn.Module):
         self.rotary = {"none": None, "complex": ComplexRotary, "rotate_half": HalfRotary,
                        "hf_dynamic": DynamicRotary, "interleaved": InterleavedRotary}[spec.rotary]
         self.rotary = self.rotary(hd) if self.rotary else None
+        if spec.qk_norm:
+            self.q_norm, self.k_norm = nn.RMSNorm(hd, eps=EPS), nn.RMSNorm(hd, eps=EPS)
         mask = mask_buffer(spec.mask, spec.window)
         if mask is not None:
             self.register_buffer("mask", mask, persistent=spec.mask == "tril_fill")
@@ -270,6 +277,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.project(x)
+        if self.spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.spec.rotary in ("complex", "interleaved"):
             q, k = self.rotary(q), self.rotary(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -341,14 +350,14 @@ class Block(nn.Module):
     def __init__(self, spec: Spec) -> None:
         super().__init__()
         dim = spec.heads * spec.head_dim
-        self.residual = spec.residual
+        self.residual, self.drop = spec.residual, nn.Dropout(spec.dropout)
         self.attn, self.mlp = Attention(spec), MLP(spec.mlp, dim)
         self.norm1, self.norm2 = make_norm(spec.norm, dim), make_norm(spec.norm, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.residual == "pre":
-            x = x + self.attn(self.norm1(x))
-            return x + self.mlp(self.norm2(x))
+            x = x + self.drop(self.attn(self.norm1(x)))
+            return x + self.drop(self.mlp(self.norm2(x)))
         if self.residual == "parallel":
             h = self.norm1(x)
             return x + self.attn(h) + self.mlp(h)
@@ -362,8 +371,10 @@ class Model(nn.Module):
     def __init__(self, spec: Spec) -> None:
         super().__init__()
         dim = spec.heads * spec.head_dim
-        self.loss_kind = spec.loss
+        self.loss_kind, self.spec = spec.loss, spec
         self.emb = nn.Embedding(VOCAB, dim)
+        if spec.positions:
+            self.wpe = nn.Embedding(SEQ, dim)
         self.layers = nn.ModuleList(Block(spec) for _ in range(spec.layers))
         self.norm = make_norm(spec.norm, dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
@@ -373,9 +384,16 @@ class Model(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.emb(tokens)
+        if self.spec.emb_scale:
+            h = h * torch.tensor(h.shape[-1] ** 0.5, dtype=h.dtype)
+        if self.spec.positions:
+            h = h + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for layer in self.layers:
             h = layer(h)
-        return self.loss(self.head(self.norm(h)), targets)
+        logits = self.head(self.norm(h))
+        if self.spec.softcap:
+            logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
+        return self.loss(logits, targets)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """F.cross_entropy in one of its forms."""

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fuzz_layers as grammar  # noqa: E402
 from fivedc.errors import FivedcError  # noqa: E402
-from fivedc.frontends.fx.precision import float64_everywhere  # noqa: E402
+from fivedc.frontends.fx.precision import float64_everywhere, without_dropout  # noqa: E402
 from fivedc.frontends.fx_module import trace_module  # noqa: E402
 from fivedc.ir.graph import Op, walk_ops  # noqa: E402
 from fivedc.ir.mesh import Mesh  # noqa: E402
@@ -55,7 +55,9 @@ def specs(draw: st.DrawFn) -> grammar.Spec:
         residual=draw(st.sampled_from(grammar.RESIDUALS)), loss=draw(st.sampled_from(grammar.LOSSES)),
         layers=draw(st.integers(1, 2)), heads=heads, kv_heads=heads if equal else draw(st.sampled_from([1, 2, heads])),
         head_dim=draw(st.sampled_from([4, 8])), window=draw(st.sampled_from([2, 3, 5])),
-        tied=draw(st.booleans()), float_softmax=draw(st.booleans()),
+        tied=draw(st.booleans()), float_softmax=draw(st.booleans()), qk_norm=draw(st.booleans()),
+        positions=draw(st.booleans()), emb_scale=draw(st.booleans()),
+        softcap=draw(st.sampled_from([0.0, 0.0, 30.0])), dropout=draw(st.sampled_from([0.0, 0.0, 0.1])),
     )
 
 
@@ -81,7 +83,7 @@ def check(spec: grammar.Spec, pool) -> Outcome:
     module, inputs = grammar.build(**spec.kwargs())
     try:
         traced = trace_module(module, inputs)
-        with float64_everywhere():  # the module's float32 casts read as float64, as the check reads them
+        with float64_everywhere(), without_dropout():  # the module as the check runs it
             assert_same_as_module(traced, module, inputs)
         reference = compile_graph(traced.graph, CompileOptions(mesh=single_device_mesh(), dtype="fp64"))
         for mesh in MESHES:
@@ -113,7 +115,7 @@ def assert_verifies_on_one_device_and_compiles(spec: grammar.Spec) -> None:
     """The traced IR computes the module's loss and gradients, and dp2·tp2 and cp2 compile."""
     module, inputs = grammar.build(**spec.kwargs())
     traced = trace_module(module, inputs)
-    with float64_everywhere():
+    with float64_everywhere(), without_dropout():
         assert_same_as_module(traced, module, inputs)
     for mesh in MESHES:
         compile_graph(traced.graph, CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64"))
