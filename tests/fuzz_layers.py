@@ -59,6 +59,7 @@ class Spec:
     emb_scale: bool = False  # the embedding times sqrt(hidden) (Gemma)
     softcap: float = 0.0  # the logits capped by c * tanh(logits / c) (Gemma 2)
     dropout: float = 0.0  # nn.Dropout after attention and MLP (off in the plan: a warning)
+    scale: str = "default"  # 1/sqrt(head_dim); "divide": scores / sqrt(head_dim); "own": another scale
 
     def kwargs(self) -> dict:
         """The spec as the factory's keyword arguments (plain data a worker process can take)."""
@@ -290,11 +291,17 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd) + mask) v, by SDPA or written out, as the spec's mask says."""
         kind, s, gqa = self.spec.mask, q.shape[2], self.gqa()
+        scale = 0.5 if self.spec.scale == "own" else None  # Gemma 3's query_pre_attn_scalar
         if kind in ("is_causal", "none"):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=kind == "is_causal", enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=kind == "is_causal", enable_gqa=gqa,
+                                                  scale=scale)
         if kind in ("additive_sdpa", "window_sdpa", "bool_sdpa"):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:s, :s], enable_gqa=gqa)
-        scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(k.size(-1)))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:s, :s], enable_gqa=gqa,
+                                                  scale=scale)
+        if self.spec.scale == "divide":
+            scores = q @ k.transpose(-2, -1) / math.sqrt(k.size(-1))
+        else:
+            scores = q @ k.transpose(-2, -1) * (scale or 1.0 / math.sqrt(k.size(-1)))
         if kind == "tril_fill":
             scores = scores.masked_fill(self.mask[:, :, :s, :s] == 0, float("-inf"))
         elif kind == "triu_fill":
