@@ -53,7 +53,7 @@ def specs(draw: st.DrawFn) -> grammar.Spec:
         rotary=draw(st.sampled_from(grammar.ROTARIES)), mask=draw(st.sampled_from(grammar.MASKS)),
         repeat=draw(st.sampled_from(grammar.REPEATS)), mlp=draw(st.sampled_from(grammar.MLPS)),
         residual=draw(st.sampled_from(grammar.RESIDUALS)), loss=draw(st.sampled_from(grammar.LOSSES)),
-        layers=draw(st.integers(1, 2)), heads=heads, kv_heads=heads if equal else draw(st.sampled_from([1, 2, heads])),
+        layers=draw(st.integers(1, 3)), heads=heads, kv_heads=heads if equal else draw(st.sampled_from([1, 2, heads])),
         head_dim=draw(st.sampled_from([4, 8])), window=draw(st.sampled_from([2, 3, 5, 8, 12])),
         tied=draw(st.booleans()), float_softmax=draw(st.booleans()), qk_norm=draw(st.booleans()),
         positions=draw(st.booleans()), emb_scale=draw(st.booleans()),
