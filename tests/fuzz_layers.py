@@ -33,6 +33,14 @@ MLPS = ("gelu", "gelu_tanh", "gelu_sequential", "swiglu", "swiglu_fused")
 RESIDUALS = ("pre", "parallel", "post")
 LOSSES = ("flat", "default_ignore", "ignore_index", "class_dim", "class_dim_extra", "module", "nll",
           "sum", "smoothing", "none_mean", "shifted")
+SLOTS = {"norm": NORMS, "projection": PROJECTIONS, "rotary": ROTARIES, "mask": MASKS,
+         "repeat": REPEATS, "mlp": MLPS, "residual": RESIDUALS, "loss": LOSSES}
+# every field of `Spec` but kv_heads (a divisor of heads, or heads where the fused width is cut
+# in three equal parts), with the values a draw takes
+CHOICES = {**SLOTS, "layers": (1, 2, 3), "heads": (2, 4), "head_dim": (4, 8),
+           "window": (2, 3, 5, 8, 12), "tied": (False, True), "float_softmax": (False, True),
+           "qk_norm": (False, True), "positions": (False, True), "emb_scale": (False, True), "softcap": (0.0, 0.0, 30.0),
+           "dropout": (0.0, 0.0, 0.1), "scale": ("default", "divide", "own")}
 
 
 @dataclass(frozen=True)
@@ -126,8 +134,8 @@ def make_norm(kind: str, dim: int) -> nn.Module:
         return nn.LayerNorm(dim, eps=EPS)
     if kind == "rmsnorm":
         return nn.RMSNorm(dim, eps=EPS)
-    return {"ln_written": LayerNormWritten, "ln_functional": LayerNormFunctional, "rms_llama": RMSNormLlama, "rms_hf": RMSNormHF,
-            "rms_gemma": RMSNormGemma}[kind](dim)
+    return {"ln_written": LayerNormWritten, "ln_functional": LayerNormFunctional,
+            "rms_llama": RMSNormLlama, "rms_hf": RMSNormHF, "rms_gemma": RMSNormGemma}[kind](dim)
 
 
 # ---- rotary embeddings (x: [batch, seq, heads, head_dim] unless said) ---------------------------

@@ -4,23 +4,26 @@ Hypothesis draws a `Spec` (tests/fuzz_layers.py: norms, rotaries in their three 
 fused projections, MLPs, residuals, losses) and the module it builds must either verify or be
 refused at its line, never fail inside fivedc: traced, its IR run on one device gives the
 module's loss and gradients (1e-12), and each of dp2·tp2 and cp2 compiles and trains like the
-one-device plan in float64 (1e-10); or a `FivedcError` that is not an internal one (exit 4)
+one-device plan in float64 (losses and gradients to 1e-10, parameters after AdamW to 1e-8);
+or a `FivedcError` that is not an internal one (exit 4)
 names a line of the user's code (fuzz_layers.py). A run that refuses everything tests nothing:
 most drawn modules must verify.
 
-CI runs a few examples, derandomized; by hand, more (benchmarks/RESULTS.md):
-    FIVEDC_FUZZ_EXAMPLES=200 python -m pytest tests/test_fx_fuzz.py -q
+CI runs a few examples, derandomized; by hand, more, and other draws with a seed
+(benchmarks/RESULTS.md):
+    FIVEDC_FUZZ_EXAMPLES=200 FIVEDC_FUZZ_SEED=1 python -m pytest tests/test_fx_fuzz.py -k drawn -s
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,30 +39,22 @@ from fivedc.runtime.train import TrainSettings  # noqa: E402
 from fivedc.runtime.verify import single_device_mesh, verify_plan  # noqa: E402
 from test_frontend_fx import assert_same_as_module  # noqa: E402
 
+pytestmark = pytest.mark.filterwarnings("ignore::fivedc.frontends.fx_module.FxWarning")  # dropout, drawn
 GRAMMAR = Path(grammar.__file__).resolve()
 MESHES = ("2x1x2x1x1", "1x1x1x2x1")  # dp2·tp2, cp2
-EXAMPLES = int(os.environ.get("FIVEDC_FUZZ_EXAMPLES", "10"))
-SETTINGS = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+EXAMPLES = int(os.environ.get("FIVEDC_FUZZ_EXAMPLES", "8"))
+SEED = os.environ.get("FIVEDC_FUZZ_SEED")  # unset: the same draws every run (derandomized)
+SETTINGS = settings(max_examples=EXAMPLES, derandomize=SEED is None, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 @st.composite
 def specs(draw: st.DrawFn) -> grammar.Spec:
-    """A drawn model: one choice per slot, and sizes that dp2·tp2 and cp2 can split."""
-    heads, projection = draw(st.sampled_from([2, 4])), draw(st.sampled_from(grammar.PROJECTIONS))
-    equal = projection in ("chunk", "unbind")  # one fused width cut in three equal parts
-    return grammar.Spec(
-        norm=draw(st.sampled_from(grammar.NORMS)), projection=projection,
-        rotary=draw(st.sampled_from(grammar.ROTARIES)), mask=draw(st.sampled_from(grammar.MASKS)),
-        repeat=draw(st.sampled_from(grammar.REPEATS)), mlp=draw(st.sampled_from(grammar.MLPS)),
-        residual=draw(st.sampled_from(grammar.RESIDUALS)), loss=draw(st.sampled_from(grammar.LOSSES)),
-        layers=draw(st.integers(1, 3)), heads=heads, kv_heads=heads if equal else draw(st.sampled_from([1, 2, heads])),
-        head_dim=draw(st.sampled_from([4, 8])), window=draw(st.sampled_from([2, 3, 5, 8, 12])),
-        tied=draw(st.booleans()), float_softmax=draw(st.booleans()), qk_norm=draw(st.booleans()),
-        positions=draw(st.booleans()), emb_scale=draw(st.booleans()),
-        softcap=draw(st.sampled_from([0.0, 0.0, 30.0])), dropout=draw(st.sampled_from([0.0, 0.0, 0.1])),
-        scale=draw(st.sampled_from(["default", "divide", "own"])),
-    )
+    """A drawn model: a value of each field (`grammar.CHOICES`); sizes dp2·tp2 and cp2 can split."""
+    chosen = {name: draw(st.sampled_from(values)) for name, values in grammar.CHOICES.items()}
+    heads = chosen["heads"]
+    equal = chosen["projection"] in ("chunk", "unbind")  # one fused width cut in three equal parts
+    return grammar.Spec(**chosen, kv_heads=heads if equal else draw(st.sampled_from([1, 2, heads])))
 
 
 @dataclass(frozen=True)
@@ -90,7 +85,11 @@ def check(spec: grammar.Spec, pool) -> Outcome:
         for mesh in MESHES:
             plan = compile_graph(traced.graph, CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64"))
             report = verify_plan(plan, reference, settings=TrainSettings(steps=2), pool=pool)
-            assert report.max_error <= 1e-10, (mesh, spec, report)
+            # AdamW divides each gradient by its own size (plus eps=1e-8): a gradient entry near
+            # eps (q/k normed over one k/v head) turns a 1e-15 difference into ~1e-10 in the
+            # parameters after one step; a wrong collective differs by far more than 1e-8
+            assert max(report.loss_error, report.grad_error) <= 1e-10, (mesh, spec, report)
+            assert report.param_error <= 1e-8, (mesh, spec, report)
     except FivedcError as error:
         assert_located(error)
         return Outcome(spec, error)
@@ -98,17 +97,21 @@ def check(spec: grammar.Spec, pool) -> Outcome:
 
 
 def test_drawn_modules_verify_or_are_refused_at_their_line(worker_pool) -> None:
+    """Every drawn module verifies or is refused at its line (`check`), and at least half verify."""
     outcomes: list[Outcome] = []
 
     @SETTINGS
+    @seed(int(SEED or 0))
     @given(specs())
     def one(spec: grammar.Spec) -> None:
         outcomes.append(check(spec, worker_pool))
 
     one()
     verified = [o for o in outcomes if o.refused is None]
-    refusals = "\n".join(f"{o.spec}: {o.refused.message}" for o in outcomes if o.refused is not None)
-    print(f"{len(verified)} of {len(outcomes)} drawn modules verified; refused:\n{refusals}")
+    refusals = Counter(o.refused.message for o in outcomes if o.refused is not None)
+    print(f"{len(verified)} of {len(outcomes)} drawn modules verified; refused:")
+    for message, count in refusals.most_common():
+        print(f"  {count} x {message}")
     assert len(verified) * 2 >= len(outcomes), refusals  # most verify: the test is not "refuse all"
 
 
@@ -122,16 +125,12 @@ def assert_verifies_on_one_device_and_compiles(spec: grammar.Spec) -> None:
         compile_graph(traced.graph, CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64"))
 
 
-SLOTS = {"norm": grammar.NORMS, "projection": grammar.PROJECTIONS, "rotary": grammar.ROTARIES,
-         "mask": grammar.MASKS, "mlp": grammar.MLPS, "residual": grammar.RESIDUALS, "loss": grammar.LOSSES}
-
-
-@pytest.mark.parametrize("slot", sorted(SLOTS))
+@pytest.mark.parametrize("slot", sorted(grammar.SLOTS))
 def test_every_form_of_a_slot_computes_the_modules_loss(slot: str) -> None:
     """Each form of each slot once, the others at their defaults (the drawn test sees a few
     combinations): each is followed, none refused: the traced IR gives the module's loss and
     gradients, and dp2·tp2 and cp2 compile."""
-    for form in SLOTS[slot]:
+    for form in grammar.SLOTS[slot]:
         assert_verifies_on_one_device_and_compiles(grammar.Spec(**{slot: form}))
 
 
