@@ -160,3 +160,12 @@ def test_q_k_v_unbound_from_one_fused_view_are_attention_on_shards() -> None:
     kinds = [op.kind for op, _ in walk_ops(trace_module(module, inputs).graph.body) if isinstance(op, Op)]
     assert "attention" in kinds
     assert_verifies_on_one_device_and_compiles(spec)
+
+
+@pytest.mark.parametrize("loss", ["nll", "class_dim_extra"])
+def test_tied_weights_before_a_consumer_of_the_whole_vocabulary_stay_vocab_parallel(loss: str) -> None:
+    """The head tied to the embedding, its logits read whole by the next op (`log_softmax` of
+    `nll_loss`, a reshape that runs replicated): the head chose a replicated weight, the table
+    a vocab split, and tp2 was refused ("used by two ops that need it sharded differently").
+    A weight tied to a vocab-parallel table keeps that layout; the consumer gathers."""
+    assert_verifies_on_one_device_and_compiles(grammar.Spec(tied=True, loss=loss))
