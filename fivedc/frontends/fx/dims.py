@@ -7,8 +7,9 @@ it. So every dim starts as an anonymous *atom* with a size. Ops that need two di
 to be the same (a residual add, a linear contracting its input, attention's q and
 k) merge their atoms (union-find); a `view` that splits a dim *refines* its atom
 into parts, row-major, everywhere it occurs (the weight that produced it too), unless an op
-read it as one dim that must stay one (attention's sequence: `keep_whole`); a view that would
-split such a dim has no rule, and runs as its ATen call (`fivedc/frontends/fx/generic.py`).
+recorded it as one dim (attention's sequence, the batch and sequence of an ATen call:
+`keep_whole`); a view that would split such a dim has no rule, and runs as its ATen call
+(`fivedc/frontends/fx/generic.py`).
 Roles seen along the way leave *hints* (`heads`, `vocab`, ...) with a priority; at
 the end `DimTable.names` gives each atom class the best hint as its name. Two
 classes never merge because their sizes happen to be equal; they share a name only
@@ -104,11 +105,11 @@ class DimTable:
             self._parts[ra] = pa or pb
 
     def keep_whole(self, atom: int) -> None:
-        """Mark an atom's class as one dim for good (attention's sequence): `refine` refuses it."""
+        """Mark a leaf atom's class as one dim for good (attention's sequence): `refine` refuses
+        it. An atom already split is left as it is (the op read its parts)."""
         root = self.find(atom)
-        if root in self._parts:
-            raise DimMismatch(f"a dim of size {self._size[root]} read whole is already split into parts")
-        self._whole.add(root)
+        if root not in self._parts:
+            self._whole.add(root)
 
     def refine(self, atom: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """Split a leaf atom row-major into parts of `sizes`; returns the parts."""
