@@ -17,7 +17,6 @@ CI runs a few examples, derandomized; by hand, more, and other draws with a seed
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,18 +25,17 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fuzz_layers as grammar  # noqa: E402
-from fivedc.errors import FivedcError  # noqa: E402
-from fivedc.frontends.fx.precision import float64_everywhere, without_dropout  # noqa: E402
-from fivedc.frontends.fx_module import trace_module  # noqa: E402
-from fivedc.ir.graph import Op, walk_ops  # noqa: E402
-from fivedc.ir.mesh import Mesh  # noqa: E402
-from fivedc.passes.base import CompileOptions  # noqa: E402
-from fivedc.pipeline import compile_graph  # noqa: E402
-from fivedc.runtime.train import TrainSettings  # noqa: E402
-from fivedc.runtime.verify import single_device_mesh, verify_plan  # noqa: E402
-from test_frontend_fx import assert_same_as_module  # noqa: E402
+import fuzz_layers as grammar
+from fivedc.errors import FivedcError
+from fivedc.frontends.fx.precision import float64_everywhere, without_dropout
+from fivedc.frontends.fx_module import trace_module
+from fivedc.ir.graph import Op, walk_ops
+from fivedc.ir.mesh import Mesh
+from fivedc.passes.base import CompileOptions
+from fivedc.pipeline import compile_graph
+from fivedc.runtime.train import TrainSettings
+from fivedc.runtime.verify import single_device_mesh, verify_plan
+from test_frontend_fx import assert_same_as_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::fivedc.frontends.fx_module.FxWarning")  # dropout, drawn
 GRAMMAR = Path(grammar.__file__).resolve()
