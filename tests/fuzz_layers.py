@@ -23,13 +23,13 @@ import torch.nn.functional as F
 BATCH, SEQ, VOCAB, THETA, EPS, IGNORE = 4, 8, 16, 10000.0, 1e-5, 3
 
 NORMS = ("layernorm", "rmsnorm", "ln_written", "ln_functional", "rms_llama", "rms_hf", "rms_gemma")
-PROJECTIONS = ("separate", "split", "chunk", "unbind")
+PROJECTIONS = ("separate", "split", "chunk", "unbind", "unpacked")
 ROTARIES = ("none", "complex", "rotate_half", "hf_dynamic", "interleaved")
 MASKS = ("is_causal", "tril_fill", "triu_fill", "additive", "additive_sdpa", "window_fill",
          "tril_forward", "additive_forward", "window_forward",
          "window_sdpa", "bool_sdpa", "none")
 REPEATS = ("expand", "repeat_interleave", "gqa_flag")
-MLPS = ("gelu", "gelu_tanh", "gelu_sequential", "swiglu", "swiglu_fused")
+MLPS = ("gelu", "gelu_tanh", "gelu_sequential", "swiglu", "swiglu_fused", "square_gate")
 RESIDUALS = ("pre", "parallel", "post")
 LOSSES = ("flat", "default_ignore", "ignore_index", "class_dim", "class_dim_extra", "module", "nll",
           "sum", "smoothing", "none_mean", "shifted")
@@ -40,7 +40,8 @@ SLOTS = {"norm": NORMS, "projection": PROJECTIONS, "rotary": ROTARIES, "mask": M
 CHOICES = {**SLOTS, "layers": (1, 2, 3), "heads": (2, 4), "head_dim": (4, 8),
            "window": (2, 3, 5, 8, 12), "tied": (False, True), "float_softmax": (False, True),
            "qk_norm": (False, True), "positions": (False, True), "emb_scale": (False, True), "softcap": (0.0, 0.0, 30.0),
-           "dropout": (0.0, 0.0, 0.1), "scale": ("default", "divide", "own")}
+           "dropout": (0.0, 0.0, 0.1), "scale": ("default", "divide", "own"),
+           "out_proj": (True, True, False)}
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Spec:
     softcap: float = 0.0  # the logits capped by c * tanh(logits / c) (Gemma 2)
     dropout: float = 0.0  # nn.Dropout after attention and MLP (off in the plan: a warning)
     scale: str = "default"  # 1/sqrt(head_dim); "divide": scores / sqrt(head_dim); "own": another scale
+    out_proj: bool = True  # attention's output projection; without, the heads add to the residual
 
     def kwargs(self) -> dict:
         """The spec as the factory's keyword arguments (plain data a worker process can take)."""
@@ -243,7 +245,7 @@ class Attention(nn.Module):
             self.wq, self.wk, self.wv = nn.Linear(dim, dim), nn.Linear(dim, kv), nn.Linear(dim, kv)
         else:
             self.wqkv = nn.Linear(dim, dim + 2 * kv, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False) if spec.out_proj else nn.Identity()
         self.rotary = {"none": None, "complex": ComplexRotary, "rotate_half": HalfRotary,
                        "hf_dynamic": DynamicRotary, "interleaved": InterleavedRotary}[spec.rotary]
         self.rotary = self.rotary(hd) if self.rotary else None
@@ -264,8 +266,10 @@ class Attention(nn.Module):
             q, k, v = self.wqkv(x).split([dim, kv, kv], dim=-1)
         elif spec.projection == "chunk":
             q, k, v = self.wqkv(x).chunk(3, dim=-1)
-        else:
+        elif spec.projection == "unbind":
             q, k, v = self.wqkv(x).view(b, s, 3, spec.heads, hd).unbind(2)
+        else:  # timm's: the three parts first, then unpacked
+            q, k, v = self.wqkv(x).view(b, s, 3, spec.heads, hd).permute(2, 0, 1, 3, 4)
         return q.view(b, s, -1, hd), k.view(b, s, -1, hd), v.view(b, s, -1, hd)
 
     def repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
@@ -339,6 +343,9 @@ class MLP(nn.Module):
         if kind == "gelu_sequential":
             self.seq = nn.Sequential(nn.Linear(dim, ffn), nn.GELU(), nn.Linear(ffn, dim))
             return
+        if kind == "square_gate":  # a square weight whose output gates its own input
+            self.gate = nn.Linear(dim, dim)
+            return
         if kind == "swiglu_fused":
             self.gate_up = nn.Linear(dim, 2 * ffn, bias=False)
         else:
@@ -351,6 +358,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "gelu_sequential":
             return self.seq(x)
+        if self.kind == "square_gate":
+            return x * torch.sigmoid(self.gate(x))
         if self.kind == "gelu":
             return self.down(self.act(self.up(x)))
         if self.kind == "gelu_tanh":

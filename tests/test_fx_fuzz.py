@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -51,7 +54,7 @@ def specs(draw: st.DrawFn) -> grammar.Spec:
     """A drawn model: a value of each field (`grammar.CHOICES`); sizes dp2·tp2 and cp2 can split."""
     chosen = {name: draw(st.sampled_from(values)) for name, values in grammar.CHOICES.items()}
     heads = chosen["heads"]
-    equal = chosen["projection"] in ("chunk", "unbind")  # one fused width cut in three equal parts
+    equal = chosen["projection"] in ("chunk", "unbind", "unpacked")  # one fused width cut in three equal parts
     return grammar.Spec(**chosen, kv_heads=heads if equal else draw(st.sampled_from([1, 2, heads])))
 
 
@@ -167,3 +170,44 @@ def test_tied_weights_before_a_consumer_of_the_whole_vocabulary_stay_vocab_paral
     a vocab split, and tp2 was refused ("used by two ops that need it sharded differently").
     A weight tied to a vocab-parallel table keeps that layout; the consumer gathers."""
     assert_verifies_on_one_device_and_compiles(grammar.Spec(tied=True, loss=loss))
+
+
+@pytest.mark.parametrize("change", [{"mlp": "square_gate"}, {"out_proj": False},
+                                    {"out_proj": False, "projection": "unpacked"}])
+def test_the_dims_of_one_weight_stay_apart(change: dict) -> None:
+    """A square weight whose output meets its input (`x * sigmoid(gate(x))`, heads added to the
+    residual without an output projection): the weight's in and out dims became one and the
+    graph named a dim twice (an internal error). They stay apart; the op that would merge them
+    runs as its ATen call."""
+    assert_verifies_on_one_device_and_compiles(grammar.Spec(**change))
+
+
+class ReplicatedAttentionIntoTheResidual(nn.Module):
+    """Attention with a mask from an input (a padding mask): SDPA runs replicated with dims of its
+    own, and its heads, reshaped and added to the embedding, split the embedding's hidden."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(16, 8), nn.Linear(8, 24), nn.Linear(8, 16)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        x = self.emb(tokens)
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :].bool()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.cross_entropy(self.out(x + y.transpose(1, 2).reshape(b, s, 8)).flatten(0, 1), targets.flatten())
+
+
+def test_a_split_of_the_embeddings_hidden_runs_as_aten() -> None:
+    """The embedding's table is [vocab, hidden] in the IR: a later split of hidden (here by a
+    replicated op's reshape) made it three dims (an internal error); hidden stays one dim."""
+    torch.manual_seed(0)
+    module, tokens = ReplicatedAttentionIntoTheResidual().double(), torch.randint(0, 16, (4, 8))
+    keep = torch.ones(4, 8, dtype=torch.long)
+    keep[0, :2] = 0
+    inputs = (tokens, tokens.roll(-1, 1), keep)
+    traced = trace_module(module, inputs)
+    assert_same_as_module(traced, module, inputs)
+    for mesh in MESHES:
+        compile_graph(traced.graph, CompileOptions(mesh=Mesh.parse(mesh), dtype="fp64"))
