@@ -73,7 +73,7 @@ def _linear(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResul
         default = "replicate"
     elif row_dims:
         default = "row"
-    elif outputs and ctx.can_stay_split(op.out, outputs[0]):
+    elif outputs and (ctx.can_stay_split(op.out, outputs[0]) or _tied_to_a_table(ctx, op)):
         default = "col"
     else:
         default = "replicate"
@@ -94,6 +94,15 @@ def _linear(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResul
         return RuleResult((x, w), x.restrict(op.type.dims).with_split(dim, (MeshAxis.TP,)))
     x = _unsplit(x, contracted)
     return RuleResult((x, Sharding()), x.restrict(op.type.dims))
+
+
+def _tied_to_a_table(ctx: RuleContext, op: Op) -> bool:
+    """Whether the linear's weight is also a vocab-parallel embedding's table (tied weights): the
+    weight has that one layout, so the linear is column-parallel over the vocabulary even where
+    its consumer reads the vocabulary whole (a gather before it, not a second layout)."""
+    w = op.args[1]
+    return _is_param(ctx, w) and any(use.kind == "embedding" and index == 1 and not use.annotation("replicate")
+                                     for use, index in ctx.users.get(w, []))
 
 
 def _is_param(ctx: RuleContext, arg: str | float) -> bool:

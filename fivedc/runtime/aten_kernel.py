@@ -28,11 +28,14 @@ def aten_kernel(ctx, op, args, dims):
     order = ctx.seq_order() if whole is None or seq in whole or all(seq not in d for d in dims) else None
     sizes = dict(ctx.graph.dims)
     tensors = []
-    for t, t_dims, layout in zip(args, dims, arg_layouts(op)):
+    names = str(op.attr("dtypes", "")).split(";")
+    for t, t_dims, layout, name in zip(args, dims, arg_layouts(op), names + [""] * len(args)):
         sizes.update(zip(t_dims, t.shape))  # shards: the local sizes
         if order is not None and seq in t_dims:
             t = t.index_select(t_dims.index(seq), torch.argsort(order).to(t.device))
-        tensors.append(to_torch(t, t_dims, layout))
+        t = to_torch(t, t_dims, layout)
+        # the IR's integers are one kind: a tensor the operator saw as bool (a mask) is bool again
+        tensors.append(t.bool() if name == "bool" and t.dtype != torch.bool else t)
     device = args[0].device if args else torch.device("cpu")
     call_args, call_kwargs = decode_call(str(op.attr("call")), tensors, device)
     if rows_of(op):

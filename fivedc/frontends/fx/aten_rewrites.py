@@ -11,6 +11,10 @@
   `stack((xr cr - xi ci, xr ci + xi cr), -1)` with `xr, xi = x[..., 0], x[..., 1]` and
   `cr, ci` the same of `view_as_real(c)`. fivedc's IR is real: with the product written
   out, only the table's own ops (computed from buffers) see complex values.
+- `unbind_as_selects`: each result `i` of `aten.unbind(x, dim)` that is read is `select(x, dim,
+  i)`, which is what it is; a select runs along `dim` on shards of the others, so q, k and v
+  unbound from one fused projection viewed as `[batch, seq, 3, heads, head_dim]` keep the
+  sequence and the heads (an unbind runs replicated, with dims of its own).
 - `numpy_T_as_permute`: `x.T` (`aten.numpy_T`) is the permute that reverses x's dims;
   a permute is a view the frontend follows (`w.T` of a 2-D parameter under a matmul is
   a linear: Falcon's `input @ self.weight.T`).
@@ -36,6 +40,8 @@ Each rewrite keeps the replaced node's user stack trace and module path on the n
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -53,6 +59,21 @@ def stack_as_cat(graph: fx.Graph) -> None:
         return call_like(graph, node, aten.cat.default, (parts, dim), value)
 
     _replace_calls(graph, aten.stack.default, cat)
+
+
+def unbind_as_selects(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if not _is(node, aten.unbind.int) or not all(_is(u, operator.getitem) for u in node.users):
+            continue
+        x, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        for user in list(node.users):
+            i = user.args[1]
+            with graph.inserting_before(user):
+                select = call_like(graph, user, aten.select.int, (x, dim, i), _val(x, lambda v: v.select(dim, i)))
+            select.meta = {**user.meta, **select.meta}
+            user.replace_all_uses_with(select)
+            graph.erase_node(user)
+        graph.erase_node(node)
 
 
 def numpy_T_as_permute(graph: fx.Graph) -> None:  # noqa: N802 (the operator's name)

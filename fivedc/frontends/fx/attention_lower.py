@@ -54,6 +54,7 @@ def attention(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
         raise lw.unsupported(node, f"attention with {heads} query heads and {kv_heads} k/v heads")
     if lw.seq_atom is None or not lw.same(s, lw.seq_atom):
         raise lw.unsupported(node, "attention over a dim that is not the inputs' sequence dim")
+    lw.dims.keep_whole(s)  # a later view that splits the sequence (a loss's reshape) runs as its ATen call
     scale = a["scale"]
     if scale is not None and not math.isclose(float(scale), 1 / math.sqrt(lw.dims.size(d)), rel_tol=1e-9):
         # the IR's attention scales by 1/sqrt(head_dim): another scale (Gemma 3's query_pre_attn_scalar)

@@ -6,7 +6,12 @@ dim of a fused `c_attn` only becomes `[heads, head_dim]` at the `view` that spli
 it. So every dim starts as an anonymous *atom* with a size. Ops that need two dims
 to be the same (a residual add, a linear contracting its input, attention's q and
 k) merge their atoms (union-find); a `view` that splits a dim *refines* its atom
-into parts, row-major, everywhere it occurs (the weight that produced it too).
+into parts, row-major, everywhere it occurs (the weight that produced it too), unless an op
+recorded it as one dim (attention's sequence, an embedding's hidden, the batch and sequence
+of an ATen call: `keep_whole`); a view that would split such a dim has no rule, and runs as
+its ATen call (`fivedc/frontends/fx/generic.py`). The dims of one parameter never merge
+(`keep_apart`: a square weight whose output a residual adds to its input); an op that would
+merge them has no rule either. A unify that fails changes nothing.
 Roles seen along the way leave *hints* (`heads`, `vocab`, ...) with a priority; at
 the end `DimTable.names` gives each atom class the best hint as its name. Two
 classes never merge because their sizes happen to be equal; they share a name only
@@ -35,6 +40,8 @@ class DimTable:
         self._parts: dict[int, tuple[int, ...]] = {}  # root -> its refinement
         self._hints: dict[int, list[tuple[int, int, str]]] = {}  # root -> (-priority, order, name)
         self._order = 0
+        self._whole: set[int] = set()  # roots an op reads as one dim: never refined
+        self._apart: dict[int, set[int]] = {}  # root -> atoms its class never merges with
 
     # ---- atoms ----------------------------------------------------------------------
     def new(self, size: int, hint: str | None = None, prio: int = 0) -> int:
@@ -87,8 +94,16 @@ class DimTable:
             return
         if self._size[ra] != self._size[rb]:
             raise DimMismatch(f"sizes {self._size[ra]} and {self._size[rb]}")
+        if {ra, rb} & self._whole and (ra in self._parts or rb in self._parts):
+            raise DimMismatch(f"a dim of size {self._size[ra]} read whole meets one split into parts")
+        if self._kept_apart(ra, rb):
+            raise DimMismatch(f"two dims of one parameter (size {self._size[ra]}) would be one dim")
         pa, pb = self._parts.pop(ra, None), self._parts.pop(rb, None)
         self._parent[rb] = ra
+        if rb in self._whole:
+            self._whole.add(ra)
+        if rb in self._apart:
+            self._apart.setdefault(ra, set()).update(self._apart.pop(rb))
         self._hints.setdefault(ra, []).extend(self._hints.pop(rb, []))
         if pa and pb:
             self._parts[ra] = pa
@@ -96,17 +111,42 @@ class DimTable:
         elif pa or pb:
             self._parts[ra] = pa or pb
 
+    def keep_apart(self, atoms: tuple[int, ...]) -> None:
+        """The dims of one parameter never become one dim (a square weight [hidden, hidden] whose
+        output a residual adds to its input): a merge of two of them is a `DimMismatch`."""
+        for a in atoms:
+            self._apart.setdefault(self.find(a), set()).update(b for b in atoms if b != a)
+
+    def _kept_apart(self, ra: int, rb: int) -> bool:
+        return any(rb in self.leaves((z,)) for z in self._apart.get(ra, ())) or \
+            any(ra in self.leaves((z,)) for z in self._apart.get(rb, ()))
+
+    def keep_whole(self, atom: int) -> None:
+        """Mark a leaf atom's class as one dim for good (attention's sequence): `refine` refuses
+        it. An atom already split is left as it is (the op read its parts)."""
+        root = self.find(atom)
+        if root not in self._parts:
+            self._whole.add(root)
+
     def refine(self, atom: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """Split a leaf atom row-major into parts of `sizes`; returns the parts."""
         root = self.find(atom)
         if root in self._parts or math.prod(sizes) != self._size[root]:
             raise DimMismatch(f"cannot split a dim of size {self._size[root]} into {sizes}")
+        if root in self._whole:
+            raise DimMismatch(f"a dim of size {self._size[root]} that an op reads as one (attention's "
+                              f"sequence, an embedding's hidden, an ATen call's tokens) cannot be split")
         parts = tuple(self.new(s) for s in sizes)
         self._parts[root] = parts
+        for part in parts:  # apart from what the whole was apart from
+            self._apart[part] = set(self._apart.get(root, ()))
         return parts
 
     def unify(self, g1: tuple[int, ...], g2: tuple[int, ...]) -> None:
-        """Make two runs of atoms (row-major, equal total size) the same, splitting where needed."""
+        """Make two runs of atoms (row-major, equal total size) the same, splitting where needed.
+        A merge that must not happen (`keep_whole`, `keep_apart`) is refused before anything
+        changes, so a failed unify leaves the table as it was."""
+        self._check_merges(g1, g2)
         l1, l2 = list(self.leaves(g1)), list(self.leaves(g2))
         i = j = 0
         while i < len(l1) and j < len(l2):
@@ -126,6 +166,31 @@ class DimTable:
                 raise DimMismatch(f"dims of sizes {s1} and {s2} do not line up")
         if any(self.size(a) != 1 for a in l1[i:] + l2[j:]):
             raise DimMismatch("the two shapes have different sizes")
+
+    def _check_merges(self, g1: tuple[int, ...], g2: tuple[int, ...]) -> None:
+        """`unify` without changing anything: a `DimMismatch` where it would split a dim read whole
+        or merge two dims kept apart (a part of a split stands for its atom, whose apart-set
+        it inherits)."""
+        l1 = [(a, self.size(a)) for a in self.leaves(g1)]
+        l2 = [(a, self.size(a)) for a in self.leaves(g2)]
+        i = j = 0
+        while i < len(l1) and j < len(l2):
+            (a, s1), (b, s2) = l1[i], l2[j]
+            if s1 == 1 and s2 != 1:
+                i += 1
+            elif s2 == 1 and s1 != 1:
+                j += 1
+            elif s1 == s2:
+                if self.find(a) != self.find(b) and self._kept_apart(self.find(a), self.find(b)):
+                    raise DimMismatch(f"two dims of one parameter (size {s1}) would be one dim")
+                i, j = i + 1, j + 1
+            elif s1 % s2 == 0 or s2 % s1 == 0:
+                big, small, run, k = (a, s2, l1, i) if s1 > s2 else (b, s1, l2, j)
+                if self.find(big) in self._whole:
+                    raise DimMismatch(f"a dim of size {max(s1, s2)} that an op reads whole cannot be split")
+                run[k : k + 1] = [(big, small), (big, max(s1, s2) // small)]
+            else:
+                return  # unify itself says why
 
     def regroup(self, groups: tuple[Group, ...], shape: tuple[int, ...], *,
                 tokens: frozenset[int] = frozenset()) -> tuple[Group, ...]:

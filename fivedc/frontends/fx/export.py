@@ -25,7 +25,7 @@ from torch import nn
 
 from fivedc.frontends.fx.aten_rewrites import (baddbmm_written_out, call_like, complex_products_as_real,
                                                computed_norm_weights_apart, constant_expand_as, constant_index_as_slice,
-                                               numpy_T_as_permute, stack_as_cat)
+                                               numpy_T_as_permute, stack_as_cat, unbind_as_selects)
 from fivedc.frontends.fx.fill_writes import fill_writes
 from fivedc.frontends.fx.flex import drop_dead, flex_attention_as_sdpa, flex_attention_on_cpu
 from fivedc.frontends.fx.params import fetch_attr
@@ -69,6 +69,7 @@ def export_graph(module: nn.Module, inputs: dict) -> fx.GraphModule:
         drop_dead(ep.graph)
     complex_products_as_real(ep.graph)  # torchtitan's rotary: x viewed as complex times a complex table
     stack_as_cat(ep.graph)
+    unbind_as_selects(ep.graph)
     numpy_T_as_permute(ep.graph)
     constant_index_as_slice(ep.graph, {s.arg.name: ep.constants[s.target] for s in sig.input_specs
                                        if s.kind == InputKind.CONSTANT_TENSOR})

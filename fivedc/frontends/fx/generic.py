@@ -116,7 +116,16 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
         frame.block.items.append(DOp(out, "aten", tuple(t.ref for t in tensors), attrs, node_loc(node), scope(node),
                                      layouts=(tuple(t.layout for t in tensors), layout)))
         outs.append(T(out, atoms, layout, dtype))
+    _keep_tokens_whole(lw, tensors)
     return tuple(outs) if isinstance(value, (tuple, list)) else outs[0]
+
+
+def _keep_tokens_whole(lw: Lowering, tensors: list[T]) -> None:
+    """The batch and sequence an ATen call reads stay one dim each: a later view that splits one
+    (a loss's reshape into chunks of the sequence) runs as its own ATen call instead."""
+    tokens = lw.tokens()
+    for atom in {a for t in tensors for a in lw.ir(t) if lw.dims.find(a) in tokens}:
+        lw.dims.keep_whole(atom)
 
 
 def _empty(frame: Frame, node) -> bool:

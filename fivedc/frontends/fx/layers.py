@@ -186,6 +186,7 @@ def embedding(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
     rows, cols = table.shape
     attrs = (("padding_idx", int(padding) % rows),) if padding is not None else ()
     hidden = lw.dims.new(cols, "hidden", 80)
+    lw.dims.keep_whole(hidden)  # the IR's table is [vocab, hidden]: a later split of it runs as ATen
     module, attr = key.rpartition(".")[0], key.rpartition(".")[2]
     if isinstance(args[0], Const):
         return _positions(lw, frame, node, args[0].value, key, table, hidden)

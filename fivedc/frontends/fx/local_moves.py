@@ -112,13 +112,17 @@ def merged(lw: Lowering, frame: Frame, node: fx.Node, t: T, reason: str, order: 
     else a pointwise `aten.clone` along those dims (each seen whole, so no split of its parts
     is lost), for an op that reads one IR dim there (attention's head_dim, when a rotary
     embedding that rotates pairs of it, torchtune's, made it of two). The result's IR dims are
-    its torch dims in `order` (the torch order by default): the clone moves them there on shards."""
+    its torch dims in `order` (the torch order by default): the clone moves them there on shards.
+    A size-1 torch dim without an IR dim (one k/v head) gets one of its own in the same clone, as
+    `with_own_atom` gives it: the new dim is the clone's, so no later split of it (a head split
+    off the front of head_dim) changes what the clone read."""
     groups = lw.groups(t)
     wide = tuple(i for i, g in enumerate(groups) if sum(lw.dims.size(a) != 1 for a in g) > 1)
     if not wide:
         return t
     order = tuple(range(len(groups))) if order is None else order
-    layout = tuple((lw.dims.new(lw.dims.numel(g)),) if i in wide else g for i, g in enumerate(groups))
+    layout = tuple((lw.dims.new(lw.dims.numel(g)),) if i in wide else g or (lw.dims.new(1),)
+                   for i, g in enumerate(groups))
     ir_in, ir_out = tuple(groups[i] for i in order), tuple(layout[i] for i in order)
     out = _clone(frame, node, t, ir_in, ir_out, reason, along=",".join(str(order.index(i)) for i in wide))
     return T(out, out.atoms, layout, t.dtype)

@@ -196,6 +196,7 @@ class Lowering:
                 self._claim(frame, node, k, role)
             source = Source(key, shape, rows, transpose, tuple(stack), axis)
             p = DParam(module, attr, part, atoms, init, source, node_loc(node))
+            self.dims.keep_apart(atoms)  # one tensor: its dims stay distinct (a square weight)
             frame.params[cache] = p
             frame.block.params.append(p)
         return frame.params[cache]
