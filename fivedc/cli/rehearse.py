@@ -237,7 +237,7 @@ def _write_profile(args, plan, timing: Timing, measured) -> None:
         print(f"\nwrote {args.calibrate}: links {links.bytes_per_s / 1e9:.2f} GB/s, {links.latency_s * 1e6:.0f} us, "
               f"overlap share {links.overlap_share:.2f}")
     else:
-        print(f"\nwrote {args.calibrate}: matmuls {hw.matmul_efficiency:.2f}, attention {hw.attention_efficiency:.2f} "
+        print(f"\nwrote {args.calibrate}:\n  matmuls {hw.matmul_efficiency:.2f}, attention {hw.attention_efficiency:.2f} "
               f"of the peak; other ops {hw.op_bytes_per_s / 1e12:.2f} TB/s, {hw.op_latency_s * 1e6:.1f} us per op")
     print(f"use it: fivedc compile MODEL --mesh ... --hardware {args.calibrate} --gpu {key}")
 
