@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from fivedc.errors import NotSupportedError
 from fivedc.frontends.fx.moe_states import bias_candidates, choices, counts_of, probe_buffers, read_counts, written
+from fivedc.frontends.fx.moe_weights import ExpertWeight, expert_lists, expert_sets, weight_readings
 
 _MOE_NAME = re.compile(r"moe", re.IGNORECASE)
 _TOPK_ATTRS = ("top_k", "num_experts_per_tok", "n_activated_experts", "k")
@@ -55,25 +56,6 @@ _HINT = ("an MoE block has a router weight [experts, hidden] and SwiGLU experts 
          "its top_k experts of gate * w_down(silu(x w_gate) * x w_up)) with softmax (or sigmoid) scores, gates "
          "renormalised to sum 1 or not, plus its other children applied to x (shared experts), or that and the "
          "router logits as a tuple")
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertWeight:
-    """Where one of the IR's expert weights lives in the block."""
-
-    keys: tuple[str, ...]  # relative to the block: one stacked [experts, a, b], or one [a, b] per expert
-    transposed: bool  # stored [.., out, in] as nn.Linear stores it (the IR's is [.., in, out])
-    half: int | None = None  # a fused gate-up: the first (0) or second (1) half of its output dim
-    per_expert: bool = False  # keys are the experts' own weights (an nn.ModuleList), stacked by the IR
-
-    def ir_value(self, params: dict[str, Tensor]) -> Tensor:
-        """[experts, in, out] from the block's parameters by name."""
-        w = torch.stack([params[k] for k in self.keys]) if self.per_expert else params[self.keys[0]]
-        if self.half is not None:
-            axis = -2 if self.transposed else -1
-            n = w.shape[axis] // 2
-            w = w.narrow(axis, self.half * n, n)
-        return w.transpose(-2, -1) if self.transposed else w
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,15 +307,15 @@ def _top_ks(m: nn.Module) -> list[int]:
 
 
 def _candidates(m: nn.Module, params: dict[str, Tensor]) -> list[_Candidate] | str:
-    lists = _expert_lists(m)
+    lists = expert_lists(m)
     in_lists = {n for name in lists for n in params if n.startswith(name + ".")}
     out: list[_Candidate] = []
     for name, p in params.items():
         if p.dim() != 2 or name in in_lists:
             continue
         for transposed, (experts, hidden) in ((True, tuple(p.shape)), (False, tuple(p.shape)[::-1])):
-            for listed, names, shapes in _expert_sets(params, lists, in_lists, experts):
-                readings = _readings(listed, names, shapes, hidden, experts)
+            for listed, names, shapes in expert_sets(params, lists, in_lists, experts):
+                readings = weight_readings(listed, names, shapes, hidden, experts)
                 covered = {name, *(n for n in params if n.startswith(listed + "."))} if listed else {name, *names}
                 shared = _shared(m, params, covered)
                 if readings and shared is not None:
@@ -342,60 +324,6 @@ def _candidates(m: nn.Module, params: dict[str, Tensor]) -> list[_Candidate] | s
         return ("it has no router weight [experts, hidden] with SwiGLU expert weights over as many experts "
                 "(and nothing else but children added to its output)")
     return out
-
-
-def _expert_lists(m: nn.Module) -> dict[str, tuple[int, list[tuple[str, tuple[int, ...]]]]]:
-    """ModuleLists of alike expert modules with two or three 2-D weights each: name -> (experts, one's weights)."""
-    out = {}
-    for name, sub in m.named_modules():
-        if not isinstance(sub, nn.ModuleList) or not len(sub):
-            continue
-        weights = [[(n, tuple(p.shape)) for n, p in e.named_parameters()] for e in sub]
-        if all(w == weights[0] for w in weights) and len(weights[0]) in (2, 3) and all(len(s) == 2 for _, s in weights[0]):
-            out[name] = (len(sub), weights[0])
-    return out
-
-
-def _expert_sets(params, lists, in_lists, experts: int):
-    """(ModuleList or "", weight names, stacked shapes) of the expert weights over `experts` experts."""
-    stacked = [n for n, p in params.items() if p.dim() == 3 and p.shape[0] == experts and n not in in_lists]
-    if len(stacked) in (2, 3):
-        yield "", stacked, [tuple(params[n].shape) for n in stacked]
-    for name, (count, weights) in lists.items():
-        if count == experts:
-            yield name, [n for n, _ in weights], [(experts, *s) for _, s in weights]
-
-
-def _readings(listed: str, names: list[str], shapes: list[tuple], hidden: int, experts: int):
-    """Every assignment of the weights to gate, up and down whose shapes fit [experts, hidden, ffn] and
-    [experts, ffn, hidden] (a fused gate-up [experts, hidden, 2 ffn])."""
-
-    def keys(i: int) -> tuple[str, ...]:
-        return (names[i],) if not listed else tuple(f"{listed}.{e}.{names[i]}" for e in range(experts))
-
-    def weight(i: int, flip: bool, half: int | None = None) -> ExpertWeight:
-        return ExpertWeight(keys(i), flip, half, bool(listed))
-
-    def laid(i: int, flip: bool) -> tuple:
-        s = shapes[i]
-        return (s[0], s[2], s[1]) if flip else s
-
-    found = []
-    n = len(names)
-    for order in itertools.permutations(range(n)):
-        for flips in itertools.product((False, True), repeat=n):
-            ls = [laid(i, f) for i, f in zip(order, flips)]
-            if n == 3:
-                g, u, d = ls
-                if g == u and g[1] == hidden and d == (experts, g[2], hidden):
-                    found.append(tuple(weight(i, f) for i, f in zip(order, flips)))
-            else:
-                fused, d = ls
-                if fused[1] == hidden and fused[2] % 2 == 0 and d == (experts, fused[2] // 2, hidden):
-                    (i, fi), (j, fj) = zip(order, flips)
-                    for gate in (0, 1):
-                        found.append((weight(i, fi, gate), weight(i, fi, 1 - gate), weight(j, fj)))
-    return tuple(found)
 
 
 def _shared(m: nn.Module, params: dict[str, Tensor], covered: set[str]) -> tuple[str, ...] | None:

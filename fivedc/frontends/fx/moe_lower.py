@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from fivedc.frontends.fx.moe import ExpertWeight
+from fivedc.frontends.fx.moe_weights import ExpertWeight
 from fivedc.frontends.fx.moe_leaves import leaf
 from fivedc.frontends.fx.values import Frame, RouterLogits, T
 
