@@ -185,3 +185,26 @@ def test_moe_balancing_biases_are_saved_and_restored(worker_pool, data, tmp_path
                                           resume=str(tmp_path / "a" / "step-00000002")))
     for got, want in zip(rows, whole[2:], strict=True):
         assert abs(got["loss"] - want["loss"]) <= TOL * abs(want["loss"])
+
+
+def test_a_checkpoints_balancing_biases_are_held_to_the_models() -> None:
+    """A checkpoint is untrusted: a balancing bias no balancing MoE layer has, or of another
+    number of experts, is refused by name before anything is read."""
+    from fivedc.errors import FivedcError
+    from fivedc.frontends.dsl_file import parse_model
+    from fivedc.ir.mesh import Mesh
+    from fivedc.passes.base import CompileOptions
+    from fivedc.pipeline import compile_graph
+    from fivedc.runtime.program import qualified_params
+    from fivedc.runtime.resume import check_same_model
+    from train_helpers import ROOT
+
+    text = (ROOT / "examples" / "moe.5d").read_text().replace("aux_loss=0.01", "aux_loss=0.01, bias_update=0.05")
+    plan = compile_graph(parse_model(text), CompileOptions(mesh=Mesh.parse("1x1x1x1x1"), dtype="fp64"))
+    graph = plan.graph
+    params = {f"param/{n}": {"shape": [graph.dim(d) for d in p.dims]} for n, p in qualified_params(graph)}
+    experts = next(graph.dim(p.dims[1]) for n, p in qualified_params(graph) if n == "layers.0.router")
+    check_same_model({"tensors": {**params, "moe_bias/layers.0.r": {"shape": [experts]}}}, plan, where="ck")
+    for name, shape in (("layers.0.r", [experts + 1]), ("layers.0.nowhere", [experts])):
+        with pytest.raises(FivedcError, match=f"balancing bias {name}"):
+            check_same_model({"tensors": {**params, f"moe_bias/{name}": {"shape": shape}}}, plan, where="ck")

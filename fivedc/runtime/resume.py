@@ -42,6 +42,7 @@ def check_same_model(index: dict, plan, *, where: str) -> None:
             raise FivedcError(f"the checkpoint {where} holds {name} of shape {have[name]}; the model's is {want[name]}",
                               hint="resume with the model that saved it (another mesh or options are fine)")
     _check_states(index, plan, where=where)
+    _check_moe_biases(index, plan, where=where)
 
 
 def _check_states(index: dict, plan, *, where: str) -> None:
@@ -59,6 +60,28 @@ def _check_states(index: dict, plan, *, where: str) -> None:
         if elements != want[name]:
             raise FivedcError(f"the checkpoint {where} holds the buffer {name} of {elements} elements; the model's "
                               f"has {want[name]}", hint="resume with the model that saved it")
+
+
+def _check_moe_biases(index: dict, plan, *, where: str) -> None:
+    """A saved MoE balancing bias (`moe_bias/PREFIX.OUT`) is one of a balancing moe op's, with
+    its experts: the layer's prefix and the op's output name, [experts] (`runtime/moe.py`)."""
+    from fivedc.ir.graph import Op, walk_ops, walk_params
+
+    graph = plan.graph
+    experts = {}
+    for op, _ in walk_ops(graph.body):
+        if isinstance(op, Op) and op.kind == "moe" and float(op.attr("bias_update", 0.0) or 0.0):
+            router = next(p for p, _ in walk_params(graph.body) if p.name == op.args[1])
+            experts[op.out] = graph.dim(router.dims[1])
+    for key, entry in index["tensors"].items():
+        if not key.startswith("moe_bias/"):
+            continue
+        name = key[len("moe_bias/"):]
+        out = name.rpartition(".")[2]
+        if out not in experts or list(entry.get("shape") or []) != [experts[out]]:
+            raise FivedcError(f"the checkpoint {where} holds a balancing bias {name} of shape {entry.get('shape')}, "
+                              "which no balancing MoE layer of the model has",
+                              hint="resume with the model that saved it (another mesh or options are fine)")
 
 
 def local_params(reader: CheckpointReader, named: dict, held: set[str], ctx, dtype: torch.dtype
