@@ -52,6 +52,12 @@ def _llama_1b() -> ExecutionPlan:
     return compile_graph(source_graph(saved.graph), options_of(saved))
 
 
+def _allocator_peak(which: str) -> float:
+    """The CUDA allocator's peak the GPU measured for `which` (the calibration's, read in GiB to 0.1)."""
+    entry = MEASURED[which]
+    return entry["allocator_peak_gib"] * GiB if which == "calibration" else entry["rehearsed_allocator_peak_bytes"]
+
+
 def _seconds(entry: dict) -> StepSeconds:
     return StepSeconds(entry["matmul"], entry["attention"], entry["other"], entry["optimizer"])
 
@@ -90,9 +96,7 @@ def test_the_gpu_issues_ahead_so_the_host_time_is_not_added_to_the_work() -> Non
 def test_the_meta_rehearsal_finds_the_cuda_allocators_peak(which: str) -> None:
     plan = _calibration_plan() if which == "calibration" else _llama_1b()
     (rehearsed,) = rehearse_plan(plan).classes
-    entry = MEASURED[which]
-    allocator = (entry["allocator_peak_gib"] * GiB if which == "calibration"
-                 else entry["rehearsed_allocator_peak_bytes"])
+    allocator = _allocator_peak(which)
     tolerance = 0.01 if which == "llama_1b" else 0.01 + 0.05 / 19.5  # the log gave GiB to 0.1
     assert rehearsed.peak / allocator == pytest.approx(1.0, abs=tolerance)
 
@@ -100,7 +104,4 @@ def test_the_meta_rehearsal_finds_the_cuda_allocators_peak(which: str) -> None:
 @pytest.mark.parametrize("which", ["calibration", "llama_1b"])
 def test_the_estimate_is_within_5_percent_of_the_cuda_allocators_peak(which: str) -> None:
     plan = _calibration_plan() if which == "calibration" else _llama_1b()
-    entry = MEASURED[which]
-    allocator = (entry["allocator_peak_gib"] * GiB if which == "calibration"
-                 else entry["rehearsed_allocator_peak_bytes"])
-    assert plan.memory.total / allocator == pytest.approx(1.0, abs=0.05)
+    assert plan.memory.total / _allocator_peak(which) == pytest.approx(1.0, abs=0.05)

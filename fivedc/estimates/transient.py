@@ -91,14 +91,13 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
 
 def _loss_unit_grads(memo: Memo, dtype_bytes: int) -> int:
     """Bytes of the gradients of the top-level parameters the loss's unit reads (its head)."""
-    graph, mesh = memo.graph, memo.mesh
-    params = {p.name: p for p in graph.body.params}
+    local = {param.name: n for param, repeat, n, _, _ in param_sizes(memo) if repeat is None}
     for unit in memo_units(memo):
-        items, repeat = _items(graph, unit)
+        items, repeat = _items(memo.graph, unit)
         ops = [op for op in items if isinstance(op, Op)]
         if repeat is None and any(op.kind == "cross_entropy" for op in ops):
-            read = {a for op in ops for a in op.args if isinstance(a, str) and a in params}
-            return sum(graph.local_numel(params[n].dims, params[n].sharding, mesh) for n in read) * dtype_bytes
+            read = {a for op in ops for a in op.args if isinstance(a, str) and a in local}
+            return sum(local[n] for n in read) * dtype_bytes
     return 0
 
 

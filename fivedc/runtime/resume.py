@@ -24,6 +24,9 @@ from fivedc.runtime.states import set_states
 from fivedc.runtime.reshard import CheckpointReader, block_of
 
 
+SAME_MODEL = "resume with the model that saved it (another mesh or options are fine)"
+
+
 def check_same_model(index: dict, plan, *, where: str) -> None:
     """The checkpoint holds exactly the plan's parameters, at the same global shapes."""
     graph = plan.graph
@@ -36,11 +39,11 @@ def check_same_model(index: dict, plan, *, where: str) -> None:
         parts = ([f"it lacks {', '.join(missing[:5])}"] if missing else []) + \
                 ([f"it has {', '.join(extra[:5])}, which the model has not"] if extra else [])
         raise FivedcError(f"the checkpoint {where} is of another model than {graph.name}: {'; '.join(parts)}",
-                          hint="resume with the model that saved it (another mesh or options are fine)")
+                          hint=SAME_MODEL)
     for name in sorted(want):
         if want[name] != have[name]:
             raise FivedcError(f"the checkpoint {where} holds {name} of shape {have[name]}; the model's is {want[name]}",
-                              hint="resume with the model that saved it (another mesh or options are fine)")
+                              hint=SAME_MODEL)
     _check_states(index, plan, where=where)
     _check_moe_biases(index, plan, where=where)
 
@@ -56,10 +59,10 @@ def _check_states(index: dict, plan, *, where: str) -> None:
         name, elements = key[len("state/"):], math.prod(entry.get("shape") or [0])
         if name not in want:
             raise FivedcError(f"the checkpoint {where} holds the buffer {name}, which the model does not use",
-                              hint="resume with the model that saved it (another mesh or options are fine)")
+                              hint=SAME_MODEL)
         if elements != want[name]:
             raise FivedcError(f"the checkpoint {where} holds the buffer {name} of {elements} elements; the model's "
-                              f"has {want[name]}", hint="resume with the model that saved it")
+                              f"has {want[name]}", hint=SAME_MODEL)
 
 
 def _check_moe_biases(index: dict, plan, *, where: str) -> None:
@@ -81,7 +84,7 @@ def _check_moe_biases(index: dict, plan, *, where: str) -> None:
         if out not in experts or list(entry.get("shape") or []) != [experts[out]]:
             raise FivedcError(f"the checkpoint {where} holds a balancing bias {name} of shape {entry.get('shape')}, "
                               "which no balancing MoE layer of the model has",
-                              hint="resume with the model that saved it (another mesh or options are fine)")
+                              hint=SAME_MODEL)
 
 
 def local_params(reader: CheckpointReader, named: dict, held: set[str], ctx, dtype: torch.dtype
