@@ -63,9 +63,10 @@ class SearchResult:
 
 
 def search(graph: Graph, *, gpus: int, hardware: Hardware, dtype: str = "bf16", progress=None,
-           compile_best: bool = True, keep: int | None = None) -> SearchResult:
+           compile_best: bool = True, keep: int | None = None, band: float = 0.0, floor: float = 0.0) -> SearchResult:
     """The layouts of `graph` on `gpus` GPUs of `hardware`, ranked by estimated step time:
-    every one that fits (`keep=None`), or at least the `keep` best."""
+    every one that fits (`keep=None`), or at least the `keep` best, every one within
+    (1 + `band`) x the best step and every one faster than `floor` seconds."""
     check_cluster(gpus, hardware)
     if dtype not in DTYPE_BYTES:
         raise SearchError(f"unknown dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_BYTES)}")
@@ -73,7 +74,7 @@ def search(graph: Graph, *, gpus: int, hardware: Hardware, dtype: str = "bf16", 
         raise SearchError(f"keep={keep} must be at least 1 (or None: rank every layout)")
     sizes = mesh_sizes(graph, gpus=gpus, gpus_per_node=hardware.gpus_per_node, units=len(units(graph)))
     meshes = sum(len(rank_orders(s)) for s in sizes)
-    state = BestFirst(hardware, dtype, keep, progress)
+    state = BestFirst(hardware, dtype, keep, progress, band=band, floor=floor)
     if progress is not None:
         progress.start(meshes, "sharding meshes")
     for s in sizes:
