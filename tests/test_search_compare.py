@@ -125,6 +125,20 @@ def test_a_compared_pipeline_gets_its_bubble_and_the_lead_is_explained(capsys) -
     assert max(len(line) for line in out.splitlines()) <= 100
 
 
+@pytest.mark.parametrize("keep", [1, 3])
+def test_every_tie_of_the_best_is_scored(keep) -> None:
+    """With the model's error as a band, pruning leaves every layout within it of the best:
+    the ties `fivedc search` counts are those of scoring every layout."""
+    graph = load_model("examples/gpt.5d")
+    every = search(graph, gpus=64, hardware=H100, compile_best=False)
+    some = search(graph, gpus=64, hardware=H100, compile_best=False, keep=keep, band=STEP_TIME.spread)
+    plain = search(graph, gpus=64, hardware=H100, compile_best=False, keep=keep)
+    limit = every.best.time.step_seconds * (1 + STEP_TIME.spread)
+    ties = [s for s in every.ranked if s.time.step_seconds <= limit]
+    assert [s for s in some.ranked if s.time.step_seconds <= limit] == ties
+    assert len([s for s in plain.ranked if s.time.step_seconds <= limit]) < len(ties)  # what the band adds
+
+
 def test_the_rank_of_a_compared_layout_counts_every_faster_layout(capsys) -> None:
     """The search scores every layout faster than the compared one, so its rank is exact."""
     graph = load_model("examples/gpt.5d")

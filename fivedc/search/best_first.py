@@ -38,7 +38,8 @@ from fivedc.search.space import RECOMPUTE, ZERO_STAGES, Candidate, batch_splits,
 DOES_NOT_FIT = "does not fit in the GPU's memory"
 DOMINATED = "dominated: the same layout fits with less recomputation, which is faster"
 BATCH = "the global batch does not split over dp x ep"
-PRUNED = "pruned: a lower bound of its step time exceeds the K-th best step time scored"
+PRUNED = ("pruned: a lower bound of its step time exceeds the K-th best step scored, the best's ties and any "
+          "--compare step")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,10 @@ per-layer seconds computed once per case, first per mesh, then per recompute mod
 per pipeline). With `keep=K` the search stops when the next bound exceeds the K-th best
 step time scored: the rest cannot be among the K best and are counted as pruned, so the
 K best are exactly those of scoring every candidate; `keep=None` scores every candidate.
+With `band` (the model's error, `fivedc/estimates/model_error.py`) it stops only past
+(1 + band) x the best step too, so every layout the model cannot tell from the best is
+scored (`fivedc search` counts them as ties), and with `floor` (a `--compare` layout's
+step) past that, so the compared layout's rank is exact.
 
 Rejected, and counted by reason (`--explain`): a layout the compiler refuses (its
 error, numbers written N), one whose busiest rank does not fit the GPU's usable
