@@ -102,6 +102,8 @@ def print_compared(result, compared: Compared, hw) -> None:
              f"does not fit ({format_bytes(memory)} of {format_bytes(hw.usable_bytes)} usable)")
     tie = ("a tie with the best by the model's error" if step <= best * (1 + STEP_TIME.spread) else
            f"slower than the best by more than the model's ±{STEP_TIME.spread:.0%}")
+    if step < best:
+        tie += " (faster than the search's best: a layout outside its space, docs/search.md)"
     say(f"compared: {compared.flags}: {step:.3g} s a step ({step / best:.2f}x the best's {best:.3g} s), "
         f"{format_bytes(memory)}; {where}; {tie}")
 
@@ -135,7 +137,13 @@ def print_explained(result, compared: Compared, console) -> None:
     say(f"difference: compared - best; the model's error (±{STEP_TIME.spread:.0%} of the best's step): "
         f"{band * scale:.3g} {unit}; with a pipeline the compute terms are the busiest pp rank's "
         f"(best/compared: {ranks})")
-    if lead <= band:
+    if lead < 0:
+        verdict = "a tie by the model's error" if -lead <= band else "faster by more than the model's error"
+        say(f"the compared layout is {-lead * scale:.3g} {unit} faster than the search's best, a layout outside "
+            f"the search's space (docs/search.md): {verdict}")
+    elif lead == 0 and a == b:
+        say("the compared layout's step is the best's, term by term: the two are a tie")
+    elif lead <= band:
         say(f"the best leads by {lead * scale:.3g} {unit}, within the model's error: the two are a tie")
     elif not flagged:
         say(f"no one term carries the best's {lead * scale:.3g} {unit} lead past the model's error: it comes from "
