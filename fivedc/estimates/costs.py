@@ -257,8 +257,8 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             fwd, bwd_in, bwd_w, comm = fwd + f, bwd_in + i, bwd_w + w, comm + f + i + w
             term_f, term_i = comm_term(node.forward), comm_term(node.backward)
             term_w = comm_term([x for x in node.forward if x.kind == K.ALL_GATHER])
-            for phase, term, seconds in (("forward", term_f, f), ("input", term_i, i), ("weight", term_w, w)):
-                led.add(phase, term, seconds)
+            for phase, term, part in (("forward", term_f, f), ("input", term_i, i), ("weight", term_w, w)):
+                led.add(phase, term, part)
             if any(x.overlaps for x in node.backward):
                 behind[node.out], early[node.out], labels[node.out] = i, w, (term_i, term_w)
             if len(node.forward) == 1 and node.forward[0].overlaps:  # beside a linear (collective matmul)
@@ -281,8 +281,8 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             continue
         f, i, w = op_times(c, node, hw)
         term = op_term(node.kind)
-        for phase, seconds in (("forward", f), ("input", i), ("weight", w)):
-            led.add(phase, term, seconds)
+        for phase, part in (("forward", f), ("input", i), ("weight", w)):
+            led.add(phase, term, part)
         if node.kind == "linear":
             made[node.out] = (f, i)
         if node.kind == "linear" and node.args[0] in gathering:
@@ -307,17 +307,17 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
         led.add(phase, ISSUE, after - before)
     keep = hw.overlap_keep  # what runs beside compute slows it by the SMs it holds
     fwd, comm = fwd - ahead * keep, comm - ahead * keep
-    for term, seconds in ahead_by.items():
-        led.add("forward", term, -seconds * keep)
+    for term, part in ahead_by.items():
+        led.add("forward", term, -part * keep)
     if repeat is not None and recomputes_layer(repeat, recompute):
         bwd_in += fwd  # the whole layer's forward again (its rings hidden again)
         led.add("input", RECOMPUTATION, fwd)
     hidden = keep * (back + sum(min(seconds, weights.get(name, 0.0)) + min(early[name], inputs.get(name, 0.0))
                                 for name, seconds in behind.items()))
-    for term, seconds in back_by.items():
-        led.add("hidden", term, keep * seconds)
-    for name, seconds in behind.items():
-        led.add("hidden", labels[name][0], keep * min(seconds, weights.get(name, 0.0)))
+    for term, part in back_by.items():
+        led.add("hidden", term, keep * part)
+    for name, part in behind.items():
+        led.add("hidden", labels[name][0], keep * min(part, weights.get(name, 0.0)))
         led.add("hidden", labels[name][1], keep * min(early[name], inputs.get(name, 0.0)))
     return UnitTime(fwd, bwd_in, bwd_w, comm, hidden, led.parts())
 
