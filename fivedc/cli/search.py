@@ -2,9 +2,11 @@
 
 Prints the top `--top` layouts (mesh, options, memory of the busiest rank, bubble,
 step time, tokens/s, MFU, communication share) and the `fivedc compile` flags of
-the best; `-o` writes the best plan (compiled for real, with its agreement proof),
+the best, the model's error on published runs and the layouts within it of the best (ties,
+every one scored); `-o` writes the best plan (compiled for real, with its agreement proof),
 `--json` every ranked candidate, best first, and `--explain` the rejected candidates
-counted by reason. A rich progress bar runs on stderr while the meshes are sharded and the
+counted by reason. `--compare MESH [layout flags]` puts the user's layout beside the best
+(`search_compare.py`), with `--explain` term by term. A rich progress bar runs on stderr while the meshes are sharded and the
 layouts scored. Without `--json` the search scores only what can still be among the `--top`
 best (fivedc/search/best_first.py); with it, every layout.
 """
@@ -33,7 +35,7 @@ def search_args(p) -> None:
     p.add_argument("--top", type=int, default=5, metavar="K", help="layouts printed (default 5)")
     p.add_argument("-o", "--output", default=None, help="write the best plan here")
     p.add_argument("--json", default=None, metavar="ALL.json", help="write every ranked candidate, best first")
-    p.add_argument("--explain", action="store_true", help="count the rejected candidates by reason")
+    p.add_argument("--explain", action="store_true", help="count the rejected candidates by reason; with --compare, both steps term by term")
     p.add_argument("--wide", action="store_true", help="print for a terminal of 140+ columns (default: at most 100)")
     compare_args(p)
 
