@@ -35,6 +35,7 @@ from fivedc.ir.hardware import HardwareError, hardware
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
+from fivedc.plan.work_counts import compute_seconds, matmul_seconds, step_work
 
 ROOT = Path(__file__).resolve().parent.parent
 MATMULS = json.loads((ROOT / "benchmarks" / "data" / "gpu_kernels_h200.json").read_text())["matmuls"]
@@ -130,3 +131,14 @@ def test_a_profile_gives_both_tile_terms_or_neither(tmp_path) -> None:
     mine.write_text(f"[mygpu]\n{body}\nsm_count = 100\nmatmul_tiles = [[128, 128]]\n")
     with pytest.raises(HardwareError, match="matmul_tiles = .* must be a list of \\[M, N, K\\] tiles"):
         hardware("mygpu", (mine,))
+
+
+def test_the_steps_matmul_seconds_are_its_gemms_by_shape() -> None:
+    """What `fivedc rehearse` sets against a measured step's matmuls: at the flat rate its
+    FLOPs over the rate; on the H100's tiles more (a tiny model's GEMMs fill few SMs), and no
+    more than the whole forward and backward."""
+    plan = compile_graph(load_model(str(ROOT / "examples" / "tiny_llama.5d")),
+                         CompileOptions(mesh=Mesh.parse("1x1x1x1x1"), hardware=H100))
+    flat = matmul_seconds(plan, _flat(H100))
+    assert flat == pytest.approx(step_work(plan).matmul_flops / (H100.bf16_flops * H100.matmul_efficiency))
+    assert flat < matmul_seconds(plan, H100) < compute_seconds(plan, H100)
