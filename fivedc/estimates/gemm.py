@@ -2,16 +2,17 @@
 
 C[M, N] = A[M, K] · B[K, N] runs on a GPU as output tiles of tm x tn, one thread block
 each, every block stepping through K by tk; the blocks run in waves over the SMs, one
-block an SM at a time (cuBLAS's large Hopper and Ampere kernels hold a whole SM). So a
-GEMM whose edges are not whole tiles computes the padding too, and one with fewer tiles
-than SMs, or a last wave partly filled, leaves SMs idle:
+block an SM at a time (a large-tile kernel's pipelined stages fill an SM's shared
+memory). So a GEMM whose edges are not whole tiles computes the padding too, and one
+with fewer tiles than SMs, or a last wave partly filled, leaves SMs idle:
 
     tiles   = ⌈M / tm⌉ ⌈N / tn⌉                    (the edges padded to whole tiles)
-    split   = ⌊SMs / tiles⌋ where tiles < SMs, else 1   (split-K: the K steps of a tile
-              shared by that many blocks; their float32 partial sums written and read
-              back once more)
+    steps   = ⌈K / tk⌉
+    split   = min(⌊SMs / tiles⌋, steps) where tiles < SMs, else 1   (split-K: a tile's K
+              steps shared by that many blocks, their float32 partial sums written and
+              read back once more)
     waves   = ⌈tiles x split / SMs⌉                (the last wave partly idle)
-    compute = waves x 2 tm tn ⌈K / (tk split)⌉ tk / (matmul_efficiency x bf16_flops / SMs)
+    compute = waves x 2 tm tn ⌈steps / split⌉ tk / (matmul_efficiency x bf16_flops / SMs)
     memory  = ((MK + KN + MN) x element bytes + 2 x split x MN x 4 where split > 1)
               / (memory_efficiency x hbm_bytes_per_s)
     seconds = max(compute, memory), the least over the profile's tiles
@@ -39,8 +40,9 @@ from fivedc.ir.hardware import Hardware
 
 @dataclass(frozen=True, slots=True)
 class Gemm:
-    """`count` alike GEMMs C[m, n] = A[m, k] · B[k, n] on one rank (a rank's experts: one
-    each); `weight`: B is a parameter, so its gradient is a weight gradient (W)."""
+    """`count` alike GEMMs C[m, n] = A[m, k] · B[k, n] on one rank, one after another (a
+    rank's experts, each on its own rows, as `fivedc/runtime/moe.py` runs them: no grouped
+    kernel sharing waves); `weight`: B is a parameter, so its gradient is a weight gradient (W)."""
 
     m: float
     n: float
