@@ -2,9 +2,11 @@
 
 Prints the top `--top` layouts (mesh, options, memory of the busiest rank, bubble,
 step time, tokens/s, MFU, communication share) and the `fivedc compile` flags of
-the best; `-o` writes the best plan (compiled for real, with its agreement proof),
+the best, the model's error on published runs and the layouts within it of the best (ties,
+every one scored); `-o` writes the best plan (compiled for real, with its agreement proof),
 `--json` every ranked candidate, best first, and `--explain` the rejected candidates
-counted by reason. A rich progress bar runs on stderr while the meshes are sharded and the
+counted by reason. `--compare MESH [layout flags]` puts the user's layout beside the best
+(`search_compare.py`), with `--explain` term by term. A rich progress bar runs on stderr while the meshes are sharded and the
 layouts scored. Without `--json` the search scores only what can still be among the `--top`
 best (fivedc/search/best_first.py); with it, every layout.
 """
@@ -17,6 +19,7 @@ import sys
 import time
 
 from fivedc.cli.screen import command_line, say
+from fivedc.cli.search_compare import compare_args, compared_layout, print_compared, print_explained
 from fivedc.errors import FivedcError
 
 
@@ -32,12 +35,14 @@ def search_args(p) -> None:
     p.add_argument("--top", type=int, default=5, metavar="K", help="layouts printed (default 5)")
     p.add_argument("-o", "--output", default=None, help="write the best plan here")
     p.add_argument("--json", default=None, metavar="ALL.json", help="write every ranked candidate, best first")
-    p.add_argument("--explain", action="store_true", help="count the rejected candidates by reason")
+    p.add_argument("--explain", action="store_true", help="count the rejected candidates by reason; with --compare, both steps term by term")
     p.add_argument("--wide", action="store_true", help="print for a terminal of 140+ columns (default: at most 100)")
+    compare_args(p)
 
 
 def run_search(args, console) -> int:
     from fivedc.cli.shared import load_graph, with_shape
+    from fivedc.estimates.model_error import STEP_TIME
     from fivedc.files import write_output
     from fivedc.outputs import Output, check_outputs
     from fivedc.frontends.python_file import parse_spec
@@ -56,14 +61,21 @@ def run_search(args, console) -> int:
             raise SearchError(f"--gpus-per-node {args.gpus_per_node} must be at least 1", hint="e.g. --gpus-per-node 8")
         hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
     graph = with_shape(load_graph(args.model), batch=args.global_batch, seq=args.seq)
+    compared = compared_layout(args, graph, hw, gpus=args.gpus, dtype=args.dtype)
     start = time.perf_counter()
-    with _Progress() as progress:  # --json lists every layout that fits; else the --top best are enough
+    with _Progress() as progress:  # --json lists every layout that fits; else the --top best and their ties
         result = search(graph, gpus=args.gpus, hardware=hw, dtype=args.dtype, progress=progress,
-                        compile_best=args.output is not None, keep=None if args.json is not None else args.top)
+                        compile_best=args.output is not None or (args.explain and compared is not None),
+                        keep=None if args.json is not None else args.top, band=STEP_TIME.spread,
+                        floor=compared.step if compared is not None else 0.0)
     seconds = time.perf_counter() - start
     _print_top(result, args.top, console, graph, args.gpus, hw, seconds)
+    if compared is not None:
+        print_compared(result, compared, hw)
     if args.explain:
         _print_rejected(result, console)
+        if compared is not None:
+            print_explained(result, compared, console)
     if args.json is not None:
         text = json.dumps({"candidates": [s.as_json() for s in result.ranked]}, indent=1) + "\n"
         write_output(args.json, text, inputs=(model_file,), what="search results")
