@@ -48,6 +48,7 @@ class Hardware:
     host_runs_ahead: bool = False  # a GPU's stream: the host issues the next op while this one runs
     sm_count: int | None = None  # the SMs a GEMM's tiles run over in waves (`fivedc/estimates/gemm.py`)
     matmul_tiles: tuple[tuple[int, int, int], ...] = ()  # the (M, N, K) tiles of the GEMM kernels it picks among
+    tree_all_reduce: bool = False  # NCCL: an all-reduce across nodes by a tree where faster than a ring
 
     @property
     def tiled(self) -> bool:
@@ -76,7 +77,8 @@ class Hardware:
 
 
 OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None, "op_latency_s": 0.0,
-            "host_runs_ahead": False, "sm_count": None, "matmul_tiles": ()}  # a profile may leave these out
+            "host_runs_ahead": False, "sm_count": None, "matmul_tiles": (),
+            "tree_all_reduce": False}  # a profile may leave these out
 FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name", *OPTIONAL))
 
 
@@ -135,10 +137,11 @@ def _parse(text: str, source: str) -> dict[str, Hardware]:
         if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < 1:
             raise HardwareError(f"{source}: [{key}] op_latency_s = {latency!r} must be seconds in [0, 1)")
         values["op_latency_s"] = float(latency)
-        ahead = table.get("host_runs_ahead", False)
-        if not isinstance(ahead, bool):
-            raise HardwareError(f"{source}: [{key}] host_runs_ahead = {ahead!r} must be true or false")
-        values["host_runs_ahead"] = ahead
+        for flag in ("host_runs_ahead", "tree_all_reduce"):
+            value = table.get(flag, False)
+            if not isinstance(value, bool):
+                raise HardwareError(f"{source}: [{key}] {flag} = {value!r} must be true or false")
+            values[flag] = value
         values["sm_count"], values["matmul_tiles"] = _tiles(table, source, key)
         out[key.lower()] = Hardware(key.lower(), str(table.get("name", key)), **values)
     return out
