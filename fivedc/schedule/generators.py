@@ -5,7 +5,9 @@ microbatches (tests/test_schedules.py runs `check_schedule` on every kind for p 
 to 64 and m up to 256). Each generator below fixes the order of computations per rank; the
 transfers are added by `p2p.add_p2p` (RECV just before its consumer, SEND just after
 its producer). Chunk placement: plain schedules put chunk s on rank s; interleaved
-puts chunk c on rank c % p; DualPipeV and DualPipe are in `dualpipe.py`.
+puts chunk c on rank c % p; DualPipeV and DualPipe are in `dualpipe.py`. What each
+schedule is (chunks per rank, placement, copies, split backward, what it needs of p
+and m) is in `kinds.py`; the checks and the placement below read it from there.
 """
 
 from __future__ import annotations
