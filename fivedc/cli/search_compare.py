@@ -33,7 +33,8 @@ def compare_args(p) -> None:
     sp.add_argument("--sp", dest="sp", action="store_true", default=None, help="--compare: sequence parallelism on")
     sp.add_argument("--no-sp", dest="sp", action="store_false", help="--compare: sequence parallelism off")
     p.add_argument("--cp-attention", choices=CP_VARIANTS, default=None, help="--compare: attention across cp")
-    p.add_argument("--schedule", default=None, help=f"--compare: pipeline schedule for pp > 1 (default {DEFAULT_SCHEDULE})")
+    p.add_argument("--schedule", default=None,
+                   help=f"--compare: pipeline schedule for pp > 1 (default {DEFAULT_SCHEDULE})")
     p.add_argument("--microbatches", type=int, default=None, help="--compare: microbatches per step")
     p.add_argument("--virtual", type=int, default=None, help="--compare: chunks per pp rank for interleaved")
     p.add_argument("--zero", type=int, default=None, metavar="STAGE", help="--compare: ZeRO stage (default 0)")
@@ -77,7 +78,8 @@ def compared_layout(args, graph, hw, *, gpus: int, dtype: str) -> Compared | Non
                           hint=f"give a mesh whose product is {gpus} (dp x pp x tp x cp x ep), or change --gpus")
     try:
         options = CompileOptions(mesh=mesh, sequence_parallel=args.sp, dtype=dtype, cp_attention=args.cp_attention,
-                                 zero=args.zero or 0, schedule=args.schedule or DEFAULT_SCHEDULE, microbatches=args.microbatches,
+                                 zero=args.zero or 0, schedule=args.schedule or DEFAULT_SCHEDULE,
+                                 microbatches=args.microbatches,
                                  virtual=args.virtual, recompute=args.recompute, hardware=hw)
         piped = [f"--{k}" for k in ("schedule", "microbatches", "virtual") if getattr(args, k) is not None]
         if mesh.size(MeshAxis.PP) == 1 and piped:

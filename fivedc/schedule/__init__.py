@@ -12,8 +12,8 @@ Layer 2: may import `fivedc.ir` only.
 from fivedc.schedule.actions import Action, ActionKind, Schedule, ScheduleError
 from fivedc.schedule.check import check_schedule
 from fivedc.schedule.generators import make_schedule, min_microbatches
-from fivedc.schedule.kinds import (DEFAULT_SCHEDULE, DEFAULT_VIRTUAL, SCHEDULES, Placement, ScheduleKind, schedule_kind,
-                                   schedules_help)
+from fivedc.schedule.kinds import (DEFAULT_SCHEDULE, DEFAULT_VIRTUAL, SCHEDULES, Placement, ScheduleKind,
+                                   schedule_kind, schedules_help)
 from fivedc.schedule.picture import draw_schedule
 from fivedc.schedule.simulator import DEFAULT_COSTS, DeadlockError, SimResult, peak_live_weighted, simulate
 

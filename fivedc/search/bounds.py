@@ -175,7 +175,8 @@ def tail_bound(memo: Memo, hw: Hardware, *, dtype_bytes: int, zero: int, overlap
         Chunk(k, rank, ranges[k % len(ranges)], "", 0.0, 0) for k, rank in enumerate(placement)))
 
     def tail(held):  # ranks holding the same layers add the same seconds
-        return memo.get(("tail bound", held, hw, dtype_bytes, zero, overlap, spec.kind.pipelines), lambda: after_backward(
+        key = ("tail bound", held, hw, dtype_bytes, zero, overlap, spec.kind.pipelines > 1)
+        return memo.get(key, lambda: after_backward(
             param_sizes(memo), memo.mesh, memo.dtype, dtype_bytes, zero, overlap, (), spec, held, hw, 0.0, 0.0, 0.0))
 
     tails = [tail(rank_held(memo, spec, r)) for r in range(max(placement) + 1)]
