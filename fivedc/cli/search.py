@@ -20,7 +20,6 @@ import time
 
 from fivedc.cli.screen import command_line, say
 from fivedc.cli.search_compare import compare_args, compared_layout, print_compared, print_explained
-from fivedc.errors import FivedcError
 
 
 def search_args(p) -> None:

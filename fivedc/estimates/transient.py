@@ -54,6 +54,7 @@ from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.communication import weight_readers
 from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
+from fivedc.estimates.timeline import UnitBuffers, recomputed_regions
 from fivedc.passes.stages import PipelineSpec, Unit
 
 
@@ -62,8 +63,9 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
                memo: Memo | None = None, tied=(), activations: list[int] | None = None) -> list[dict[str, int]]:
     """Per pp rank (one entry without a pipeline): each transient part, in bytes. The parts
     that depend on the recomputation and those that depend on ZeRO are kept in `memo` apart
-    (a layout search asks for every pairing of the two). `activations` and `grads`, per pp
-    rank, set the optimizer step and the loss against what is not held at their moments."""
+    (a layout search asks for every pairing of the two). `activations`, per pp rank, sets the
+    optimizer step against the activations freed by then. Without a pipeline the step's
+    moments are walked one by one instead (`step_buffers`, `fivedc/estimates/timeline.py`)."""
     memo = memo_for(memo, graph, mesh, dtype)
     kept = memo.get(("kept transients", dtype_bytes, recompute, pipeline, tuple(regions), tuple(tied)),
                     lambda: _kept_parts(memo, dtype_bytes, pipeline, recompute, regions, tied))
@@ -151,7 +153,7 @@ def _zero_parts(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec 
     return out
 
 
-ZERO3_BACKWARD = "ZeRO-3 layer gathered, its gradients and its recomputed region"  # beside its buffers without a pipeline
+ZERO3_BACKWARD = "ZeRO-3 layer gathered, its gradients and its recomputed region"
 ZERO3_STEP = "ZeRO-3 gathers and the largest other part"
 LOSS_BESIDE = "loss beside its unit's weight gradients put off"
 UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "attention buffers", "weight gradients put off",
@@ -288,8 +290,6 @@ def step_buffers(memo: Memo, dtype_bytes: int, zero: int, recompute: str, bucket
     """Without a pipeline, where each part of this module falls in the step
     (`fivedc/estimates/timeline.py`): per unit its forward and backward buffers, then the
     gradient sums' and the optimizer step's, as (name, bytes)."""
-    from fivedc.estimates.timeline import UnitBuffers, recomputed_regions
-
     graph, all_units = memo.graph, memo_units(memo)
     c = save_context(memo, dtype_bytes, 1, recompute)
     figures = memo.get(("unit transients", dtype_bytes, 1, recompute),

@@ -33,8 +33,9 @@ from fivedc.frontends.fx.locs import def_loc, node_loc, scope
 from fivedc.frontends.fx.ops import dispatch
 from fivedc.frontends.fx.recognise import op_name
 from fivedc.frontends.fx.trace import RepeatSpec, Trace
-from fivedc.frontends.fx.values import (DYNAMIC, SIZE_ONE_HINT, Const, Frame, FxWarning, ParamRef, Pending,
+from fivedc.frontends.fx.values import (DYNAMIC, SIZE_ONE_HINT, Const, Frame, ParamRef, Pending,
                                RepeatedKV, RouterLogits, T, TransposedParam, Unrecognised)
+from fivedc.frontends.fx.warning import FxWarning
 from fivedc.ir.graph import DType
 
 

@@ -18,7 +18,6 @@ from torch import nn
 
 from fivedc.errors import NotSupportedError
 from fivedc.frontends.fx.build import DBlock, DParam, DValue
-from fivedc.frontends.fx.warning import FxWarning  # noqa: F401 (where the frontend's modules take it)
 from fivedc.frontends.fx.trace import Traced
 from fivedc.ir.graph import DType
 
