@@ -50,9 +50,8 @@ class RuleContext:
                 ctx.escaping.update(node.carried + node.body.yields)
             elif isinstance(node, Op):
                 ctx.types[node.out] = node.type
-                for index, arg in enumerate(node.args):
-                    if isinstance(arg, str):
-                        ctx.users.setdefault(arg, []).append((node, index))
+                for index, arg in node.reads_at:
+                    ctx.users.setdefault(arg, []).append((node, index))
         ctx.params.update(p.name for p in graph.body.params)
         return ctx
 

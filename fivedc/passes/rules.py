@@ -100,26 +100,27 @@ def _tied_to_a_table(ctx: RuleContext, op: Op) -> bool:
     """Whether the linear's weight is also a vocab-parallel embedding's table (tied weights): the
     weight has that one layout, so the linear is column-parallel over the vocabulary even where
     its consumer reads the vocabulary whole (a gather before it, not a second layout)."""
-    w = op.args[1]
+    w = op.read(1)
     return _is_param(ctx, w) and any(use.kind == "embedding" and index == 1 and not use.annotation("replicate")
                                      for use, index in ctx.users.get(w, []))
 
 
-def _is_param(ctx: RuleContext, arg: str | float) -> bool:
-    return isinstance(arg, str) and arg in ctx.params
+def _is_param(ctx: RuleContext, name: str | None) -> bool:
+    """Whether `name` (`Op.read`: None for a number literal) is a parameter."""
+    return name is not None and name in ctx.params
 
 
 def _elementwise(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
-    if _is_param(ctx, op.args[0]):
-        if not isinstance(op.args[1], str):  # a parameter and a number (Gemma's 1 + w): computed whole
+    if _is_param(ctx, op.read(0)):
+        if op.read(1) is None:  # a parameter and a number (Gemma's 1 + w): computed whole
             return RuleResult((Sharding(), None), Sharding())
-        if _is_param(ctx, op.args[1]):
+        if _is_param(ctx, op.read(1)):
             raise ShardingError(f"{op.kind}: one operand must be an activation", loc=op.loc)
         if op.kind in ("sub", "div"):
             raise ShardingError(f"{op.kind}: write the activation first, the parameter second", loc=op.loc)
         swapped = _elementwise_ordered(ctx, op, [shs[1], shs[0]], [types[1], types[0]], param=True)
         return RuleResult((swapped.args[1], swapped.args[0]), swapped.out)
-    return _elementwise_ordered(ctx, op, shs, types, param=_is_param(ctx, op.args[1]))
+    return _elementwise_ordered(ctx, op, shs, types, param=_is_param(ctx, op.read(1)))
 
 
 def _elementwise_ordered(ctx: RuleContext, op: Op, shs: Shardings, types: Types, *, param: bool) -> RuleResult:

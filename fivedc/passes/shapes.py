@@ -309,7 +309,7 @@ class InferShapes:
                 env.update(zip(item.results, (env[y] for y in body.yields)))
                 items.append(replace(item, body=body))
             else:
-                types = [env[a] if isinstance(a, str) else None for a in item.args]
+                types = [None if a is None else env[a] for a in item.arg_names]  # None: a number literal
                 out = SHAPE_RULES[item.kind](item, types, graph)
                 env[item.out] = out
                 items.append(replace(item, type=out))
