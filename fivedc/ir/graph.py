@@ -330,14 +330,18 @@ def readers(block: Block) -> dict[str, list[tuple[Op | Redistribute, int]]]:
 
 
 def outer_reads(block: Block) -> set[str]:
-    """The names the ops and redistributions of a block (and of its repeats' bodies) read and do
-    not define: the block's args, values of the scope around it, parameters."""
+    """The names the nodes of a block (and of its repeats' bodies) read and do not define: the
+    block's args, values of the scope around it, parameters (a repeat reads its `carried` and
+    defines its `results` and its body's args)."""
     read: set[str] = set()
     defined: set[str] = set()
     for node, _ in walk_ops(block):
         if isinstance(node, (Op, Redistribute)):
             read.update(node.reads)
-            defined.update(node.writes)
+        else:
+            read.update(node.carried)
+            defined.update(node.body.args)
+        defined.update(node.writes)
     return read - defined
 
 

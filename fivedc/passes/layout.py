@@ -17,9 +17,11 @@ from fivedc.errors import ShapeError, SourceLoc
 from fivedc.ir.aten_layout import whole_dims
 from fivedc.ir.graph import Graph, Op, Repeat, TensorType, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.ir.ops import OP_SPECS, OpFamily
 from fivedc.ir.sharding import Sharding
 
-PASS_THROUGH = {"gelu", "silu", "relu", "tanh", "sigmoid", "swiglu", "add", "sub", "mul", "div"}
+PASS_THROUGH = frozenset(kind for kind, spec in OP_SPECS.items()  # a dim split over tp stays split through them
+                         if spec.family in (OpFamily.ELEMENTWISE, OpFamily.UNARY, OpFamily.SWIGLU))
 
 
 def divisors(n: int) -> list[int]:

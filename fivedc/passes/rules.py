@@ -1,4 +1,5 @@
-"""Per-op sharding rules: one small function per op kind, in `SHARDING_RULES`.
+"""Per-op sharding rules: one small function per op family (`fivedc/ir/ops.OpFamily`), and per
+op kind in `SHARDING_RULES`.
 
 A rule sees the op, the current sharding of each value argument (`None` for
 parameters, whose sharding the rule chooses, and for number literals) and the
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from fivedc.ir.ops import counts_targets
+from fivedc.ir.ops import OpFamily, by_family, counts_targets
 from fivedc.ir.aten_layout import whole_dims
 from fivedc.errors import ShardingError
 from fivedc.ir.graph import Collective, CollectiveKind, Op, Phase, TensorType
@@ -301,26 +302,18 @@ def _moe(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
 
 Rule = Callable[[RuleContext, Op, Shardings, Types], RuleResult]
 
-SHARDING_RULES: dict[str, Rule] = {
-    "embedding": _embedding,
-    "linear": _linear,
-    "matmul": _linear,
-    "add": _elementwise,
-    "sub": _elementwise,
-    "mul": _elementwise,
-    "div": _elementwise,
-    "gelu": _unary,
-    "silu": _unary,
-    "state_add": _whole,
-    "relu": _unary,
-    "tanh": _unary,
-    "sigmoid": _unary,
-    "swiglu": _swiglu,
-    "rmsnorm": _norm,
-    "layernorm": _norm,
-    "rope": _rope,
-    "attention": _attention,
-    "cross_entropy": _cross_entropy,
-    "moe": _moe,
-    "aten": _aten,
-}
+# one rule per op family (fivedc/ir/ops.py says which ops each family holds)
+SHARDING_RULES: dict[str, Rule] = by_family({
+    OpFamily.EMBEDDING: _embedding,
+    OpFamily.LINEAR: _linear,
+    OpFamily.ELEMENTWISE: _elementwise,
+    OpFamily.UNARY: _unary,
+    OpFamily.STATE_ADD: _whole,
+    OpFamily.SWIGLU: _swiglu,
+    OpFamily.NORM: _norm,
+    OpFamily.ROPE: _rope,
+    OpFamily.ATTENTION: _attention,
+    OpFamily.CROSS_ENTROPY: _cross_entropy,
+    OpFamily.MOE: _moe,
+    OpFamily.ATEN: _aten,
+}, table="SHARDING_RULES")
