@@ -166,7 +166,7 @@ class Op:
         spec = self.arg_specs[index] if self.arg_specs else None
         return spec.sharding if spec else Sharding()
 
-    # ---- what the node reads and writes (every pass asks these, never `isinstance(arg, str)`) ----
+    # ---- what the node reads and writes (every pass asks these, not by testing an arg's type) ----
     @property
     def reads(self) -> tuple[str, ...]:
         """The names of the values and parameters the op reads, in argument order (a name given
