@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, readers, walk_ops, walk_params
+from fivedc.ir.graph import (CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, readers, walk_ops,
+                             walk_params)
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.recompute import recomputes_layer

@@ -1,8 +1,9 @@
 """Shape inference: give every op its output `TensorType`, checking that dims agree.
 
-One small rule per op family (`fivedc/ir/ops.OpFamily`), and per op kind in `SHAPE_RULES`. A rule gets the argument types (a
-`TensorType`, or `None` for a number literal) and returns the output type, or
-raises `ShapeError` at the op's source line naming the dims that disagree.
+One small rule per op family (`fivedc/ir/ops.OpFamily`), and per op kind in `SHAPE_RULES`.
+A rule gets the argument types (a `TensorType`, or `None` for a number literal) and
+returns the output type, or raises `ShapeError` at the op's source line naming the dims
+that disagree.
 """
 
 from __future__ import annotations
