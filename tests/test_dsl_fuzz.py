@@ -55,7 +55,7 @@ def _check_block(block: Block, visible: set[str], params: set[str], defined: lis
     defined.extend(block.args)
     for item in block.items:
         if isinstance(item, Op):
-            assert set(item.value_args) <= visible | params, item
+            assert set(item.reads) <= visible | params, item
             visible.add(item.out)
             defined.append(item.out)
         else:

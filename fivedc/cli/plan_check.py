@@ -105,8 +105,8 @@ def source_graph(graph: Graph) -> Graph:
     say what the plan chose, and compiling with them chooses the same."""
     origin = {node.out: node.src for node, _ in walk_ops(graph.body) if isinstance(node, Redistribute)}
 
-    def original(name):
-        while isinstance(name, str) and name in origin:
+    def original(name: str) -> str:
+        while name in origin:
             name = origin[name]
         return name
 
@@ -123,7 +123,7 @@ def _strip_block(block: Block, original) -> Block:
             items.append(replace(item, carried=tuple(map(original, item.carried)), carried_shardings=(),
                                  body=_strip_block(item.body, original)))
         else:
-            items.append(replace(item, args=tuple(map(original, item.args)), type=None, sharding=None,
+            items.append(replace(item, args=item.map_reads(original), type=None, sharding=None,
                                  arg_specs=(), collectives=()))
     params = tuple(replace(p, sharding=None, grad_partial=()) for p in block.params)
     return replace(block, params=params, items=tuple(items), yields=tuple(map(original, block.yields)))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat
+from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat, outer_reads
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import CONSTANT, OWN, SaveContext, op_saves
 from fivedc.passes.stages import Unit
@@ -94,19 +94,9 @@ def layer_saves(c: SaveContext, repeat: Repeat, *, recompute: str) -> UnitSaves:
         return normal
     held_args = tuple((i, c.value_bytes(a)) for i, a in enumerate(repeat.body.args)
                       if c.value(a))  # checkpoint holds the layer's inputs
-    reads = _outer_reads(repeat.body) - set(repeat.body.args)
+    reads = outer_reads(repeat.body) - set(repeat.body.args)
     held_outer = tuple(sorted((s.key, s.bytes) for name in reads for s in c.value(name)))
     return UnitSaves(0, held_args, held_outer, (), normal.own + normal.transient)
-
-
-def _outer_reads(block: Block) -> set[str]:
-    read: set[str] = set()
-    for node in block.items:
-        if isinstance(node, Op):
-            read |= {a for a in node.args if isinstance(a, str)}
-        elif isinstance(node, Redistribute):
-            read.add(node.src)
-    return read - _defined(block)
 
 
 def unit_saves(c: SaveContext, graph: Graph, unit: Unit, *, recompute: str, cache: dict | None = None) -> UnitSaves:

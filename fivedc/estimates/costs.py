@@ -121,7 +121,7 @@ def op_work(c: SaveContext, op: Op) -> Work:
         return Work(attention_flops=flops, bytes=4.0 * c.value_bytes(op.out))
     if op.kind == "moe":
         return _moe_work(c, op)
-    moved = sum(c.value_bytes(a) for a in op.args if isinstance(a, str) and a in c.layouts and a not in c.params)
+    moved = sum(c.value_bytes(a) for a in op.reads if a in c.layouts and a not in c.params)
     return Work(bytes=float(moved + (c.value_bytes(op.out) if op.type.dims else 0)))
 
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, walk_ops, walk_params
+from fivedc.ir.graph import (CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, readers, walk_ops,
+                             walk_params)
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.recompute import recomputes_layer
@@ -104,17 +105,17 @@ class SaveContext:
         t, _ = self.layouts[name]
         return self.value_numel(name) * (INDEX_BYTES if t.dtype == DType.INT else self.dtype_bytes)
 
-    def value(self, arg) -> list[Saved]:
-        """The value `arg` kept: nothing for a number, a parameter or an input; a gathered
-        value that is gathered again in backward is kept as its shard."""
-        if not isinstance(arg, str) or arg in self.params or arg in self.inputs or arg not in self.layouts:
+    def value(self, name: str | None) -> list[Saved]:
+        """The value `name` kept: nothing for None (a number literal: `Op.read`), a parameter or
+        an input; a gathered value that is gathered again in backward is kept as its shard."""
+        if name is None or name in self.params or name in self.inputs or name not in self.layouts:
             return []
-        arg = self.regathered.get(arg, arg)
-        return [Saved(arg, self.value_bytes(arg))]
+        name = self.regathered.get(name, name)
+        return [Saved(name, self.value_bytes(name))]
 
     def value_args(self, op: Op) -> list[Saved]:
         """The op's tensor arguments as kept values (what a recomputed region's checkpoint holds)."""
-        return [s for arg in op.args for s in self.value(arg)]
+        return [s for name in op.reads for s in self.value(name)]
 
     def own(self, op: Op, what: str, nbytes: int) -> Saved:
         return Saved(f"{op.out}:{what}", nbytes, OWN)
@@ -147,7 +148,7 @@ def _nothing(c: SaveContext, op: Op) -> list[Saved]:
 
 
 def _input(index: int):
-    return lambda c, op: c.value(op.args[index])
+    return lambda c, op: c.value(op.read(index))
 
 
 def _output(c: SaveContext, op: Op) -> list[Saved]:
@@ -169,19 +170,19 @@ def _linear(c: SaveContext, op: Op) -> list[Saved]:
 
 
 def _mul(c: SaveContext, op: Op) -> list[Saved]:
-    a, b = op.args[0], op.args[1]
+    a, b = op.read(0), op.read(1)
     return (c.value(a) if _requires_grad(c, b) else []) + (c.value(b) if _requires_grad(c, a) else [])
 
 
 def _div(c: SaveContext, op: Op) -> list[Saved]:
-    a, b = op.args[0], op.args[1]
-    keep_b = isinstance(b, str) and (_requires_grad(c, a) or _requires_grad(c, b))
+    a, b = op.read(0), op.read(1)
+    keep_b = b is not None and (_requires_grad(c, a) or _requires_grad(c, b))
     return (c.value(a) if _requires_grad(c, b) else []) + (c.value(b) if keep_b else [])
 
 
-def _requires_grad(c: SaveContext, arg) -> bool:
-    """Everything but numbers and the model's inputs carries a gradient here."""
-    return isinstance(arg, str) and arg not in c.inputs
+def _requires_grad(c: SaveContext, name: str | None) -> bool:
+    """Everything but numbers (None: `Op.read`) and the model's inputs carries a gradient here."""
+    return name is not None and name not in c.inputs
 
 
 def _norm(statistics: int):
@@ -208,7 +209,7 @@ def _attention(c: SaveContext, op: Op) -> list[Saved]:
     kept = c.own(op, "lse", rows * c.compute_bytes)
     if kernel_of(op) == "math":
         kept = c.own(op, "softmax", score_elements(c, op) * c.dtype_bytes)
-    return [s for arg in op.args[:3] for s in c.value(arg)] + c.value(op.out) + [kept]
+    return [s for i in range(3) for s in c.value(op.read(i))] + c.value(op.out) + [kept]
 
 
 def score_elements(c: SaveContext, op: Op) -> int:
@@ -246,7 +247,7 @@ def _embedding(c: SaveContext, op: Op) -> list[Saved]:
 
 
 def _aten(c: SaveContext, op: Op) -> list[Saved]:
-    return [s for arg in op.args if _requires_grad(c, arg) for s in c.value(arg)]
+    return [s for name in op.reads if _requires_grad(c, name) for s in c.value(name)]
 
 
 def _moe(c: SaveContext, op: Op) -> list[Saved]:
@@ -315,20 +316,13 @@ def regathered(graph: Graph, recompute: str = "none") -> dict[str, str]:
     a redistribution whose forward only all-gathers, read only as the input x of
     linears (Megatron's sequence parallelism keeps the shard of a column-parallel
     linear's input). Inside a layer recomputed whole nothing is kept anyway: left out."""
-    readers: dict[str, list[Op]] = {}
-    for node, _ in walk_ops(graph.body):
-        if isinstance(node, Op):
-            for i, arg in enumerate(node.args):
-                if isinstance(arg, str):
-                    readers.setdefault(arg, []).append((node, i))
-        elif isinstance(node, Redistribute):
-            readers.setdefault(node.src, []).append((node, -1))
+    uses_of = readers(graph.body)
     out = {}
     for node, repeat in walk_ops(graph.body):
         if not isinstance(node, Redistribute) or (repeat is not None and recomputes_layer(repeat, recompute)):
             continue
         gathers = [c for c in node.forward if c.kind != CollectiveKind.SLICE]
-        uses = readers.get(node.out, [])
+        uses = uses_of.get(node.out, [])
         if gathers and all(c.kind == CollectiveKind.ALL_GATHER for c in gathers) and uses and all(
                 isinstance(op, Op) and op.kind in ("linear", "matmul") and i == 0 for op, i in uses):
             out[node.out] = node.src

@@ -141,7 +141,7 @@ def unit_params(graph: Graph, unit: Unit) -> list[tuple[str, str | None]]:
         return [(p.name, repeat.name) for p, _ in walk_params(repeat.body)]
     top = {p.name for p in graph.body.params}
     return [(a, None) for item in graph.body.items[unit.start:unit.stop] if isinstance(item, Op)
-            for a in item.args if isinstance(a, str) and a in top]
+            for a in item.reads if a in top]
 
 
 def recomputed_regions(memo: Memo, dtype_bytes: int, recompute: str) -> list[int]:

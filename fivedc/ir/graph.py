@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Union
+from typing import Callable, Union
 
 from fivedc.errors import SourceLoc
 from fivedc.ir.limits import check_dim, check_layers
@@ -134,6 +134,11 @@ class ArgSpec:
     grad_once: tuple[MeshAxis, ...] = ()
 
 
+def _name(arg: str | float) -> str | None:
+    """An op argument's name, None for a number literal: the one place that tells them apart."""
+    return arg if isinstance(arg, str) else None
+
+
 @dataclass(frozen=True, slots=True)
 class Op:
     out: str
@@ -161,9 +166,35 @@ class Op:
         spec = self.arg_specs[index] if self.arg_specs else None
         return spec.sharding if spec else Sharding()
 
+    # ---- what the node reads and writes (every pass asks these, not by testing an arg's type) ----
     @property
-    def value_args(self) -> tuple[str, ...]:
-        return tuple(a for a in self.args if isinstance(a, str))
+    def reads(self) -> tuple[str, ...]:
+        """The names of the values and parameters the op reads, in argument order (a name given
+        twice is read twice); number literals left out."""
+        return tuple(a for a in map(_name, self.args) if a is not None)
+
+    @property
+    def reads_at(self) -> tuple[tuple[int, str], ...]:
+        """`reads` with each name's argument position: `(index, name)`."""
+        return tuple((i, a) for i, a in enumerate(map(_name, self.args)) if a is not None)
+
+    @property
+    def arg_names(self) -> tuple[str | None, ...]:
+        """Per argument, the name it reads, or None for a number literal (to zip with `args` or
+        `arg_specs`)."""
+        return tuple(map(_name, self.args))
+
+    def read(self, index: int) -> str | None:
+        """The name argument `index` reads; None where it is a number literal."""
+        return _name(self.args[index])
+
+    def map_reads(self, rename: Callable[[str], str]) -> tuple[str | float, ...]:
+        """The args with each name `n` replaced by `rename(n)`, number literals as they are."""
+        return tuple(a if (name := _name(a)) is None else rename(name) for a in self.args)
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return (self.out,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +217,14 @@ class Redistribute:
     backward: tuple[Collective, ...]
     loc: SourceLoc | None = None
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return (self.src,)
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        return (self.out,)
+
 
 @dataclass(frozen=True, slots=True)
 class Block:
@@ -206,6 +245,12 @@ class Repeat:
     carried_shardings: tuple[Sharding, ...] = ()  # of the carried values on every iteration
     stage_layers: tuple[int, ...] = ()  # layers at which a pipeline chunk begins (marked by the user)
     recompute: str | None = None  # this stack's activation recomputation (`@recompute(full)`); None: the plan's
+
+    @property
+    def writes(self) -> tuple[str, ...]:
+        """The values after the last layer (what the repeat defines in the block around it); what
+        it reads is its `carried` values and `outer_reads(body)`."""
+        return self.results
 
 
 Node = Union[Op, Redistribute, Repeat]
@@ -268,6 +313,36 @@ def walk_ops(block: Block):
         if isinstance(item, Repeat):
             for inner, _ in walk_ops(item.body):
                 yield inner, item
+
+
+def readers(block: Block) -> dict[str, list[tuple[Op | Redistribute, int]]]:
+    """Each name the ops and redistributions of a block (and of its repeats' bodies) read ->
+    `(node, argument position)` of every read, in program order (a redistribution reads its
+    source at 0)."""
+    out: dict[str, list[tuple[Op | Redistribute, int]]] = {}
+    for node, _ in walk_ops(block):
+        if isinstance(node, Op):
+            for index, name in node.reads_at:
+                out.setdefault(name, []).append((node, index))
+        elif isinstance(node, Redistribute):
+            out.setdefault(node.src, []).append((node, 0))
+    return out
+
+
+def outer_reads(block: Block) -> set[str]:
+    """The names the nodes of a block (and of its repeats' bodies) read and do not define: the
+    block's args, values of the scope around it, parameters (a repeat reads its `carried` and
+    defines its `results` and its body's args)."""
+    read: set[str] = set()
+    defined: set[str] = set()
+    for node, _ in walk_ops(block):
+        if isinstance(node, (Op, Redistribute)):
+            read.update(node.reads)
+        else:
+            read.update(node.carried)
+            defined.update(node.body.args)
+        defined.update(node.writes)
+    return read - defined
 
 
 def walk_params(block: Block):

@@ -1,16 +1,39 @@
-"""The op vocabulary: every op kind, its arguments and its attributes with defaults.
+"""The op vocabulary: every op kind, its arguments, its attributes with defaults, and its family.
 
 Frontends check calls against this table (an unknown op or keyword is a DSL error
-at the call's position); shape inference, sharding rules and kernels are tables
-keyed by the same kinds, in `fivedc/passes/shapes.py`, `fivedc/passes/rules.py` and
-`fivedc/runtime/kernels.py`.
+at the call's position). An op's `family` names the shape rule and the sharding rule it
+shares with its kin (linear and matmul; add, sub, mul, div; the five activations; the two
+norms): `fivedc/passes/shapes.py` and `fivedc/passes/rules.py` each hold one rule per family
+and read their per-kind table from this one (`by_family`, which fails at import when a
+family has no rule). Kernels (`fivedc/runtime/kernels.py`) and save rules
+(`fivedc/estimates/saved.py`) differ within a family and are keyed by kind;
+`tests/test_op_tables.py` holds every table to the kinds here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import Mapping, TypeVar
 
 from fivedc.ir.graph import Scalar
+
+
+class OpFamily(StrEnum):
+    """Ops that share their shape and sharding rules."""
+
+    EMBEDDING = "embedding"
+    LINEAR = "linear"  # linear, matmul: a contraction with a weight
+    ELEMENTWISE = "elementwise"  # a op b, b broadcast by dim name or a number
+    UNARY = "unary"  # an activation: same dims, same sharding
+    STATE_ADD = "state_add"  # same dims as its argument, which it needs whole
+    SWIGLU = "swiglu"
+    NORM = "norm"
+    ROPE = "rope"
+    ATTENTION = "attention"
+    CROSS_ENTROPY = "cross_entropy"
+    MOE = "moe"
+    ATEN = "aten"
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +44,11 @@ class OpSpec:
     attrs: tuple[tuple[str, Scalar], ...] = ()  # keyword attributes and their defaults
     doc: str = ""
     variadic: bool = False  # any number of arguments (aten)
+    family: OpFamily | None = None  # None: the family named as the kind
+
+    def __post_init__(self) -> None:
+        if self.family is None:
+            object.__setattr__(self, "family", OpFamily(self.kind))
 
     @property
     def max_args(self) -> int:
@@ -46,25 +74,27 @@ OP_SPECS: dict[str, OpSpec] = {
         OpSpec("embedding", ("tokens", "table"), 2, (("padding_idx", 0),),
                doc="table[vocab, hidden] rows picked by int tokens; padding_idx (when given): that row gets "
                    "no gradient (torch's F.embedding(padding_idx=))"),
-        OpSpec("linear", ("x", "w"), 2, doc="contract x's trailing dims with w's leading dims (or with its "
-                                            "trailing dims: a weight stored [out, in], a tied embedding table)"),
-        OpSpec("matmul", ("x", "w"), 2, doc="same contraction as linear"),
-        OpSpec("add", _BINARY, 2, doc="elementwise a + b (b broadcast by dim name, or a number)"),
-        OpSpec("sub", _BINARY, 2, doc="elementwise a - b"),
-        OpSpec("mul", _BINARY, 2, doc="elementwise a * b"),
-        OpSpec("div", _BINARY, 2, doc="elementwise a / b"),
-        OpSpec("gelu", _UNARY, 1, (("approximate", "none"),), doc="GELU activation"),
-        OpSpec("silu", _UNARY, 1, doc="SiLU (swish) activation"),
-        OpSpec("relu", _UNARY, 1, doc="ReLU activation"),
+        OpSpec("linear", ("x", "w"), 2, family=OpFamily.LINEAR,
+               doc="contract x's trailing dims with w's leading dims (or with its "
+                   "trailing dims: a weight stored [out, in], a tied embedding table)"),
+        OpSpec("matmul", ("x", "w"), 2, family=OpFamily.LINEAR, doc="same contraction as linear"),
+        OpSpec("add", _BINARY, 2, family=OpFamily.ELEMENTWISE,
+               doc="elementwise a + b (b broadcast by dim name, or a number)"),
+        OpSpec("sub", _BINARY, 2, family=OpFamily.ELEMENTWISE, doc="elementwise a - b"),
+        OpSpec("mul", _BINARY, 2, family=OpFamily.ELEMENTWISE, doc="elementwise a * b"),
+        OpSpec("div", _BINARY, 2, family=OpFamily.ELEMENTWISE, doc="elementwise a / b"),
+        OpSpec("gelu", _UNARY, 1, (("approximate", "none"),), family=OpFamily.UNARY, doc="GELU activation"),
+        OpSpec("silu", _UNARY, 1, family=OpFamily.UNARY, doc="SiLU (swish) activation"),
+        OpSpec("relu", _UNARY, 1, family=OpFamily.UNARY, doc="ReLU activation"),
         OpSpec("state_add", ("value",), 1, (("state", ""),),
                doc="adds value (whole on every rank: the whole batch's) to the module buffer `state` in a "
                    "training forward, and returns value (fivedc/ir/states.py)"),
-        OpSpec("tanh", _UNARY, 1, doc="tanh activation"),
-        OpSpec("sigmoid", _UNARY, 1, doc="sigmoid activation"),
+        OpSpec("tanh", _UNARY, 1, family=OpFamily.UNARY, doc="tanh activation"),
+        OpSpec("sigmoid", _UNARY, 1, family=OpFamily.UNARY, doc="sigmoid activation"),
         OpSpec("swiglu", ("gate", "up"), 2, doc="silu(gate) * up"),
-        OpSpec("rmsnorm", ("x", "w"), 2, (("eps", 1e-5),),
+        OpSpec("rmsnorm", ("x", "w"), 2, (("eps", 1e-5),), family=OpFamily.NORM,
                doc="RMS norm over x's trailing dims that w has (the last, or several)"),
-        OpSpec("layernorm", ("x", "w", "b"), 2, (("eps", 1e-5),),
+        OpSpec("layernorm", ("x", "w", "b"), 2, (("eps", 1e-5),), family=OpFamily.NORM,
                doc="layer norm over x's trailing dims that w has (the last, or several)"),
         OpSpec("rope", ("x",), 1, (("theta", 10000.0), ("freqs", "")),
                doc="rotary embedding at global positions: frequencies theta**(-i/half), or freqs "
@@ -115,6 +145,20 @@ OP_SPECS: dict[str, OpSpec] = {
         ),
     )
 }
+
+
+Rule = TypeVar("Rule")
+
+
+def by_family(rules: Mapping[OpFamily, Rule], *, table: str) -> dict[str, Rule]:
+    """Per op kind, the rule of its family: how `SHAPE_RULES` and `SHARDING_RULES` are made from
+    their one rule per family. A family with no rule (or a rule for no family) is an error at
+    import, naming the table."""
+    missing, extra = set(OpFamily) - set(rules), set(rules) - set(OpFamily)
+    if missing or extra:
+        raise TypeError(f"{table}: no rule for the op families {sorted(map(str, missing))}" if missing
+                        else f"{table}: rules for families no op has {sorted(map(str, extra))}")
+    return {kind: rules[spec.family] for kind, spec in OP_SPECS.items()}
 
 
 def counts_targets(op) -> bool:

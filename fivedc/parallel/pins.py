@@ -74,7 +74,7 @@ def _annotate(block: Block, pins: dict[Key, tuple[str, str]], repeat: Repeat | N
     for item in block.items:
         if isinstance(item, Repeat):
             item = replace(item, body=_annotate(item.body, pins, item, used))
-        elif isinstance(item, Op) and item.kind in PINNABLE and len(item.args) > 1 and isinstance(item.args[1], str):
+        elif isinstance(item, Op) and item.kind in PINNABLE and len(item.args) > 1 and item.read(1) is not None:
             weight = item.args[1]
             key = (repeat.name if repeat is not None and weight in own else None, weight)
             if key in pins:

@@ -141,7 +141,7 @@ def weight_readers(items, value: str, params) -> tuple[str, ...]:
     input, in order, each once; not a weight whose gradient is kept on one rank only."""
     return tuple(dict.fromkeys(
         op.args[1] for op in items if isinstance(op, Op) and op.kind == "linear" and op.args[0] == value
-        and isinstance(op.args[1], str) and op.args[1] in params and not (op.arg_specs[1] and op.arg_specs[1].grad_once)))
+        and op.read(1) in params and not (op.arg_specs[1] and op.arg_specs[1].grad_once)))
 
 
 def plan_steps(
@@ -249,8 +249,9 @@ class _Inserter:
                 items.extend(self.repeat(item, env, cache, count=count))
                 continue
             args = list(item.args)
-            for index, (arg, spec) in enumerate(zip(item.args, item.arg_specs)):
-                if spec is None or not isinstance(arg, str):
+            for index, arg in item.reads_at:
+                spec = item.arg_specs[index] if index < len(item.arg_specs) else None
+                if spec is None:
                     continue
                 is_param = env[arg][1].startswith("parameter ")
                 need = ArgSpec(spec.sharding, () if is_param else spec.grad_partial)

@@ -41,8 +41,8 @@ class ReduceGradients:
             if not isinstance(item, Op):
                 items.append(item)
                 continue
-            for arg, spec in zip(item.args, item.arg_specs):
-                if isinstance(arg, str) and arg in scope and spec is not None:
+            for arg, spec in zip(item.arg_names, item.arg_specs):
+                if arg is not None and arg in scope and spec is not None:
                     scope[arg].append((item, spec.grad_partial))
             items.append(item)
         params = tuple(replace(p, grad_partial=_union(uses[p.name])) for p in block.params)
@@ -56,7 +56,7 @@ class ReduceGradients:
             if isinstance(item, Repeat):
                 item = replace(item, body=self._count_once(item.body, scope))
             elif isinstance(item, Op) and item.arg_specs:
-                specs = tuple(_once(arg, spec, scope) for arg, spec in zip(item.args, item.arg_specs))
+                specs = tuple(_once(arg, spec, scope) for arg, spec in zip(item.arg_names, item.arg_specs))
                 item = replace(item, arg_specs=specs) if specs != item.arg_specs else item
             items.append(item)
         return replace(block, items=tuple(items))
@@ -69,8 +69,8 @@ def _union(uses: list[tuple[Op, tuple]]) -> tuple:
     return tuple(a for a in MeshAxis if any(a in form for form in forms))
 
 
-def _once(arg, spec: ArgSpec | None, scope: dict[str, tuple]) -> ArgSpec | None:
-    if spec is None or not isinstance(arg, str) or arg not in scope:
+def _once(arg: str | None, spec: ArgSpec | None, scope: dict[str, tuple]) -> ArgSpec | None:
+    if spec is None or arg is None or arg not in scope:
         return spec
     once = tuple(a for a in scope[arg] if a not in spec.grad_partial)
     return replace(spec, grad_once=once) if once != spec.grad_once else spec

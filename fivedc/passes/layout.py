@@ -17,9 +17,11 @@ from fivedc.errors import ShapeError, SourceLoc
 from fivedc.ir.aten_layout import whole_dims
 from fivedc.ir.graph import Graph, Op, Repeat, TensorType, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
+from fivedc.ir.ops import OP_SPECS, OpFamily
 from fivedc.ir.sharding import Sharding
 
-PASS_THROUGH = {"gelu", "silu", "relu", "tanh", "sigmoid", "swiglu", "add", "sub", "mul", "div"}
+PASS_THROUGH = frozenset(kind for kind, spec in OP_SPECS.items()  # a dim split over tp stays split through them
+                         if spec.family in (OpFamily.ELEMENTWISE, OpFamily.UNARY, OpFamily.SWIGLU))
 
 
 def divisors(n: int) -> list[int]:
@@ -50,9 +52,8 @@ class RuleContext:
                 ctx.escaping.update(node.carried + node.body.yields)
             elif isinstance(node, Op):
                 ctx.types[node.out] = node.type
-                for index, arg in enumerate(node.args):
-                    if isinstance(arg, str):
-                        ctx.users.setdefault(arg, []).append((node, index))
+                for index, arg in node.reads_at:
+                    ctx.users.setdefault(arg, []).append((node, index))
         ctx.params.update(p.name for p in graph.body.params)
         return ctx
 

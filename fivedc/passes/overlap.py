@@ -90,8 +90,8 @@ def _segments(body: Block, cuts: frozenset[int], apart: set[str]) -> list[tuple[
             segments += [(outer, None), (used, item), ([], None)]
             continue
         if isinstance(item, Op):
-            for arg in item.args:
-                if isinstance(arg, str) and arg in params and arg not in seen:
+            for arg in item.reads:
+                if arg in params and arg not in seen:
                     seen.add(arg)
                     segments[-1][0].append(params[arg])
     return [s for s in segments if s[0]]
@@ -101,8 +101,8 @@ def _first_uses(body: Block, params: dict[str, Param]) -> list[Param]:
     order: list[Param] = []
     for item in body.items:
         if isinstance(item, Op):
-            for arg in item.args:
-                if isinstance(arg, str) and arg in params and params[arg] not in order:
+            for arg in item.reads:
+                if arg in params and params[arg] not in order:
                     order.append(params[arg])
     return order
 

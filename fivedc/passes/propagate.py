@@ -80,26 +80,22 @@ class PropagateShardings:
         return replace(item, body=body, carried_shardings=carried)
 
     def _op(self, ctx: RuleContext, op: Op, env: dict, types: dict, params: ChainMap, param_types: ChainMap) -> Op:
-        shardings, arg_types = [], []
-        for arg in op.args:
-            if not isinstance(arg, str):
-                shardings.append(None)
-                arg_types.append(None)
-            elif arg in params:
-                shardings.append(None)
-                arg_types.append(param_types[arg])
+        shardings, arg_types = [None] * len(op.args), [None] * len(op.args)  # None: a number literal
+        for index, name in op.reads_at:
+            if name in params:
+                arg_types[index] = param_types[name]  # a parameter's sharding is the rule's to choose
             else:
-                shardings.append(env[arg])
-                arg_types.append(types[arg])
+                shardings[index], arg_types[index] = env[name], types[name]
         result = SHARDING_RULES[op.kind](ctx, op, shardings, arg_types)
         specs = []
-        for arg, arg_type, need in zip(op.args, arg_types, result.args):
+        for index, (arg_type, need) in enumerate(zip(arg_types, result.args)):
             if need is None:
                 specs.append(None)
                 continue
-            if isinstance(arg, str) and arg in params and params[arg] is None:
+            arg = op.read(index)
+            if arg is not None and arg in params and params[arg] is None:
                 next(m for m in params.maps if arg in m)[arg] = need
-            elif isinstance(arg, str) and arg in params and params[arg] != need:  # a tied weight's second use
+            elif arg is not None and arg in params and params[arg] != need:  # a tied weight's second use
                 raise ShardingError(
                     f"parameter {arg} is used by two ops that need it sharded differently ({params[arg]} and "
                     f"{need}, here)", loc=op.loc, hint="untie the weights, or keep tp=1")

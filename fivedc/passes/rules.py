@@ -1,4 +1,5 @@
-"""Per-op sharding rules: one small function per op kind, in `SHARDING_RULES`.
+"""Per-op sharding rules: one small function per op family (`fivedc/ir/ops.OpFamily`), and per
+op kind in `SHARDING_RULES`.
 
 A rule sees the op, the current sharding of each value argument (`None` for
 parameters, whose sharding the rule chooses, and for number literals) and the
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from fivedc.ir.ops import counts_targets
+from fivedc.ir.ops import OpFamily, by_family, counts_targets
 from fivedc.ir.aten_layout import whole_dims
 from fivedc.errors import ShardingError
 from fivedc.ir.graph import Collective, CollectiveKind, Op, Phase, TensorType
@@ -100,26 +101,27 @@ def _tied_to_a_table(ctx: RuleContext, op: Op) -> bool:
     """Whether the linear's weight is also a vocab-parallel embedding's table (tied weights): the
     weight has that one layout, so the linear is column-parallel over the vocabulary even where
     its consumer reads the vocabulary whole (a gather before it, not a second layout)."""
-    w = op.args[1]
+    w = op.read(1)
     return _is_param(ctx, w) and any(use.kind == "embedding" and index == 1 and not use.annotation("replicate")
                                      for use, index in ctx.users.get(w, []))
 
 
-def _is_param(ctx: RuleContext, arg: str | float) -> bool:
-    return isinstance(arg, str) and arg in ctx.params
+def _is_param(ctx: RuleContext, name: str | None) -> bool:
+    """Whether `name` (`Op.read`: None for a number literal) is a parameter."""
+    return name is not None and name in ctx.params
 
 
 def _elementwise(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
-    if _is_param(ctx, op.args[0]):
-        if not isinstance(op.args[1], str):  # a parameter and a number (Gemma's 1 + w): computed whole
+    if _is_param(ctx, op.read(0)):
+        if op.read(1) is None:  # a parameter and a number (Gemma's 1 + w): computed whole
             return RuleResult((Sharding(), None), Sharding())
-        if _is_param(ctx, op.args[1]):
+        if _is_param(ctx, op.read(1)):
             raise ShardingError(f"{op.kind}: one operand must be an activation", loc=op.loc)
         if op.kind in ("sub", "div"):
             raise ShardingError(f"{op.kind}: write the activation first, the parameter second", loc=op.loc)
         swapped = _elementwise_ordered(ctx, op, [shs[1], shs[0]], [types[1], types[0]], param=True)
         return RuleResult((swapped.args[1], swapped.args[0]), swapped.out)
-    return _elementwise_ordered(ctx, op, shs, types, param=_is_param(ctx, op.args[1]))
+    return _elementwise_ordered(ctx, op, shs, types, param=_is_param(ctx, op.read(1)))
 
 
 def _elementwise_ordered(ctx: RuleContext, op: Op, shs: Shardings, types: Types, *, param: bool) -> RuleResult:
@@ -300,26 +302,18 @@ def _moe(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> RuleResult:
 
 Rule = Callable[[RuleContext, Op, Shardings, Types], RuleResult]
 
-SHARDING_RULES: dict[str, Rule] = {
-    "embedding": _embedding,
-    "linear": _linear,
-    "matmul": _linear,
-    "add": _elementwise,
-    "sub": _elementwise,
-    "mul": _elementwise,
-    "div": _elementwise,
-    "gelu": _unary,
-    "silu": _unary,
-    "state_add": _whole,
-    "relu": _unary,
-    "tanh": _unary,
-    "sigmoid": _unary,
-    "swiglu": _swiglu,
-    "rmsnorm": _norm,
-    "layernorm": _norm,
-    "rope": _rope,
-    "attention": _attention,
-    "cross_entropy": _cross_entropy,
-    "moe": _moe,
-    "aten": _aten,
-}
+# one rule per op family (fivedc/ir/ops.py says which ops each family holds)
+SHARDING_RULES: dict[str, Rule] = by_family({
+    OpFamily.EMBEDDING: _embedding,
+    OpFamily.LINEAR: _linear,
+    OpFamily.ELEMENTWISE: _elementwise,
+    OpFamily.UNARY: _unary,
+    OpFamily.STATE_ADD: _whole,
+    OpFamily.SWIGLU: _swiglu,
+    OpFamily.NORM: _norm,
+    OpFamily.ROPE: _rope,
+    OpFamily.ATTENTION: _attention,
+    OpFamily.CROSS_ENTROPY: _cross_entropy,
+    OpFamily.MOE: _moe,
+    OpFamily.ATEN: _aten,
+}, table="SHARDING_RULES")

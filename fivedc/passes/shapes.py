@@ -1,8 +1,9 @@
 """Shape inference: give every op its output `TensorType`, checking that dims agree.
 
-One small rule per op kind, in `SHAPE_RULES`. A rule gets the argument types (a
-`TensorType`, or `None` for a number literal) and returns the output type, or
-raises `ShapeError` at the op's source line naming the dims that disagree.
+One small rule per op family (`fivedc/ir/ops.OpFamily`), and per op kind in `SHAPE_RULES`.
+A rule gets the argument types (a `TensorType`, or `None` for a number literal) and
+returns the output type, or raises `ShapeError` at the op's source line naming the dims
+that disagree.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Callable, ClassVar
 
 from fivedc.errors import ShapeError
 from fivedc.ir.graph import Block, DType, Graph, Op, Repeat, TensorType
-from fivedc.ir.ops import OP_SPECS, parse_freqs
+from fivedc.ir.ops import OP_SPECS, OpFamily, by_family, parse_freqs
 from fivedc.passes.base import CompileOptions
 
 ArgTypes = list[TensorType | None]
@@ -253,29 +254,23 @@ def _moe(op: Op, types: ArgTypes, graph: Graph) -> TensorType:
     return x
 
 
-SHAPE_RULES: dict[str, Callable[[Op, ArgTypes, Graph], TensorType]] = {
-    "embedding": _embedding,
-    "linear": _linear,
-    "matmul": _linear,
-    "add": _elementwise,
-    "sub": _elementwise,
-    "mul": _elementwise,
-    "div": _elementwise,
-    "gelu": _unary,
-    "silu": _unary,
-    "state_add": _unary,
-    "relu": _unary,
-    "tanh": _unary,
-    "sigmoid": _unary,
-    "swiglu": _swiglu,
-    "rmsnorm": _norm,
-    "layernorm": _norm,
-    "rope": _rope,
-    "attention": _attention,
-    "cross_entropy": _cross_entropy,
-    "moe": _moe,
-    "aten": _aten,
-}
+ShapeRule = Callable[[Op, ArgTypes, Graph], TensorType]
+
+# one rule per op family (fivedc/ir/ops.py says which ops each family holds)
+SHAPE_RULES: dict[str, ShapeRule] = by_family({
+    OpFamily.EMBEDDING: _embedding,
+    OpFamily.LINEAR: _linear,
+    OpFamily.ELEMENTWISE: _elementwise,
+    OpFamily.UNARY: _unary,
+    OpFamily.STATE_ADD: _unary,
+    OpFamily.SWIGLU: _swiglu,
+    OpFamily.NORM: _norm,
+    OpFamily.ROPE: _rope,
+    OpFamily.ATTENTION: _attention,
+    OpFamily.CROSS_ENTROPY: _cross_entropy,
+    OpFamily.MOE: _moe,
+    OpFamily.ATEN: _aten,
+}, table="SHAPE_RULES")
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +304,7 @@ class InferShapes:
                 env.update(zip(item.results, (env[y] for y in body.yields)))
                 items.append(replace(item, body=body))
             else:
-                types = [env[a] if isinstance(a, str) else None for a in item.args]
+                types = [None if a is None else env[a] for a in item.arg_names]  # None: a number literal
                 out = SHAPE_RULES[item.kind](item, types, graph)
                 env[item.out] = out
                 items.append(replace(item, type=out))

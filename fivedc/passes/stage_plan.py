@@ -327,7 +327,7 @@ def input_only_items(graph: Graph, name: str) -> tuple[int, ...] | None:
         if index not in needed:
             needed.add(index)
             item = graph.body.items[index]
-            todo.extend([item.src] if isinstance(item, Redistribute) else [a for a in item.args if isinstance(a, str)])
+            todo.extend(item.reads)
     return tuple(sorted(needed))
 
 
@@ -374,9 +374,8 @@ def _added_sums(graph: Graph) -> set[str]:
     ops = {op.out: op for op, _ in walk_ops(graph.body) if isinstance(op, Op)}
     readers: dict[str, list[Op]] = {}
     for op in ops.values():
-        for a in op.args:
-            if isinstance(a, str):
-                readers.setdefault(a, []).append(op)
+        for a in op.reads:
+            readers.setdefault(a, []).append(op)
     out: set[str] = set()
     for op in ops.values():
         if op.kind != "state_add":

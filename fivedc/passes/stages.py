@@ -280,10 +280,8 @@ def layout_ranges(layers_per_chunk: tuple[int, ...], graph: Graph) -> list[tuple
 def _names_read(block: Block) -> set[str]:
     read: set[str] = set()
     for item in block.items:
-        if isinstance(item, Op):
-            read |= {a for a in item.args if isinstance(a, str)}
-        elif isinstance(item, Redistribute):
-            read.add(item.src)
+        if isinstance(item, (Op, Redistribute)):
+            read.update(item.reads)
         elif isinstance(item, Repeat):
             read |= set(item.carried) | (_names_read(item.body) - _names_defined(item.body) - set(item.body.args))
     return read
@@ -292,7 +290,7 @@ def _names_read(block: Block) -> set[str]:
 def _names_defined(block: Block) -> set[str]:
     out: set[str] = set()
     for item in block.items:
-        out |= set(item.results) if isinstance(item, Repeat) else {item.out}
+        out.update(item.writes)
     return out
 
 
@@ -381,7 +379,7 @@ def held_by_rank(graph: Graph, spec: PipelineSpec, pp: int) -> dict[int, set[str
 def unit_top_params(items, unit: Unit, top: set[str]) -> set[str]:
     """The top-level parameters the ops of a unit outside any repeat read."""
     return {a for item in items[unit.start:unit.stop] if isinstance(item, Op)
-            for a in item.args if isinstance(a, str) and a in top}
+            for a in item.reads if a in top}
 
 
 def outer_params(repeat: Repeat, top: set[str]) -> set[str]:
@@ -389,7 +387,7 @@ def outer_params(repeat: Repeat, top: set[str]) -> set[str]:
     used = set()
     for node, _ in walk_ops(repeat.body):
         if isinstance(node, Op):
-            used |= {a for a in node.args if isinstance(a, str) and a in top}
+            used |= {a for a in node.reads if a in top}
     return used
 
 

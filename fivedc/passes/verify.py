@@ -93,7 +93,7 @@ class VerifyIR:
     def _op(self, op: Op, defined: set[str]) -> None:
         if op.kind not in OP_SPECS:
             raise PassError(f"unknown op kind {op.kind!r}", loc=op.loc)
-        for arg in op.value_args:
+        for arg in op.reads:
             self._use(arg, defined, op.loc)
         self._define(op.out, defined, op.loc)
         if self.stage == "exit":

@@ -158,8 +158,8 @@ def canonical_values(graph: Graph) -> Graph:
         names[name] = f"v{len(names)}"
         return names[name]
 
-    def ref(arg):
-        return names.get(arg, arg) if isinstance(arg, str) else arg
+    def ref(name: str) -> str:
+        return names.get(name, name)
 
     def block(b):
         args, items = tuple(new(a) for a in b.args), []
@@ -168,7 +168,7 @@ def canonical_values(graph: Graph) -> Graph:
                 carried, body = tuple(ref(c) for c in item.carried), block(item.body)
                 items.append(replace(item, carried=carried, body=body, results=tuple(new(r) for r in item.results)))
             else:
-                items.append(replace(item, args=tuple(ref(a) for a in item.args), out=new(item.out)))
+                items.append(replace(item, args=item.map_reads(ref), out=new(item.out)))
         return replace(b, args=args, items=tuple(items), yields=tuple(ref(y) for y in b.yields))
 
     return replace(graph, body=block(graph.body))

@@ -134,7 +134,7 @@ def computed_from(graph: Graph, roots: set[str]) -> set[str]:
 def _spread(items, found: set[str]) -> set[str]:
     found = set(found)
     for node in items:
-        reads = (node.src,) if isinstance(node, Redistribute) else node.value_args
+        reads = node.reads
         if any(r in found for r in reads):
             found.add(node.out)
     return found

@@ -297,7 +297,7 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
             body = self._param_names[site.repeat] = {p.name for p in self.repeats[site.repeat].body.params} \
                 if site.repeat else set()
         top = self._param_names.setdefault("", {p.name for p in self.graph.body.params})
-        return [(a, a in body) for a in node.value_args if a in body or a in top]
+        return [(a, a in body) for a in node.reads if a in body or a in top]
 
     def param_numel(self, name: str) -> int:
         """Elements of a parameter instance's local tensor (once per parameter of the graph: a

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from fivedc.errors import FivedcError
-from fivedc.ir.graph import DType, Graph, Op, Redistribute, walk_ops
+from fivedc.ir.graph import DType, Graph, Op, Redistribute, readers
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 ROLES = ("inputs", "targets", "labels")  # labels: the input tokens themselves, shifted by the model
@@ -100,14 +100,7 @@ def read_windows(file: np.memmap, rows: np.ndarray, seq: int) -> np.ndarray:
 def input_roles(graph: Graph) -> dict[str, str]:
     """Each input of the model -> "inputs", "targets" (the next tokens) or "labels" (the
     same tokens: the model shifts them); a `FivedcError` for an input that is none."""
-    users: dict[str, list] = {}
-    for node, _ in walk_ops(graph.body):
-        if isinstance(node, Op):
-            for arg in node.args:
-                if isinstance(arg, str):
-                    users.setdefault(arg, []).append(node)
-        elif isinstance(node, Redistribute):
-            users.setdefault(node.src, []).append(node)
+    users = {name: [node for node, _ in uses] for name, uses in readers(graph.body).items()}
     roles = {}
     for item in graph.inputs:
         role = _role(item.name, users) if item.type.dtype == DType.INT and len(item.type.dims) == 2 else None

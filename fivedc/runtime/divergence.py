@@ -229,13 +229,13 @@ def around(plan: ExecutionPlan, site: Site, *, grad: bool) -> tuple[str, ...]:
         if isinstance(node, Redistribute):
             found += node.forward
         else:
-            found += [c for a in node.value_args if isinstance(by_out.get(a), Redistribute) for c in by_out[a].forward]
+            found += [c for a in node.reads if isinstance(by_out.get(a), Redistribute) for c in by_out[a].forward]
             found += [c for c in node.collectives if c.phase == "forward"]
     else:
         for reader in nodes:
             if isinstance(reader, Redistribute) and reader.src == node.out:
                 found += reader.backward
-            elif isinstance(reader, Op) and node.out in reader.value_args:
+            elif isinstance(reader, Op) and node.out in reader.reads:
                 found += [c for c in reader.collectives if c.phase == "backward"]
         if isinstance(node, Op):
             found += [c for c in node.collectives if c.phase == "backward"]

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from fivedc.ir.ops import counts_targets
-from fivedc.ir.graph import Block, DType, Graph, Op, Redistribute, Repeat, walk_ops
+from fivedc.ir.graph import Block, DType, Graph, Op, Redistribute, Repeat, outer_reads, readers, walk_ops
 from fivedc.ir.graph import param_instances as qualified_params
 from fivedc.passes.communication import weight_readers
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
@@ -40,7 +40,7 @@ from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.grad_once import counted_once
 from fivedc.runtime.kernels import KERNELS, KernelContext
 from fivedc.runtime.recompute import run_recomputed
-from fivedc.runtime.regions import CompiledLayers, outer_reads
+from fivedc.runtime.regions import CompiledLayers
 from fivedc.runtime.saved import mark_regathered
 from fivedc.runtime.tp_overlap import PutOff, mark_put_off
 from fivedc.runtime.tp_ring import ChunkedSum, RingGather, RingSum, mark_ring, start_ring
@@ -79,16 +79,10 @@ def _int_bound(graph: Graph, name: str) -> int:
     """Exclusive upper bound for an int input: the vocab of the embedding or loss using it,
     also through replicated ops that compute from it (a label shift)."""
     types = {i.name: i.type for i in graph.inputs}
-    users: dict[str, list[Op]] = {}
     for node, _ in walk_ops(graph.body):
         if isinstance(node, (Op, Redistribute)):
             types[node.out] = node.type
-        if isinstance(node, Op):
-            for arg in node.args:
-                if isinstance(arg, str):
-                    users.setdefault(arg, []).append(node)
-        elif isinstance(node, Redistribute):
-            users.setdefault(node.src, []).append(node)
+    users = {name: [node for node, _ in uses] for name, uses in readers(graph.body).items()}
     seen, todo = set(), [name]
     while todo:
         value = todo.pop(0)
@@ -206,17 +200,12 @@ class Program:
                         ring.finish()
                     ring, ring_value = started, item.out
             else:
-                args, arg_dims = [], []
-                for arg in item.args:
-                    if not isinstance(arg, str):
-                        args.append(arg)
-                        arg_dims.append(None)
-                    elif arg in scope:
-                        args.append(params[scope[arg]])
-                        arg_dims.append(self.param_dims[scope[arg]])
+                args, arg_dims = list(item.args), [None] * len(item.args)  # number literals as they are
+                for index, name in item.reads_at:
+                    if name in scope:
+                        args[index], arg_dims[index] = params[scope[name]], self.param_dims[scope[name]]
                     else:
-                        args.append(env[arg])
-                        arg_dims.append(dims[arg])
+                        args[index], arg_dims[index] = env[name], dims[name]
                 for index, spec in enumerate(item.arg_specs):
                     if spec is not None and spec.grad_once:
                         args[index] = counted_once(args[index], spec.grad_once, self.ctx.coords)

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from fivedc.ir.graph import Block, Op, Redistribute, Repeat, walk_ops
+from fivedc.ir.graph import Repeat, outer_reads
 
 
 @dataclass(frozen=True)
@@ -78,12 +78,3 @@ class CompiledLayers:
         return reads, torch.compile(layer, dynamic=False, backend=self.backend)
 
 
-def outer_reads(block: Block) -> set[str]:
-    """The names a body reads and does not define (args, outer values, parameters)."""
-    read: set[str] = set()
-    for node, _ in walk_ops(block):
-        if isinstance(node, Op):
-            read.update(a for a in node.args if isinstance(a, str))
-        elif isinstance(node, Redistribute):
-            read.add(node.src)
-    return read - {node.out for node, _ in walk_ops(block) if isinstance(node, (Op, Redistribute))}
