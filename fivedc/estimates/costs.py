@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -54,6 +54,7 @@ from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.attention_cost import math_attention_times
 from fivedc.estimates.saved import SaveContext, regathered
 from fivedc.passes.attention_kernel import kernel_of
+from fivedc.passes.fp8 import is_fp8
 from fivedc.passes.stages import Unit
 
 K = CollectiveKind
@@ -68,6 +69,8 @@ class Work:
     attention_flops: float = 0.0
     bytes: float = 0.0
     weight_flops: float = 0.0  # of the matmul FLOPs, those whose backward is a weight gradient (W)
+    fp8: bool = False  # the matmuls run in float8 (`fivedc/passes/fp8.py`): at the profile's fp8_flops
+    cast_bytes: float = 0.0  # float8: the casts' memory traffic before the matmul (`fp8_cast_bytes`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +98,8 @@ def op_work(c: SaveContext, op: Op) -> Work:
         contracted = [d for d in x if d not in op.type.dims]
         spec = op.arg_specs[0].sharding if op.arg_specs and op.arg_specs[0] else None
         flops = 2.0 * c.numel(op.type.dims, op.sharding) * c.numel(tuple(contracted), spec)
-        return Work(matmul_flops=flops, weight_flops=flops if op.args[1] in c.params else 0.0)
+        work = Work(matmul_flops=flops, weight_flops=flops if op.args[1] in c.params else 0.0)
+        return replace(work, fp8=True, cast_bytes=fp8_cast_bytes(c, op)[0]) if is_fp8(op) else work
     if op.kind == "attention":  # every query row against the whole sequence (ring or gathered K/V)
         q_rows = c.numel(op.type.dims[:-1], op.sharding)  # batch x seq x heads on this rank
         flops = 4.0 * q_rows * attended_keys(op, c.graph.dim(c.graph.seq_dim)) * c.graph.dim(op.type.dims[-1])
@@ -144,10 +148,33 @@ def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
 
 
 def work_seconds(work: Work, hw: Hardware) -> float:
-    """The roofline time of an op's forward."""
-    compute = work.matmul_flops / (hw.bf16_flops * hw.matmul_efficiency) + \
+    """The roofline time of an op's forward (a float8 linear's casts before it)."""
+    compute = work.matmul_flops / (matmul_peak(work, hw) * hw.matmul_efficiency) + \
         work.attention_flops / (hw.bf16_flops * hw.attention_efficiency)
-    return max(compute, work.bytes / hw.op_bytes_per_s)
+    return max(compute, work.bytes / hw.op_bytes_per_s) + work.cast_bytes / hw.op_bytes_per_s
+
+
+def matmul_peak(work: Work, hw: Hardware) -> float:
+    """The peak a matmul runs at: the float8 tensor cores' for a float8 linear (a plan with
+    --fp8 and a profile without them is refused at compile), else the bf16 peak."""
+    return hw.fp8_flops if work.fp8 and hw.fp8_flops else hw.bf16_flops
+
+
+def fp8_cast_bytes(c: SaveContext, op: Op) -> tuple[float, float]:
+    """(forward, backward) memory traffic of a float8 linear's casts, torchao's own count
+    (torchao/float8/roofline_utils.py, `get_float8_mem_sympy`, tensorwise): a cast reads
+    the tensor at the training dtype and writes it in float8 twice (row- and column-major,
+    for the two matmuls that read it); its amax is one more read, except where it fuses
+    into the op making the tensor (the input, the output gradient). Forward: the input
+    (M K) and the weight (K N, amax read apart); backward: the output gradient (M N);
+    the input and weight cast in forward are read again in backward as float8."""
+    b, out = c.dtype_bytes, c.numel(op.type.dims, op.sharding)  # M N
+    x = c.layouts[op.args[0]][0].dims
+    spec = op.arg_specs[0].sharding if op.arg_specs and op.arg_specs[0] else None
+    k = c.numel(tuple(d for d in x if d not in op.type.dims), spec)  # K
+    m = c.value_numel(op.args[0]) // max(k, 1)  # M
+    x, w = m * k, k * out // max(m, 1)
+    return x * (b + 2) + w * (2 * b + 2), out * (b + 2)
 
 
 def op_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]:
@@ -175,9 +202,10 @@ def _work_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, flo
     forward = work_seconds(work, hw)
     if op.kind == "attention":
         return forward, 2.5 * forward, 0.0
-    peak = hw.bf16_flops * hw.matmul_efficiency
+    peak = matmul_peak(work, hw) * hw.matmul_efficiency
     grads = (2 * work.matmul_flops - work.weight_flops) / peak
-    return forward, max(grads, 2 * work.bytes / hw.op_bytes_per_s), work.weight_flops / peak
+    casts = fp8_cast_bytes(c, op)[1] / hw.op_bytes_per_s if work.fp8 else 0.0  # the output gradient's
+    return forward, max(grads, 2 * work.bytes / hw.op_bytes_per_s) + casts, work.weight_flops / peak
 
 
 # ---- collectives ----------------------------------------------------------------------------
