@@ -172,3 +172,15 @@ def test_the_reference_scales_each_ranks_rows_apart():
     reference = _compile("1x1x1x1x1")
     whole, halves = (reference_run(reference, TrainSettings(steps=1), fp8_blocks=b).losses[0] for b in (1, 2))
     assert whole != halves
+
+
+# ---- the rehearsal (the runtime on the meta device) against the estimate ------------------------
+@pytest.mark.parametrize("model,mesh", [("examples/gpt.5d", "2x1x2x1x1")])
+def test_a_rehearsed_float8_rank_holds_what_the_estimate_says(model, mesh):
+    from fivedc.runtime.rehearse import rehearse_plan
+
+    plan = compile_graph(load_model(model), CompileOptions(mesh=Mesh.parse(mesh), sequence_parallel=True, fp8=True))
+    (rehearsed,) = rehearse_plan(plan).classes
+    estimated = plan.memory.ranks[0]
+    assert rehearsed.peak == pytest.approx(estimated.total, rel=0.05)
+    assert rehearsed.at_peak["params"] == estimated.params
