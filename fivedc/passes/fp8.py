@@ -54,6 +54,8 @@ class ChooseFp8:
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         """Decides from the option alone: a plan's graph read back (`plan_check`) carries the
         marks of its compile, which a fresh compile must give again, not keep."""
+        if not options.fp8 and not any(op.attr("fp8") is not None for op, _ in _ops(graph.body)):
+            return graph
         heads = _head_dims(graph)
         params = {p.name: p for p, _ in walk_params(graph.body)}
         body = _choose(graph.body, graph, options.mesh, heads if options.fp8 else None, params)

@@ -52,9 +52,10 @@ class Operand:
         with torch.no_grad():
             a = t.detach()
             if self.blocks > 1 and self.batch is not None:
-                amax = a.movedim(self.batch, 0).reshape(self.blocks, -1).abs().amax(dim=1)
+                rows = a.movedim(self.batch, 0).reshape(self.blocks, -1)
+                amax = torch.maximum(rows.amax(dim=1), -rows.amin(dim=1))  # max |t| without a copy of |t|
             else:
-                amax = a.abs().amax()
+                amax = torch.maximum(a.max(), -a.min())
             if self.group is not None:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
             scale = (torch.finfo(self.dtype).max / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
@@ -66,11 +67,28 @@ class Operand:
             return scale
 
     def cast(self, t: Tensor, scale: Tensor) -> Tensor:
-        """t through float8 and back, at t's dtype (what the float8 matmul multiplies)."""
+        """t through float8 and back, at t's dtype (what the float8 matmul multiplies). The
+        float32 (float64) working copies are made a slab of rows at a time, so the cast holds
+        about its output beyond t, as a GPU's fused cast kernel holds its float8 output."""
         top, wide = torch.finfo(self.dtype).max, torch.promote_types(t.dtype, torch.float32)
+        out = torch.empty_like(t)
+        rows = t.shape[0] if t.dim() else 1
+        step = max(1, CAST_SLAB // max(1, t[0].numel())) if t.dim() else 1
+        per_row = scale.dim() > 0 and self.batch == 0 and rows > 1  # one scale per row's block
         with torch.no_grad():  # torchao scales in float32 (`hp_tensor.to(torch.float32) * scale`); float64 stays
-            t8 = torch.clamp(t.to(wide) * scale, -top, top).to(self.dtype)
-            return (t8.to(wide) / scale).to(t.dtype)
+            for start in range(0, rows, step):
+                part, s = (t, scale) if not t.dim() else (t[start:start + step], scale[start:start + step]
+                                                           if per_row else scale)
+                y = part.to(wide, copy=True).mul_(s).clamp_(-top, top)
+                y = y.to(self.dtype).to(wide).div_(s)
+                if t.dim():
+                    out[start:start + step].copy_(y)
+                else:
+                    out.copy_(y)
+        return out
+
+
+CAST_SLAB = 2**20  # elements a cast's working copies hold at once
 
 
 @dataclass(frozen=True)
