@@ -68,26 +68,23 @@ class Operand:
 
     def cast(self, t: Tensor, scale: Tensor) -> Tensor:
         """t through float8 and back, at t's dtype (what the float8 matmul multiplies). The
-        float32 (float64) working copies are made a slab of rows at a time, so the cast holds
-        about its output beyond t, as a GPU's fused cast kernel holds its float8 output."""
+        float32 (float64) working copies are made a slab of rows at a time (rows: t's leading
+        dims together), so the cast holds about its output beyond t, as a GPU's fused cast
+        kernel holds its float8 output."""
         top, wide = torch.finfo(self.dtype).max, torch.promote_types(t.dtype, torch.float32)
-        out = torch.empty_like(t)
-        rows = t.shape[0] if t.dim() else 1
-        step = max(1, CAST_SLAB // max(1, t[0].numel())) if t.dim() else 1
-        per_row = scale.dim() > 0 and self.batch == 0 and rows > 1  # one scale per row's block
+        flat = t.reshape(-1, t.shape[-1]) if t.dim() >= 2 else t.reshape(1, -1)
+        rows, step = flat.shape[0], max(1, CAST_SLAB // max(1, flat.shape[1]))
+        if scale.dim():  # one per block of batch rows (a leading dim): one per row of `flat`
+            scale = scale.expand(*t.shape[:-1], 1).reshape(-1, 1)
+        out = torch.empty_like(flat)
         with torch.no_grad():  # torchao scales in float32 (`hp_tensor.to(torch.float32) * scale`); float64 stays
             # on the meta device (a rehearsal) the slabs are alike and have no values: the first
             # stands for all (the same storages live at once), so a full-scale rank stays quick
             for start in range(0, rows if t.device.type != "meta" else min(rows, step), step):
-                part, s = (t, scale) if not t.dim() else (t[start:start + step], scale[start:start + step]
-                                                           if per_row else scale)
-                y = part.to(wide, copy=True).mul_(s).clamp_(-top, top)
-                y = y.to(self.dtype).to(wide).div_(s)
-                if t.dim():
-                    out[start:start + step].copy_(y)
-                else:
-                    out.copy_(y)
-        return out
+                s = scale[start:start + step] if scale.dim() else scale
+                y = flat[start:start + step].to(wide, copy=True).mul_(s).clamp_(-top, top)
+                out[start:start + step].copy_(y.to(self.dtype).to(wide).div_(s))
+        return out.reshape(t.shape)
 
 
 CAST_SLAB = 2**22  # elements a cast's working copies hold at once (16 MiB in float32)
