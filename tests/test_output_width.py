@@ -48,6 +48,8 @@ def test_plan_commands_fit_100_columns(tmp_path, capsys) -> None:
         ["diff", f"{GPT}@2x1x2x1x1", f"{GPT}@1x1x4x1x1"],
         ["search", GPT, "--gpus", "64", "--gpu", "h100", "--top", "5", "--explain", "-o", str(tmp_path / "best.json"),
          "--json", str(tmp_path / "all.json")],
+        ["search", GPT, "--gpus", "64", "--gpu", "h100", "--explain", "--compare", "4x4x4x1x1", "--schedule", "1f1b",
+         "--microbatches", "1", "--recompute", "full"],
     ]
     for argv in commands:
         assert_fits(printed(capsys, argv), " ".join(argv[:1]))

@@ -149,3 +149,35 @@ def test_a_buffer_left_out_of_the_estimate_is_caught(monkeypatch) -> None:
     entry, rank = class_ranks(plan)[0]
     live = rehearse_rank(plan, rank, TrainSettings(steps=1, dtype=plan.dtype, keep_grads=False))
     assert entry.total / live.peak < 0.95
+
+
+# Every axis, ZeRO stage, recomputation mode and schedule on the examples, no pipeline and
+# a pipeline (the rows of `python benchmarks/rehearsal.py`), with options as `fivedc compile` takes them.
+EXAMPLES = [
+    ("examples/gpt.5d", "2x1x2x1x1", dict(sequence_parallel=True)),
+    ("examples/gpt.5d", "2x1x2x1x1", dict(sequence_parallel=True, recompute="selective")),
+    ("examples/gpt.5d", "1x1x2x1x1", dict(recompute="full")),
+    ("examples/gpt.5d", "4x1x1x1x1", dict(zero=1)),
+    ("examples/gpt.5d", "4x1x1x1x1", dict(zero=2)),
+    ("examples/gpt.5d", "4x1x1x1x1", dict(zero=3)),
+    ("examples/gpt.5d", "2x1x1x2x1", dict()),
+    *[("examples/gpt.5d", "1x2x1x1x1", dict(microbatches=4, schedule=s))
+      for s in ("1f1b", "gpipe", "interleaved", "zb-h1", "dualpipev")],
+    ("examples/tiny_llama.5d", "2x1x2x1x1", dict(sequence_parallel=True, zero=1)),
+    ("examples/moe.5d", "2x1x1x1x2", dict()),
+    ("examples/moe.5d", "2x1x2x1x2", dict(sequence_parallel=True, zero=2)),
+]
+
+
+@pytest.mark.parametrize("model,mesh,options", EXAMPLES, ids=lambda v: v if isinstance(v, str) else
+                         ",".join(f"{k}={x}" for k, x in v.items()) or "-")
+def test_every_example_is_estimated_within_5_percent_of_its_rehearsal(model, mesh, options) -> None:
+    """Each class's estimate against its rank's rehearsed peak. Without a pipeline the peak is
+    the step's busiest moment (`fivedc/estimates/timeline.py`); ZeRO-3's is held to 10 %
+    above: a layer's backward is counted with its kept activations, its gathered weights and
+    all their gradients at once (the sum issue 35 asks for), while the runtime frees what the
+    layer kept as its gradients come."""
+    plan = _plan(model, mesh, **options)
+    high = 1.10 if options.get("zero") == 3 else 1.05
+    for c in rehearse_plan(plan).classes:
+        assert 0.95 <= c.ratio <= high, (c.ranks, c.estimated.total, c.peak)

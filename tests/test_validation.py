@@ -151,8 +151,12 @@ def test_the_search_reports_the_error_it_measured(published, capsys) -> None:
         len(ratios), round(statistics.median(ratios), 2), round(min(ratios), 2), round(max(ratios), 2))
     assert main(["search", "examples/gpt.5d", "--gpus", "8", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out
-    assert STEP_TIME.line() in out
-    assert f"are within {STEP_TIME.spread:.0%} of the best: a tie" in out
+    flat = " ".join(out.split())  # the lines as printed, wrapped to 100 columns
+    assert STEP_TIME.line() in flat and f"±{STEP_TIME.spread:.0%} on {STEP_TIME.runs} published runs" in flat
+    assert f"are within {STEP_TIME.spread:.0%} of the best (at least: --explain scores every tie): a tie" in flat
+    assert main(["search", "examples/gpt.5d", "--gpus", "8", "--gpu", "h100", "--explain"]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert f"are within {STEP_TIME.spread:.0%} of the best: a tie" in flat  # every tie scored: the exact count
 
 
 def test_what_runs_beside_compute_holds_some_of_its_sms(tmp_path) -> None:

@@ -2,9 +2,11 @@
 
 Prints the top `--top` layouts (mesh, options, memory of the busiest rank, bubble,
 step time, tokens/s, MFU, communication share) and the `fivedc compile` flags of
-the best; `-o` writes the best plan (compiled for real, with its agreement proof),
+the best, the model's error on published runs and the layouts within it of the best (ties,
+every one scored); `-o` writes the best plan (compiled for real, with its agreement proof),
 `--json` every ranked candidate, best first, and `--explain` the rejected candidates
-counted by reason. A rich progress bar runs on stderr while the meshes are sharded and the
+counted by reason. `--compare MESH [layout flags]` puts the user's layout beside the best
+(`search_compare.py`), with `--explain` term by term. A rich progress bar runs on stderr while the meshes are sharded and the
 layouts scored. Without `--json` the search scores only what can still be among the `--top`
 best (fivedc/search/best_first.py); with it, every layout.
 """
@@ -17,6 +19,7 @@ import sys
 import time
 
 from fivedc.cli.screen import command_line, say
+from fivedc.cli.search_compare import compare_args, compared_layout, print_compared, print_explained
 from fivedc.errors import FivedcError
 
 
@@ -32,12 +35,14 @@ def search_args(p) -> None:
     p.add_argument("--top", type=int, default=5, metavar="K", help="layouts printed (default 5)")
     p.add_argument("-o", "--output", default=None, help="write the best plan here")
     p.add_argument("--json", default=None, metavar="ALL.json", help="write every ranked candidate, best first")
-    p.add_argument("--explain", action="store_true", help="count the rejected candidates by reason")
+    p.add_argument("--explain", action="store_true", help="count the rejected candidates by reason; with --compare, both steps term by term")
     p.add_argument("--wide", action="store_true", help="print for a terminal of 140+ columns (default: at most 100)")
+    compare_args(p)
 
 
 def run_search(args, console) -> int:
     from fivedc.cli.shared import load_graph, with_shape
+    from fivedc.estimates.model_error import STEP_TIME
     from fivedc.files import write_output
     from fivedc.outputs import Output, check_outputs
     from fivedc.frontends.python_file import parse_spec
@@ -56,14 +61,22 @@ def run_search(args, console) -> int:
             raise SearchError(f"--gpus-per-node {args.gpus_per_node} must be at least 1", hint="e.g. --gpus-per-node 8")
         hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
     graph = with_shape(load_graph(args.model), batch=args.global_batch, seq=args.seq)
+    compared = compared_layout(args, graph, hw, gpus=args.gpus, dtype=args.dtype)
+    every_tie = args.explain or compared is not None  # scoring every tie doubles the largest searches' time
     start = time.perf_counter()
-    with _Progress() as progress:  # --json lists every layout that fits; else the --top best are enough
+    with _Progress() as progress:  # --json lists every layout that fits; else the --top best (and their ties)
         result = search(graph, gpus=args.gpus, hardware=hw, dtype=args.dtype, progress=progress,
-                        compile_best=args.output is not None, keep=None if args.json is not None else args.top)
+                        compile_best=args.output is not None or (args.explain and compared is not None),
+                        keep=None if args.json is not None else args.top, band=STEP_TIME.spread if every_tie else 0.0,
+                        floor=compared.step if compared is not None else 0.0)
     seconds = time.perf_counter() - start
-    _print_top(result, args.top, console, graph, args.gpus, hw, seconds)
+    _print_top(result, args.top, console, graph, args.gpus, hw, seconds, every_tie or args.json is not None)
+    if compared is not None:
+        print_compared(result, compared, hw)
     if args.explain:
         _print_rejected(result, console)
+        if compared is not None:
+            print_explained(result, compared, console)
     if args.json is not None:
         text = json.dumps({"candidates": [s.as_json() for s in result.ranked]}, indent=1) + "\n"
         write_output(args.json, text, inputs=(model_file,), what="search results")
@@ -96,7 +109,7 @@ class _Progress:
         self._bar.__exit__(*exc)
 
 
-def _print_top(result, top: int, console, graph, gpus: int, hw, seconds: float) -> None:
+def _print_top(result, top: int, console, graph, gpus: int, hw, seconds: float, every_tie: bool) -> None:
     from rich.table import Table
 
     from fivedc.plan.summary import format_bytes
@@ -110,15 +123,16 @@ def _print_top(result, top: int, console, graph, gpus: int, hw, seconds: float) 
                       f"{t.bubble:.1%}", f"{t.step_seconds:.3g} s", f"{t.tokens_per_second:,.0f}", f"{t.mfu:.1%}",
                       f"{s.comm_share:.0%}")
     console.print(table)
-    _print_ties(result, top)
+    _print_ties(result, top, every_tie)
     rejected = sum(result.rejected.values())
     say(f"{len(result.ranked)} layouts ranked, {rejected} rejected, over {result.meshes} meshes in {seconds:.1f} s")
     print(command_line(f"best: fivedc compile {graph.source or graph.name} {result.best.candidate.flags()} "
                        f"--gpu {hw.key}"))
 
 
-def _print_ties(result, top: int) -> None:
-    """The model's error on published runs, and the layouts it cannot tell from the best."""
+def _print_ties(result, top: int, every_tie: bool) -> None:
+    """The model's error on published runs, and the layouts it cannot tell from the best: all
+    of them when the search scored every tie (`every_tie`), else those it scored on its way."""
     from fivedc.estimates.model_error import STEP_TIME
 
     best = result.ranked[0].time.step_seconds
@@ -126,7 +140,8 @@ def _print_ties(result, top: int) -> None:
     say(STEP_TIME.line())
     if ties > 1:
         shown = f"#1-#{ties}" if ties <= top else f"#1-#{ties} ({ties - top} not shown)"
-        say(f"layouts {shown} are within {STEP_TIME.spread:.0%} of the best: a tie by this model's error")
+        counted = "" if every_tie else " (at least: --explain scores every tie)"
+        say(f"layouts {shown} are within {STEP_TIME.spread:.0%} of the best{counted}: a tie by this model's error")
 
 
 def _print_rejected(result, console) -> None:

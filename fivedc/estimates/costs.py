@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -53,6 +53,7 @@ from fivedc.ir.mesh import Mesh
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.attention_cost import math_attention_times
 from fivedc.estimates.saved import SaveContext, regathered
+from fivedc.estimates.terms import ISSUE, MEMORY_BOUND, PHASES, RECOMPUTATION, Ledger, UnitParts, comm_term, op_term
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.fp8 import is_fp8
 from fivedc.passes.stages import Unit
@@ -83,6 +84,7 @@ class UnitTime:
     backward_weight: float
     comm: float = 0.0  # of the three, seconds in collectives on the unit's path (forward and backward)
     hidden: float = 0.0  # of `comm`, what a whole backward runs behind its compute: tp's sums, SP's regathers
+    parts: UnitParts = field(default=UnitParts(), compare=False, repr=False)  # the same seconds by term (`terms.py`)
 
     @property
     def backward(self) -> float:
@@ -256,6 +258,10 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
         repeat = graph.body.items[unit.start]
         items = repeat.body.items
     fwd = bwd_in = bwd_w = comm = 0.0
+    led = Ledger()  # the same seconds by term (`terms.py`)
+    labels: dict[str, tuple[str, str]] = {}  # a sum overlapped in backward: the terms of its gradient and regather
+    ahead_by: dict[str, float] = {}  # `ahead` and `back` by term
+    back_by: dict[str, float] = {}
     behind: dict[str, float] = {}  # a redistribution's backward sum overlapped with weight gradients
     weights: dict[str, float] = {}  # and the weight-gradient seconds of the linears reading it
     early: dict[str, float] = {}  # there, SP's input gathered again: started before the readers' dX
@@ -277,47 +283,73 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             f, i = seconds(node.forward), seconds(node.backward)
             w = seconds(node.forward, K.ALL_GATHER) if node.out in again else 0.0  # SP: gathered again
             fwd, bwd_in, bwd_w, comm = fwd + f, bwd_in + i, bwd_w + w, comm + f + i + w
+            term_f, term_i = comm_term(node.forward), comm_term(node.backward)
+            term_w = comm_term([x for x in node.forward if x.kind == K.ALL_GATHER])
+            for phase, term, part in (("forward", term_f, f), ("input", term_i, i), ("weight", term_w, w)):
+                led.add(phase, term, part)
             if any(x.overlaps for x in node.backward):
-                behind[node.out], early[node.out] = i, w
+                behind[node.out], early[node.out], labels[node.out] = i, w, (term_i, term_w)
             if len(node.forward) == 1 and node.forward[0].overlaps:  # beside a linear (collective matmul)
                 x, n = node.forward[0], c.mesh.size(*node.forward[0].axes)
                 if x.kind == K.ALL_REDUCE:  # n all-reduces of 1/n: n times the latency
                     chunked = n * collective_seconds(x.kind, x.axes, x.bytes * scale / n, c.mesh, hw) * x.count / per
+                    led.add("forward", term_f, chunked - f)
                     fwd, comm, f = fwd + chunked - f, comm + chunked - f, chunked
                 if x.kind == K.ALL_GATHER:  # beside the next linear
-                    gathering[node.out] = (f, n)
+                    gathering[node.out] = (f, n, term_f)
                 else:  # beside the linear making its input
                     f_made, i_made = made.pop(node.src, (0.0, 0.0))
-                    ahead += hidden_beside(x.kind, f, f_made, n)
+                    h = hidden_beside(x.kind, f, f_made, n)
+                    ahead, ahead_by[term_f] = ahead + h, ahead_by.get(term_f, 0.0) + h
                     if node.backward and node.backward[0].overlaps:  # its gradient back in a ring, beside dX
-                        back += hidden_beside(K.ALL_GATHER, i, i_made, n)
+                        h = hidden_beside(K.ALL_GATHER, i, i_made, n)
+                        back, back_by[term_i] = back + h, back_by.get(term_i, 0.0) + h
             continue
         if not isinstance(node, Op):
             continue
         f, i, w = op_times(c, node, hw)
+        term = op_term(node.kind)
+        casts = [b / hw.op_bytes_per_s for b in fp8_cast_bytes(c, node)] if is_fp8(node) else (0.0, 0.0)
+        for phase, part, cast in (("forward", f, casts[0]), ("input", i, casts[1]), ("weight", w, 0.0)):
+            led.add(phase, term, part - cast)
+            led.add(phase, MEMORY_BOUND, cast)  # a float8 linear's casts: memory-bound work
         if node.kind == "linear":
             made[node.out] = (f, i)
         if node.kind == "linear" and node.args[0] in gathering:
-            seconds, n = gathering.pop(node.args[0])
-            ahead += hidden_beside(K.ALL_GATHER, seconds, f, n)
+            seconds, n, term_f = gathering.pop(node.args[0])
+            h = hidden_beside(K.ALL_GATHER, seconds, f, n)
+            ahead, ahead_by[term_f] = ahead + h, ahead_by.get(term_f, 0.0) + h
         if node.kind == "linear" and node.args[0] in behind:
             weights[node.args[0]] = weights.get(node.args[0], 0.0) + w
             inputs[node.args[0]] = inputs.get(node.args[0], 0.0) + i
-        extra_f, extra_i = _op_collectives(c, node, hw, f), _op_collectives(c, node, hw, i, backward=True)
+        extra_f = _op_collectives(c, node, hw, f, ledger=led)
+        extra_i = _op_collectives(c, node, hw, i, backward=True, ledger=led)
         f, i, comm = f + extra_f, i + extra_i, comm + extra_f + extra_i
         again_here = recomputes_op(node, repeat, recompute)
         if again_here:
             i += f  # its forward runs again in backward
+            led.add("input", RECOMPUTATION, f)
         fwd, bwd_in, bwd_w = fwd + f, bwd_in + i, bwd_w + w
         issues = [issues[0] + 1, issues[1] + 1 + again_here, issues[2] + bool(w)]
-    fwd, bwd_in, bwd_w = (issue_bound(t, n, hw) for t, n in zip((fwd, bwd_in, bwd_w), issues))
+    summed = (fwd, bwd_in, bwd_w)
+    fwd, bwd_in, bwd_w = (issue_bound(t, n, hw) for t, n in zip(summed, issues))
+    for phase, before, after in zip(PHASES, summed, (fwd, bwd_in, bwd_w)):
+        led.add(phase, ISSUE, after - before)
     keep = hw.overlap_keep  # what runs beside compute slows it by the SMs it holds
     fwd, comm = fwd - ahead * keep, comm - ahead * keep
+    for term, part in ahead_by.items():
+        led.add("forward", term, -part * keep)
     if repeat is not None and recomputes_layer(repeat, recompute):
         bwd_in += fwd  # the whole layer's forward again (its rings hidden again)
+        led.add("input", RECOMPUTATION, fwd)
     hidden = keep * (back + sum(min(seconds, weights.get(name, 0.0)) + min(early[name], inputs.get(name, 0.0))
                                 for name, seconds in behind.items()))
-    return UnitTime(fwd, bwd_in, bwd_w, comm, hidden)
+    for term, part in back_by.items():
+        led.add("hidden", term, keep * part)
+    for name, part in behind.items():
+        led.add("hidden", labels[name][0], keep * min(part, weights.get(name, 0.0)))
+        led.add("hidden", labels[name][1], keep * min(early[name], inputs.get(name, 0.0)))
+    return UnitTime(fwd, bwd_in, bwd_w, comm, hidden, led.parts())
 
 
 def hidden_beside(kind: CollectiveKind, seconds: float, matmul: float, n: int) -> float:
@@ -331,22 +363,31 @@ def hidden_beside(kind: CollectiveKind, seconds: float, matmul: float, n: int) -
     return min(seconds, (n - 1) / n * matmul)
 
 
-def _op_collectives(c: SaveContext, op: Op, hw: Hardware, compute: float, *, backward: bool = False) -> float:
+def _op_collectives(c: SaveContext, op: Op, hw: Hardware, compute: float, *, backward: bool = False,
+                    ledger: Ledger | None = None) -> float:
     """The op's own collectives in one phase: blocking ones add; overlapped ones (ring hops)
     beyond the compute they hide behind, and behind it the SMs they hold
-    (`Hardware.overlap_sm_share`)."""
+    (`Hardware.overlap_sm_share`). `ledger`: given the seconds by term too (the overlapped
+    ones' share by their seconds)."""
     from fivedc.ir.graph import Phase
 
     phase = Phase.BACKWARD if backward else Phase.FORWARD
     blocking = hidden = 0.0
+    overlapped: dict[str, float] = {}
     for x in op.collectives:
         if x.phase != phase:
             continue
         seconds = collective_seconds(x.kind, x.axes, x.bytes / c.microbatches, c.mesh, hw) * x.count
         if x.overlaps:
             hidden += seconds
+            overlapped[comm_term((x,))] = overlapped.get(comm_term((x,)), 0.0) + seconds
         else:
             blocking += seconds
+            if ledger is not None:
+                ledger.add("input" if backward else "forward", comm_term((x,)), seconds)
+    if ledger is not None and overlapped:
+        ledger.share("input" if backward else "forward", overlapped,
+                     max(0.0, hidden - compute) + min(hidden, compute) * hw.overlap_sm_share)
     return blocking + max(0.0, hidden - compute) + min(hidden, compute) * hw.overlap_sm_share
 
 

@@ -18,8 +18,14 @@ the plan stays flat in the world size. Per rank:
   recomputed region, the forward's working set, the loss's gradient, ZeRO-3's
   gathers, gradient buckets, all-to-all and ring buffers, pipeline sends).
 
-`total` is their sum: the peak a rank reaches when the transient arrives at the
-activations' peak, an upper bound of what it holds at any moment.
+Each category is at its own largest over the step; `total` is what the rank holds at its
+busiest moment. Under a pipeline that is a backward in the steady state, where every
+gradient of the rank's chunks is made and the schedule's microbatches are in flight: the
+categories' sum. Without a pipeline the step's moments are walked one by one
+(`fivedc/estimates/timeline.py`: a unit's forward holds no gradient, its backward the
+gradients made so far beside what units before it keep, the gradient sums and the
+optimizer step no activation) and the busiest one is the total, which can be less than
+the categories' sum (the summary names the moment).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec
-from fivedc.estimates.transient import transients
+from fivedc.estimates.timeline import Moment, peak_moment, step_moments
+from fivedc.estimates.transient import step_buffers, transients
 
 # Bytes per parameter element of AdamW's state: in 16-bit training an fp32 master copy and
 # fp32 moments (ZeRO's 12); in fp32 or fp64 the parameters are the master copy.
@@ -55,8 +62,9 @@ class RankMemory:
 
     def __post_init__(self) -> None:
         parts = self.params + self.grads + self.optimizer + self.activations + self.transient
-        if self.total != parts:
-            raise PlanError(f"memory of ranks {self.ranks}: total {self.total} is not the sum of its parts ({parts})")
+        if not self.params + self.optimizer <= self.total <= parts:
+            raise PlanError(f"memory of ranks {self.ranks}: total {self.total} is not between what is held throughout "
+                            f"({self.params + self.optimizer}) and the sum of its parts ({parts})")
 
     def pp_ranks(self, pp: int) -> tuple[int, ...]:
         """The pp ranks this entry covers, on a pipeline of `pp` ranks."""
@@ -116,16 +124,35 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
     A tied parameter is held (with its gradient and optimizer state) by every pp rank whose
     chunks use it; `tied`: the groups whose gradients those ranks sum (`fivedc/passes/tied.py`)."""
     memo = memo_for(memo, graph, mesh, dtype)
+    if pipeline is None:
+        return MemoryEstimate((peak_of_step(memo, dtype_bytes, zero, recompute, buckets, overlap)[0],))
     pp = mesh.size(MeshAxis.PP)
-    held = [held_bytes(memo, dtype_bytes, zero, pipeline, r) for r in (range(pp) if pipeline else (None,))]
+    held = [held_bytes(memo, dtype_bytes, zero, pipeline, r) for r in range(pp)]
     activations, regions = memo.get(("rank activations", dtype_bytes, recompute, pipeline), lambda: rank_activations(
         graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline, recompute=recompute, memo=memo))
     parts = transients(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
                        recompute=recompute, regions=regions, buckets=buckets, overlap=overlap, memo=memo, tied=tied,
-                       activations=activations, grads=[grads for _, grads, _ in held])
+                       activations=activations)
     rows = [(params, grads, optimizer, activations[r], max(parts[r].values()))
             for r, (params, grads, optimizer) in enumerate(held)]
     return MemoryEstimate(_classes(rows, pipeline is not None))
+
+
+def peak_of_step(memo: Memo, dtype_bytes: int, zero: int, recompute: str, buckets,
+                  overlap: bool) -> tuple[RankMemory, Moment]:
+    """Without a pipeline: the step's busiest moment (`fivedc/estimates/timeline.py`), what
+    is live then by category, and the moment."""
+    params, grads, optimizer = held_bytes(memo, dtype_bytes, zero, None, None)
+    key = ("step moments", dtype_bytes, zero, recompute, buckets, overlap)
+    def compute() -> list[Moment]:
+        unit_buffers, sums, step = step_buffers(memo, dtype_bytes, zero, recompute, buckets, overlap)
+        return step_moments(memo, dtype_bytes=dtype_bytes, zero=zero, recompute=recompute,
+                            unit_buffers=unit_buffers, sums=sums, step=step)
+    moments = memo.get(key, compute)
+    peak = peak_moment(moments)
+    kept = max(m.activations for m in moments)
+    largest = max(m.transient for m in moments)
+    return RankMemory("all", params, grads, optimizer, kept, largest, params + optimizer + peak.bytes), peak
 
 
 def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, pipeline: PipelineSpec | None,

@@ -28,8 +28,8 @@ class ModelError:
         return max(self.high / self.median, self.median / self.low) - 1
 
     def line(self) -> str:
-        return (f"step time vs {self.runs} published runs: predicted/measured {self.median:.2f} median, "
-                f"{self.low:.2f}-{self.high:.2f} ({self.source})")
+        return (f"the step-time model's error: ±{self.spread:.0%} on {self.runs} published runs "
+                f"(predicted/measured {self.median:.2f} median, {self.low:.2f}-{self.high:.2f}; {self.source})")
 
 
 STEP_TIME = ModelError(runs=24, median=0.92, low=0.74, high=1.07)

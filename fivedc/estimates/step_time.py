@@ -108,8 +108,22 @@ def memo_unit_times(memo: Memo, hw: Hardware, dtype_bytes: int, microbatches: in
 def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware, times,
                memo: Memo) -> tuple[float, float, list]:
     """The schedule played with each chunk's seconds per microbatch."""
+    per, travel = chunk_costs(c, pipeline, mesh, hw, times)
+    whole = pipeline.schedule not in SPLIT_BACKWARD
+    delays = {"RF": travel, "RB": [0.0] + travel[:-1]}
+    key = ("played", pipeline.schedule, pipeline.microbatches, pipeline.virtual,
+           *(tuple(v) for v in per.values()), tuple(travel))
+    makespan, bubble = memo.get(key, lambda: _play(pipeline.build_schedule(mesh.size(MeshAxis.PP)), per, delays))
+    comm = [0.0] * mesh.size(MeshAxis.PP)
+    for chunk in pipeline.chunks:
+        comm[chunk.rank] += pipeline.microbatches * sum(t.comm - (t.hidden if whole else 0.0)
+                                                        for t in times[chunk.units[0]:chunk.units[1]])
+    return makespan, bubble, comm
 
-    per = {"F": [], "B": [], "I": [], "W": []}
+
+def chunk_costs(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware, times) -> tuple[dict, list]:
+    """Each chunk's F, B, I and W seconds per microbatch, and its sent activations' seconds over pp."""
+    per: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
     travel = []
     whole = pipeline.schedule not in SPLIT_BACKWARD  # else the runtime leaves every dW to W: nothing hides
     for chunk in pipeline.chunks:
@@ -120,15 +134,7 @@ def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware,
         per["W"].append(sum(t.backward_weight for t in mine))
         nbytes = sum(c.value_bytes(n) for n in chunk.sends)
         travel.append(collective_seconds(K.SEND_RECV, (MeshAxis.PP,), nbytes, mesh, hw) if nbytes else 0.0)
-    delays = {"RF": travel, "RB": [0.0] + travel[:-1]}
-    key = ("played", pipeline.schedule, pipeline.microbatches, pipeline.virtual,
-           *(tuple(v) for v in per.values()), tuple(travel))
-    makespan, bubble = memo.get(key, lambda: _play(pipeline.build_schedule(mesh.size(MeshAxis.PP)), per, delays))
-    comm = [0.0] * mesh.size(MeshAxis.PP)
-    for chunk in pipeline.chunks:
-        comm[chunk.rank] += pipeline.microbatches * sum(t.comm - (t.hidden if whole else 0.0)
-                                                        for t in times[chunk.units[0]:chunk.units[1]])
-    return makespan, bubble, comm
+    return per, travel
 
 
 def _play(schedule, per: dict, delays: dict) -> tuple[float, float]:
@@ -149,6 +155,25 @@ def cost_row(per: dict, delays: dict) -> list[float]:
 def after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,
                     hw: Hardware, backward: float, last: float, makespan: float) -> tuple[float, float, float]:
     """(gradient sync, ZeRO gathers, optimizer) seconds one pp rank spends beyond the schedule."""
+    t = tail_parts(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held, hw, backward, last,
+                   makespan)
+    return t.sync + t.copies + t.pair, t.gathers, t.optimizer
+
+
+@dataclass(frozen=True, slots=True)
+class TailParts:
+    """What one pp rank spends beyond the schedule (`after_backward`), by part."""
+
+    sync: float  # the gradient sums not hidden
+    copies: float  # the runtime's copies around them (`_copy_bytes`)
+    pair: float  # DualPipe: the two copies add their gradients
+    gathers: float  # ZeRO's gathers not hidden
+    optimizer: float
+
+
+def tail_parts(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline, held: HeldParams | None,
+               hw: Hardware, backward: float, last: float, makespan: float) -> TailParts:
+    """`after_backward` by part."""
     groups: dict[tuple, int] = {}
     owned = 0
     for param, repeat, local, chunk, group in sizes:
@@ -173,10 +198,11 @@ def after_backward(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipe
     state = 2 * dtype_bytes + dtype_bytes + 2 * OPTIMIZER_BYTES[dtype]  # p read+write, g read, state read+write
     stream = hw.hbm_bytes_per_s * hw.memory_efficiency
     optimizer = owned * state / stream
-    exposed_sync += _copy_bytes(sum(groups.values()), zero, pipeline) / stream
+    copies = _copy_bytes(sum(groups.values()), zero, pipeline) / stream
+    pair = 0.0
     if pipeline is not None and pipeline.schedule == "dualpipe":  # the two copies add their gradients
-        exposed_sync += collective_seconds(K.SEND_RECV, (MeshAxis.PP,), owned * dtype_bytes, mesh, hw)
-    return exposed_sync, gathers, optimizer
+        pair = collective_seconds(K.SEND_RECV, (MeshAxis.PP,), owned * dtype_bytes, mesh, hw)
+    return TailParts(exposed_sync, copies, pair, gathers, optimizer)
 
 
 def _copy_bytes(summed: float, zero: int, pipeline: PipelineSpec | None) -> float:

@@ -1,8 +1,10 @@
 """Transient peaks: buffers a rank holds only for a moment, on top of what it keeps.
 
-The plan's `transient` of a class of ranks is the largest of these, each for one
-microbatch on one rank (they happen at different moments of the step, so the
-largest, not their sum, is added to what the rank keeps):
+Under a pipeline, the plan's `transient` of a class of ranks is the largest of these,
+each for one microbatch on one rank (they happen at different moments of the step, so
+the largest, not their sum, is added to what the rank keeps). Without a pipeline each
+part is placed at its moment of the step, beside what is live then
+(`step_buffers`, `fivedc/estimates/timeline.py`). The parts:
 
 - recomputed region: a layer (full) or attention (selective) rebuilt while its
   backward runs (`fivedc/estimates/activations.py`);
@@ -11,18 +13,16 @@ largest, not their sum, is added to what the rank keeps):
   output): the program holds one unit's values until the next unit overwrites them;
   with --fp8, beside them the largest float8 linear's float8 copies of its input and weight;
 - loss: the logits' gradient beside the kept softmax, and a temporary as large
-  (2 x the logits); without a pipeline the loss comes once in a step, before backward has
-  made any gradient, so of it only what exceeds the gradients (which the total counts
-  whole) is a part;
+  (2 x the logits);
 - ZeRO-3: without a pipeline, gathered by group (the buckets): in forward the groups
   of the unit running (a layer's, or the top level's) and the next group, prefetched;
   in backward a group gathered again, its gradients and their reduce-scatter buffer
   (3 x the group): the larger (`fivedc/runtime/zero3.py`); under a pipeline the whole
   gathered parameters of the rank's chunks and their gradients for the step (2 x the
   local parameters); both also beside other parts (below);
-- gradient buckets: ZeRO-0/1 copy a bucket's gradients into one flat buffer (the
-  largest bucket); ZeRO-2 lays every bucket out whole before reduce-scattering it,
-  two at a time (2 x the largest);
+- gradient buckets: ZeRO-0/1 copy a bucket's gradients into one flat buffer, dropping
+  them (the largest bucket beyond the gradients); ZeRO-2 lays every bucket out whole
+  before reduce-scattering it, two at a time (2 x the largest, `fivedc/runtime/buckets.py`);
 - MoE all-to-all: the rows sent to the experts and back ([R, hidden] each way);
 - ring attention: the K/V block in hand and the one arriving, and in backward their
   gradient accumulators (4 x the packed K/V block at the dtype, 6 x at float32);
@@ -61,8 +61,7 @@ from fivedc.passes.stages import PipelineSpec, Unit
 
 def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
                recompute: str, regions: list[int], buckets=(), overlap: bool = True,
-               memo: Memo | None = None, tied=(), activations: list[int] | None = None,
-               grads: list[int] | None = None) -> list[dict[str, int]]:
+               memo: Memo | None = None, tied=(), activations: list[int] | None = None) -> list[dict[str, int]]:
     """Per pp rank (one entry without a pipeline): each transient part, in bytes. The parts
     that depend on the recomputation and those that depend on ZeRO are kept in `memo` apart
     (a layout search asks for every pairing of the two). `activations` and `grads`, per pp
@@ -83,28 +82,10 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
         for r, parts in enumerate(out):
             step = STEP_BYTES.get(dtype, 0) * largest_update(memo, zero, pipeline, r if pipeline else None)
             parts[OPTIMIZER_STEP] = max(step - activations[r], 0)
-    if grads is not None and pipeline is None and out[0].get("loss"):  # once, before any gradient
-        out[0][LOSS_FIRST] = max(out[0].pop("loss") - grads[0], 0)
-        if out[0].get(LOSS_BESIDE):  # the loss unit's own weight gradients are being made
-            made = _loss_unit_grads(memo, dtype_bytes)
-            out[0][LOSS_BESIDE] = max(out[0][LOSS_BESIDE] - max(grads[0] - made, 0), 0)
     return out
 
 
-def _loss_unit_grads(memo: Memo, dtype_bytes: int) -> int:
-    """Bytes of the gradients of the top-level parameters the loss's unit reads (its head)."""
-    local = {param.name: n for param, repeat, n, _, _ in param_sizes(memo) if repeat is None}
-    for unit in memo_units(memo):
-        items, repeat = _items(memo.graph, unit)
-        ops = [op for op in items if isinstance(op, Op)]
-        if repeat is None and any(op.kind == "cross_entropy" for op in ops):
-            read = {a for op in ops for a in op.args if isinstance(a, str) and a in local}
-            return sum(local[n] for n in read) * dtype_bytes
-    return 0
-
-
 OPTIMIZER_STEP = "optimizer step's temporaries beyond the activations freed by then"
-LOSS_FIRST = "loss, beyond the gradients not made yet"
 # AdamW's temporaries per element of the part it updates (fivedc/runtime/zero.adamw_): in
 # 16-bit training the gradient in float32, the square root of the second moment and its
 # quotient (float32 each); in fp32 and fp64 the last two, at the dtype.
@@ -172,7 +153,7 @@ def _zero_parts(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec 
     return out
 
 
-ZERO3_BACKWARD = "ZeRO-3 layer gathered, its gradients and its recomputed region"
+ZERO3_BACKWARD = "ZeRO-3 layer gathered, its gradients and its recomputed region"  # beside its buffers without a pipeline
 ZERO3_STEP = "ZeRO-3 gathers and the largest other part"
 LOSS_BESIDE = "loss beside its unit's weight gradients put off"
 UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "attention buffers", "weight gradients put off",
@@ -304,3 +285,35 @@ def _on_rank(graph: Graph, name: str, held: HeldParams) -> bool:
         return name in held.top
     prefix = name.split(".*.", 1)[0]
     return dict(held.layers).get(prefix, 0) > 0
+
+
+def step_buffers(memo: Memo, dtype_bytes: int, zero: int, recompute: str, buckets=(), overlap: bool = True):
+    """Without a pipeline, where each part of this module falls in the step
+    (`fivedc/estimates/timeline.py`): per unit its forward and backward buffers, then the
+    gradient sums' and the optimizer step's, as (name, bytes)."""
+    from fivedc.estimates.timeline import UnitBuffers, recomputed_regions
+
+    graph, all_units = memo.graph, memo_units(memo)
+    c = save_context(memo, dtype_bytes, 1, recompute)
+    figures = memo.get(("unit transients", dtype_bytes, 1, recompute),
+                       lambda: _unit_parts(c, graph, all_units, recompute))
+    regions = recomputed_regions(memo, dtype_bytes, recompute)
+    unit, group = zero3_unit_and_group(buckets) if zero == 3 else (0, 0)
+    summed = _buckets(graph, memo.mesh, dtype_bytes, zero, buckets, None)
+    out = []
+    for k in range(len(all_units)):
+        working, loss, moe, attention, put_off, beside = figures[k]
+        forward = (("forward working set", working), ("loss", loss), ("MoE all-to-all", moe),
+                   ("attention buffers", attention))
+        backward = (("recomputed region", regions[k]), ("loss", loss), ("MoE all-to-all", moe),
+                    ("attention buffers", attention), ("weight gradients put off", put_off), (LOSS_BESIDE, beside))
+        after = (("gradient buckets", summed),) if overlap and zero in (0, 2) else ()  # started by its hooks
+        if zero == 3:  # the gathered groups are live beside everything else of the unit
+            forward = ((ZERO3_FORWARD, unit + group + max(b for _, b in forward)),)
+            backward = ((ZERO3_BACKWARD, 2 * unit + group + max(b for _, b in backward)),)
+        out.append(UnitBuffers(forward, backward, after))
+    step = STEP_BYTES.get(memo.dtype, 0) * largest_update(memo, zero, None, None)
+    return out, ("gradient buckets", summed), ("optimizer step's temporaries", step)
+
+
+ZERO3_FORWARD = "ZeRO-3 layer gathered and the next, beside its buffers"

@@ -66,16 +66,22 @@ def time_table(plan: ExecutionPlan) -> Table:
 
 def transient_text(plan: ExecutionPlan) -> str:
     """Which momentary buffer the busiest class's transient is (`fivedc/estimates/transient.py`)."""
-    from fivedc.estimates.memory import rank_activations
+    from fivedc.estimates.memo import Memo
+    from fivedc.estimates.memory import peak_of_step, rank_activations
     from fivedc.estimates.transient import transients
 
+    if plan.pipeline is None:
+        peak = peak_of_step(Memo(plan.graph, plan.mesh, plan.dtype), DTYPE_BYTES[plan.dtype], plan.zero,
+                            plan.recompute, plan.buckets, plan.overlap)[1]
+        buffer = f", beside the {peak.buffer} ({format_bytes(peak.transient)})" if peak.transient else ""
+        return (f"total: what is live at the busiest moment of the step, {peak.name}{buffer}; each category "
+                "above is its largest over the step")
     kw = dict(dtype=plan.dtype, dtype_bytes=DTYPE_BYTES[plan.dtype], pipeline=plan.pipeline, recompute=plan.recompute)
     activations, regions = rank_activations(plan.graph, plan.mesh, **kw)
     pp = plan.mesh.size(MeshAxis.PP)
-    grads = [plan.memory.of_pp_rank(r, pp).grads for r in range(pp)] if plan.pipeline else [plan.memory.grads]
     parts = transients(plan.graph, plan.mesh, zero=plan.zero, regions=regions, buckets=plan.buckets,
-                       overlap=plan.overlap, activations=activations, grads=grads, **kw)
-    rank = plan.memory.busiest.pp_ranks(pp)[0] if plan.pipeline else 0
+                       overlap=plan.overlap, activations=activations, **kw)
+    rank = plan.memory.busiest.pp_ranks(pp)[0]
     name, value = max(parts[rank].items(), key=lambda item: item[1])
     if not value:
         return "transient: no buffer beyond what is kept"

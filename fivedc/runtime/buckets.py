@@ -72,23 +72,43 @@ class GradBuckets:
     def _start(self, k: int) -> None:
         names = self.buckets[k]
         group = self.groups[names[0]]
-        grads = []
-        for name in names:
-            p = self.params[name]
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)  # an unused parameter
-            grads.append(self._layout(name, grad.reshape(-1)))
-            p.grad = None
-        if self.scatter:
-            flat = torch.cat(grads, dim=1).reshape(-1)
-            if k >= IN_FLIGHT:  # a whole bucket laid out for its reduce-scatter: keep at most two
-                self._settle(k - IN_FLIGHT)
-            if flat.is_cuda and "nccl" in str(dist.get_backend(group)):
-                out = torch.empty(flat.numel() // self.specs[names[0]].n, dtype=flat.dtype, device=flat.device)
-                self.started.append((out, dist.reduce_scatter_tensor(out, flat, group=group, async_op=True)))
-                return
-        else:
-            flat = torch.cat(grads)
+        if not self.scatter:
+            flat = torch.cat([self._take_grad(name).reshape(-1) for name in names])
+            self.started.append((flat, dist.all_reduce(flat, group=group, async_op=True)))
+            return
+        if k >= IN_FLIGHT:  # at most two whole buckets laid out at once: the oldest settles first
+            self._settle(k - IN_FLIGHT)
+        flat = self._laid_out(names)
+        if flat.is_cuda and "nccl" in str(dist.get_backend(group)):
+            out = torch.empty(flat.numel() // self.specs[names[0]].n, dtype=flat.dtype, device=flat.device)
+            self.started.append((out, dist.reduce_scatter_tensor(out, flat, group=group, async_op=True)))
+            return
         self.started.append((flat, dist.all_reduce(flat, group=group, async_op=True)))
+
+    def _take_grad(self, name: str) -> Tensor:
+        """A parameter's gradient (zeros for an unused one), dropped from the parameter."""
+        p = self.params[name]
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        p.grad = None
+        return grad
+
+    def _laid_out(self, names: tuple[str, ...]) -> Tensor:
+        """The bucket as one flat [n, sum of chunks] buffer (row i: every gradient's chunk i,
+        the last one padded with zeros), each gradient copied in and dropped in turn: no
+        second copy of the bucket is ever live."""
+        n = self.specs[names[0]].n
+        first = self.params[names[0]]
+        flat = torch.zeros(n, sum(self.specs[name].chunk for name in names), dtype=first.dtype, device=first.device)
+        offset = 0
+        for name in names:
+            spec, grad = self.specs[name], self._take_grad(name).reshape(-1)
+            whole, rest = divmod(spec.numel, spec.chunk) if spec.chunk else (0, 0)
+            block = flat[:, offset:offset + spec.chunk]
+            block[:whole].copy_(grad[:whole * spec.chunk].view(whole, spec.chunk))
+            if rest:
+                block[whole, :rest].copy_(grad[whole * spec.chunk:])
+            offset += spec.chunk
+        return flat.reshape(-1)
 
     def _settle(self, k: int) -> None:
         """Wait for bucket k and keep only what it hands back (ZeRO-2: this rank's row)."""
@@ -100,14 +120,6 @@ class GradBuckets:
                 spec = self.specs[names[0]]
                 flat = flat.view(spec.n, -1)[spec.index].clone()  # gloo: keep this rank's row only
             self.started[k] = (flat, None)
-
-    def _layout(self, name: str, grad: Tensor) -> Tensor:
-        if not self.scatter:
-            return grad
-        spec = self.specs[name]
-        padded = torch.zeros(spec.n * spec.chunk, dtype=grad.dtype, device=grad.device)
-        padded[: spec.numel] = grad
-        return padded.view(spec.n, spec.chunk)
 
     def finish(self) -> dict[str, Tensor]:
         """Start what has not started, wait for every bucket, and return the summed

@@ -12,7 +12,9 @@
 Popping an entry refines it into the entries below it, or scores it. With `keep=K`,
 once the smallest bound left exceeds the K-th best step time scored, every candidate
 left is counted as pruned: its step time is at least its bound, so it cannot be among
-the K best. Ties break by insertion order, so the search is deterministic.
+the K best. With a `band` (the model's error) or a `floor` (a compared layout's step),
+pruning waits until the bound exceeds those too, so every tie of the best and every
+layout faster than the floor is scored. Ties break by insertion order, so the search is deterministic.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from fivedc.search.space import RECOMPUTE, ZERO_STAGES, Candidate, batch_splits,
 DOES_NOT_FIT = "does not fit in the GPU's memory"
 DOMINATED = "dominated: the same layout fits with less recomputation, which is faster"
 BATCH = "the global batch does not split over dp x ep"
-PRUNED = "pruned: a lower bound of its step time exceeds the K-th best step time scored"
+PRUNED = ("pruned: a lower bound of its step time exceeds the K-th best step scored, the best's ties and any "
+          "--compare step")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +67,12 @@ class Scored:
 class BestFirst:
     """The search's state: the heap, the scored, the rejected by reason (filled as it runs)."""
 
-    def __init__(self, hw: Hardware, dtype: str, keep: int | None, progress=None) -> None:
+    def __init__(self, hw: Hardware, dtype: str, keep: int | None, progress=None, *, band: float = 0.0,
+                 floor: float = 0.0) -> None:
+        """`band`: score every candidate within (1 + band) x the best step too (ties by the model's
+        error: `fivedc/estimates/model_error.py`); `floor`: every candidate faster than `floor` seconds."""
         self.hw, self.dtype, self.keep, self.progress = hw, dtype, keep, progress
+        self.band, self.floor, self._least = band, floor, float("inf")
         self.ranked: list[Scored] = []
         self.rejected: Counter = Counter()
         self._heap: list = []
@@ -120,7 +127,8 @@ class BestFirst:
             getattr(self, f"_{entry[0]}")(bound, *entry[1:])
 
     def _pruned(self, bound: float) -> bool:
-        return self.keep is not None and len(self._best) >= self.keep and bound > -self._best[0]
+        return self.keep is not None and len(self._best) >= self.keep and \
+            bound > max(-self._best[0], self.floor, self._least * (1 + self.band))
 
     def _advance(self, n: int) -> None:
         """Tell the progress bar, every 200 candidates (a bar's update costs more than a candidate)."""
@@ -157,6 +165,7 @@ class BestFirst:
             return
         timed = case.timed(pipeline, rc, zero)
         self.ranked.append(Scored(case.candidate(pipeline, rc, zero), timed.memory, timed.time))
+        self._least = min(self._least, timed.time.step_seconds)
         if self.keep is not None:
             heapq.heappush(self._best, -timed.time.step_seconds)
             if len(self._best) > self.keep:

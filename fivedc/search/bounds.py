@@ -33,6 +33,8 @@ backward, every forward it ran before it (nothing is freed before a backward), e
 keeping at least its units' own saved bytes and the inputs of its layers after the first
 for the whole local batch, divided by m (`chunk_activations` adds what chunks share;
 of the transients only ZeRO-3's gathered parameters under a pipeline, the plan's own).
+Without a pipeline no gradient is live in forward (`fivedc/estimates/timeline.py`): the
+bound takes the larger of the gradients and what forward keeps (`single_bound`).
 Which forwards
 run before the first backward is read from the schedule itself at m, or at 2p
 microbatches when m is larger: a larger m runs the same ones or more
@@ -126,10 +128,13 @@ def held_rows(memo: Memo, *, dtype_bytes: int, zero: int, schedule: str, virtual
 
 
 def single_bound(memo: Memo, *, dtype_bytes: int, recompute: str, zero: int) -> int:
-    """At most the bytes of a rank without a pipeline: what it holds, and what one microbatch
-    (the local batch) keeps through every unit."""
+    """At most the bytes of a rank without a pipeline: its parameters and optimizer state,
+    and the larger of its gradients (at the gradient sums) and what one microbatch (the
+    local batch) keeps through every unit (at the end of forward): the step's timeline
+    (`fivedc/estimates/timeline.py`) has both moments."""
     own, args = memo.get(("unit own bytes", dtype_bytes, recompute), lambda: _unit_own(memo, dtype_bytes, recompute))
-    return sum(held_bytes(memo, dtype_bytes, zero, None, None)) + sum(own) + sum(args[1:])
+    params, grads, optimizer = held_bytes(memo, dtype_bytes, zero, None, None)
+    return params + optimizer + max(grads, sum(own) + sum(args[1:]))
 
 
 def kept_rows(memo: Memo, *, dtype_bytes: int, recompute: str, schedule: str, microbatches: int,

@@ -14,6 +14,10 @@ per-layer seconds computed once per case, first per mesh, then per recompute mod
 per pipeline). With `keep=K` the search stops when the next bound exceeds the K-th best
 step time scored: the rest cannot be among the K best and are counted as pruned, so the
 K best are exactly those of scoring every candidate; `keep=None` scores every candidate.
+With `band` (the model's error, `fivedc/estimates/model_error.py`) it stops only past
+(1 + band) x the best step too, so every layout the model cannot tell from the best is
+scored (`fivedc search` counts them as ties), and with `floor` (a `--compare` layout's
+step) past that, so the compared layout's rank is exact.
 
 Rejected, and counted by reason (`--explain`): a layout the compiler refuses (its
 error, numbers written N), one whose busiest rank does not fit the GPU's usable
@@ -63,9 +67,10 @@ class SearchResult:
 
 
 def search(graph: Graph, *, gpus: int, hardware: Hardware, dtype: str = "bf16", progress=None,
-           compile_best: bool = True, keep: int | None = None) -> SearchResult:
+           compile_best: bool = True, keep: int | None = None, band: float = 0.0, floor: float = 0.0) -> SearchResult:
     """The layouts of `graph` on `gpus` GPUs of `hardware`, ranked by estimated step time:
-    every one that fits (`keep=None`), or at least the `keep` best."""
+    every one that fits (`keep=None`), or at least the `keep` best, every one within
+    (1 + `band`) x the best step and every one faster than `floor` seconds."""
     check_cluster(gpus, hardware)
     if dtype not in DTYPE_BYTES:
         raise SearchError(f"unknown dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_BYTES)}")
@@ -73,7 +78,7 @@ def search(graph: Graph, *, gpus: int, hardware: Hardware, dtype: str = "bf16", 
         raise SearchError(f"keep={keep} must be at least 1 (or None: rank every layout)")
     sizes = mesh_sizes(graph, gpus=gpus, gpus_per_node=hardware.gpus_per_node, units=len(units(graph)))
     meshes = sum(len(rank_orders(s)) for s in sizes)
-    state = BestFirst(hardware, dtype, keep, progress)
+    state = BestFirst(hardware, dtype, keep, progress, band=band, floor=floor)
     if progress is not None:
         progress.start(meshes, "sharding meshes")
     for s in sizes:
