@@ -184,3 +184,24 @@ def test_a_rehearsed_float8_rank_holds_what_the_estimate_says(model, mesh):
     estimated = plan.memory.ranks[0]
     assert rehearsed.peak == pytest.approx(estimated.total, rel=0.05)
     assert rehearsed.at_peak["params"] == estimated.params
+
+
+def test_the_casts_are_memory_bound_terms_of_the_step():
+    """--explain's terms: a float8 layer's matmul term is its matmuls at the fp8 peak, its
+    casts are added to the memory-bound ops (not hidden in the matmuls)."""
+    from fivedc.estimates.costs import unit_times
+    from fivedc.passes.stages import units
+
+    hw = hardware("h100")
+    (bf16, fp8) = (_compile("1x1x1x1x1", fp8=f, dtype="bf16", gpu="h100") for f in (False, True))
+    layer = {}
+    for name, plan in (("bf16", bf16), ("fp8", fp8)):
+        c = SaveContext.of(plan.graph, plan.mesh, dtype="bf16", dtype_bytes=2)
+        all_units = units(plan.graph)
+        k = next(i for i, u in enumerate(all_units) if u.layer is not None)
+        layer[name] = (c, plan, dict(unit_times(c, plan.graph, all_units, hw, recompute="none")[k].parts.forward))
+    c, plan, terms = layer["fp8"]
+    casts = sum(fp8_cast_bytes(c, op)[0] for op in _linears(plan) if is_fp8(op)) / hw.op_bytes_per_s
+    assert terms["memory-bound ops"] - layer["bf16"][2]["memory-bound ops"] == pytest.approx(casts)
+    flops = sum(op_work(c, op).matmul_flops for op in _linears(plan) if is_fp8(op))
+    assert terms["matmuls"] == pytest.approx(flops / (hw.fp8_flops * hw.matmul_efficiency))
