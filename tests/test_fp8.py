@@ -16,7 +16,7 @@ import torch
 
 from fivedc.errors import FivedcError, PlanError
 from fivedc.estimates.costs import fp8_cast_bytes, op_times, op_work
-from fivedc.estimates.saved import SaveContext, op_saves
+from fivedc.estimates.saved import SaveContext
 from fivedc.frontends.dsl_file import load_model
 from fivedc.ir.graph import Op, walk_ops
 from fivedc.ir.hardware import hardware
@@ -24,10 +24,9 @@ from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.passes.fp8 import is_fp8
 from fivedc.pipeline import compile_graph
-from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.fp8 import E4M3, E5M2, Fp8Linear, Operand, Fp8Cast
 from fivedc.runtime.train import TrainSettings
-from fivedc.runtime.verify import reference_run, single_device_mesh, verify_plan
+from fivedc.runtime.verify import reference_run, verify_plan
 
 TOL = 1e-10
 

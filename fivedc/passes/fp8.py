@@ -32,6 +32,7 @@ output gradient), priced by latency and listed for the agreement proof.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -108,15 +109,8 @@ def _eligible(op: Op, graph: Graph, heads: set[str], params: dict) -> bool:
     contracted = [d for d in w if d not in op.type.dims]
     if not out_dims or not contracted or any(d in heads for d in out_dims):
         return False
-    size = lambda dims: _product(graph.dim(d) for d in dims)  # noqa: E731
+    size = lambda dims: math.prod(graph.dim(d) for d in dims)  # noqa: E731
     return size(out_dims) % GEMM_MULTIPLE == 0 and size(contracted) % GEMM_MULTIPLE == 0
-
-
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def amax_axes(dims: tuple[str, ...], sharding: Sharding | None, graph: Graph, mesh: Mesh) -> tuple:
