@@ -30,6 +30,7 @@ from fivedc.runtime.run import run_plan
 from fivedc.runtime.train import TrainSettings
 
 MODEL = "examples/tiny_llama.5d"
+FLAT = dict(sm_count=None, matmul_tiles=())  # a machine whose matmuls run at one rate, as a calibration measures it
 
 
 def _plan(mesh: str, model: str = MODEL, batch: int | None = None, **options):
@@ -59,7 +60,7 @@ def test_a_calibrated_profile_gives_back_the_seconds_it_was_measured_from(tmp_pa
     """Seconds 'measured' on a known machine (the model's own, on it) calibrate a profile that
     prices both batches as that machine does, and finds its per-op latency."""
     plans = (_plan("1x1x1x1x1"), _plan("1x1x1x1x1", batch=1))
-    truth = dataclasses.replace(hardware("a100"), op_latency_s=2e-4, op_memory_efficiency=0.3)
+    truth = dataclasses.replace(hardware("a100"), op_latency_s=2e-4, op_memory_efficiency=0.3, **FLAT)
     measured = tuple(_seconds_on(plan, truth) for plan in plans)
     links = LinkSeconds(latency_s=1e-4, bytes_per_s=1e9, overlap_share=0.9)
     hw = profile_of("box", plans, measured, links, cores=2, source="a test")
@@ -78,7 +79,7 @@ def test_a_gpu_keeps_its_data_sheet_and_gets_its_measured_efficiencies() -> None
     that the measured step gives: a GPU that runs at known shares is found at them."""
     plans = (_plan("1x1x1x1x1"), _plan("1x1x1x1x1", batch=1))
     # a slow GPU, so that the tiny model's ops are not all shorter than their issue
-    base = dataclasses.replace(hardware("h100"), bf16_flops=1e9, hbm_bytes_per_s=1e8)
+    base = dataclasses.replace(hardware("h100"), bf16_flops=1e9, hbm_bytes_per_s=1e8, **FLAT)
     truth = dataclasses.replace(base, matmul_efficiency=0.6, attention_efficiency=0.3, memory_efficiency=0.7,
                                 op_memory_efficiency=0.4, op_latency_s=3e-5, host_runs_ahead=True)
     measured = tuple(_seconds_on(plan, truth) for plan in plans)

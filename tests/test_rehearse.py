@@ -173,11 +173,23 @@ EXAMPLES = [
                          ",".join(f"{k}={x}" for k, x in v.items()) or "-")
 def test_every_example_is_estimated_within_5_percent_of_its_rehearsal(model, mesh, options) -> None:
     """Each class's estimate against its rank's rehearsed peak. Without a pipeline the peak is
-    the step's busiest moment (`fivedc/estimates/timeline.py`); ZeRO-3's is held to 10 %
-    above: a layer's backward is counted with its kept activations, its gathered weights and
-    all their gradients at once (the sum issue 35 asks for), while the runtime frees what the
-    layer kept as its gradients come."""
+    the step's busiest moment (`fivedc/estimates/timeline.py`)."""
     plan = _plan(model, mesh, **options)
-    high = 1.10 if options.get("zero") == 3 else 1.05
     for c in rehearse_plan(plan).classes:
-        assert 0.95 <= c.ratio <= high, (c.ranks, c.estimated.total, c.peak)
+        assert 0.95 <= c.ratio <= 1.05, (c.ranks, c.estimated.total, c.peak)
+
+
+def test_a_zero3_moe_layer_rebuilt_in_backward_holds_its_region_its_gathered_experts_and_their_gradients() -> None:
+    """Issue 35's DeepSeek-V3 layout (`--mesh 1024x1x2x1x1 --sp --zero 3 --recompute full`), at
+    its per-layer shapes with two layers of each repeat: the last MoE layer's backward holds
+    the rebuilt region, the 256 experts gathered and their gradients at once (checkpoint
+    keeps the region until its backward is done), and the estimate is that moment within 5 %.
+    At all 61 layers the rehearsal's peak is 84.6 GiB and the estimate 84.8 (43 s)."""
+    from fivedc.cli.shared import with_layers
+
+    graph = with_layers(load_model("examples/deepseek_v3.5d"), 2)
+    plan = compile_graph(graph, CompileOptions(mesh=Mesh.parse("1024x1x2x1x1"), sequence_parallel=True, zero=3,
+                                               recompute="full"))
+    (c,) = rehearse_plan(plan).classes
+    assert 0.95 <= c.ratio <= 1.05, (c.estimated.total, c.peak)
+    assert c.at_peak["transient"] > 4 * 2**30  # the experts' gathered weights and gradients, and the region

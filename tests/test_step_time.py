@@ -11,6 +11,7 @@ per GPU (41 % MFU).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -18,6 +19,7 @@ import pytest
 
 from fivedc.cli.main import main
 from fivedc.estimates.costs import collective_seconds, model_flops, node_span, op_times
+from fivedc.estimates.gemm import Gemm, gemm_seconds
 from fivedc.frontends.dsl_file import load_model, parse_model
 from fivedc.ir.hardware import HardwareError, hardware, profiles
 from fivedc.ir.graph import CollectiveKind as K, Op, walk_ops
@@ -106,14 +108,22 @@ def test_model_flops_are_6_n_tokens_plus_causal_attention() -> None:
 
 
 def test_a_linear_is_a_roofline_of_its_flops_and_its_backward_twice() -> None:
+    """At the flat rate (a profile without tile terms) a linear's forward is its FLOPs at the
+    matmul rate and each gradient as much; on the H100's tiles each of the three GEMMs is
+    priced by its own shape: rows 8 x 64 tokens, 128 in, 512 out."""
     plan = gpt(mesh=Mesh.parse("1x1x1x1x1"))
     c = SaveContext.of(plan.graph, plan.mesh, dtype="bf16", dtype_bytes=2)
     op = next(n for n, _ in walk_ops(plan.graph.body) if isinstance(n, Op) and n.kind == "linear"
               and n.args[1] == "w_up")
     flops = 2 * 8 * 64 * 128 * 512
-    forward, grad_input, grad_weight = op_times(c, op, H100)
+    flat = dataclasses.replace(H100, sm_count=None, matmul_tiles=())
+    forward, grad_input, grad_weight = op_times(c, op, flat)
     assert forward == pytest.approx(flops / (H100.bf16_flops * H100.matmul_efficiency))
     assert grad_input == pytest.approx(forward) and grad_weight == pytest.approx(forward)
+    shaped = [gemm_seconds(Gemm(m, n, k), H100, element_bytes=2) for m, n, k in
+              ((512, 512, 128), (512, 128, 512), (128, 512, 512))]
+    assert op_times(c, op, H100) == pytest.approx(tuple(shaped))
+    assert min(shaped) > forward  # 16 tiles on 132 SMs: far below the large-GEMM rate
 
 
 def test_the_step_adds_up_and_pipelines_pay_their_bubble() -> None:

@@ -58,8 +58,8 @@ def test_the_sums_of_linear_inputs_are_marked_where_the_runtime_puts_dw_off() ->
 
 def hidden_seconds(c: SaveContext, items, hw) -> float:
     """Per run of `items`: each marked sum's seconds by the ring formula (all-reduce 2(n-1)/n,
-    gloo or NCCL reduce-scatter (n-1)/n of the bytes), or its readers' weight gradients (2 x
-    output x contracted FLOPs each) if those take less; under SP, plus the all-gather of the
+    gloo or NCCL reduce-scatter (n-1)/n of the bytes), or its readers' weight gradients (each
+    its GEMM's roofline, tested in test_step_time.py) if those take less; under SP, plus the all-gather of the
     readers' input for dW ((n-1)/n of the bytes), or their input gradients (the op's
     roofline, tested in test_step_time.py) if those take less; and a ring reduce-scatter's
     gradient gathered back in a ring ((n-1)/n of the bytes), or (n-1)/n of its linear's
@@ -80,9 +80,7 @@ def hidden_seconds(c: SaveContext, items, hw) -> float:
         steps = 2 * (n - 1) if sum_.kind == CollectiveKind.ALL_REDUCE else n - 1
         ring = share * sum_.bytes / link + steps * hw.nvlink_latency_s
         readers = [op for op in items if isinstance(op, Op) and op.kind == "linear" and op.args[0] == node.out]
-        contracted = c.graph.dim(c.layouts[node.out][0].dims[-1])
-        flops = sum(2 * c.numel(op.type.dims, op.sharding) * contracted for op in readers)
-        total += min(ring, flops / (hw.bf16_flops * hw.matmul_efficiency))
+        total += min(ring, sum(op_times(c, op, hw)[2] for op in readers))
         for gather in (x for x in node.forward if x.kind == CollectiveKind.ALL_GATHER):
             seconds = (n - 1) / n * gather.bytes / link + (n - 1) * hw.nvlink_latency_s
             total += min(seconds, sum(op_times(c, op, hw)[1] for op in readers))

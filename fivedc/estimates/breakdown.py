@@ -86,7 +86,8 @@ def step_breakdown(graph, *, mesh, dtype: str, dtype_bytes: int, zero: int, over
         free = _play(pipeline.build_schedule(mesh.size(MeshAxis.PP)), chunk_costs(
             save_context(memo, dtype_bytes, m, recompute), pipeline, mesh, hw, times)[0],
             {"RF": [0.0] * len(pipeline.chunks), "RB": [0.0] * len(pipeline.chunks)})[0]
-        work += ((BUBBLE, free - sum(v for _, v in work)), (PP_SENDS, time.compute_seconds - free))
+        idle = max(0.0, free - sum(v for _, v in work))  # a schedule with no idle time: 0, not a rounding residue
+        work += ((BUBBLE, idle), (PP_SENDS, time.compute_seconds - free))
         backward = last = 0.0
 
     def tail(r):

@@ -3,13 +3,19 @@
 Each op's forward is a roofline: the larger of its FLOPs at the achievable share of
 peak and its memory traffic at the achievable share of HBM bandwidth (`Hardware`).
 
-    linear, matmul   2 x output x contracted FLOPs; backward: as much again for the
-                     input gradient (I) and for the weight gradient (W)
+    linear, matmul   one GEMM, rows M (the tokens on this rank after SP/CP/TP and the
+                     microbatch split) x local output features N x local contracted K:
+                     2MNK FLOPs; backward: the input gradient (I, M x K contracting N) and
+                     the weight gradient (W, K x N contracting M), as many FLOPs each, and
+                     each GEMM timed by its own shape (`gemm.py`: tiles in waves over the
+                     SMs, and its own memory roofline; the flat matmul rate on a profile
+                     without tile terms)
     attention        flash: 4 x batch x heads x sq x sk x head dim (half of it causal;
                      with a window W: sk is W (1 - W / 2 seq) keys a query, W <= seq),
                      at the attention efficiency; backward 2.5 x; math (the scores
                      materialised): kernel by kernel, `attention_cost.py`
-    moe              the experts' matmuls on its routed rows (top_k per token) and the
+    moe              the experts' matmuls on its routed rows (top_k per token), as one GEMM
+                     per local expert on its share of the rows (balanced routing), and the
                      router's; backward 2 x, half of it weight gradients
     everything else  memory-bound: its inputs and output read and written once
                      forward, twice backward
@@ -41,6 +47,7 @@ score many pipeline shapes from one set of unit costs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field, replace
@@ -52,6 +59,7 @@ from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.attention_cost import math_attention_times
+from fivedc.estimates.gemm import Gemm, gemms_seconds
 from fivedc.estimates.saved import SaveContext, regathered
 from fivedc.estimates.terms import ISSUE, MEMORY_BOUND, PHASES, RECOMPUTATION, Ledger, UnitParts, comm_term, op_term
 from fivedc.passes.attention_kernel import kernel_of
@@ -70,6 +78,7 @@ class Work:
     attention_flops: float = 0.0
     bytes: float = 0.0
     weight_flops: float = 0.0  # of the matmul FLOPs, those whose backward is a weight gradient (W)
+    gemms: tuple[Gemm, ...] = ()  # the matmul FLOPs as GEMMs by shape (timed by shape on a tiled profile)
     fp8: bool = False  # the matmuls run in float8 (`fivedc/passes/fp8.py`): at the profile's fp8_flops
     cast_bytes: float = 0.0  # float8: the casts' memory traffic before the matmul (`fp8_cast_bytes`)
 
@@ -99,8 +108,13 @@ def op_work(c: SaveContext, op: Op) -> Work:
         x = c.layouts[op.args[0]][0].dims
         contracted = [d for d in x if d not in op.type.dims]
         spec = op.arg_specs[0].sharding if op.arg_specs and op.arg_specs[0] else None
-        flops = 2.0 * c.numel(op.type.dims, op.sharding) * c.numel(tuple(contracted), spec)
-        work = Work(matmul_flops=flops, weight_flops=flops if op.args[1] in c.params else 0.0)
+        k = c.numel(tuple(contracted), spec)
+        flops = 2.0 * c.numel(op.type.dims, op.sharding) * k
+        rows = c.numel(tuple(d for d in op.type.dims if d in x), op.sharding)  # tokens (batch x seq) here
+        features = c.numel(tuple(d for d in op.type.dims if d not in x), op.sharding)
+        weight = op.args[1] in c.params
+        work = Work(matmul_flops=flops, weight_flops=flops if weight else 0.0,
+                    gemms=(Gemm(rows, features, k, weight=weight),))
         return replace(work, fp8=True, cast_bytes=fp8_cast_bytes(c, op)[0]) if is_fp8(op) else work
     if op.kind == "attention":  # every query row against the whole sequence (ring or gathered K/V)
         q_rows = c.numel(op.type.dims[:-1], op.sharding)  # batch x seq x heads on this rank
@@ -131,11 +145,16 @@ def _moe_work(c: SaveContext, op: Op) -> Work:
     w_dims = next(p.dims for p in _params(c.graph) if p.name == op.args[2])
     ffn = next(d for d in w_dims[1:] if d != hidden)
     ffn_local = c.graph.local_size(ffn, spec, c.mesh) if spec else c.graph.dim(ffn)
-    experts = 2.0 * rows * c.graph.dim(hidden) * ffn_local * (3 if len(op.args) == 5 else 2)
-    router = 2.0 * tokens * c.graph.dim(hidden) * c.graph.dim(next(d for d in _param_dims(c.graph, op.args[1])
-                                                                     if d != hidden))
+    h, matrices = c.graph.dim(hidden), (3 if len(op.args) == 5 else 2)
+    experts = 2.0 * rows * h * ffn_local * matrices
+    n_experts = c.graph.dim(next(d for d in _param_dims(c.graph, op.args[1]) if d != hidden))
+    router = 2.0 * tokens * h * n_experts
+    local = c.graph.local_size(w_dims[0], spec, c.mesh) if spec else c.graph.dim(w_dims[0])  # experts here
+    per = rows / local  # a rank receives as many rows as it sends (balanced), spread over its experts
+    up = Gemm(per, ffn_local, h, count=local)  # gate and up (SwiGLU) or up
+    gemms = (*(up,) * (matrices - 1), Gemm(per, h, ffn_local, count=local), Gemm(tokens, n_experts, h))
     return Work(matmul_flops=experts + router, weight_flops=experts + router,
-                bytes=4.0 * rows * c.graph.dim(hidden) * c.dtype_bytes)
+                bytes=4.0 * rows * h * c.dtype_bytes, gemms=gemms)
 
 
 def _params(graph: Graph):
@@ -149,17 +168,20 @@ def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
     return next(p.dims for p in _params(graph) if p.name == name)
 
 
-def work_seconds(work: Work, hw: Hardware) -> float:
+def work_seconds(work: Work, hw: Hardware, *, element_bytes: int) -> float:
     """The roofline time of an op's forward (a float8 linear's casts before it)."""
-    compute = work.matmul_flops / (matmul_peak(work, hw) * hw.matmul_efficiency) + \
+    compute = matmul_times(work, hw, element_bytes=element_bytes)[0] + \
         work.attention_flops / (hw.bf16_flops * hw.attention_efficiency)
     return max(compute, work.bytes / hw.op_bytes_per_s) + work.cast_bytes / hw.op_bytes_per_s
 
 
-def matmul_peak(work: Work, hw: Hardware) -> float:
-    """The peak a matmul runs at: the float8 tensor cores' for a float8 linear (a plan with
-    --fp8 and a profile without them is refused at compile), else the bf16 peak."""
-    return hw.fp8_flops if work.fp8 and hw.fp8_flops else hw.bf16_flops
+@functools.lru_cache(maxsize=64)
+def float8_hardware(hw: Hardware) -> Hardware:
+    """The profile as a float8 GEMM sees it: its peak the float8 tensor cores' (`fp8_flops`;
+    a plan with --fp8 and a profile without them is refused at compile), its tiles and
+    efficiency as they are (cuBLAS's float8 kernels tile alike, with twice the K per stage
+    in bytes: not modelled)."""
+    return dataclasses.replace(hw, bf16_flops=hw.fp8_flops) if hw.fp8_flops else hw
 
 
 def fp8_cast_bytes(c: SaveContext, op: Op) -> tuple[float, float]:
@@ -177,6 +199,17 @@ def fp8_cast_bytes(c: SaveContext, op: Op) -> tuple[float, float]:
     m = c.value_numel(op.args[0]) // max(k, 1)  # M
     x, w = m * k, k * out // max(m, 1)
     return x * (b + 2) + w * (2 * b + 2), out * (b + 2)
+
+
+def matmul_times(work: Work, hw: Hardware, *, element_bytes: int) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of an op's matmuls: on a tiled profile
+    each GEMM by its shape (`gemm.py`), else all its FLOPs at the flat matmul rate."""
+    if work.fp8:  # float8 operands at the float8 peak (fivedc/passes/fp8.py)
+        hw, element_bytes = float8_hardware(hw), 1
+    if hw.tiled and work.gemms:
+        return gemms_seconds(work.gemms, hw, element_bytes=element_bytes)
+    peak = hw.bf16_flops * hw.matmul_efficiency
+    return work.matmul_flops / peak, (2 * work.matmul_flops - work.weight_flops) / peak, work.weight_flops / peak
 
 
 def op_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, float]:
@@ -201,13 +234,12 @@ def _work_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, flo
     if op.kind == "attention" and kernel_of(op) == "math":
         return math_attention_times(c, op, hw)
     work = op_work(c, op)
-    forward = work_seconds(work, hw)
+    forward = work_seconds(work, hw, element_bytes=c.dtype_bytes)
     if op.kind == "attention":
         return forward, 2.5 * forward, 0.0
-    peak = matmul_peak(work, hw) * hw.matmul_efficiency
-    grads = (2 * work.matmul_flops - work.weight_flops) / peak
+    _, grads, weight = matmul_times(work, hw, element_bytes=c.dtype_bytes)
     casts = fp8_cast_bytes(c, op)[1] / hw.op_bytes_per_s if work.fp8 else 0.0  # the output gradient's
-    return forward, max(grads, 2 * work.bytes / hw.op_bytes_per_s) + casts, work.weight_flops / peak
+    return forward, max(grads, 2 * work.bytes / hw.op_bytes_per_s) + casts, weight
 
 
 # ---- collectives ----------------------------------------------------------------------------

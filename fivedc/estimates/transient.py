@@ -262,6 +262,16 @@ def zero3_gathers(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, pipelin
     return max(unit + group, 3 * group)
 
 
+def zero3_by_unit(buckets) -> dict[str | None, tuple[int, int]]:
+    """Per repeat (None: the top level), (a unit's groups, its largest group) in bytes: what
+    ZeRO-3 gathers while one of its layers (or the top level's ops) runs."""
+    out: dict[str | None, tuple[int, int]] = {}
+    for bucket in buckets:
+        unit, group = out.get(bucket.repeat, (0, 0))
+        out[bucket.repeat] = (unit + bucket.bytes, max(group, bucket.bytes))
+    return out
+
+
 def zero3_unit_and_group(buckets) -> tuple[int, int]:
     """(the largest unit's groups, the largest group) in bytes: a unit is a layer of a repeat
     (all alike) or the top level, a group one of the buckets."""
@@ -298,11 +308,13 @@ def step_buffers(memo: Memo, dtype_bytes: int, zero: int, recompute: str, bucket
     figures = memo.get(("unit transients", dtype_bytes, 1, recompute),
                        lambda: _unit_parts(c, graph, all_units, recompute))
     regions = recomputed_regions(memo, dtype_bytes, recompute)
-    unit, group = zero3_unit_and_group(buckets) if zero == 3 else (0, 0)
+    gathered = zero3_by_unit(buckets) if zero == 3 else {}
     summed = _buckets(graph, memo.mesh, dtype_bytes, zero, buckets, None)
     out = []
     for k in range(len(all_units)):
         working, loss, moe, attention, put_off, beside = figures[k]
+        repeat = graph.body.items[all_units[k].start].name if all_units[k].layer is not None else None
+        unit, group = gathered.get(repeat, (0, 0))
         forward = (("forward working set", working), ("loss", loss), ("MoE all-to-all", moe),
                    ("attention buffers", attention))
         backward = (("recomputed region", regions[k]), ("loss", loss), ("MoE all-to-all", moe),
@@ -310,10 +322,16 @@ def step_buffers(memo: Memo, dtype_bytes: int, zero: int, recompute: str, bucket
         after = (("gradient buckets", summed),) if overlap and zero in (0, 2) else ()  # started by its hooks
         if zero == 3:  # the gathered groups are live beside everything else of the unit
             forward = ((ZERO3_FORWARD, unit + group + max(b for _, b in forward)),)
-            backward = ((ZERO3_BACKWARD, 2 * unit + group + max(b for _, b in backward)),)
+            if regions[k]:  # checkpoint holds the rebuilt region until the region's backward is done
+                backward = ((ZERO3_BACKWARD, 2 * unit + group + max(b for _, b in backward)),)
+            else:  # what the unit kept is freed op by op as its gradients come
+                backward = ((ZERO3_AGAIN, unit + group + max(b for _, b in backward)),)
+                after = ((ZERO3_MADE, 2 * unit + group),)
         out.append(UnitBuffers(forward, backward, after))
     step = STEP_BYTES.get(memo.dtype, 0) * largest_update(memo, zero, None, None)
     return out, ("gradient buckets", summed), ("optimizer step's temporaries", step)
 
 
 ZERO3_FORWARD = "ZeRO-3 layer gathered and the next, beside its buffers"
+ZERO3_AGAIN = "ZeRO-3 layer gathered again and the next, beside its buffers"
+ZERO3_MADE = "ZeRO-3 layer gathered, its gradients and their reduce-scatter buffer"

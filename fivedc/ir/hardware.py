@@ -47,6 +47,13 @@ class Hardware:
     op_latency_s: float = 0.0  # the host's time to issue one op, forward or backward, beyond its work
     host_runs_ahead: bool = False  # a GPU's stream: the host issues the next op while this one runs
     fp8_flops: float | None = None  # dense float8 tensor-core peak; None: the GPU has no float8 matmuls
+    sm_count: int | None = None  # the SMs a GEMM's tiles run over in waves (`fivedc/estimates/gemm.py`)
+    matmul_tiles: tuple[tuple[int, int, int], ...] = ()  # the (M, N, K) tiles of the GEMM kernels it picks among
+
+    @property
+    def tiled(self) -> bool:
+        """GEMMs are priced by their shape (tiles in waves over the SMs), not at the flat rate."""
+        return self.sm_count is not None and bool(self.matmul_tiles)
 
     @property
     def op_bytes_per_s(self) -> float:
@@ -70,7 +77,8 @@ class Hardware:
 
 
 OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None, "op_latency_s": 0.0,
-            "host_runs_ahead": False, "fp8_flops": None}  # a profile may leave these out
+            "host_runs_ahead": False, "fp8_flops": None, "sm_count": None,
+            "matmul_tiles": ()}  # a profile may leave these out
 FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name", *OPTIONAL))
 
 
@@ -137,6 +145,7 @@ def _parse(text: str, source: str) -> dict[str, Hardware]:
         if fp8 is not None and (isinstance(fp8, bool) or not isinstance(fp8, (int, float)) or not fp8 > 0):
             raise HardwareError(f"{source}: [{key}] fp8_flops = {fp8!r} must be a positive number of FLOP/s")
         values["fp8_flops"] = None if fp8 is None else float(fp8)
+        values["sm_count"], values["matmul_tiles"] = _tiles(table, source, key)
         out[key.lower()] = Hardware(key.lower(), str(table.get("name", key)), **values)
     return out
 
@@ -149,3 +158,23 @@ def _optional_share(table: dict, field: str, source: str, key: str) -> float | N
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise HardwareError(f"{source}: [{key}] {field} = {value!r} must be a number in (0, 1]")
     return float(value)
+
+
+def _tiles(table: dict, source: str, key: str) -> tuple[int | None, tuple[tuple[int, int, int], ...]]:
+    """The optional GEMM tile terms: both `sm_count` (a whole number) and `matmul_tiles` (a list
+    of [M, N, K] tiles of whole numbers), or neither (GEMMs at the flat rate)."""
+    sms, tiles = table.get("sm_count"), table.get("matmul_tiles")
+    if sms is None and tiles is None:
+        return None, ()
+    if sms is None or tiles is None:
+        raise HardwareError(f"{source}: [{key}] gives one of sm_count and matmul_tiles without the other",
+                            hint="give both (GEMMs priced by their tiles in waves over the SMs) or neither")
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms <= 0:
+        raise HardwareError(f"{source}: [{key}] sm_count = {sms!r} must be a whole number of SMs")
+    whole = isinstance(tiles, list) and tiles and all(
+        isinstance(t, list) and len(t) == 3 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in t)
+        for t in tiles)
+    if not whole:
+        raise HardwareError(f"{source}: [{key}] matmul_tiles = {tiles!r} must be a list of [M, N, K] tiles "
+                            "of whole numbers, e.g. [[128, 256, 64], [128, 128, 64]]")
+    return sms, tuple(tuple(t) for t in tiles)

@@ -51,6 +51,15 @@ def step_work(plan: ExecutionPlan) -> StepWork:
         op_issues=_compute(plan, op_latency_s=1.0))
 
 
+def matmul_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
+    """The model's seconds of `plan`'s matmuls in a step on `hw` (on a profile with tile terms,
+    each GEMM by its shape, its memory roofline included): its forward and backward with every
+    other kind of work free."""
+    probe = _probe(bf16_flops=hw.bf16_flops, matmul_efficiency=hw.matmul_efficiency,
+                   hbm_bytes_per_s=hw.hbm_bytes_per_s, memory_efficiency=hw.memory_efficiency)
+    return compute_seconds(plan, dataclasses.replace(probe, sm_count=hw.sm_count, matmul_tiles=hw.matmul_tiles))
+
+
 def compute_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
     """The model's forward and backward of `plan`'s step on `hw`."""
     return _price(plan, hw).compute_seconds

@@ -324,11 +324,14 @@ def profile_of(key: str, plans: tuple[ExecutionPlan, ExecutionPlan], step: tuple
 def _measured_gpu(base: Hardware, key: str, source: str, plans, step, *, rates) -> Hardware:
     """The GPU's profile with its efficiencies measured: the matmul, attention and optimizer
     rates over its peaks, the other ops' as `other_ops` solves them (a share above the
-    bandwidth, which the model's byte count would need, is held at 1)."""
+    bandwidth, which the model's byte count would need, is held at 1). The matmul rate
+    measured is that of the model's own GEMM shapes, their tiles' losses in it: the profile
+    drops the tile terms (`sm_count`, `matmul_tiles`), which would count them again."""
     matmul, attention, update = rates
 
     def machine(rate: float, latency: float) -> Hardware:
         return dataclasses.replace(base, key=key, name=f"{base.name}, measured ({source.split()[0]})",
+                                   sm_count=None, matmul_tiles=(),
                                    matmul_efficiency=matmul / base.bf16_flops,
                                    attention_efficiency=attention / base.bf16_flops,
                                    memory_efficiency=min(update / base.hbm_bytes_per_s, 1.0),
@@ -392,8 +395,12 @@ def profile_text(hw: Hardware, step: tuple[StepSeconds, StepSeconds], links: Lin
     for field in dataclasses.fields(hw):
         if field.name not in ("key", "name"):
             value = getattr(hw, field.name)
+            if value is None or value == ():  # an optional term the profile leaves out
+                continue
             if isinstance(value, bool):
                 value = str(value).lower()
+            elif isinstance(value, tuple):
+                value = "[" + ", ".join("[" + ", ".join(map(str, t)) + "]" for t in value) + "]"
             elif not isinstance(value, int):
                 value = f"{value:.6g}"
             lines.append(f"{field.name} = {value}")
