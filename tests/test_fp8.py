@@ -16,6 +16,7 @@ import torch
 
 from fivedc.errors import FivedcError, PlanError
 from fivedc.estimates.costs import fp8_cast_bytes, op_times, op_work
+from fivedc.estimates.gemm import gemms_seconds
 from fivedc.estimates.saved import SaveContext
 from fivedc.frontends.dsl_file import load_model
 from fivedc.ir.graph import Op, walk_ops
@@ -102,9 +103,13 @@ def test_a_float8_linear_runs_at_the_fp8_peak_plus_its_casts():
     x, w, out = 4 * 8 * 32, 32 * 128 // 2, 4 * 8 * 128 // 2  # M K, K N, M N on this rank
     assert (fwd_casts, bwd_casts) == (x * 4 + w * 6, out * 4)  # torchao's roofline_utils count at 2 bytes
     forward, backward, weight = op_times(c, op, hw)
-    assert forward == pytest.approx(work.matmul_flops / (1979e12 * hw.matmul_efficiency) + fwd_casts / hw.op_bytes_per_s)
-    assert weight == pytest.approx(work.matmul_flops / (1979e12 * hw.matmul_efficiency))
-    assert backward == pytest.approx(weight + bwd_casts / hw.op_bytes_per_s)
+    fp8_peak = replace(hw, bf16_flops=1979e12)  # the GEMM model at the float8 peak, float8 operands
+    (gemm,) = work.gemms
+    matmul, dx, dw = gemms_seconds((gemm,), fp8_peak, element_bytes=1)
+    assert forward == pytest.approx(matmul + fwd_casts / hw.op_bytes_per_s)
+    assert (backward, weight) == pytest.approx((dx + bwd_casts / hw.op_bytes_per_s, dw))
+    flat = replace(hw, sm_count=None, matmul_tiles=())  # untiled: the FLOPs at the flat fp8 rate
+    assert op_times(c, op, flat)[2] == pytest.approx(work.matmul_flops / (1979e12 * hw.matmul_efficiency))
 
 
 def test_a_large_model_steps_faster_and_mfu_keeps_the_bf16_peak():
@@ -202,5 +207,6 @@ def test_the_casts_are_memory_bound_terms_of_the_step():
     c, plan, terms = layer["fp8"]
     casts = sum(fp8_cast_bytes(c, op)[0] for op in _linears(plan) if is_fp8(op)) / hw.op_bytes_per_s
     assert terms["memory-bound ops"] - layer["bf16"][2]["memory-bound ops"] == pytest.approx(casts)
-    flops = sum(op_work(c, op).matmul_flops for op in _linears(plan) if is_fp8(op))
-    assert terms["matmuls"] == pytest.approx(flops / (hw.fp8_flops * hw.matmul_efficiency))
+    gemms = tuple(g for op in _linears(plan) if is_fp8(op) for g in op_work(c, op).gemms)
+    assert terms["matmuls"] == pytest.approx(gemms_seconds(gemms, replace(hw, bf16_flops=hw.fp8_flops),
+                                                           element_bytes=1)[0])
