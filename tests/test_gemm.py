@@ -2,21 +2,22 @@
 
 `benchmarks/data/gpu_kernels_h200.json` holds 240 bf16 matmuls at the shapes of Llama 3
 8B/70B/405B's projections, unsharded and at tp 2/4/8, 1K-16K tokens, timed on an H200 with
-torch 2.11 (`benchmarks/gpu_kernels.py`; 109-791 TFLOP/s). Nothing in the model was fitted
-to them: the H200 profile's SMs and tiles are data-sheet and cuBLAS kernel figures, its rate
-the large-GEMM share every GPU profile assumes. Predicted/measured over the 240:
+torch 2.11 (`benchmarks/gpu_kernels.py`; 109-791 TFLOP/s). The Hopper profiles' full-wave
+rate (`matmul_efficiency` 0.70) is the one figure taken from them: the 135 GEMMs that took
+0.5 ms or more, whose tile losses are small, at their median (0.75, the share assumed before,
+put them at 0.93 of their measured time). The SMs and tiles are data-sheet and cuBLAS kernel
+figures. The 105 GEMMs under 0.5 ms, where the tiles and waves matter, are held out:
 
-    flat rate (today's before):  median 0.885, 0.146-1.065, 197 of 240 within 25 %, 105 within 10 %
-    by shape (tiles in waves):   median 0.912, 0.151-1.200, 208 of 240 within 25 %, 133 within 10 %
+    flat rate:                 median 0.840, 0.157-1.114, 71 of 105 within 25 %, 27 within 10 %
+    by shape (tiles in waves): median 0.886, 0.162-1.286, 80 of 105 within 25 %, 41 within 10 %
 
-What the shape model still misses is on the fast side: the 32 shapes outside 25 % are all
-below 0.75 (the model too fast), every one measured under 0.43 ms: the smallest took
-40-60 µs whatever their FLOPs (one eager call timed alone pays the host's launch, which a
-training step's stream hides), and short-K ones (K = 512-2048) run below the full-wave rate
-(prologue and epilogue of each tile; not modelled). Every GEMM measured at 0.5 ms or more
-(135 of them) is within 0.80-1.09. Split-K (few tiles over a long K: weight gradients) moves
-one of the 240 (208 within 25 % with it, 209 without): the GEMMs it speeds up are among those
-measured at the launch floor, so these measurements neither confirm nor refute it.
+What the shape model still misses is on the fast side: every shape outside 25 % below 0.75
+(the model too fast) took under 0.3 ms: the smallest took 40-60 µs whatever their FLOPs (one
+eager call timed alone pays the host's launch, which a training step's stream hides), and
+short-K ones (K = 512-2048) run below the full-wave rate (prologue and epilogue of each
+tile; not modelled). Split-K (few tiles over a long K: weight gradients) moves one of the 240:
+the GEMMs it speeds up are among those measured at the launch floor, so these measurements
+neither confirm nor refute it.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def _flat(hw):
     return dataclasses.replace(hw, sm_count=None, matmul_tiles=())
 
 
-def _ratios(hw) -> list[float]:
-    return [gemm_seconds(Gemm(r["m"], r["n"], r["k"]), hw, element_bytes=2) / r["seconds"] for r in MATMULS]
+def _ratios(hw, rows=MATMULS) -> list[float]:
+    return [gemm_seconds(Gemm(r["m"], r["n"], r["k"]), hw, element_bytes=2) / r["seconds"] for r in rows]
 
 
 def _within(ratios: list[float], share: float) -> int:
@@ -58,15 +59,17 @@ def _within(ratios: list[float], share: float) -> int:
 
 def test_the_h200_matmuls_are_nearer_by_shape_than_at_the_flat_rate() -> None:
     assert len(MATMULS) == 240
-    flat, shaped = _ratios(_flat(H200)), _ratios(H200)
-    assert 0.90 <= statistics.median(shaped) <= 1.0 and statistics.median(shaped) > statistics.median(flat)
-    assert _within(shaped, 0.25) >= 205 and _within(shaped, 0.25) > _within(flat, 0.25)  # 208 against 197
-    assert _within(shaped, 0.10) >= 125 and _within(shaped, 0.10) > _within(flat, 0.10) + 20  # 133 against 105
-    assert max(shaped) <= 1.25  # never more than a quarter too slow
-    slow = [r["seconds"] for r, x in zip(MATMULS, shaped) if abs(x - 1) > 0.25]
-    assert max(slow) < 0.5e-3  # what it misses: small and short-K GEMMs, all too fast
-    long = [x for r, x in zip(MATMULS, shaped) if r["seconds"] >= 0.5e-3]
-    assert len(long) == 135 and 0.8 <= min(long) and max(long) <= 1.1
+    long = [r for r in MATMULS if r["seconds"] >= 0.5e-3]  # the full-wave rate is theirs
+    short = [r for r in MATMULS if r["seconds"] < 0.5e-3]  # held out
+    assert len(long) == 135 and 0.98 <= statistics.median(_ratios(H200, long)) <= 1.02
+    assert 0.85 <= min(_ratios(H200, long)) and max(_ratios(H200, long)) <= 1.2
+    flat, shaped = _ratios(_flat(H200), short), _ratios(H200, short)
+    assert statistics.median(shaped) > statistics.median(flat)  # 0.886 against 0.840
+    assert _within(shaped, 0.25) >= 78 and _within(shaped, 0.25) > _within(flat, 0.25)  # 80 against 71
+    assert _within(shaped, 0.10) >= 38 and _within(shaped, 0.10) > _within(flat, 0.10) + 10  # 41 against 27
+    assert max(shaped) <= 1.3  # never more than 30 % too slow
+    slow = [r["seconds"] for r, x in zip(short, shaped) if x < 0.75]
+    assert len(slow) <= 25 and max(slow) < 0.3e-3  # what it misses: small and short-K GEMMs, all too fast
 
 
 def test_a_skinny_gemm_is_slower_per_flop_than_a_large_square_one() -> None:

@@ -68,11 +68,36 @@ def test_collectives_run_over_nvlink_inside_a_node_and_the_network_across() -> N
     assert node_span(wide, (MeshAxis.DP,), 8) == (2, 4)  # 2 nodes, 4 in each: 4 NICs carry it
     assert collective_seconds(K.ALL_GATHER, (MeshAxis.DP,), b, wide, H100) == pytest.approx(
         7 / 8 * b / (min(H100.nvlink_bytes_per_s, 4 * H100.internode_bytes_per_s) * H100.link_efficiency)
-        + 7 * H100.internode_latency_s)
+        + 6 * H100.nvlink_latency_s + H100.internode_latency_s)  # of the ring's 7 steps, one crosses the nodes
     # a ring hop, one GPU to the next, crosses between the nodes through one NIC: a ring's step
     # waits on that hop, whatever the other three NICs of the node carry for their own rings
     assert collective_seconds(K.SEND_RECV, (MeshAxis.DP,), b, wide, H100) == pytest.approx(
         b / net + H100.internode_latency_s)
+
+
+def test_an_all_reduce_over_many_nodes_takes_nccls_tree_when_it_is_faster() -> None:
+    """A ring all-reduce over 64 nodes waits on 126 network latencies; NCCL's double binary
+    tree on 2 x 6 (log2 64), for twice the bytes at 0.9 of the bandwidth. A small sum takes
+    the tree, a large one the ring; a profile without the tree (gloo, a TPU) the ring."""
+    mesh = Mesh.parse("64x1x8x1x1")  # a dp group: one GPU in each of 64 nodes
+    net = H100.internode_bytes_per_s * H100.link_efficiency
+    lat = H100.internode_latency_s
+
+    def ring(b: float) -> float:
+        return 2 * 63 / 64 * b / net + 2 * 63 * lat
+
+    def tree(b: float) -> float:
+        return 2 * b / (0.9 * net) + 2 * 6 * lat
+
+    small, large = 2**20, 2**30
+    assert tree(small) < ring(small) and ring(large) < tree(large)
+    for b in (small, large):
+        assert collective_seconds(K.ALL_REDUCE, (MeshAxis.DP,), b, mesh, H100) == pytest.approx(min(ring(b), tree(b)))
+        ringed = dataclasses.replace(H100, tree_all_reduce=False)
+        assert collective_seconds(K.ALL_REDUCE, (MeshAxis.DP,), b, mesh, ringed) == pytest.approx(ring(b))
+    one_node = Mesh.parse("1x1x8x1x1")  # inside a node NCCL's all-reduce is a ring
+    assert collective_seconds(K.ALL_REDUCE, (MeshAxis.TP,), small, one_node, H100) == pytest.approx(
+        2 * 7 / 8 * small / (H100.nvlink_bytes_per_s * H100.link_efficiency) + 2 * 7 * H100.nvlink_latency_s)
 
 
 @pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 8, 1), ("gpipe", 5, 2, 1), ("1f1b", 8, 3, 1),

@@ -49,6 +49,7 @@ class Hardware:
     fp8_flops: float | None = None  # dense float8 tensor-core peak; None: the GPU has no float8 matmuls
     sm_count: int | None = None  # the SMs a GEMM's tiles run over in waves (`fivedc/estimates/gemm.py`)
     matmul_tiles: tuple[tuple[int, int, int], ...] = ()  # the (M, N, K) tiles of the GEMM kernels it picks among
+    tree_all_reduce: bool = False  # NCCL: an all-reduce across nodes by a tree where faster than a ring
 
     @property
     def tiled(self) -> bool:
@@ -77,8 +78,8 @@ class Hardware:
 
 
 OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None, "op_latency_s": 0.0,
-            "host_runs_ahead": False, "fp8_flops": None, "sm_count": None,
-            "matmul_tiles": ()}  # a profile may leave these out
+            "host_runs_ahead": False, "fp8_flops": None, "sm_count": None, "matmul_tiles": (),
+            "tree_all_reduce": False}  # a profile may leave these out
 FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name", *OPTIONAL))
 
 
@@ -137,10 +138,11 @@ def _parse(text: str, source: str) -> dict[str, Hardware]:
         if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < 1:
             raise HardwareError(f"{source}: [{key}] op_latency_s = {latency!r} must be seconds in [0, 1)")
         values["op_latency_s"] = float(latency)
-        ahead = table.get("host_runs_ahead", False)
-        if not isinstance(ahead, bool):
-            raise HardwareError(f"{source}: [{key}] host_runs_ahead = {ahead!r} must be true or false")
-        values["host_runs_ahead"] = ahead
+        for flag in ("host_runs_ahead", "tree_all_reduce"):
+            value = table.get(flag, False)
+            if not isinstance(value, bool):
+                raise HardwareError(f"{source}: [{key}] {flag} = {value!r} must be true or false")
+            values[flag] = value
         fp8 = table.get("fp8_flops")
         if fp8 is not None and (isinstance(fp8, bool) or not isinstance(fp8, (int, float)) or not fp8 > 0):
             raise HardwareError(f"{source}: [{key}] fp8_flops = {fp8!r} must be a positive number of FLOP/s")
