@@ -24,6 +24,11 @@ Sources (read from the papers, never from fivedc's output):
   s b h (34 + 5 a s / h) with no parallelism, (10 + 24/t + 5as/ht) tensor parallel,
   (34/t + 5as/ht) with sequence parallel, (10 + 24/t) selective, 34/t both, 2 full).
 
+Held out (other teams, systems and GPUs, each row's source in its constructor below):
+Smith et al. 2022 (MT-NLG 530B, DeepSpeed on A100s), Dubey et al. 2024 (Llama 3 405B on
+H100s), torchtitan's docs/performance.md at commit 0413364 (FSDP2 on 64 A100s: Llama 3 70B,
+Llama 2 13B and 70B).
+
     python benchmarks/validation.py             # the table (about a minute on 2 cores)
     python benchmarks/validation.py --write     # also replaces the table in benchmarks/RESULTS.md
 """
@@ -148,6 +153,31 @@ def _llama3(gpus: int, mesh: str, seq: int, mfu: float) -> Run:
                model=ROOT / "examples" / "llama3_405b.5d", gpu="h100", held_out=True)
 
 
+TORCHTITAN = "torchtitan docs/performance.md (commit 0413364)"
+LLAMA = ROOT / "examples" / "llama3_405b.5d"  # Llama's layers: the shape is each row's
+
+
+def _torchtitan(key: str, shape: tuple[tuple[str, int], ...], seq: int, local: int, recompute: str,
+                tokens_per_gpu_s: float) -> Run:
+    """torchtitan's FSDP2 on 64 A100 80GB (its docs/performance.md at commit 0413364, the
+    tables of Llama 3 and Llama 2): every parameter sharded over the 64 (ZeRO-3), `local`
+    sequences a GPU, flash attention (SDPA), no torch.compile, bf16; the measured figure is
+    its words (tokens) per second per GPU, so a step is local x seq / that. Only the rows
+    without checkpointing or with full: its "selective op" rows recompute every second
+    matmul of a layer and its "selective layer" ones every second layer, which no fivedc
+    recomputation mode does (`selective` rebuilds attention's core), so they are left out."""
+    dims = (("batch", 64 * local), ("seq", seq), *shape)
+    flags = "--zero 3" + (f" --recompute {recompute}" if recompute != "none" else "")
+    return Run(key, TORCHTITAN, dims, "64x1x1x1x1", local, flags, local * seq / tokens_per_gpu_s, model=LLAMA,
+               held_out=True)
+
+
+# Llama 3 70B (The Llama 3 Herd of Models, table 3), Llama 2 13B and 70B (Touvron et
+# al. 2023, table 1 and its released configs): the dims the Llama example's text has.
+LLAMA3_70B = (("hidden", 8192), ("heads", 64), ("kv_heads", 8), ("ffn", 28672), ("layers", 80))
+LLAMA2_13B = (("hidden", 5120), ("heads", 40), ("kv_heads", 40), ("ffn", 13824), ("vocab", 32000), ("layers", 40))
+LLAMA2_70B = (("hidden", 8192), ("heads", 64), ("kv_heads", 8), ("ffn", 28672), ("vocab", 32000), ("layers", 80))
+
 def _deepseek_v3() -> Run:
     """DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", arXiv 2412.19437,
     section 1 and table 1: "180K H800 GPU hours" per trillion training tokens; section 3:
@@ -194,6 +224,9 @@ RUNS = (
     _llama3(8192, "64x16x8x1x1", 8192, 0.43),
     _llama3(16384, "128x16x8x1x1", 8192, 0.41),
     _llama3(16384, "8x16x8x16x1", 131072, 0.38),
+    _torchtitan("titan-llama3-70b", LLAMA3_70B, 8192, 1, "full", 331),
+    _torchtitan("titan-llama2-13b", LLAMA2_13B, 4096, 2, "none", 2162),
+    _torchtitan("titan-llama2-70b", LLAMA2_70B, 4096, 2, "full", 353),
 )
 
 

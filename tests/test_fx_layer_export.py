@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch import nn
 
 from fivedc.frontends.fx.export import export_graph
-from fivedc.frontends.fx.layer_export import export_by_layers
+from fivedc.frontends.fx.layer_export import WholeExport, export_by_layers
 from fivedc.frontends.python_file import import_file
 
 import transformers  # the `test` extra installs it (pyproject.toml): missing, the tests fail
@@ -76,10 +76,13 @@ def test_layers_that_run_other_ops_are_exported_whole(scales, unrolled: bool) ->
     torch.manual_seed(0)
     model, x = Stack(scales).double(), {"x": torch.randn(2, 8, dtype=torch.float64)}
     fast, whole = both(model, x)
-    assert (fast is not None) == unrolled
-    if fast is not None:
+    assert isinstance(fast, fx.GraphModule) == unrolled
+    if unrolled:
         assert canonical(fast) == canonical(whole)
         assert torch.equal(fast(**x), whole(**x))
+    else:  # and says where the layers part
+        assert fast == WholeExport("layer 3 of layers runs other ops than layer 1 (aten.mul.Tensor at call 3 on "
+                                   "other arguments)")
 
 
 def test_a_library_decoder_with_mixed_layer_types_is_exported_whole() -> None:
@@ -87,4 +90,22 @@ def test_a_library_decoder_with_mixed_layer_types_is_exported_whole() -> None:
     record sees layer 5 read another mask, so no copy of layer 1 stands for it."""
     model, (ids, labels) = hf.build("gemma3", dtype=torch.float32, num_hidden_layers=7)
     assert model.model.config.layer_types[5] != model.model.config.layer_types[1]
-    assert export_by_layers(model, {"input_ids": ids, "labels": labels}, export_graph) is None
+    found = export_by_layers(model, {"input_ids": ids, "labels": labels}, export_graph)
+    assert isinstance(found, WholeExport) and found.reason.startswith("layer 5 of model.model.layers runs other ops "
+                                                                      "than layer 1 (")
+
+
+def test_the_tracer_says_why_a_model_with_layers_is_exported_whole() -> None:
+    """The slower whole export is never silent: the tracer's FxWarning carries the reason."""
+    from fivedc.frontends.fx.trace import _by_layers
+    from fivedc.frontends.fx_module import FxWarning
+
+    model, x = Stack((0.5, 0.5, 0.5, 0.25)).double(), {"x": torch.randn(2, 8, dtype=torch.float64)}
+    with pytest.warns(FxWarning, match="Stack is exported whole, not as two layers unrolled .*: layer 3 of layers"):
+        assert _by_layers(model, x, export_graph) is None
+
+    def failing(module, inputs):
+        raise RuntimeError("a data-dependent branch\nmore")
+
+    with pytest.warns(FxWarning, match="exporting two layers failed: RuntimeError: a data-dependent branch$"):
+        assert _by_layers(Stack((0.5,) * 4).double(), x, failing) is None

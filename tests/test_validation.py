@@ -45,13 +45,13 @@ def test_step_time_holds_to_the_published_runs(published) -> None:
 
 
 def test_runs_the_model_was_not_built_on_stay_within_thirty_percent(published) -> None:
-    """MT-NLG 530B and Llama 3 405B: every run within issue 35's 0.70-1.30. Their median
-    (0.76) is short of the 0.85 the issue asks: the model is still optimistic on them, and
-    this bound keeps it from getting worse."""
+    """MT-NLG 530B, Llama 3 405B and torchtitan's FSDP runs: every run within issue 35's
+    0.70-1.30. Their median (0.83) is short of the 0.85 the issue asks: the model is still
+    optimistic on MT-NLG's and Llama 3's, and this bound keeps it from getting worse."""
     held_out = {r.run.key: r.ratio for r in published if r.run.held_out}
-    assert len(held_out) == 6
+    assert len(held_out) == 9
     assert all(0.70 <= ratio <= 1.30 for ratio in held_out.values()), held_out
-    assert statistics.median(held_out.values()) >= 0.74, held_out
+    assert statistics.median(held_out.values()) >= 0.81, held_out
 
 
 def test_sp_and_selective_gain_what_korthikanti_measured(published) -> None:

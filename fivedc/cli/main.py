@@ -23,6 +23,7 @@ from fivedc.cli import screen
 from fivedc.cli.shared import compile_model, load_graph
 from fivedc.errors import EXIT_CODES, FivedcError, fit
 from fivedc.runtime import DEFAULT_TIMEOUT_S
+from fivedc.schedule.kinds import schedules_help
 from fivedc.cli.rehearse import rehearse_args
 from fivedc.cli.train import train_args
 
@@ -66,8 +67,7 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
                    help="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters (default 0: off)")
     p.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
                    help=f"gradient bucket size in MiB (default {DEFAULT_BUCKET_MB:g})")
-    p.add_argument("--schedule", default=None, help="pipeline schedule for pp > 1: gpipe, 1f1b (default), "
-                   "interleaved, zb-h1, dualpipev, dualpipe (two model copies)")
+    p.add_argument("--schedule", default=None, help=f"pipeline schedule for pp > 1: {schedules_help()}")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: max(pp, least))")
     p.add_argument("--virtual", type=int, default=None, help="chunks per pp rank for interleaved (default 2)")
     p.add_argument("--pp-layout", default=None, metavar="N,N,...",

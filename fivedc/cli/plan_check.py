@@ -30,6 +30,7 @@ from fivedc.pipeline import compile_graph
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.ir.seq_layout import SeqLayout
 from fivedc.passes.stages import units
+from fivedc.schedule import DEFAULT_SCHEDULE
 
 RECOMPILE_HINT = "recompile the model with this fivedc (fivedc compile MODEL --mesh ... -o PLAN.json) instead of editing the plan"
 
@@ -70,9 +71,9 @@ def options_of(plan: ExecutionPlan) -> CompileOptions:
         zero=plan.zero,
         overlap=plan.overlap,
         bucket_mb=plan.bucket_bytes / 2**20,
-        schedule=pipeline.schedule if pipeline else "1f1b",
+        schedule=pipeline.schedule if pipeline else DEFAULT_SCHEDULE,
         microbatches=pipeline.microbatches if pipeline else None,
-        virtual=pipeline.virtual if pipeline and pipeline.schedule == "interleaved" else None,
+        virtual=pipeline.kind.virtual(pipeline.virtual) if pipeline else None,
         pp_layout=_layers_per_chunk(plan) if pipeline and pipeline.cut == "layout" else None,
         recompute=plan.recompute,
         attention_kernel=recorded_attention_kernel(plan.graph),
@@ -93,7 +94,7 @@ def _layers_per_chunk(plan: ExecutionPlan) -> tuple[int, ...]:
     """The --pp-layout that cuts the plan's chunks: repeat layers in each chunk's units."""
     all_units = units(plan.graph)
     chunks = plan.pipeline.chunks
-    model = chunks[:len(chunks) // 2] if plan.pipeline.schedule == "dualpipe" else chunks  # its second copy repeats them
+    model = chunks[:len(chunks) // plan.pipeline.kind.pipelines]  # DualPipe: its second copy repeats them
     return tuple(sum(u.layer is not None for u in all_units[a:b]) for a, b in (c.units for c in model))
 
 

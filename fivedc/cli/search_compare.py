@@ -23,6 +23,7 @@ LAYOUT_FLAGS = ("rank_order", "sp", "cp_attention", "schedule", "microbatches", 
 def compare_args(p) -> None:
     from fivedc.passes.base import CP_VARIANTS
     from fivedc.passes.recompute import RECOMPUTE_MODES
+    from fivedc.schedule import DEFAULT_SCHEDULE
 
     p.add_argument("--compare", default=None, metavar="MESH",
                    help="compile this layout (DPxPPxTPxCPxEP and the flags below, as fivedc compile takes them) "
@@ -32,7 +33,8 @@ def compare_args(p) -> None:
     sp.add_argument("--sp", dest="sp", action="store_true", default=None, help="--compare: sequence parallelism on")
     sp.add_argument("--no-sp", dest="sp", action="store_false", help="--compare: sequence parallelism off")
     p.add_argument("--cp-attention", choices=CP_VARIANTS, default=None, help="--compare: attention across cp")
-    p.add_argument("--schedule", default=None, help="--compare: pipeline schedule for pp > 1 (default 1f1b)")
+    p.add_argument("--schedule", default=None,
+                   help=f"--compare: pipeline schedule for pp > 1 (default {DEFAULT_SCHEDULE})")
     p.add_argument("--microbatches", type=int, default=None, help="--compare: microbatches per step")
     p.add_argument("--virtual", type=int, default=None, help="--compare: chunks per pp rank for interleaved")
     p.add_argument("--zero", type=int, default=None, metavar="STAGE", help="--compare: ZeRO stage (default 0)")
@@ -63,6 +65,7 @@ def compared_layout(args, graph, hw, *, gpus: int, dtype: str) -> Compared | Non
         return None
     from fivedc.ir.mesh import Mesh, MeshAxis
     from fivedc.passes.base import CompileOptions
+    from fivedc.schedule import DEFAULT_SCHEDULE
     from fivedc.pipeline import compile_graph
 
     try:
@@ -75,7 +78,8 @@ def compared_layout(args, graph, hw, *, gpus: int, dtype: str) -> Compared | Non
                           hint=f"give a mesh whose product is {gpus} (dp x pp x tp x cp x ep), or change --gpus")
     try:
         options = CompileOptions(mesh=mesh, sequence_parallel=args.sp, dtype=dtype, cp_attention=args.cp_attention,
-                                 zero=args.zero or 0, schedule=args.schedule or "1f1b", microbatches=args.microbatches,
+                                 zero=args.zero or 0, schedule=args.schedule or DEFAULT_SCHEDULE,
+                                 microbatches=args.microbatches,
                                  virtual=args.virtual, recompute=args.recompute, hardware=hw)
         piped = [f"--{k}" for k in ("schedule", "microbatches", "virtual") if getattr(args, k) is not None]
         if mesh.size(MeshAxis.PP) == 1 and piped:

@@ -40,12 +40,13 @@ def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = Tr
     serve meshes with and without a pipeline (`fivedc diff`)."""
     from fivedc.ir.mesh import MeshAxis
     from fivedc.passes.base import CompileOptions
+    from fivedc.schedule import DEFAULT_SCHEDULE
 
     options = CompileOptions(
         mesh=mesh, sequence_parallel=args.sp, dtype=dtype,
         cp_attention=args.cp_attention, cp_layout=args.cp_layout, zero=args.zero,
         attention_kernel=args.attention_kernel,
-        overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or "1f1b",
+        overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or DEFAULT_SCHEDULE,
         microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
         recompute=args.recompute, hardware=_hardware(args), fp8=getattr(args, "fp8", False),
     )  # checks each value first

@@ -29,7 +29,6 @@ from fivedc.estimates.step_time import (
 from fivedc.estimates.terms import Terms, merge
 from fivedc.ir.mesh import MeshAxis
 from fivedc.schedule.actions import COMPUTE
-from fivedc.schedule.generators import SPLIT_BACKWARD
 
 BUBBLE, PP_SENDS, OPTIMIZER = "pipeline bubble", "pp sends", "optimizer"
 SYNC, GATHERS = "dp/ZeRO grad sync", "ZeRO gathers"
@@ -107,7 +106,7 @@ def step_breakdown(graph, *, mesh, dtype: str, dtype_bytes: int, zero: int, over
 def _busiest(c, pipeline, mesh, hw, times) -> tuple[int, Terms]:
     """The pp rank with the most work in the schedule, and that work by term: each of its
     compute actions, with its chunk's units' terms for that phase."""
-    whole = pipeline.schedule not in SPLIT_BACKWARD
+    whole = not pipeline.kind.split_backward
     schedule = pipeline.build_schedule(mesh.size(MeshAxis.PP))
     per, _ = chunk_costs(c, pipeline, mesh, hw, times)
     chunk_parts = []

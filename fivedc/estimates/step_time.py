@@ -9,7 +9,7 @@ A step (`estimate_time`) is
    makespan and idle share (the bubble). Without a pipeline: one forward and backward.
    A whole backward (B) hides tensor parallelism's backward sums behind the weight
    gradients the plan overlaps them with (`UnitTime.hidden`); a schedule that splits it
-   into I and W (`SPLIT_BACKWARD`) hides none: the runtime leaves every dW to W there.
+   into I and W (`ScheduleKind.split_backward`) hides none: the runtime leaves every dW to W there.
 2. the gradient sync the compute does not hide: summed over each parameter's ZeRO
    group (all-reduce; ZeRO-1/2 reduce-scatter), during backward when the plan overlaps
    it (no pipeline, overlap on, not ZeRO-1: only what exceeds the backward before the
@@ -43,7 +43,7 @@ from fivedc.estimates.saved import SaveContext
 from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec
-from fivedc.schedule.generators import SPLIT_BACKWARD
+from fivedc.schedule import schedule_kind
 
 K = CollectiveKind
 
@@ -109,7 +109,7 @@ def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware,
                memo: Memo) -> tuple[float, float, list]:
     """The schedule played with each chunk's seconds per microbatch."""
     per, travel = chunk_costs(c, pipeline, mesh, hw, times)
-    whole = pipeline.schedule not in SPLIT_BACKWARD
+    whole = not pipeline.kind.split_backward
     delays = {"RF": travel, "RB": [0.0] + travel[:-1]}
     key = ("played", pipeline.schedule, pipeline.microbatches, pipeline.virtual,
            *(tuple(v) for v in per.values()), tuple(travel))
@@ -125,7 +125,7 @@ def chunk_costs(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware
     """Each chunk's F, B, I and W seconds per microbatch, and its sent activations' seconds over pp."""
     per: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
     travel = []
-    whole = pipeline.schedule not in SPLIT_BACKWARD  # else the runtime leaves every dW to W: nothing hides
+    whole = not pipeline.kind.split_backward  # else the runtime leaves every dW to W: nothing hides
     for chunk in pipeline.chunks:
         mine = times[chunk.units[0]:chunk.units[1]]
         per["F"].append(sum(t.forward for t in mine))
@@ -200,7 +200,7 @@ def tail_parts(sizes, mesh, dtype, dtype_bytes, zero, overlap, buckets, pipeline
     optimizer = owned * state / stream
     copies = _copy_bytes(sum(groups.values()), zero, pipeline) / stream
     pair = 0.0
-    if pipeline is not None and pipeline.schedule == "dualpipe":  # the two copies add their gradients
+    if pipeline is not None and pipeline.kind.pipelines > 1:  # the two copies add their gradients
         pair = collective_seconds(K.SEND_RECV, (MeshAxis.PP,), owned * dtype_bytes, mesh, hw)
     return TailParts(exposed_sync, copies, pair, gathers, optimizer)
 
@@ -230,13 +230,12 @@ def closed_form_makespan(schedule: str, p: int, m: int, v: int, forward: float, 
     """The makespan of a pipeline whose chunks all cost `forward` and `backward` per
     microbatch (a whole stage's; transfers free), by the published formulas: GPipe and
     1F1B (m + p - 1)(F + B), interleaved 1F1B (m v + p - 1)(F + B) / v with chunks of
-    1/v of a stage (Narayanan et al. 2021); equal to the simulator's then
-    (tests/test_step_time.py). None for schedules without one. A layout search can score
+    1/v of a stage (Narayanan et al. 2021; v = 1 gives the first); equal to the simulator's
+    then (tests/test_step_time.py). None for schedules without one (split backward, a V,
+    two copies: `ScheduleKind.has_closed_form`). A layout search can score
     candidates with it from per-layer costs computed once (`fivedc/costs.unit_times`), with
     no compile and no simulation; the plan's own estimate plays the schedule, with its
     unequal chunks and transfer times."""
-    if schedule in ("gpipe", "1f1b"):
-        return (m + p - 1) * (forward + backward)
-    if schedule == "interleaved":
-        return (m * v + p - 1) * (forward + backward) / v
-    return None
+    if not schedule_kind(schedule).has_closed_form:
+        return None
+    return (m * v + p - 1) * (forward + backward) / v

@@ -59,6 +59,7 @@ from fivedc.passes.base import DEFAULT_BUCKET_MB, CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.states import after_step_hooks
 from fivedc.plan.execution_plan import ExecutionPlan
+from fivedc.schedule import DEFAULT_SCHEDULE
 
 _DTYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -74,7 +75,7 @@ class ParallelizeOptions:
     cp_layout: str | None = None  # "balanced" | "contiguous"
     overlap: bool = True
     bucket_mb: float = DEFAULT_BUCKET_MB
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     microbatches: int | None = None
     virtual: int | None = None
     pp_layout: tuple[int, ...] | None = None
@@ -131,8 +132,8 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     under tp); shardings `{"module.path.*": "col" | "row" | "replicate"}`; zero 0-3 (the
     parameters become this rank's flat chunks); cp_attention "ring" | "allgather";
     cp_layout "balanced" | "contiguous"; overlap, bucket_mb (gradient buckets summed during
-    backward, tp's collectives beside compute); schedule ("gpipe" | "1f1b" | "interleaved" |
-    "zb-h1" | "dualpipev"), microbatches, virtual, pp_layout (layers per chunk),
+    backward, tp's collectives beside compute); schedule (a name of
+    `fivedc.schedule.SCHEDULES`: gpipe, 1f1b, interleaved, zb-h1, dualpipev, dualpipe), microbatches, virtual, pp_layout (layers per chunk),
     stage_boundaries (module-path patterns where a pipeline chunk begins, as at modules with
     `fivedc_stage_boundary = True`): the pipeline when pp > 1, the forward then running the
     whole schedule; recompute "none" | "selective" | "full"; device (default: the current

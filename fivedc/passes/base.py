@@ -16,7 +16,7 @@ from fivedc.ir.graph import Graph
 from fivedc.ir.limits import check_microbatches
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import check_mode, model_mode
-from fivedc.schedule.generators import SCHEDULES
+from fivedc.schedule import DEFAULT_SCHEDULE, SCHEDULES, schedule_kind
 from fivedc.ir.seq_layout import SeqLayout
 
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
@@ -39,7 +39,7 @@ class CompileOptions:
     zero: int = 0  # ZeRO stage over each parameter's data-parallel group: 0 (off), 1, 2, 3
     overlap: bool = True  # gradient buckets reduced during backward; ZeRO-3 parameter prefetch
     bucket_mb: float = DEFAULT_BUCKET_MB  # gradient bucket size in MiB
-    schedule: str = "1f1b"  # pipeline schedule (fivedc/schedule/), for pp > 1
+    schedule: str = DEFAULT_SCHEDULE  # pipeline schedule (fivedc/schedule/), for pp > 1
     microbatches: int | None = None  # per step; None: max(pp, the schedule's least)
     virtual: int | None = None  # chunks per pp rank; None: the schedule's (interleaved: 2)
     pp_layout: tuple[int, ...] | None = None  # layers per chunk; None: balanced by cost
@@ -67,8 +67,8 @@ class CompileOptions:
                 raise FivedcError(f"{what} {value!r} must be an integer >= 1",
                                   hint="e.g. --microbatches 8" if what == "microbatches" else "e.g. --virtual 2")
         if self.microbatches is not None:
-            virtual = (self.virtual or 2) if self.schedule == "interleaved" else 2 if "dualpipe" in self.schedule else 1
-            check_microbatches(self.microbatches, chunks=self.mesh.size(MeshAxis.PP) * virtual)
+            per_rank = schedule_kind(self.schedule).per_rank(self.virtual)
+            check_microbatches(self.microbatches, chunks=self.mesh.size(MeshAxis.PP) * per_rank)
         if self.pp_layout is not None and (not self.pp_layout or not all(_is_int(n) and n >= 0 for n in self.pp_layout)):
             raise FivedcError(f"pipeline layout {self.pp_layout} must be layer counts >= 0, one per chunk",
                               hint="e.g. --pp-layout 3,5,5,3")

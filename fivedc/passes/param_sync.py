@@ -147,7 +147,7 @@ def copy_sync_collectives(graph: Graph, mesh: Mesh, pipeline, dtype_bytes: int, 
     (one of each copy), each copy sees half the microbatches, so after the gradient sync
     the two exchange their summed gradients (the chunk ZeRO keeps) and add them; but the
     `tied` parameters, which more ranks hold and which are summed over all of them before."""
-    if pipeline is None or pipeline.schedule != "dualpipe":
+    if pipeline is None or pipeline.kind.pipelines == 1:
         return []
     from fivedc.passes.held_params import held_params, param_count
 

@@ -18,7 +18,7 @@ from fivedc.ir.aten_layout import whole_dims
 from fivedc.errors import NotSupportedError, PlanError, SourceLoc
 from fivedc.ir.graph import Collective, CollectiveKind, DType, Graph, Op, Phase, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.schedule import SCHEDULES, Schedule, min_microbatches
+from fivedc.schedule import SCHEDULES, Schedule, schedule_kind
 from fivedc.schedule.batched import peaks, program
 from fivedc.schedule.generators import check_request, placement
 from fivedc.passes.stages import (
@@ -32,7 +32,7 @@ def pipeline_collectives(graph: Graph, mesh: Mesh, spec: PipelineSpec, dtype_byt
     gradients backward, once per microbatch."""
     types = value_types(graph)
     out = []
-    copies = 2 if spec.schedule == "dualpipe" else 1  # each copy carries half the microbatches
+    copies = spec.kind.pipelines  # each copy carries half the microbatches
     for chunk in spec.chunks[:-1]:
         if not chunk.sends:
             continue  # the last chunk of a copy
@@ -54,7 +54,7 @@ def pipeline_collectives(graph: Graph, mesh: Mesh, spec: PipelineSpec, dtype_byt
     return out
 
 
-RUNNABLE = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "dualpipe")
+RUNNABLE = SCHEDULES
 
 
 def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: int | None, virtual: int | None,
@@ -67,16 +67,17 @@ def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: in
     p = mesh.size(MeshAxis.PP)
     if p == 1:
         return None
-    if virtual is None and schedule == "interleaved":
-        virtual = 2
-    per_rank = virtual if schedule == "interleaved" else 2 if schedule == "dualpipev" else 1
+    kind = schedule_kind(schedule)
+    if virtual is None and kind.takes_virtual:
+        virtual = kind.per_rank()
+    per_rank = kind.model_chunks_per_rank(virtual)
     _check_mark_places(graph)
     all_units = _cached(memo, "units", lambda: units(graph))
     if has_marks(graph):  # before the batch is checked: the marks decide the chunks
         _check_marks(graph, all_units, layout, schedule, p, per_rank)
     elif layout is None:
         check_enough(len(all_units), p * per_rank, "layers and op groups")
-    m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, min_microbatches(schedule, p))
+    m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, kind.min_microbatches(p))
     _check_microbatches(graph, mesh, m)
     _check_per_microbatch(graph, m)
     if not build:
@@ -138,7 +139,7 @@ def chunk_ranges(graph: Graph, mesh: Mesh, *, schedule: str, n_chunks: int, p: i
                             hint=f"give {n_chunks} layer counts, one per chunk ({n_chunks // p} per pp rank)")
         return layout_ranges(layout, graph), "layout"
     costs = list(_cached(memo, ("unit costs", dtype_bytes), lambda: unit_costs(graph, mesh, dtype_bytes)).costs)
-    v_shape = schedule == "dualpipev"
+    v_shape = schedule_kind(schedule).folded
     return _cached(memo, ("partition", dtype_bytes, n_chunks, v_shape),
                    lambda: _balanced(costs, n_chunks, v_shape)), "cost"
 
@@ -229,8 +230,8 @@ def _check_marks(graph: Graph, all_units: list[Unit], layout: tuple[int, ...] | 
             hint="drop --pp-layout to cut at the model's marks, or remove the @stage marks to cut as the layout says",
         )
     n, runs = len(where) + 1, p * per_rank
-    if n == runs or schedule not in SCHEDULES or per_rank < (2 if schedule == "interleaved" else 1):
-        return  # an unknown schedule or a bad --virtual is make_schedule's error
+    if n == runs or per_rank < (2 if schedule_kind(schedule).takes_virtual else 1):
+        return  # a bad --virtual is make_schedule's error
     boundaries = f"{len(where)} stage boundar{'y' if len(where) == 1 else 'ies'}"
     at = f" (before {', '.join(where)})" if where else " (a mark on the first op or layer cuts nothing)"
     raise PlanError(
@@ -245,9 +246,10 @@ def _marks_hint(n: int, runs: int, schedule: str, p: int, per_rank: int) -> str:
     fixes = [f"{more} {abs(n - runs)} mark{'s' if abs(n - runs) != 1 else ''}"]
     if n % per_rank == 0 and n // per_rank >= 2:
         fixes.append(f"use pp={n // per_rank} ({schedule} runs {per_rank} chunk{'s' if per_rank > 1 else ''} per rank)")
-    if n % p == 0 and n // p >= 2 and not (schedule == "interleaved" and n // p == per_rank):
+    kind = schedule_kind(schedule)
+    if n % p == 0 and n // p >= 2 and not (kind.takes_virtual and n // p == per_rank):
         fixes.append(f"use --schedule interleaved --virtual {n // p} ({n // p} chunks per rank on pp={p})")
-    if n == 2 * p and schedule != "dualpipev":
+    if n == 2 * p and not kind.folded:
         fixes.append(f"use --schedule dualpipev (2 chunks per rank on pp={p})")
     if n == p and per_rank > 1:
         fixes.append(f"use --schedule 1f1b (1 chunk per rank on pp={p})")

@@ -30,7 +30,7 @@ from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.sharding import Sharding
 from fivedc.ir.limits import check_microbatches
 from fivedc.ir.mesh import Mesh
-from fivedc.schedule import Schedule, make_schedule
+from fivedc.schedule import Schedule, ScheduleKind, make_schedule, schedule_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +86,14 @@ class PipelineSpec:
         if isinstance(self.microbatches, int):
             check_microbatches(self.microbatches, chunks=len(self.chunks))
 
+    @property
+    def kind(self) -> ScheduleKind:
+        """What the schedule is (chunks per rank, placement, copies, split backward), by property."""
+        return schedule_kind(self.schedule)
+
     def build_schedule(self, pp: int) -> Schedule:
         """The schedule as data (`fivedc/schedule/`), regenerated from its name."""
-        return cached_schedule(self.schedule, pp, self.microbatches,
-                               self.virtual if self.schedule == "interleaved" else None)
+        return cached_schedule(self.schedule, pp, self.microbatches, self.kind.virtual(self.virtual))
 
 
 @functools.lru_cache(maxsize=256)

@@ -73,7 +73,7 @@ def tied_names(graph: Graph, spec: PipelineSpec | None, pp: int) -> frozenset[st
 
 def _copy_pair(spec: PipelineSpec, ranks: tuple[int, ...], pp: int) -> bool:
     """DualPipe: pp ranks r and p-1-r hold the two copies of the same chunks (their own exchange)."""
-    return spec.schedule == "dualpipe" and len(ranks) == 2 and ranks[0] + ranks[1] == pp - 1
+    return spec.kind.pipelines > 1 and len(ranks) == 2 and ranks[0] + ranks[1] == pp - 1
 
 
 def holder_sets(graph: Graph, spec: PipelineSpec | None, pp: int) -> tuple[tuple[int, ...], ...]:

@@ -122,7 +122,7 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
         tail = buckets.rest()
         if self.pipeline is not None and self.plan.zero == 3:
             tail += self._zero3_pipeline_sync(mine)
-        if self.pipeline is not None and self.pipeline.schedule == "dualpipe":
+        if self.pipeline is not None and self.pipeline.kind.pipelines > 1:
             tail += self._copies(pp_rank, mine)
         tail += self._loss()
         if self.plan.zero in (1, 2):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fivedc.ir.mesh import MeshAxis
-from fivedc.schedule import ActionKind
+from fivedc.schedule import Action, ActionKind
 from fivedc.runtime.groups import moves_nothing
 from fivedc.runtime.loss import counted_targets
 from fivedc.runtime.saved import held
@@ -56,6 +56,21 @@ class _Micro:
     sent: bool = False  # grads_out has been sent
 
 
+@dataclass
+class _Step:
+    """What one step's actions share: the microbatches' inputs and state, the sends in flight, the loss."""
+
+    params: dict
+    inputs: list[dict[str, Tensor]]  # per microbatch
+    micro: dict[tuple[int, int], _Micro] = field(default_factory=dict)  # per (microbatch, chunk)
+    sends: list = field(default_factory=list)  # (buffer, work) of the sends still in flight
+    total: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+
+    def post(self, send) -> None:
+        """Keep a posted send (its buffer referenced until done), dropping those already done."""
+        self.sends = _pending(self.sends) + [send]
+
+
 class PipelineRunner:
     def __init__(self, program, spec: PipelineSpec, *, dtype: torch.dtype, device: torch.device) -> None:
         graph, ctx = program.graph, program.ctx
@@ -78,57 +93,94 @@ class PipelineRunner:
     # ---- one step --------------------------------------------------------------------------
     def step(self, params, inputs: dict[str, Tensor]) -> Tensor:
         """Forward and backward of every microbatch on this rank; the sum of the losses
-        computed here (zero on ranks without the last chunk)."""
+        computed here (zero on ranks without the last chunk). Each action runs by its kind
+        (`_ACTIONS`: one method per kind)."""
         self._count_targets(inputs)
-        micro_inputs = self._split(inputs)
-        state: dict[tuple[int, int], _Micro] = {}
-        sends: list = []
-        total = torch.zeros((), dtype=torch.float64)
+        run = _Step(params, self._split(inputs))
         for action in self.actions:
-            key = (action.microbatch, action.chunk)
-            kind = action.kind
-            if kind == K.FORWARD:
-                micro = state.setdefault(key, _Micro())
-                if self._local_prev(action.chunk):  # the previous chunk ran here: hand over, no transfer
-                    previous = state[(action.microbatch, action.chunk - 1)].outputs
-                    micro.received = [t.detach().requires_grad_(True) for t in previous]
-                if self.program.tracer is not None:
-                    self.program.tracer.microbatch = action.microbatch
-                with self.meter.forward(key) if self.meter is not None else contextlib.nullcontext():
-                    loss = self._forward(params, micro_inputs[action.microbatch], micro, action.chunk)
-                    held([*micro.received, *micro.outputs])  # kept until its backward
-                if loss is not None:
-                    total = total + loss.detach().double()
-            elif kind in (K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT):
-                micro = state[key]
-                self._backward(kind, micro, key)
-                if kind != K.BACKWARD_WEIGHT and self._local_prev(action.chunk):
-                    state[(action.microbatch, action.chunk - 1)].grads_in = micro.grads_out
-                    micro.grads_out, micro.sent = [], True
-                if kind != K.BACKWARD_WEIGHT:  # the graph is done with: free the activations
-                    micro.outputs, micro.received, micro.grads_in = [], [], None
-                if kind != K.BACKWARD_INPUT:  # after B or W nothing of it is needed
-                    micro.done = True
-                    if self.meter is not None:
-                        self.meter.release(key)
-                    self._forget(state, key)
-            elif kind == K.SEND_FORWARD:
-                sends = _pending(sends) + [self._send(state[key].outputs, action.peer, TAGS[kind])]
-            elif kind == K.SEND_BACKWARD:
-                micro = state[key]
-                sends = _pending(sends) + [self._send(micro.grads_out, action.peer, TAGS[kind])]
-                micro.grads_out, micro.sent = [], True
-                self._forget(state, key)
-            elif kind == K.RECV_FORWARD:
-                target = state.setdefault((action.microbatch, action.chunk + 1), _Micro())
-                target.received = [t.requires_grad_(True) for t in self._recv(action.peer, TAGS[kind], action.chunk)]
-            else:  # RECV_BACKWARD: gradients for the outputs of chunk c-1
-                target = state[(action.microbatch, action.chunk - 1)]
-                target.grads_in = self._recv(action.peer, TAGS[kind], action.chunk - 1)
-        for _, work in _pending(sends):  # the buffer stays referenced until its send is done
+            self._ACTIONS[action.kind](self, action, run)
+        for _, work in _pending(run.sends):  # the buffer stays referenced until its send is done
             work.wait()
         self._sum_tied(params)
-        return total
+        return run.total
+
+    def _on_forward(self, action: Action, run: _Step) -> None:
+        """F: the chunk's units on the microbatch; its inputs came by RECV_FORWARD or, when
+        the previous chunk ran here, are handed over; what backward needs is kept."""
+        key = (action.microbatch, action.chunk)
+        micro = run.micro.setdefault(key, _Micro())
+        if self._local_prev(action.chunk):  # the previous chunk ran here: hand over, no transfer
+            previous = run.micro[(action.microbatch, action.chunk - 1)].outputs
+            micro.received = [t.detach().requires_grad_(True) for t in previous]
+        if self.program.tracer is not None:
+            self.program.tracer.microbatch = action.microbatch
+        with self.meter.forward(key) if self.meter is not None else contextlib.nullcontext():
+            loss = self._forward(run.params, run.inputs[action.microbatch], micro, action.chunk)
+            held([*micro.received, *micro.outputs])  # kept until its backward
+        if loss is not None:
+            run.total = run.total + loss.detach().double()
+
+    def _on_backward(self, action: Action, run: _Step) -> None:
+        """B, or I (its weight gradients kept for W): the input gradients, handed to the
+        previous chunk when it ran here, else kept for SEND_BACKWARD; the activations freed."""
+        key = (action.microbatch, action.chunk)
+        micro = run.micro[key]
+        self._backward(action.kind, micro, key)
+        if self._local_prev(action.chunk):
+            run.micro[(action.microbatch, action.chunk - 1)].grads_in = micro.grads_out
+            micro.grads_out, micro.sent = [], True
+        micro.outputs, micro.received, micro.grads_in = [], [], None  # the graph is done with
+        if action.kind == K.BACKWARD:
+            self._finish(run, key)
+
+    def _on_weight(self, action: Action, run: _Step) -> None:
+        """W: the weight-gradient matmuls I kept."""
+        key = (action.microbatch, action.chunk)
+        micro = run.micro[key]
+        for deferred in micro.deferred:
+            deferred.run()
+        micro.deferred = []
+        self._finish(run, key)
+
+    def _finish(self, run: _Step, key: tuple[int, int]) -> None:
+        """After B or W nothing of the (microbatch, chunk) is needed."""
+        run.micro[key].done = True
+        if self.meter is not None:
+            self.meter.release(key)
+        self._forget(run.micro, key)
+
+    def _on_send_forward(self, action: Action, run: _Step) -> None:
+        """SEND_FORWARD: the chunk's outputs to the next chunk's rank."""
+        run.post(self._send(run.micro[(action.microbatch, action.chunk)].outputs, action.peer, TAGS[action.kind]))
+
+    def _on_send_backward(self, action: Action, run: _Step) -> None:
+        """SEND_BACKWARD: the gradients of the chunk's inputs to the previous chunk's rank."""
+        key = (action.microbatch, action.chunk)
+        micro = run.micro[key]
+        run.post(self._send(micro.grads_out, action.peer, TAGS[action.kind]))
+        micro.grads_out, micro.sent = [], True
+        self._forget(run.micro, key)
+
+    def _on_recv_forward(self, action: Action, run: _Step) -> None:
+        """RECV_FORWARD: the inputs of chunk c+1, from chunk c's rank."""
+        target = run.micro.setdefault((action.microbatch, action.chunk + 1), _Micro())
+        target.received = [t.requires_grad_(True) for t in self._recv(action.peer, TAGS[action.kind], action.chunk)]
+
+    def _on_recv_backward(self, action: Action, run: _Step) -> None:
+        """RECV_BACKWARD: the gradients for the outputs of chunk c-1, from chunk c's rank."""
+        target = run.micro[(action.microbatch, action.chunk - 1)]
+        target.grads_in = self._recv(action.peer, TAGS[action.kind], action.chunk - 1)
+
+    _ACTIONS = {
+        K.FORWARD: _on_forward,
+        K.BACKWARD: _on_backward,
+        K.BACKWARD_INPUT: _on_backward,
+        K.BACKWARD_WEIGHT: _on_weight,
+        K.SEND_FORWARD: _on_send_forward,
+        K.SEND_BACKWARD: _on_send_backward,
+        K.RECV_FORWARD: _on_recv_forward,
+        K.RECV_BACKWARD: _on_recv_backward,
+    }
 
     def forward_only(self, params, inputs: dict[str, Tensor]) -> Tensor:
         """Every microbatch's forward and no backward (evaluation, under `torch.no_grad()`):
@@ -217,11 +269,7 @@ class PipelineRunner:
             del state[key]
 
     def _backward(self, kind: ActionKind, micro: _Micro, key: tuple[int, int]) -> None:
-        if kind == K.BACKWARD_WEIGHT:  # the weight-gradient matmuls I kept
-            for deferred in micro.deferred:
-                deferred.run()
-            micro.deferred = []
-            return
+        """B or I through the chunk: the gradients of its received inputs in `micro.grads_out`."""
         outputs, grads = micro.outputs, micro.grads_in
         pairs = [(o, g) for o, g in zip(outputs, grads or [None] * len(outputs)) if o.requires_grad]
         if not pairs:

@@ -48,28 +48,27 @@ def resolve_costs(costs: Mapping[str, float] | None) -> dict[str, float]:
 
 def pair_transfers(schedule: Schedule) -> list[list[tuple[int, int] | None]]:
     """Per rank and action: for a RECV, the (rank, index) of its SEND, matched FIFO per channel; else None."""
-    sends: dict[tuple[int, int, K], list[int]] = {}
+    sends: dict[tuple[int, int, K], list[int]] = {}  # channel (sender, receiver, SEND kind) -> action indices
     recvs: dict[tuple[int, int, K], list[int]] = {}
-    for r, acts in enumerate(schedule.ranks):
-        for i, a in enumerate(acts):
-            k = a.kind
-            if k in SENDS:
-                sends.setdefault((r, a.peer, k), []).append(i)
-            elif k in RECVS:
-                recvs.setdefault((a.peer, r, PARTNER[k]), []).append(i)
-    wait: list[list[tuple[int, int] | None]] = [[None] * len(acts) for acts in schedule.ranks]
+    for rank, acts in enumerate(schedule.ranks):
+        for index, action in enumerate(acts):
+            if action.kind in SENDS:
+                sends.setdefault((rank, action.peer, action.kind), []).append(index)
+            elif action.kind in RECVS:
+                recvs.setdefault((action.peer, rank, PARTNER[action.kind]), []).append(index)
+    waits: list[list[tuple[int, int] | None]] = [[None] * len(acts) for acts in schedule.ranks]
     for channel in set(sends) | set(recvs):
-        src, dst, _ = channel
-        s_idx, r_idx = sends.get(channel, []), recvs.get(channel, [])
-        s_acts, r_acts, w = schedule.ranks[src], schedule.ranks[dst], wait[dst]
-        for si, ri in zip(s_idx, r_idx):
-            s, r = s_acts[si], r_acts[ri]
-            if s.microbatch != r.microbatch or s.chunk != r.chunk:
-                raise _unpaired(schedule, channel, s_idx, r_idx, s_idx.index(si))
-            w[ri] = (src, si)
-        if len(s_idx) != len(r_idx):
-            raise _unpaired(schedule, channel, s_idx, r_idx, min(len(s_idx), len(r_idx)))
-    return wait
+        sender, receiver, _ = channel
+        send_indices, recv_indices = sends.get(channel, []), recvs.get(channel, [])
+        sent, received = schedule.ranks[sender], schedule.ranks[receiver]
+        for k, (send_index, recv_index) in enumerate(zip(send_indices, recv_indices)):
+            send, recv = sent[send_index], received[recv_index]
+            if send.microbatch != recv.microbatch or send.chunk != recv.chunk:
+                raise _unpaired(schedule, channel, send_indices, recv_indices, k)
+            waits[receiver][recv_index] = (sender, send_index)
+        if len(send_indices) != len(recv_indices):
+            raise _unpaired(schedule, channel, send_indices, recv_indices, min(len(send_indices), len(recv_indices)))
+    return waits
 
 
 def _unpaired(schedule: Schedule, channel: tuple[int, int, K], s_idx: list[int], r_idx: list[int],
@@ -93,88 +92,86 @@ def execute(schedule: Schedule, costs: Mapping[str, float],
     `chunk_costs[kind][c]` replaces `costs[kind]` for actions on chunk c (a model's
     chunks differ); `delays[kind][c]`, for a RECV kind, is how long its tensor travels:
     the RECV starts no earlier than its SEND's end plus that."""
-    if chunk_costs or delays:
-        return _execute_by_chunk(schedule, costs, pairs, chunk_costs or {}, delays or {})
-    wait = pair_transfers(schedule) if pairs is None else pairs
-    ranks = schedule.ranks
-    by_kind = {k: costs[k.value] for k in K}
-    start = [[0.0] * len(acts) for acts in ranks]
-    end = [[0.0] * len(acts) for acts in ranks]
-    pos, clock = [0] * len(ranks), [0.0] * len(ranks)
-    waiters: dict[tuple[int, int], int] = {}
-    todo = list(range(len(ranks)))
-    while todo:
-        r = todo.pop()
-        i, t, acts = pos[r], clock[r], ranks[r]
-        n, st, en, wt = len(acts), start[r], end[r], wait[r]
-        while i < n:
-            w = wt[i]
-            if w is not None:
-                if pos[w[0]] <= w[1]:  # the send is not issued yet
-                    waiters[w] = r
-                    break
-                sent = end[w[0]][w[1]]
-                if sent > t:
-                    t = sent
-            st[i] = t
-            t += by_kind[acts[i].kind]
-            en[i] = t
-            i += 1
-            if waiters and (r, i - 1) in waiters:
-                pos[r] = i
-                todo.append(waiters.pop((r, i - 1)))
-        pos[r], clock[r] = i, t
-    stuck = [r for r in range(len(ranks)) if pos[r] < len(ranks[r])]
+    waits = pair_transfers(schedule) if pairs is None else pairs
+    clock = _Clock(schedule, waits, _durations(schedule, costs, chunk_costs or {}),
+                   _travel_times(schedule, delays) if delays else None)
+    runnable = list(range(len(schedule.ranks)))
+    while runnable:
+        runnable += clock.advance(runnable.pop())
+    stuck = [rank for rank, acts in enumerate(schedule.ranks) if clock.done[rank] < len(acts)]
     if stuck:
-        raise _deadlock(schedule, stuck, pos, wait)
-    return start, end
+        raise _deadlock(schedule, stuck, clock.done, waits)
+    return clock.start, clock.end
 
 
-def _execute_by_chunk(schedule: Schedule, costs: Mapping[str, float], pairs, chunk_costs, delays):
-    """`execute` with costs per (kind, chunk) and transfer delays: the same loop, slower."""
-    wait = pair_transfers(schedule) if pairs is None else pairs
-    ranks = schedule.ranks
-    cost = {k: (chunk_costs[k.value] if k.value in chunk_costs else None, costs[k.value]) for k in K}
-    delay = {k: delays.get(k.value) for k in K}
-    start = [[0.0] * len(acts) for acts in ranks]
-    end = [[0.0] * len(acts) for acts in ranks]
-    pos, clock = [0] * len(ranks), [0.0] * len(ranks)
-    waiters: dict[tuple[int, int], int] = {}
-    todo = list(range(len(ranks)))
-    while todo:
-        r = todo.pop()
-        i, t, acts = pos[r], clock[r], ranks[r]
-        while i < len(acts):
-            a, w = acts[i], wait[r][i]
-            if w is not None:
-                if pos[w[0]] <= w[1]:
-                    waiters[w] = r
+def _durations(schedule: Schedule, costs: Mapping[str, float],
+               chunk_costs: Mapping[str, list[float]]) -> list[list[float]]:
+    """Each action's duration: `chunk_costs[kind][chunk]` where given, else `costs[kind]`."""
+    plain = {kind: costs[kind.value] for kind in K}
+    if not chunk_costs:
+        return [[plain[action.kind] for action in acts] for acts in schedule.ranks]
+    per_chunk = {kind: chunk_costs.get(kind.value) for kind in K}
+    return [[plain[action.kind] if per_chunk[action.kind] is None else per_chunk[action.kind][action.chunk]
+             for action in acts] for acts in schedule.ranks]
+
+
+def _travel_times(schedule: Schedule, delays: Mapping[str, list[float]]) -> list[list[float]]:
+    """How long each RECV's tensor travels after its SEND ends (`delays[kind][chunk]`, else 0); 0 for the rest."""
+    per_chunk = {kind: delays.get(kind.value) for kind in K}
+    return [[per_chunk[action.kind][action.chunk] if action.kind in RECVS and per_chunk[action.kind] is not None
+             else 0.0 for action in acts] for acts in schedule.ranks]
+
+
+class _Clock:
+    """The state of the event loop: per rank, how many of its actions have run and when it is free."""
+
+    def __init__(self, schedule: Schedule, waits: list[list[tuple[int, int] | None]], durations: list[list[float]],
+                 travel: list[list[float]] | None) -> None:
+        ranks = schedule.ranks
+        self.waits, self.durations, self.travel = waits, durations, travel
+        self.start = [[0.0] * len(acts) for acts in ranks]
+        self.end = [[0.0] * len(acts) for acts in ranks]
+        self.done = [0] * len(ranks)  # per rank: how many of its actions have run
+        self.free_at = [0.0] * len(ranks)  # per rank: when its last action ended
+        self.blocked: dict[tuple[int, int], int] = {}  # a SEND not issued yet -> the rank whose RECV waits on it
+
+    def advance(self, rank: int) -> list[int]:
+        """Run `rank`'s actions until it ends or reaches a RECV whose SEND is not issued yet;
+        the ranks whose RECVs its SENDs unblocked."""
+        index, now, done, end, blocked = self.done[rank], self.free_at[rank], self.done, self.end, self.blocked
+        waits, durations, starts, ends = self.waits[rank], self.durations[rank], self.start[rank], end[rank]
+        travel = self.travel[rank] if self.travel is not None else None
+        unblocked = []
+        while index < len(durations):
+            send = waits[index]
+            if send is not None:
+                sender, send_index = send
+                if done[sender] <= send_index:  # the SEND is not issued yet
+                    blocked[send] = rank
                     break
-                travel = delay[a.kind]
-                t = max(t, end[w[0]][w[1]] + (travel[a.chunk] if travel is not None else 0.0))
-            start[r][i] = t
-            per_chunk, plain = cost[a.kind]
-            t += per_chunk[a.chunk] if per_chunk is not None else plain
-            end[r][i] = t
-            i += 1
-            if waiters and (r, i - 1) in waiters:
-                pos[r] = i
-                todo.append(waiters.pop((r, i - 1)))
-        pos[r], clock[r] = i, t
-    stuck = [r for r in range(len(ranks)) if pos[r] < len(ranks[r])]
-    if stuck:
-        raise _deadlock(schedule, stuck, pos, wait)
-    return start, end
+                arrives = end[sender][send_index] + (travel[index] if travel is not None else 0.0)
+                if arrives > now:
+                    now = arrives
+            starts[index] = now
+            now += durations[index]
+            ends[index] = now
+            if blocked and (rank, index) in blocked:
+                unblocked.append(blocked.pop((rank, index)))
+            index += 1
+        self.done[rank], self.free_at[rank] = index, now
+        return unblocked
 
 
-def _deadlock(schedule: Schedule, stuck: list[int], pos: list[int],
-              wait: list[list[tuple[int, int] | None]]) -> DeadlockError:
+def _deadlock(schedule: Schedule, stuck: list[int], done: list[int],
+              waits: list[list[tuple[int, int] | None]]) -> DeadlockError:
     ranks = schedule.ranks
     parts = []
-    for r in stuck:
-        src, si = wait[r][pos[r]]
-        parts.append(f"rank {r} at action {pos[r]} ({ranks[r][pos[r]]}) waits for rank {src}'s action {si} "
-                     f"({ranks[src][si]}), behind rank {src}'s action {pos[src]} ({ranks[src][pos[src]]})")
+    for rank in stuck:
+        at = done[rank]
+        sender, send_index = waits[rank][at]
+        behind = done[sender]
+        parts.append(f"rank {rank} at action {at} ({ranks[rank][at]}) waits for rank {sender}'s action {send_index} "
+                     f"({ranks[sender][send_index]}), behind rank {sender}'s action {behind} ({ranks[sender][behind]})")
     return DeadlockError(f"schedule {schedule.name} deadlocks: " + "; ".join(parts),
                          hint="each RECV needs its SEND to be reachable without waiting on that RECV: move the "
                               "SEND earlier on its rank or the RECV later")

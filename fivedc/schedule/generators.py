@@ -5,7 +5,9 @@ microbatches (tests/test_schedules.py runs `check_schedule` on every kind for p 
 to 64 and m up to 256). Each generator below fixes the order of computations per rank; the
 transfers are added by `p2p.add_p2p` (RECV just before its consumer, SEND just after
 its producer). Chunk placement: plain schedules put chunk s on rank s; interleaved
-puts chunk c on rank c % p; DualPipeV and DualPipe are in `dualpipe.py`.
+puts chunk c on rank c % p; DualPipeV and DualPipe are in `dualpipe.py`. What each
+schedule is (chunks per rank, placement, copies, split backward, what it needs of p
+and m) is in `kinds.py`; the checks and the placement below read it from there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 from fivedc.schedule.actions import Action, ActionKind as K, Schedule, ScheduleError
 from fivedc.schedule.dualpipe import _v_placement, dualpipe, dualpipev
+from fivedc.schedule.kinds import SCHEDULES, Placement, schedule_kind
 from fivedc.schedule.p2p import add_p2p
 
 F, B, I, W = K.FORWARD, K.BACKWARD, K.BACKWARD_INPUT, K.BACKWARD_WEIGHT
@@ -94,68 +97,64 @@ def _plain(name: str, p: int, m: int, orders: list[list[Action]]) -> Schedule:
     return add_p2p(Schedule(name, p, m, 1, tuple(range(p)), tuple(map(tuple, orders))))
 
 
-# name -> (builder taking (p, m, v), fixed v or None if chosen by the caller)
-_BUILDERS: dict[str, tuple[Callable[[int, int, int], Schedule], int | None]] = {
-    "gpipe": (lambda p, m, v: gpipe(p, m), 1),
-    "1f1b": (lambda p, m, v: one_f_one_b(p, m), 1),
-    "interleaved": (interleaved, None),
-    "zb-h1": (lambda p, m, v: zb_h1(p, m), 1),
-    "dualpipev": (lambda p, m, v: dualpipev(p, m), 2),
-    "dualpipe": (lambda p, m, v: dualpipe(p, m), 2),
+# name -> builder taking (p, m, v); what each schedule is (chunks per rank, placement, ...) is in kinds.py
+_BUILDERS: dict[str, Callable[[int, int, int], Schedule]] = {
+    "gpipe": lambda p, m, v: gpipe(p, m),
+    "1f1b": lambda p, m, v: one_f_one_b(p, m),
+    "interleaved": interleaved,
+    "zb-h1": lambda p, m, v: zb_h1(p, m),
+    "dualpipev": lambda p, m, v: dualpipev(p, m),
+    "dualpipe": lambda p, m, v: dualpipe(p, m),
 }
-SCHEDULES = tuple(_BUILDERS)
-
-
-SPLIT_BACKWARD = frozenset({"zb-h1", "dualpipev", "dualpipe"})  # schedules that split B into I and W
+if tuple(_BUILDERS) != SCHEDULES:
+    raise ImportError(f"fivedc.schedule: builders {tuple(_BUILDERS)} and kinds {SCHEDULES} name different schedules")
 
 
 def placement(name: str, p: int, v: int | None = None) -> tuple[tuple[int, ...], int]:
     """(chunk -> pp rank, pipelines) of `make_schedule(name, p, m, v)` for any m: where the
     chunks run, without generating the actions (the layout search bounds a pipeline's
     time from it before building its schedule)."""
-    if name == "interleaved":
-        return tuple(c % p for c in range(p * (v or 2))), 1
-    if name in ("dualpipev", "dualpipe"):
-        return _v_placement(p), 2 if name == "dualpipe" else 1
-    return tuple(range(p)), 1
+    kind = schedule_kind(name)
+    if kind.placement is Placement.V:
+        return _v_placement(p), kind.pipelines
+    return tuple(c % p for c in range(p * kind.per_rank(v))), kind.pipelines
 
 
 def min_microbatches(name: str, p: int) -> int:
     """The fewest microbatches `name` accepts for p ranks."""
-    return {"interleaved": p, "dualpipev": 2 * p, "dualpipe": 2 * p}.get(name, 1)
+    return schedule_kind(name).min_microbatches(p)
 
 
 def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
     """The schedule `name` for p pp ranks, m microbatches and (interleaved only) v chunks per rank."""
     check_request(name, p, m, v)
-    build, fixed_v = _BUILDERS[name]
-    return build(p, m, fixed_v or v)
+    return _BUILDERS[name](p, m, schedule_kind(name).per_rank(v))
 
 
 def check_request(name: str, p: int, m: int, v: int | None = None) -> None:
     """Raise the `ScheduleError` `make_schedule(name, p, m, v)` raises, without building it."""
-    if name not in _BUILDERS:
-        raise ScheduleError(f"unknown pipeline schedule {name!r}", hint=f"choose one of {', '.join(SCHEDULES)}")
-    fixed_v = _BUILDERS[name][1]
+    kind = schedule_kind(name)
     for what, value in (("p", p), ("m", m), ("v", v)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ScheduleError(f"{name}: {what}={value!r} must be a positive integer",
                                 hint=f"pass {what} as an int >= 1" + (" (or leave v out)" if what == "v" else ""))
+    fixed_v = kind.chunks_per_rank
     if fixed_v is not None and v not in (None, fixed_v):
         raise ScheduleError(f"{name} runs {fixed_v} chunk(s) per rank, not v={v}",
                             hint=f"leave v out or pass v={fixed_v}")
-    if name == "interleaved":
+    if kind.takes_virtual:
         _check_interleaved(p, m, v)
-    if name in ("dualpipev", "dualpipe") and p < 2:
-        raise ScheduleError(f"{name} needs at least 2 pp ranks, got p={p}", hint="use p >= 2, or 1f1b for p=1")
-    if name == "dualpipe" and p % 2:
+    if p < kind.min_p:
+        raise ScheduleError(f"{name} needs at least {kind.min_p} pp ranks, got p={p}",
+                            hint=f"use p >= {kind.min_p}, or 1f1b for p=1")
+    if kind.pipelines > 1 and p % 2:
         raise ScheduleError(f"dualpipe needs an even number of pp ranks, got p={p}",
                             hint=f"use p={p - 1} or p={p + 1}, or dualpipev, which takes any p >= 2")
-    least = min_microbatches(name, p)
+    least = kind.min_microbatches(p)
     if m < least:
         raise ScheduleError(f"{name} with p={p} needs at least {least} microbatches, got m={m}",
                             hint=f"use m >= {least}")
-    if name == "dualpipe" and m % 2:
+    if m % kind.pipelines:
         raise ScheduleError(f"dualpipe splits the microbatches evenly over two directions; m={m} is odd",
                             hint=f"use m={m + 1}")
 

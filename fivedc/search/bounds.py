@@ -57,7 +57,7 @@ from fivedc.estimates.transient import zero3_gathers
 from fivedc.ir.hardware import Hardware
 from fivedc.passes.stages import Chunk, PipelineSpec, cached_schedule
 from fivedc.schedule.batched import kept_before_backward
-from fivedc.schedule.generators import SPLIT_BACKWARD
+from fivedc.schedule import schedule_kind
 
 MARGIN = 1 - 1e-9
 
@@ -82,7 +82,7 @@ def pipeline_bound(memo: Memo, hw: Hardware, *, dtype_bytes: int, recompute: str
     forward = [(f_before[b] - f_before[a]) / m for a, b in ranges]
     backward = [(b_before[b] - b_before[a]) / m for a, b in ranges]
     before_f, before_b = _prefix(forward), _prefix(backward)
-    tail = schedule not in SPLIT_BACKWARD
+    tail = not schedule_kind(schedule).split_backward
     per_rank: dict[int, list] = {}
     for k, rank in enumerate(placement):
         per_rank.setdefault(rank, []).append(k % len(ranges))
@@ -144,7 +144,7 @@ def kept_rows(memo: Memo, *, dtype_bytes: int, recompute: str, schedule: str, mi
     own, args = memo.get(("unit own bytes", dtype_bytes, recompute), lambda: _unit_own(memo, dtype_bytes, recompute))
     own_before, args_before = _prefix_int(own), _prefix_int(args)
     chunk_own = [(own_before[b] - own_before[a] + args_before[b] - args_before[a + 1]) // m for a, b in ranges]
-    kept = _kept(schedule, p, min(m, 2 * p), virtual if schedule == "interleaved" else None)
+    kept = _kept(schedule, p, min(m, 2 * p), schedule_kind(schedule).virtual(virtual))
     return [sum(chunk_own[k % len(ranges)] for k in kept[r]) for r in range(p)]
 
 
@@ -175,7 +175,8 @@ def tail_bound(memo: Memo, hw: Hardware, *, dtype_bytes: int, zero: int, overlap
         Chunk(k, rank, ranges[k % len(ranges)], "", 0.0, 0) for k, rank in enumerate(placement)))
 
     def tail(held):  # ranks holding the same layers add the same seconds
-        return memo.get(("tail bound", held, hw, dtype_bytes, zero, overlap, schedule == "dualpipe"), lambda: after_backward(
+        key = ("tail bound", held, hw, dtype_bytes, zero, overlap, spec.kind.pipelines > 1)
+        return memo.get(key, lambda: after_backward(
             param_sizes(memo), memo.mesh, memo.dtype, dtype_bytes, zero, overlap, (), spec, held, hw, 0.0, 0.0, 0.0))
 
     tails = [tail(rank_held(memo, spec, r)) for r in range(max(placement) + 1)]

@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from fivedc.ir.graph import Graph, Op, walk_ops
 from fivedc.ir.mesh import DEFAULT_RANK_ORDER, Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
-from fivedc.schedule import min_microbatches
+from fivedc.schedule import DEFAULT_SCHEDULE, DEFAULT_VIRTUAL, SCHEDULES as ALL_SCHEDULES, schedule_kind
 from fivedc.search.divisors import divisors
 
 A = MeshAxis
 MIN_TOKENS_PER_CP_RANK = 1024
 MICROBATCH_RANGE = 4  # microbatches tried: the fewest at or above pp, and up to 4 x as many
 MAX_PP = 32  # deeper pipelines: their bubble or their microbatches grow with pp
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "dualpipev", "dualpipe")
+SCHEDULES = (DEFAULT_SCHEDULE, *(name for name in ALL_SCHEDULES if name != DEFAULT_SCHEDULE))  # tried in this order
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")  # in order of compute added: a fitting mode dominates the later ones
 
@@ -60,7 +60,7 @@ class Candidate:
 
     def options(self, *, dtype: str, hardware=None) -> CompileOptions:
         return CompileOptions(mesh=self.mesh, sequence_parallel=self.sp, dtype=dtype,
-                              cp_attention=self.cp_attention, zero=self.zero, schedule=self.schedule or "1f1b",
+                              cp_attention=self.cp_attention, zero=self.zero, schedule=self.schedule or DEFAULT_SCHEDULE,
                               microbatches=self.microbatches, virtual=self.virtual, recompute=self.recompute,
                               hardware=hardware)
 
@@ -152,12 +152,13 @@ def pipelines(graph: Graph, sizes: tuple[int, ...]) -> list[tuple[str | None, in
     local = graph.dim(graph.batch_dim) // (sizes[0] * sizes[4])
     out = []
     for name in SCHEDULES:
-        least = max(min_microbatches(name, pp), pp if name != "gpipe" else 1)
-        counts = [d for d in divisors(local) if d >= least and (name != "interleaved" or d % pp == 0)]
+        kind = schedule_kind(name)
+        least = max(kind.min_microbatches(pp), 1 if kind.forwards_first else pp)  # GPipe: fewer keep less
+        counts = [d for d in divisors(local) if d >= least and (not kind.microbatches_multiple_of_p or d % pp == 0)]
         if not counts:
-            counts = [d for d in divisors(local) if d >= min_microbatches(name, pp)][:1]
+            counts = [d for d in divisors(local) if d >= kind.min_microbatches(pp)][:1]
         for m in _spread(counts):
-            out.append((name, m, 2 if name == "interleaved" else None))
+            out.append((name, m, kind.virtual(DEFAULT_VIRTUAL)))
     return out
 
 

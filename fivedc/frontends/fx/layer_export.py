@@ -17,8 +17,14 @@ its second layer repeated: the same calls before the layers, layer 0 as in the c
 every later layer as layer 1, the same calls after. A layer that differs in anything
 (a per-layer scale, a sliding window on some layers, dense and MoE layers mixed, a
 weight shared between layers, a model that collects every layer's output) fails the
-check, and the model is exported whole, as before. The two eager runs cost a fraction
-of the export they save.
+check, and the model is exported whole, as before, with the reason (`WholeExport`, which
+the tracer reports as an `FxWarning`). The two eager runs cost a fraction of the export
+they save.
+
+The record names each tensor by a typed origin (`Input`, `State`, `Result`, `Constant`,
+`Outside`), and a layer's calls are compared in canonical forms relative to the layer
+(`LayerResult`, `LayerOutput`, `LayerState`; `SegmentResult` for the calls before and after
+the layers).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import copy
 import functools
 import warnings
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -43,10 +50,18 @@ _KEEP = 2  # layers exported: the first, and one that follows a layer (the templ
 _SMALL = 4096  # a constant tensor met by the recorder is named by its values up to this many elements
 
 
-def export_by_layers(module: nn.Module, inputs: dict, export) -> fx.GraphModule | None:
+@dataclass(frozen=True, slots=True)
+class WholeExport:
+    """Why a model with a list of layers is exported whole, not as two layers unrolled."""
+
+    reason: str
+
+
+def export_by_layers(module: nn.Module, inputs: dict, export) -> fx.GraphModule | WholeExport | None:
     """`export(module, inputs)` (fivedc/frontends/fx/export.export_graph) with the model's list
     of layers cut to two and the graph unrolled to all of them; None when the model has no such
-    list or its layers do not all run the same ops (the caller exports it whole)."""
+    list, a `WholeExport` saying why when its layers do not all run the same ops (the caller
+    exports it whole)."""
     found = _layer_list(module)
     if found is None:
         return None
@@ -54,10 +69,14 @@ def export_by_layers(module: nn.Module, inputs: dict, export) -> fx.GraphModule 
     whole = _record(module, inputs, path)
     with _cut(module, path):
         cut = _record(module, inputs, path)
-        if not _same_but_length(whole, cut, path, count):
-            return None
+        differs = _difference(whole, cut, path, count)
+        if differs is not None:
+            return WholeExport(differs)
         gm = export(module, inputs)
-    return _unroll(gm, module, path, count)
+    unrolled = _unroll(gm, module, path, count)
+    if unrolled is None:
+        return WholeExport(f"the graph of two layers of {path} does not show which value a layer hands the next")
+    return unrolled
 
 
 # ---- the list of layers -----------------------------------------------------------------
@@ -92,17 +111,74 @@ def _cut(module: nn.Module, path: str):
         holder._modules = whole
 
 
-# ---- the eager record -------------------------------------------------------------------
+# ---- the eager record: each tensor by its origin ------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Input:
+    name: str  # the model's keyword input
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    name: str  # a parameter or buffer, by its qualified name
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    call: int  # the index of the ATen call that returned it
+    position: int  # of that call's tensors
+
+
+@dataclass(frozen=True, slots=True)
+class Constant:
+    """A small tensor made outside ATen (a Python constant), named by its values."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    values: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Outside:
+    key: int  # any other tensor: only itself is itself
+
+
+# ---- ... and in canonical form, relative to the layer that reads it ----------------------
+@dataclass(frozen=True, slots=True)
+class SegmentResult:
+    segment: str  # "before" or "after" the layers
+    position: int  # of the call in its segment
+    output: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerResult:
+    offset: int  # the layer that made it, less the one reading it
+    position: int
+    output: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerOutput:
+    offset: int
+    index: int  # of the tensors that layer returned
+
+
+@dataclass(frozen=True, slots=True)
+class LayerState:
+    offset: int
+    name: str  # in its layer
+
+
 class _Recorder(TorchDispatchMode):
     """Every ATen call of a run: (segment, func, arguments with tensors named by origin, results' shapes)."""
 
-    def __init__(self, names: dict[int, tuple]) -> None:
+    def __init__(self, names: dict[int, object]) -> None:
         super().__init__()
         self.names = names  # id(tensor) -> its origin
         self.keep: list[torch.Tensor] = []  # every named tensor stays alive: its id stays its own
         self.layer: int | None = None
         self.calls: list[tuple] = []
-        self.outputs: dict[int, list[tuple]] = {}  # layer -> the origins of the tensors it returned
+        self.outputs: dict[int, list] = {}  # layer -> the origins of the tensors it returned
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -111,18 +187,18 @@ class _Recorder(TorchDispatchMode):
         index = len(self.calls)
         results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         for position, t in enumerate(results):
-            self.names[id(t)] = ("op", index, position)
+            self.names[id(t)] = Result(index, position)
             self.keep.append(t)
         self.calls.append((self.layer, func, named, tuple((tuple(t.shape), t.dtype) for t in results)))
         return out
 
-    def _origin(self, t: torch.Tensor) -> tuple:
+    def _origin(self, t: torch.Tensor):
         if id(t) in self.names:
             return self.names[id(t)]
         if not t.is_meta and t.numel() <= _SMALL and t.device.type == "cpu":  # a constant made outside ATen
-            return ("constant", tuple(t.shape), t.dtype, tuple(t.flatten().tolist()))
+            return Constant(tuple(t.shape), t.dtype, tuple(t.flatten().tolist()))
         self.keep.append(t)
-        return ("tensor", id(t))
+        return Outside(id(t))
 
 
 def _map_tensors(tree, fn):
@@ -130,12 +206,12 @@ def _map_tensors(tree, fn):
     return spec, tuple(fn(x) if isinstance(x, torch.Tensor) else x for x in leaves)
 
 
-def _record(module: nn.Module, inputs: dict, path: str) -> tuple[list[tuple], dict[int, list[tuple]]]:
+def _record(module: nn.Module, inputs: dict, path: str) -> tuple[list[tuple], dict[int, list]]:
     """The run's calls (`_Recorder`), each tagged with the index of the layer of `path` it ran in,
     and the origins of what each layer returned."""
-    names: dict[int, tuple] = {id(v): ("input", k) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    names.update({id(p): ("state", n) for n, p in module.named_parameters()})
-    names.update({id(b): ("state", n) for n, b in module.named_buffers()})
+    names: dict[int, object] = {id(v): Input(k) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    names.update({id(p): State(n) for n, p in module.named_parameters()})
+    names.update({id(b): State(n) for n, b in module.named_buffers()})
     recorder = _Recorder(names)
     holder = module.get_submodule(path)
     handles = []
@@ -185,32 +261,52 @@ def _segments(record: tuple, path: str, count: int) -> list[list[tuple]] | None:
         anchor = segment if isinstance(segment, int) else (count - 1 if segment == "after" else 0)
 
         def canonical(arg):
-            if not isinstance(arg, tuple) or not arg:
-                return arg
-            if arg[0] == "op":
-                produced, position = where[arg[1]]
+            if isinstance(arg, Result):
+                produced, position = where[arg.call]
                 if not isinstance(produced, int):
-                    return ("op", produced, position, arg[2])
+                    return SegmentResult(produced, position, arg.position)
                 if produced != segment and arg in outputs.get(produced, ()):
-                    return ("layer output", produced - anchor, outputs[produced].index(arg))
-                return ("op", produced - anchor, position, arg[2])
-            if arg[0] == "state" and arg[1].startswith(prefix):
-                index, _, rest = arg[1][len(prefix):].partition(".")
+                    return LayerOutput(produced - anchor, outputs[produced].index(arg))
+                return LayerResult(produced - anchor, position, arg.position)
+            if isinstance(arg, State) and arg.name.startswith(prefix):
+                index, _, rest = arg.name[len(prefix):].partition(".")
                 if index.isdigit():
-                    return ("layer state", int(index) - anchor, rest)
+                    return LayerState(int(index) - anchor, rest)
             return arg
 
         out[segment].append((func, spec, tuple(canonical(a) for a in args), shapes))
     return [out["before"], *(out[j] for j in range(count)), out["after"]]
 
 
-def _same_but_length(whole: tuple, cut: tuple, path: str, count: int) -> bool:
-    """Whether the whole run is the cut run with its second layer repeated to `count` layers."""
+def _difference(whole: tuple, cut: tuple, path: str, count: int) -> str | None:
+    """Where the whole run is not the cut run with its second layer repeated to `count` layers
+    (None where it is)."""
     ours, theirs = _segments(whole, path, count), _segments(cut, path, _KEEP)
     if ours is None or theirs is None:
-        return False
+        return f"the layers of {path} do not each run once, in order"
     before, first, *later, after = ours
-    return [before, first, after] == [theirs[0], theirs[1], theirs[-1]] and all(layer == theirs[2] for layer in later)
+    for what, mine, model in (("the calls before the layers", before, theirs[0]),
+                              (f"layer 0 of {path}", first, theirs[1]),
+                              ("the calls after the layers", after, theirs[-1])):
+        if mine != model:
+            return f"{what} differ between the model and its first two layers ({_first_change(mine, model)})"
+    for k, layer in enumerate(later, start=1):
+        if layer != theirs[2]:
+            return f"layer {k} of {path} runs other ops than layer 1 ({_first_change(layer, theirs[2])})"
+    return None
+
+
+def _first_change(mine: list[tuple], model: list[tuple]) -> str:
+    """The first call where two segments part, as `aten.op at call i`."""
+    for index, (a, b) in enumerate(zip(mine, model)):
+        if a != b:
+            return f"{_op_name(a[0])} where {_op_name(b[0])} ran, at call {index}" if a[0] != b[0] else \
+                f"{_op_name(a[0])} at call {index} on other arguments"
+    return f"{len(mine)} calls against {len(model)}"
+
+
+def _op_name(func) -> str:
+    return str(func)  # an OpOverload prints as aten.mul.Tensor
 
 
 # ---- the graph unrolled -----------------------------------------------------------------

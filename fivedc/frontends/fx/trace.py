@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from fivedc.frontends.fx.locs import caller_loc, def_loc, error_loc, frames, nod
 from fivedc.frontends.fx.moe import moe_spec
 from fivedc.frontends.fx.params import fetch_attr
 from fivedc.frontends.fx.recognise import is_recognised_leaf
+from fivedc.frontends.fx.warning import FxWarning
 from fivedc.frontends.weightless import example_run
 
 STAGE_MARK = "fivedc_stage_boundary"  # a module attribute: a pipeline chunk begins at this module
@@ -171,13 +173,19 @@ def _exported(module: nn.Module, tensors: dict, concrete: dict, error: Exception
 
 def _by_layers(module: nn.Module, inputs: dict, export_graph) -> fx.GraphModule | None:
     """Two layers exported and the graph unrolled (fivedc/frontends/fx/layer_export.py), or None:
-    where that way fails for any reason, the whole export decides (and reports)."""
-    from fivedc.frontends.fx.layer_export import export_by_layers
+    the whole export decides then (and reports its own failure). Where the model has a list of
+    layers and that way fails, an `FxWarning` says why the slower whole export is used."""
+    from fivedc.frontends.fx.layer_export import WholeExport, export_by_layers
 
     try:
-        return export_by_layers(module, inputs, export_graph)
-    except Exception:
+        found = export_by_layers(module, inputs, export_graph)
+    except Exception as error:  # the whole export meets the same fault and reports it, located
+        found = WholeExport(f"exporting two layers failed: {type(error).__name__}: {_first_line(error)[:160]}")
+    if isinstance(found, WholeExport):
+        warnings.warn(f"{type(module).__name__} is exported whole, not as two layers unrolled (its export takes "
+                      f"longer with each layer): {found.reason}", FxWarning, stacklevel=2)
         return None
+    return found
 
 
 def _first_line(error: BaseException) -> str:

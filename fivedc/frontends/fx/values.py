@@ -18,16 +18,13 @@ from torch import nn
 
 from fivedc.errors import NotSupportedError
 from fivedc.frontends.fx.build import DBlock, DParam, DValue
+from fivedc.frontends.fx.warning import FxWarning  # noqa: F401 (where the frontend's modules take it)
 from fivedc.frontends.fx.trace import Traced
 from fivedc.ir.graph import DType
 
 
 class Unrecognised(NotSupportedError):
     """An op the fx frontend has no rule for; the walk keeps it as a replicated `aten` op where it can."""
-
-
-class FxWarning(UserWarning):
-    """Something the fx frontend dropped or approximated (dropout, ignore_index), at the user's line."""
 
 
 @dataclass(frozen=True, eq=False)
