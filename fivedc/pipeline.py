@@ -34,6 +34,7 @@ from fivedc.passes.base import CompileOptions, Pass
 from fivedc.passes.communication import InsertCommunication
 from fivedc.passes.context import SplitSequence
 from fivedc.passes.experts import PlaceExperts
+from fivedc.passes.fp8 import ChooseFp8
 from fivedc.passes.gradients import ReduceGradients
 from fivedc.passes.propagate import PropagateShardings
 from fivedc.passes.shapes import InferShapes
@@ -61,6 +62,7 @@ PIPELINE: tuple[Pass | PlanningPass, ...] = (
     PropagateShardings(),
     ReduceGradients(),
     InsertCommunication(),
+    ChooseFp8(),
     VerifyIR(stage="exit"),
     ChooseSchedule(),
     PartitionStages(),

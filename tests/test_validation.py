@@ -211,3 +211,13 @@ def test_deepseek_v3_under_zero3_counts_what_a_moe_layers_backward_holds_at_once
     assert layer > 10 * 2**30  # 256 experts' three matrices at tp 2
     assert m.transient >= 2 * layer + regions[0]  # the gathered layer is beside the rebuilt one
     assert m.total >= together > plan.time.hardware.usable_bytes
+
+
+def test_deepseek_v3_is_held_out_as_an_fp8_run_at_its_published_layout() -> None:
+    """180K H800 GPU hours per trillion tokens (DeepSeek-V3 report, table 1) at a step of
+    15360 x 4096 tokens on 2048 GPUs; the layout 2x16x1x1x64 with 120 microbatches of one
+    sequence per data-parallel rank; compiled with --fp8, apart from the model's error."""
+    (run,) = validation.FP8_RUNS
+    assert run.measured_s == pytest.approx(15360 * 4096 / (2048 * 1e12 / (180e3 * 3600)))
+    assert run.microbatches == 120 and "--fp8" in run.argv() and run.gpu == "h800"
+    assert run.key not in {r.key for r in validation.RUNS}

@@ -82,6 +82,9 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default=None,
                    help="activation recomputation: none, selective (attention recomputed in backward) or "
                    "full (each layer keeps only its input); default: the model's @recompute, else none")
+    p.add_argument("--fp8", action="store_true",
+                   help="linears' matmuls in float8 as torchao's tensorwise recipe runs them (e4m3 inputs and "
+                   "weights, e5m2 gradients, dynamic scales; not the output head, attention or MoE experts)")
 
 
 def _wide_arg(p: argparse.ArgumentParser) -> None:

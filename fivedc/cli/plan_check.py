@@ -78,6 +78,7 @@ def options_of(plan: ExecutionPlan) -> CompileOptions:
         recompute=plan.recompute,
         attention_kernel=recorded_attention_kernel(plan.graph),
         hardware=plan.time.hardware if plan.time else None,
+        fp8=plan.fp8,
     )
 
 

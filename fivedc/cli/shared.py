@@ -48,7 +48,7 @@ def compile_options(args, mesh, *, dtype: str, pipeline_flags_need_pp: bool = Tr
         attention_kernel=args.attention_kernel,
         overlap=args.overlap, bucket_mb=args.bucket_mb, schedule=args.schedule or DEFAULT_SCHEDULE,
         microbatches=args.microbatches, virtual=args.virtual, pp_layout=_layout(args.pp_layout),
-        recompute=args.recompute, hardware=_hardware(args),
+        recompute=args.recompute, hardware=_hardware(args), fp8=getattr(args, "fp8", False),
     )  # checks each value first
     given = [f"--{name.replace('_', '-')}" for name in ("schedule", "microbatches", "virtual", "pp_layout")
              if getattr(args, name) is not None]
@@ -211,7 +211,7 @@ def executed_plan(args, defaults, *, verb: str, dtype: str, say=print):
 
 
 PLAN_FLAGS = ("mesh", "rank_order", "sp", "cp_attention", "attention_kernel", "cp_layout", "zero", "bucket_mb", "schedule", "microbatches",
-              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute", "layers")
+              "virtual", "pp_layout", "overlap", "stage_boundary", "dtype", "recompute", "layers", "fp8")
 
 
 def plan_flags_given(args, defaults) -> list[str]:

@@ -58,7 +58,8 @@ def run_verify(args) -> int:
     plan = compile_graph(graph, compile_options(args, mesh, dtype=args.dtype))
     # the reference recomputes nothing the option or the model's @recompute would (a repeat's own
     # @recompute stays: on one device it computes the same numbers)
-    reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype, recompute="none"))
+    reference = compile_graph(graph, CompileOptions(mesh=single_device_mesh(), dtype=args.dtype, recompute="none",
+                                                    fp8=plan.fp8))
     settings = TrainSettings(steps=args.steps, seed=args.seed, dtype=args.dtype, compile=args.compile)
     diagnosis = _diagnosis(args, plan, tol)
     if "WORLD_SIZE" in os.environ:
@@ -118,6 +119,10 @@ def _module_options(args, mesh) -> dict:
     from fivedc.cli.shared import compile_options
 
     given = compile_options(args, mesh, dtype=args.dtype)  # the same options a compile of the module takes
+    if given.fp8:
+        raise FivedcError("--fp8: a file.py:factory model is checked as fivedc.parallelize runs it, against the "
+                          "plain module, which has no float8 linears",
+                          hint="drop --fp8, or verify the plan of its traced graph (fivedc compile ... --fp8 -o PLAN)")
     if given.attention_kernel is not None:
         raise FivedcError(f"--attention-kernel {given.attention_kernel}: a file.py:factory model is checked as "
                           "fivedc.parallelize runs it, with each attention's default kernel",
@@ -186,11 +191,12 @@ def _under_launcher(plan, reference_plan, settings, diagnosis):
     """One rank of a torchrun job; rank 0 returns the merged report, others None."""
     from fivedc.runtime.pool import check_world, run_as_launched_rank
     from fivedc.runtime.trace import ValueTrace
+    from fivedc.runtime.fp8 import reference_blocks
     from fivedc.runtime.verify import merge_results, rank_job, reference_run
 
     check_world(plan.mesh.world, mesh=plan.mesh)  # before the reference run: a wrong launch fails at once
     tracer = ValueTrace(0) if diagnosis is not None else None
-    reference = reference_run(reference_plan, settings, tracer=tracer)
+    reference = reference_run(reference_plan, settings, tracer=tracer, fp8_blocks=reference_blocks(plan))
     gathered = run_as_launched_rank(rank_job, mesh=plan.mesh, payload=(plan, reference, settings, diagnosis))
     if gathered is None:
         return None

@@ -51,9 +51,10 @@ score many pipeline shapes from one set of unit costs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -64,8 +65,9 @@ from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.attention_cost import math_attention_times
 from fivedc.estimates.gemm import Gemm, gemms_seconds
 from fivedc.estimates.saved import SaveContext, regathered
-from fivedc.estimates.terms import ISSUE, PHASES, RECOMPUTATION, Ledger, UnitParts, comm_term, op_term
+from fivedc.estimates.terms import ISSUE, MEMORY_BOUND, PHASES, RECOMPUTATION, Ledger, UnitParts, comm_term, op_term
 from fivedc.passes.attention_kernel import kernel_of
+from fivedc.passes.fp8 import is_fp8
 from fivedc.passes.stages import Unit
 
 K = CollectiveKind
@@ -81,6 +83,8 @@ class Work:
     bytes: float = 0.0
     weight_flops: float = 0.0  # of the matmul FLOPs, those whose backward is a weight gradient (W)
     gemms: tuple[Gemm, ...] = ()  # the matmul FLOPs as GEMMs by shape (timed by shape on a tiled profile)
+    fp8: bool = False  # the matmuls run in float8 (`fivedc/passes/fp8.py`): at the profile's fp8_flops
+    cast_bytes: float = 0.0  # float8: the casts' memory traffic before the matmul (`fp8_cast_bytes`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +117,9 @@ def op_work(c: SaveContext, op: Op) -> Work:
         rows = c.numel(tuple(d for d in op.type.dims if d in x), op.sharding)  # tokens (batch x seq) here
         features = c.numel(tuple(d for d in op.type.dims if d not in x), op.sharding)
         weight = op.args[1] in c.params
-        return Work(matmul_flops=flops, weight_flops=flops if weight else 0.0,
+        work = Work(matmul_flops=flops, weight_flops=flops if weight else 0.0,
                     gemms=(Gemm(rows, features, k, weight=weight),))
+        return replace(work, fp8=True, cast_bytes=fp8_cast_bytes(c, op)[0]) if is_fp8(op) else work
     if op.kind == "attention":  # every query row against the whole sequence (ring or gathered K/V)
         q_rows = c.numel(op.type.dims[:-1], op.sharding)  # batch x seq x heads on this rank
         flops = 4.0 * q_rows * attended_keys(op, c.graph.dim(c.graph.seq_dim)) * c.graph.dim(op.type.dims[-1])
@@ -168,15 +173,43 @@ def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
 
 
 def work_seconds(work: Work, hw: Hardware, *, element_bytes: int) -> float:
-    """The roofline time of an op's forward."""
+    """The roofline time of an op's forward (a float8 linear's casts before it)."""
     compute = matmul_times(work, hw, element_bytes=element_bytes)[0] + \
         work.attention_flops / (hw.bf16_flops * hw.attention_efficiency)
-    return max(compute, work.bytes / hw.op_bytes_per_s)
+    return max(compute, work.bytes / hw.op_bytes_per_s) + work.cast_bytes / hw.op_bytes_per_s
+
+
+@functools.lru_cache(maxsize=64)
+def float8_hardware(hw: Hardware) -> Hardware:
+    """The profile as a float8 GEMM sees it: its peak the float8 tensor cores' (`fp8_flops`;
+    a plan with --fp8 and a profile without them is refused at compile), its tiles and
+    efficiency as they are (cuBLAS's float8 kernels tile alike, with twice the K per stage
+    in bytes: not modelled)."""
+    return dataclasses.replace(hw, bf16_flops=hw.fp8_flops) if hw.fp8_flops else hw
+
+
+def fp8_cast_bytes(c: SaveContext, op: Op) -> tuple[float, float]:
+    """(forward, backward) memory traffic of a float8 linear's casts, torchao's own count
+    (torchao/float8/roofline_utils.py, `get_float8_mem_sympy`, tensorwise): a cast reads
+    the tensor at the training dtype and writes it in float8 twice (row- and column-major,
+    for the two matmuls that read it); its amax is one more read, except where it fuses
+    into the op making the tensor (the input, the output gradient). Forward: the input
+    (M K) and the weight (K N, amax read apart); backward: the output gradient (M N);
+    the input and weight cast in forward are read again in backward as float8."""
+    b, out = c.dtype_bytes, c.numel(op.type.dims, op.sharding)  # M N
+    x = c.layouts[op.args[0]][0].dims
+    spec = op.arg_specs[0].sharding if op.arg_specs and op.arg_specs[0] else None
+    k = c.numel(tuple(d for d in x if d not in op.type.dims), spec)  # K
+    m = c.value_numel(op.args[0]) // max(k, 1)  # M
+    x, w = m * k, k * out // max(m, 1)
+    return x * (b + 2) + w * (2 * b + 2), out * (b + 2)
 
 
 def matmul_times(work: Work, hw: Hardware, *, element_bytes: int) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of an op's matmuls: on a tiled profile
     each GEMM by its shape (`gemm.py`), else all its FLOPs at the flat matmul rate."""
+    if work.fp8:  # float8 operands at the float8 peak (fivedc/passes/fp8.py)
+        hw, element_bytes = float8_hardware(hw), 1
     if hw.tiled and work.gemms:
         return gemms_seconds(work.gemms, hw, element_bytes=element_bytes)
     peak = hw.bf16_flops * hw.matmul_efficiency
@@ -209,7 +242,8 @@ def _work_times(c: SaveContext, op: Op, hw: Hardware) -> tuple[float, float, flo
     if op.kind == "attention":
         return forward, 2.5 * forward, 0.0
     _, grads, weight = matmul_times(work, hw, element_bytes=c.dtype_bytes)
-    return forward, max(grads, 2 * work.bytes / hw.op_bytes_per_s), weight
+    casts = fp8_cast_bytes(c, op)[1] / hw.op_bytes_per_s if work.fp8 else 0.0  # the output gradient's
+    return forward, max(grads, 2 * work.bytes / hw.op_bytes_per_s) + casts, weight
 
 
 # ---- collectives ----------------------------------------------------------------------------
@@ -334,8 +368,10 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
             continue
         f, i, w = op_times(c, node, hw)
         term = op_term(node.kind)
-        for phase, part in (("forward", f), ("input", i), ("weight", w)):
-            led.add(phase, term, part)
+        casts = [b / hw.op_bytes_per_s for b in fp8_cast_bytes(c, node)] if is_fp8(node) else (0.0, 0.0)
+        for phase, part, cast in (("forward", f, casts[0]), ("input", i, casts[1]), ("weight", w, 0.0)):
+            led.add(phase, term, part - cast)
+            led.add(phase, MEMORY_BOUND, cast)  # a float8 linear's casts: memory-bound work
         if node.kind == "linear":
             made[node.out] = (f, i)
         if node.kind == "linear" and node.args[0] in gathering:

@@ -39,6 +39,7 @@ from fivedc.ir.graph import (CollectiveKind, Graph, Op, Redistribute, Repeat, Te
                              walk_params)
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.attention_kernel import kernel_of
+from fivedc.passes.fp8 import SCALAR_BYTES as FP8_SCALE_BYTES, is_fp8
 from fivedc.passes.recompute import recomputes_layer
 from fivedc.ir.sharding import Sharding
 
@@ -166,6 +167,8 @@ def _linear(c: SaveContext, op: Op) -> list[Saved]:
     if tuple(w_dims[:k]) != tuple(x_dims[-k:]):  # stored [out, in]: tensordot keeps a transposed copy
         sharding = op.arg_specs[1].sharding if op.arg_specs and op.arg_specs[1] else Sharding()
         saved.append(c.own(op, "weight^T", c.graph.local_numel(w_dims, sharding, c.mesh) * c.dtype_bytes))
+    if is_fp8(op):  # float8 (fivedc/passes/fp8.py): the forward's scales of x and w, one float32 each
+        saved.append(c.own(op, "fp8 scales", 2 * FP8_SCALE_BYTES))
     return saved
 
 

@@ -11,6 +11,7 @@ part is placed at its moment of the step, beside what is live then
 - forward working set: the values a unit computes and does not keep (a partial sum
   before its reduce-scatter, the gathered input of a linear under SP, a norm's
   output): the program holds one unit's values until the next unit overwrites them;
+  with --fp8, beside them the largest float8 linear's float8 copies of its input and weight;
 - loss: the logits' gradient beside the kept softmax, and a temporary as large
   (2 x the logits);
 - ZeRO-3: without a pipeline, gathered by group (the buckets): in forward the groups
@@ -51,6 +52,7 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import VALUE, SaveContext, op_saves, regathered, score_elements
 from fivedc.passes.attention_kernel import kernel_of
+from fivedc.passes.fp8 import is_fp8
 from fivedc.passes.communication import weight_readers
 from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
@@ -193,8 +195,19 @@ def working_set(c: SaveContext, graph: Graph, unit: Unit, recompute: str) -> int
             if isinstance(op, Op):
                 saves = c.value_args(op) if recomputes_op(op, repeat, recompute) else op_saves(c, op)
                 kept |= {s.key for s in saves if s.kind == VALUE}
-    return sum(c.value_bytes(node.out) for node in items
-               if isinstance(node, (Op, Redistribute)) and node.out not in kept and node.out != graph.output)
+    values = sum(c.value_bytes(node.out) for node in items
+                 if isinstance(node, (Op, Redistribute)) and node.out not in kept and node.out != graph.output)
+    return values + max((fp8_copies(c, op) for op in items if isinstance(op, Op) and is_fp8(op)), default=0)
+
+
+def fp8_copies(c: SaveContext, op: Op) -> int:
+    """Bytes of a float8 linear's float8 copies of its input and weight, one byte an element,
+    live beside its forward matmul (torchao keeps neither for backward: `fivedc/passes/fp8.py`)."""
+    from fivedc.ir.graph import walk_params
+
+    w = next(p for p, _ in walk_params(c.graph.body) if p.name == op.args[1])
+    spec = op.arg_specs[1].sharding if len(op.arg_specs) > 1 and op.arg_specs[1] else None
+    return c.value_numel(op.args[0]) + c.numel(w.dims, spec)
 
 
 def loss_bytes(c: SaveContext, graph: Graph, unit: Unit) -> int:

@@ -46,6 +46,7 @@ class Hardware:
     op_memory_efficiency: float | None = None  # of hbm, what forward and backward's memory-bound ops reach
     op_latency_s: float = 0.0  # the host's time to issue one op, forward or backward, beyond its work
     host_runs_ahead: bool = False  # a GPU's stream: the host issues the next op while this one runs
+    fp8_flops: float | None = None  # dense float8 tensor-core peak; None: the GPU has no float8 matmuls
     sm_count: int | None = None  # the SMs a GEMM's tiles run over in waves (`fivedc/estimates/gemm.py`)
     matmul_tiles: tuple[tuple[int, int, int], ...] = ()  # the (M, N, K) tiles of the GEMM kernels it picks among
     tree_all_reduce: bool = False  # NCCL: an all-reduce across nodes by a tree where faster than a ring
@@ -77,7 +78,7 @@ class Hardware:
 
 
 OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None, "op_latency_s": 0.0,
-            "host_runs_ahead": False, "sm_count": None, "matmul_tiles": (),
+            "host_runs_ahead": False, "fp8_flops": None, "sm_count": None, "matmul_tiles": (),
             "tree_all_reduce": False}  # a profile may leave these out
 FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name", *OPTIONAL))
 
@@ -142,6 +143,10 @@ def _parse(text: str, source: str) -> dict[str, Hardware]:
             if not isinstance(value, bool):
                 raise HardwareError(f"{source}: [{key}] {flag} = {value!r} must be true or false")
             values[flag] = value
+        fp8 = table.get("fp8_flops")
+        if fp8 is not None and (isinstance(fp8, bool) or not isinstance(fp8, (int, float)) or not fp8 > 0):
+            raise HardwareError(f"{source}: [{key}] fp8_flops = {fp8!r} must be a positive number of FLOP/s")
+        values["fp8_flops"] = None if fp8 is None else float(fp8)
         values["sm_count"], values["matmul_tiles"] = _tiles(table, source, key)
         out[key.lower()] = Hardware(key.lower(), str(table.get("name", key)), **values)
     return out

@@ -46,6 +46,7 @@ class CompileOptions:
     recompute: str | None = None  # activation recomputation (fivedc/passes/recompute.py); None: the model's @recompute, else none
     attention_kernel: str | None = None  # flash | math where the model's attention does not say; None: flash
     hardware: Hardware | None = None  # the GPU the step-time model and the fit check assume (fivedc/ir/hardware.py)
+    fp8: bool = False  # linears' three matmuls in float8, torchao's tensorwise recipe (fivedc/passes/fp8.py)
 
     def __post_init__(self) -> None:
         for what, value, choices in (
@@ -73,6 +74,9 @@ class CompileOptions:
                               hint="e.g. --pp-layout 3,5,5,3")
         if self.recompute is not None:
             check_mode(self.recompute)
+        if self.fp8 and self.hardware is not None and self.hardware.fp8_flops is None:
+            raise FivedcError(f"--fp8: the {self.hardware.key} profile ({self.hardware.name}) has no float8 tensor "
+                              "cores (no fp8_flops)", hint="drop --fp8, or choose a GPU with them (h100, h800, h200)")
         if self.zero not in ZERO_STAGES:
             raise FivedcError(
                 f"unknown ZeRO stage {self.zero}",

@@ -1,7 +1,7 @@
 """What changes between two execution plans (`fivedc diff A B`).
 
 `diff_plans(a, b)` compares the mesh (axis sizes, world, rank order), the options
-(model, sequence parallelism, dtype, ZeRO stage, overlap; the pipeline's schedule,
+(model, sequence parallelism, dtype, ZeRO stage, overlap, fp8; the pipeline's schedule,
 microbatches, how its chunks were cut and what each holds), the mesh groups (matched by their axes), the
 parameter shardings (matched by qualified name, `layers.*.wq`), the collectives,
 the ops that run replicated (no sharding rule; matched by target and line) and the
@@ -278,6 +278,7 @@ def diff_plans(a: ExecutionPlan, b: ExecutionPlan) -> PlanDiff:
         ("zero", a.zero, b.zero),
         ("overlap", a.overlap, b.overlap),
         ("recompute", a.recompute, b.recompute),
+        ("fp8", a.fp8, b.fp8),
         *_pipeline_values(a, b),
     ])
     ta, tb = phase_totals(a.collectives), phase_totals(b.collectives)

@@ -54,6 +54,7 @@ class ExecutionPlan:
     notes: tuple[str, ...] = ()  # warnings for the reader, e.g. a setting that changes nothing
     recompute: str = "none"  # activation recomputation: none, selective (attention), full (each layer)
     time: TimeEstimate | None = None  # seconds per step on a GPU (compile --gpu; fivedc/estimates/step_time.py)
+    fp8: bool = False  # --fp8: the linears the graph marks run in float8 (fivedc/passes/fp8.py)
 
     def save(self, path: str | Path, *, inputs: tuple[str | Path, ...] = ()) -> None:
         """Write atomically with `fivedc.files.write_output`: never half a plan, never over

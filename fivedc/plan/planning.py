@@ -181,4 +181,5 @@ def assemble(draft: Draft, options: CompileOptions) -> ExecutionPlan:
                    + draft.tied_sync + draft.copy_sync + state_sync_collectives(graph, mesh))
     return ExecutionPlan(PLAN_VERSION, graph, mesh, options.sp_enabled(graph), options.dtype,
                          groups_of(mesh, collectives), collectives, draft.memory, options.zero, options.overlap,
-                         options.bucket_bytes, draft.buckets, draft.pipeline, draft.notes, draft.recompute, draft.time)
+                         options.bucket_bytes, draft.buckets, draft.pipeline, draft.notes, draft.recompute, draft.time,
+                         options.fp8)

@@ -103,6 +103,7 @@ def _header(plan: ExecutionPlan) -> Table:
         ("overlap", _overlap_text(plan) + _beside_compute_text(plan)),
         ("recompute", recompute_text(plan)),
         ("dtype", plan.dtype),
+        *((("fp8", _fp8_text(plan)),) if plan.fp8 else ()),
         ("plan version", str(plan.version)),
     )
     for key, value in rows:
@@ -110,6 +111,18 @@ def _header(plan: ExecutionPlan) -> Table:
     for note in plan.notes:
         grid.add_row(Text("note"), Text(note))
     return grid
+
+
+def _fp8_text(plan: ExecutionPlan) -> str:
+    """How many linears run in float8 (fivedc/passes/fp8.py), per layer stack and at top level."""
+    from fivedc.ir.graph import Op, walk_ops
+    from fivedc.passes.fp8 import is_fp8
+
+    linears = [(op, repeat) for op, repeat in walk_ops(plan.graph.body) if isinstance(op, Op) and op.kind == "linear"]
+    fp8 = sum(repeat.count if repeat else 1 for op, repeat in linears if is_fp8(op))
+    total = sum(repeat.count if repeat else 1 for _, repeat in linears)
+    return (f"{fp8} of {total} linears in float8 (torchao tensorwise: e4m3 inputs and weights, e5m2 gradients, "
+            "dynamic scales); the rest at the dtype")
 
 
 def _pipeline_text(plan: ExecutionPlan) -> str:

@@ -54,7 +54,8 @@ def time_table(plan: ExecutionPlan) -> Table:
     for key, value in (
         ("step", f"{t.step_seconds:.3g} s ({'; '.join(parts)})"),
         ("throughput", f"{t.tokens_per_second:,.0f} tokens/s, {t.tflops_per_gpu:.0f} TFLOP/s per GPU, "
-                       f"MFU {t.mfu:.1%}"),
+                       f"MFU {t.mfu:.1%}" + (" (of the bf16 peak; float8 linears run at the fp8 peak)"
+                                             if plan.fp8 else "")),
         ("memory", f"{fit} in {format_bytes(gpu.usable_bytes)} ({gpu.memory_gib:g} GiB less {gpu.reserved_gib:g} "
                    f"reserved); the busiest, {plan.memory.busiest.ranks}, holds {format_bytes(plan.memory.total)}"),
     ):

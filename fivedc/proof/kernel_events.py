@@ -13,7 +13,8 @@ from fivedc.ir.ops import counts_targets
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.stage_plan import input_only_items
 from fivedc.plan.sites import Site
-from fivedc.ir.graph import Op
+from fivedc.ir.graph import Op, Phase
+from fivedc.passes.fp8 import is_fp8
 from fivedc.proof.events import Event
 
 
@@ -26,6 +27,8 @@ class KernelEvents:
             return self._ring(node, backward=False)
         if node.kind == "moe":
             return self._moe(node, backward=False)
+        if is_fp8(node):
+            return self._amax(node, Phase.FORWARD)
         return []
 
     def _kernel_backward(self, site: Site) -> list[Event]:
@@ -34,7 +37,15 @@ class KernelEvents:
             return self._ring(node, backward=True)
         if node.kind == "moe":
             return self._moe(node, backward=True)
+        if is_fp8(node):
+            return self._amax(node, Phase.BACKWARD)
         return []
+
+    def _amax(self, op: Op, phase) -> list[Event]:
+        """A float8 linear's amax all-reduces (`fivedc/passes/fp8.py`): forward its input's and
+        weight's, backward its output gradient's, one float32 each."""
+        return [Event("all_reduce", c.axes, 1, "float32", c.reason, op.loc) for c in op.collectives
+                if c.phase == phase and c.reason.startswith("fp8:")]
 
     def _cross_entropy(self, op: Op) -> list[Event]:
         logits = op.arg_specs[0].sharding

@@ -28,6 +28,8 @@ from fivedc.runtime import tp_overlap, tp_ring, weight_grads
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
 from fivedc.runtime.loss import cross_entropy
 from fivedc.runtime.precision import compute_dtype, for_matmul
+from fivedc.runtime.fp8 import Fp8Linear, fp8_cast
+from fivedc.passes.fp8 import is_fp8
 from fivedc.ir.seq_layout import layout_order
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.ir.sharding import Sharding
@@ -47,6 +49,7 @@ class KernelContext:
     mesh: Mesh
     coords: dict[MeshAxis, int]
     groups: object | None = None  # runtime.groups.MeshGroups; None on a single device
+    fp8_blocks: int = 1  # float8 linears: blocks of batch rows scaled apart (the reference; fivedc/runtime/fp8.py)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
     # cross-entropy op -> its count of targets for the whole step, set by a pipeline before its microbatches
     step_counts: dict = field(default_factory=dict, compare=False, repr=False)
@@ -152,6 +155,12 @@ def _linear(ctx, op, args, dims):
     if tuple(dims[1][:k]) != tuple(dims[0][-k:]):  # stored [out, in] (a tied embedding table): in first
         order = (*range(w.dim() - k, w.dim()), *range(w.dim() - k))
     oriented = w if order is None else w.permute(order)
+    if is_fp8(op):  # float8 (fivedc/runtime/fp8.py): its own autograd; a ring bringing x is waited for first,
+        ring = tp_ring.ring_of(x)  # a sum ring left to the program (it sums the whole value), dW not put off
+        if ring is not None and not ring.done:
+            ring.finish()
+        x, oriented = for_matmul(x, oriented)
+        return Fp8Linear.apply(x, oriented.to(x.dtype), k, fp8_cast(ctx, op, tuple(dims[0])))
     # collective matmul: the product made chunk by chunk as a ring brings x, or as a ring sums it
     sum_ring = ctx.sum_rings.pop(op.out, None)
     value = tp_ring.product(x, oriented, k) if sum_ring is None else tp_ring.summed_product(x, oriented, k, sum_ring)

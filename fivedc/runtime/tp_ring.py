@@ -132,6 +132,11 @@ def mark_ring(value: Tensor, ring: RingGather) -> Tensor:
     return value
 
 
+def ring_of(x: Tensor) -> RingGather | None:
+    """The ring still bringing x's chunks, if one does."""
+    return getattr(x, _ATTR, None)
+
+
 def product(x: Tensor, w: Tensor, k: int) -> Tensor | None:
     """`tensordot(x, w, dims=k)` without autograd, chunk by chunk as x's ring brings them
     (the gather dim is one x keeps), x completed at the end; None when no ring fills x."""

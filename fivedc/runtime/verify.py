@@ -23,6 +23,7 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.compare import check_reference, compare_runs, relative_error
 from fivedc.runtime.divergence import Divergence, RankTrace, first_divergence
+from fivedc.runtime.fp8 import reference_blocks
 from fivedc.runtime.kernels import KernelContext
 from fivedc.runtime.moe import ExpertLoad
 from fivedc.runtime.program import Program, init_params, make_inputs, qualified_params, shard
@@ -63,12 +64,14 @@ class Diagnosis:
     fault: Fault | None = None
 
 
-def reference_run(plan: ExecutionPlan, settings: TrainSettings, *, tracer: ValueTrace | None = None) -> TrainRecord:
+def reference_run(plan: ExecutionPlan, settings: TrainSettings, *, tracer: ValueTrace | None = None,
+                  fp8_blocks: int = 1) -> TrainRecord:
     """Train on one device with a plan compiled for a 1x1x1x1x1 mesh; `ReferenceNotFinite`
     when its losses, gradients or parameters are not finite. `tracer` keeps every op's
-    value and gradient."""
+    value and gradient. `fp8_blocks`: float8 linears scale the batch in that many blocks of
+    rows (`fivedc.runtime.fp8.reference_blocks` of the parallel plan)."""
     graph = plan.graph
-    ctx = KernelContext(graph, plan.mesh, plan.mesh.coords(0))
+    ctx = KernelContext(graph, plan.mesh, plan.mesh.coords(0), fp8_blocks=fp8_blocks)
     params = init_params(graph, seed=settings.seed, dtype=settings.torch_dtype)
     inputs = make_inputs(graph, seed=settings.seed, dtype=settings.torch_dtype)
     record = train(Program(graph, ctx, recompute=plan.recompute, tracer=tracer), params, inputs, settings)
@@ -147,7 +150,7 @@ def verify_plan(plan: ExecutionPlan, reference_plan: ExecutionPlan, *, settings:
     report = on_progress or (lambda line: None)
     start = time.perf_counter()
     tracer = ValueTrace(0) if diagnosis is not None else None
-    reference = reference_run(reference_plan, settings, tracer=tracer)
+    reference = reference_run(reference_plan, settings, tracer=tracer, fp8_blocks=reference_blocks(plan))
     report(f"reference run on one device: {settings.steps} steps in {time.perf_counter() - start:.1f} s")
     payload = (plan, reference, settings, diagnosis)
     world = plan.mesh.world
