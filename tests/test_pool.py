@@ -438,3 +438,34 @@ def test_a_pool_run_leaves_no_threads_behind(worker_pool, model: str, mesh: str)
         counts.append(worker_pool.run(_threads, world=4, payload=None))
     # a leak grows; threads an earlier test started on a worker may still be going away
     assert all(later <= first for first, later in zip(counts[0], counts[1])), counts
+
+
+def where(info: RankInfo, payload: None) -> str:
+    return os.getcwd()
+
+
+def test_a_job_is_unpickled_where_its_caller_is_though_the_last_jobs_folder_is_gone(tmp_path, monkeypatch) -> None:
+    """A job runs in its caller's current folder; the next one is unpickled there too, not in
+    the folder the last job left the worker in, which its caller may have deleted since
+    (unpickling imports the job's module, and a module may ask for the cwd as it loads)."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "asks_the_cwd.py").write_text(textwrap.dedent("""
+        import os
+        LOADED_IN = os.getcwd()  # what hypothesis does on import: fails in a deleted folder
+
+        def job(info, payload):
+            return LOADED_IN
+    """))
+    monkeypatch.syspath_prepend(str(modules))  # the workers start with this path
+    gone, here = tmp_path / "gone", tmp_path / "here"
+    gone.mkdir()
+    here.mkdir()
+    with WorkerPool(1) as pool:
+        monkeypatch.chdir(gone)
+        assert pool.run(where, world=1, payload=None) == [str(gone)]
+        monkeypatch.chdir(here)
+        shutil.rmtree(gone)
+        import asks_the_cwd
+
+        assert pool.run(asks_the_cwd.job, world=1, payload=None) == [str(here)]

@@ -106,7 +106,7 @@ class WorkerPool:
         self._jobs += 1
         store = os.path.join(self._tmp, f"store-{self._jobs}")
         try:
-            job = pickle.dumps((fn, payload, world, store, self.backend, self.timeout_s, os.getcwd()))
+            job = pickle.dumps((os.getcwd(), pickle.dumps((fn, payload, world, store, self.backend, self.timeout_s))))
             message = pickle.dumps((self._jobs, job))
         except Exception as exc:
             raise WorkerError(

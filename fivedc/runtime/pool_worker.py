@@ -121,8 +121,11 @@ def _orphaned(folder: str) -> None:
 def _run_job(slot: int, job_bytes: bytes, send: Callable[[str, Any], None]) -> tuple[str, Any]:
     """("ok", result) or ("error", Failure)."""
     try:
-        fn, payload, world, store_path, backend, timeout_s, cwd = pickle.loads(job_bytes)
-        os.chdir(cwd)  # a job runs where its caller is now, not where the pool started (relative paths)
+        cwd, inner = pickle.loads(job_bytes)  # a str and bytes: nothing to import yet
+        # a job runs where its caller is now, not where the pool started (relative paths), and is
+        # unpickled there: importing its module may ask for the cwd, and the last job's may be gone
+        os.chdir(cwd)
+        fn, payload, world, store_path, backend, timeout_s = pickle.loads(inner)
         device = device_for(backend, slot)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(
