@@ -163,6 +163,7 @@ EXAMPLES = [
     ("examples/gpt.5d", "2x1x1x2x1", dict()),
     *[("examples/gpt.5d", "1x2x1x1x1", dict(microbatches=4, schedule=s))
       for s in ("1f1b", "gpipe", "interleaved", "zb-h1", "dualpipev")],
+    *[("examples/gpt.5d", "2x2x1x1x1", dict(microbatches=2, schedule="1f1b", zero=z)) for z in (1, 2, 3)],
     ("examples/tiny_llama.5d", "2x1x2x1x1", dict(sequence_parallel=True, zero=1)),
     ("examples/moe.5d", "2x1x1x1x2", dict()),
     ("examples/moe.5d", "2x1x2x1x2", dict(sequence_parallel=True, zero=2)),

@@ -11,7 +11,8 @@ the plan stays flat in the world size. Per rank:
   parameter in 16-bit training (fp32 master and two moments; 8 in fp32, 16 in
   fp64); ZeRO counts one padded chunk, ceil(local / n), for what it shards (stage 1
   the optimizer state, 2 also gradients, 3 also parameters: the ZeRO paper's
-  2Ψ + 2Ψ + 12Ψ, each divided as its stage divides it).
+  2Ψ + 2Ψ + 12Ψ, each divided as its stage divides it); under a pipeline the gradients add
+  up whole over the microbatches and are summed after the last, so ZeRO-2 holds them whole.
 - activations: what its chunks keep for backward (`fivedc/estimates/activations.py`), for the
   microbatches its schedule keeps in flight at its peak, plus the constants.
 - transient: the largest buffer alive only for a moment (`fivedc/estimates/transient.py`: a
@@ -39,7 +40,7 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec
-from fivedc.estimates.timeline import Moment, peak_moment, step_moments
+from fivedc.estimates.timeline import Moment, peak_moment, step_moments, unit_params
 from fivedc.estimates.transient import step_buffers, transients
 
 # Bytes per parameter element of AdamW's state: in 16-bit training an fp32 master copy and
@@ -130,10 +131,16 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
     held = [held_bytes(memo, dtype_bytes, zero, pipeline, r) for r in range(pp)]
     activations, regions = memo.get(("rank activations", dtype_bytes, recompute, pipeline), lambda: rank_activations(
         graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline, recompute=recompute, memo=memo))
+    # the busiest moment of activations and gradients together: the gradients of a chunk are
+    # there from its first backward on, not from the step's start
+    together = kept_with_grads(memo, dtype_bytes, recompute, pipeline) if zero < 3 else \
+        [a + grads for a, (_, grads, _) in zip(activations, held)]  # ZeRO-3's chunks: made after the last backward
+    beyond = [t - grads for t, (_, grads, _) in zip(together, held)]  # what that moment holds beyond them
     parts = transients(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
                        recompute=recompute, regions=regions, buckets=buckets, overlap=overlap, memo=memo, tied=tied,
-                       activations=activations)
-    rows = [(params, grads, optimizer, activations[r], max(parts[r].values()))
+                       activations=beyond)
+    rows = [(params, grads, optimizer, activations[r], max(parts[r].values()),
+             params + optimizer + together[r] + max(parts[r].values()))
             for r, (params, grads, optimizer) in enumerate(held)]
     return MemoryEstimate(_classes(rows, pipeline is not None))
 
@@ -156,9 +163,12 @@ def peak_of_step(memo: Memo, dtype_bytes: int, zero: int, recompute: str, bucket
 
 
 def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, pipeline: PipelineSpec | None,
-                     recompute: str, memo: Memo | None = None) -> tuple[list[int], list[int]]:
+                     recompute: str, memo: Memo | None = None,
+                     grads: tuple[int, ...] | None = None) -> tuple[list[int], list[int]]:
     """Per pp rank (one entry without a pipeline): the activations at its schedule's peak
-    (with its constants), and the largest recomputed region of one microbatch."""
+    (with its constants), and the largest recomputed region of one microbatch. With `grads`
+    (under a pipeline, per chunk), the peak of the activations and those gradients together,
+    each chunk's counted from its first backward on (`fivedc/schedule/batched.peaks`)."""
     from fivedc.passes.stage_plan import activations_in_flight
 
     memo = memo_for(memo, graph, mesh, dtype)
@@ -183,8 +193,10 @@ def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, 
         regions[chunk.rank] = max(regions[chunk.rank], region)
         constants[chunk.rank].update(const)
     split = any(a.kind == "W" for acts in schedule.ranks for a in acts)
-    key = ("in flight", pipeline.schedule, m, pipeline.virtual, tuple(per_chunk), tuple(deferred) if split else None)
-    in_flight = memo.get(key, lambda: activations_in_flight(pipeline, pp, per_chunk, deferred if split else None))
+    key = ("in flight", pipeline.schedule, m, pipeline.virtual, tuple(per_chunk), tuple(deferred) if split else None,
+           grads)
+    in_flight = memo.get(key, lambda: activations_in_flight(pipeline, pp, per_chunk, deferred if split else None,
+                                                            grads=grads))
     return [in_flight[r] + sum(constants[r].values()) for r in range(pp)], regions
 
 
@@ -192,7 +204,8 @@ def held_bytes(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec |
                pp_rank: int | None) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one pp rank (every rank without a pipeline), kept in `memo`."""
     return memo.get(("held bytes", dtype_bytes, zero, _rank_units(pipeline, pp_rank)), lambda: _held(
-        param_sizes(memo), memo.dtype, dtype_bytes, zero, rank_held(memo, pipeline, pp_rank)))
+        param_sizes(memo), memo.dtype, dtype_bytes, zero, rank_held(memo, pipeline, pp_rank),
+        accumulates=pipeline is not None))
 
 
 def _rank_units(pipeline: PipelineSpec | None, pp_rank: int | None) -> tuple | None:
@@ -201,25 +214,48 @@ def _rank_units(pipeline: PipelineSpec | None, pp_rank: int | None) -> tuple | N
 
 
 def _held(sizes: list[tuple], dtype: str, dtype_bytes: int, zero: int,
-          held: HeldParams | None) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes of one pp rank (every rank without a pipeline)."""
+          held: HeldParams | None, *, accumulates: bool = False) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes of one pp rank (every rank without a pipeline). Under a
+    pipeline (`accumulates`) the gradients add up whole over the microbatches and are summed
+    after the last (`fivedc/runtime/train.Trainer`): ZeRO-2 holds them whole, as ZeRO-1 does."""
     params = grads = optimizer = 0
     for param, repeat, local_numel, chunk, _ in sizes:
         n = param_count(held, param.name, repeat)
         params += (chunk if zero >= 3 else local_numel) * n
-        grads += (chunk if zero >= 2 else local_numel) * n
+        grads += (chunk if zero >= 3 or (zero == 2 and not accumulates) else local_numel) * n
         optimizer += (chunk if zero >= 1 else local_numel) * n
     return params * dtype_bytes, grads * dtype_bytes, optimizer * OPTIMIZER_BYTES[dtype]
 
 
 def _classes(rows: list[tuple[int, ...]], pipeline: bool) -> tuple[RankMemory, ...]:
-    """Consecutive pp ranks with equal bytes as one entry."""
+    """Consecutive pp ranks with equal bytes (each row its categories, then its total) as one entry."""
     if not pipeline or all(row == rows[0] for row in rows):
-        return (RankMemory("all", *rows[0], sum(rows[0])),)
+        return (RankMemory("all", *rows[0]),)
     out, start = [], 0
     for r in range(1, len(rows) + 1):
         if r == len(rows) or rows[r] != rows[start]:
             name = f"pp={start}" if r - 1 == start else f"pp={start}..{r - 1}"
-            out.append(RankMemory(name, *rows[start], sum(rows[start])))
+            out.append(RankMemory(name, *rows[start]))
             start = r
     return tuple(out)
+
+
+def kept_with_grads(memo: Memo, dtype_bytes: int, recompute: str, pipeline: PipelineSpec) -> list[int]:
+    """Per pp rank, the most bytes of activations in flight and gradients live at once under
+    the schedule: each chunk's gradients (whole: they add up over the microbatches) join
+    from its first backward on the rank. A parameter two chunks of a rank read is counted
+    with the first of them."""
+    graph, pp = memo.graph, memo.mesh.size(MeshAxis.PP)
+    sizes = {(param.name, repeat.name if repeat else None): local * dtype_bytes
+             for param, repeat, local, _, _ in param_sizes(memo)}
+    all_units, seen, grads = memo_units(memo), [set() for _ in range(pp)], []
+    for chunk in pipeline.chunks:
+        made = 0
+        for unit in all_units[chunk.units[0]:chunk.units[1]]:
+            for key in unit_params(graph, unit):
+                if (key, unit.layer) not in seen[chunk.rank] and key in sizes:
+                    seen[chunk.rank].add((key, unit.layer))
+                    made += sizes[key]
+        grads.append(made)
+    return rank_activations(graph, memo.mesh, dtype=memo.dtype, dtype_bytes=dtype_bytes, pipeline=pipeline,
+                            recompute=recompute, memo=memo, grads=tuple(grads))[0]

@@ -74,20 +74,24 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
     zero_parts = memo.get(("zero transients", dtype_bytes, zero, pipeline, buckets),
                           lambda: _zero_parts(memo, dtype_bytes, zero, pipeline, buckets))
     out = []
-    for mine, theirs in zip(kept, zero_parts):
+    for r, (mine, theirs) in enumerate(zip(kept, zero_parts)):
         parts = {name: mine[name] for name in ("recomputed region", *UNIT_PARTS[:2])}
         parts |= theirs
         parts |= {name: mine[name] for name in (*UNIT_PARTS[2:], "pipeline sends", "tied gradient sum")
                   if name in mine}
-        out.append(parts | _zero3_beside(parts, zero, pipeline, buckets))
+        later = _chunk_grads(memo, dtype_bytes, pipeline, r) if zero == 3 and pipeline else 0
+        out.append(parts | _zero3_beside(parts, zero, pipeline, buckets, later))
     if activations is not None:  # the step comes after backward: the activations are gone by then
         for r, parts in enumerate(out):
             step = STEP_BYTES.get(dtype, 0) * largest_update(memo, zero, pipeline, r if pipeline else None)
             parts[OPTIMIZER_STEP] = max(step - activations[r], 0)
+            if pipeline is not None and parts.get("gradient buckets"):  # summed after the last backward
+                parts[GRAD_SUMS] = max(parts.pop("gradient buckets") - activations[r], 0)
     return out
 
 
 OPTIMIZER_STEP = "optimizer step's temporaries beyond the activations freed by then"
+GRAD_SUMS = "gradient buckets beyond the activations freed by then"
 # AdamW's temporaries per element of the part it updates (fivedc/runtime/zero.adamw_): in
 # 16-bit training the gradient in float32, the square root of the second moment and its
 # quotient (float32 each); in fp32 and fp64 the last two, at the dtype.
@@ -102,19 +106,29 @@ def largest_update(memo: Memo, zero: int, pipeline: PipelineSpec | None, pp_rank
                 if param_count(held, param.name, repeat)), default=0)
 
 
-def _zero3_beside(parts: dict[str, int], zero: int, pipeline: PipelineSpec | None, buckets) -> dict[str, int]:
+def _zero3_beside(parts: dict[str, int], zero: int, pipeline: PipelineSpec | None, buckets,
+                  later: int = 0) -> dict[str, int]:
     """ZeRO-3's gathered weights are live together with other parts, not at another moment:
     without a pipeline a layer's backward holds its unit's groups gathered again (a
     recomputed layer reads them all), their gradients as they come back, one group's
     reduce-scatter buffer, and its recomputed region; under a pipeline the gathered
-    parameters and their gradients stay for the whole step, beside every other part."""
+    parameters and their gradients stay for the whole step, beside every other part, while
+    the rank's summed chunks of the gradients (`later`, which the total counts as held) are
+    made only after the last backward, from the whole ones."""
     if zero != 3 or not parts.get("ZeRO-3 gathers"):
         return {}
     if pipeline is None:
         unit, group = zero3_unit_and_group(buckets)
         return {ZERO3_BACKWARD: 2 * unit + group + parts["recomputed region"]}
     others = max(v for k, v in parts.items() if k != "ZeRO-3 gathers")
-    return {ZERO3_STEP: parts["ZeRO-3 gathers"] + others}
+    return {ZERO3_STEP: max(parts["ZeRO-3 gathers"] + others - later, parts["ZeRO-3 gathers"])}
+
+
+def _chunk_grads(memo: Memo, dtype_bytes: int, pipeline: PipelineSpec, pp_rank: int) -> int:
+    """Bytes of a pp rank's ZeRO-3 gradient chunks (what its held gradients are)."""
+    held = rank_held(memo, pipeline, pp_rank)
+    return sum(chunk * param_count(held, param.name, repeat)
+               for param, repeat, _, chunk, _ in param_sizes(memo)) * dtype_bytes
 
 
 def _kept_parts(memo: Memo, dtype_bytes: int, pipeline: PipelineSpec | None, recompute: str,
@@ -284,11 +298,14 @@ def zero3_unit_and_group(buckets) -> tuple[int, int]:
 
 
 def _buckets(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, buckets, held: HeldParams | None) -> int:
+    """ZeRO-0/1 copy a bucket into one flat buffer as its gradients are dropped; ZeRO-2, its
+    buckets started during backward, lays two out whole at once. Under a pipeline (`held`)
+    every bucket is summed after the last backward, ZeRO-2's as ZeRO-1's."""
     if zero == 3 or not buckets:
         return 0
     mine = [b for b in buckets if held is None or _on_rank(graph, b.params[0], held)]
     largest = max((b.bytes for b in mine), default=0)
-    return 2 * largest if zero == 2 else largest
+    return 2 * largest if zero == 2 and held is None else largest
 
 
 def _on_rank(graph: Graph, name: str, held: HeldParams) -> bool:

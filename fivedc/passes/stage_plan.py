@@ -409,14 +409,16 @@ def _describe(graph: Graph, chunk_units: list[Unit]) -> str:
     )
 
 
-def activations_in_flight(pipeline: PipelineSpec, pp: int, per_chunk, deferred=None) -> tuple[int, ...]:
+def activations_in_flight(pipeline: PipelineSpec, pp: int, per_chunk, deferred=None, grads=None) -> tuple[int, ...]:
     """Per pp rank, the activation bytes kept at its peak under the pipeline's schedule,
     when one microbatch's forward through chunk c keeps `per_chunk[c]` bytes until its
     backward (B, or W after I): the schedule played action by action
     (`peak_live_weighted`) says how many are alive at once on each rank: all m under
     GPipe, p - rank under 1F1B, (p - rank - 1) x 2 + (v - 1) x p + 1 chunk-microbatches
     under interleaved, and so on for ZB-H1, DualPipeV and DualPipe. Under a split backward
-    (I, then W) a microbatch keeps only `deferred[c]` between its I and its W."""
+    (I, then W) a microbatch keeps only `deferred[c]` between its I and its W. With `grads`
+    (per chunk) the peak is of the activations and the gradients made so far together."""
     prog = program(pipeline.build_schedule(pp))
     split = None if deferred is None else np.array([deferred], dtype=np.int64)
-    return tuple(int(x) for x in peaks(prog, np.array([per_chunk], dtype=np.int64), split)[0])
+    made = None if grads is None else np.array([grads], dtype=np.int64)
+    return tuple(int(x) for x in peaks(prog, np.array([per_chunk], dtype=np.int64), split, made)[0])

@@ -14,7 +14,9 @@ index arrays once (cached); then
   action adds its duration; busy times are summed in action order), so the figures
   are equal to the last bit (tests/test_schedules.py);
 - `peaks(program, weights, deferred)` gives `peak_live_weighted` for integer weights
-  (bytes) exactly: each rank's running sum of what its forwards keep, and its most.
+  (bytes) exactly: each rank's running sum of what its forwards keep, and its most; with
+  `grads`, the gradients of each chunk join it from the chunk's first backward on the rank
+  (B, or W under a split backward: where they are made, then accumulated over the rest).
 
 The actions are played by levels: an action's level is one more than the larger of
 its predecessor's on the rank and, for a RECV, its SEND's; all actions of a level
@@ -53,6 +55,7 @@ class ScheduleProgram:
     live_minus: np.ndarray  # ... and the one it takes away
     split_plus: np.ndarray  # the same under a split backward (I keeps `deferred` until W)
     split_minus: np.ndarray
+    made: np.ndarray  # per action: the gradient column (2C + chunk) it makes first on its rank (3C: none)
 
 
 def columns(program: ScheduleProgram) -> int:
@@ -102,14 +105,30 @@ def _compile(schedule: Schedule) -> ScheduleProgram:
         padded[r, :length] = np.arange(offsets[r], offsets[r] + length)
     return ScheduleProgram(schedule.p, c, n, offsets, duration, delay,
                            _levels(schedule, offsets, prev.tolist(), source.tolist(), n),
-                           padded, plus, minus, split_plus, split_minus)
+                           padded, plus, minus, split_plus, split_minus, _made_columns(schedule, c, n))
+
+
+def _made_columns(schedule: Schedule, c: int, n: int) -> np.ndarray:
+    """Per action, the gradient column (2C + chunk) whose gradients it makes first on its rank:
+    the first B of a chunk, or its first W under a split backward (I leaves every weight's
+    gradient to W); 3C elsewhere (none)."""
+    made = np.full(n + 1, 3 * c)
+    index = 0
+    for acts in schedule.ranks:
+        seen: set[int] = set()
+        for a in acts:
+            if a.kind in (K.BACKWARD, K.BACKWARD_WEIGHT) and a.chunk not in seen:
+                seen.add(a.chunk)
+                made[index] = 2 * c + a.chunk
+            index += 1
+    return made
 
 
 def _live_columns(kind: np.ndarray, chunk: np.ndarray, c: int, n: int) -> tuple[np.ndarray, ...]:
     """Per action, the weight (0..C-1) or deferred (C..2C-1) column it adds to or frees from
-    the live bytes (2C: none), without and with a split backward (as `peak_live_weighted`)."""
+    the live bytes (3C: none), without and with a split backward (as `peak_live_weighted`)."""
     code = {k: i for i, k in enumerate(K)}
-    none = np.full(n + 1, 2 * c)
+    none = np.full(n + 1, 3 * c)
     is_f, is_b = kind == code[K.FORWARD], kind == code[K.BACKWARD]
     is_i, is_w = kind == code[K.BACKWARD_INPUT], kind == code[K.BACKWARD_WEIGHT]
     plus = np.where(is_f, chunk, none)
@@ -178,17 +197,27 @@ def makespan_and_bubble(last: np.ndarray, busy: np.ndarray) -> tuple[list[float]
     return out_m, out_b
 
 
-def peaks(prog: ScheduleProgram, weights: np.ndarray, deferred: np.ndarray | None = None) -> np.ndarray:
-    """`peak_live_weighted` per row of integer `weights` ([rows, C]) and `deferred`: [rows, p] ints."""
-    rows = weights.shape[0]
-    table = np.zeros((rows, 2 * prog.chunks + 1), dtype=np.int64)
-    table[:, :prog.chunks] = weights
+def peaks(prog: ScheduleProgram, weights: np.ndarray, deferred: np.ndarray | None = None,
+          grads: np.ndarray | None = None) -> np.ndarray:
+    """`peak_live_weighted` per row of integer `weights` ([rows, C]) and `deferred`: [rows, p]
+    ints. With `grads` ([rows, C]: each chunk's gradient bytes) they count from the action
+    that makes them, beside what that action's backward still holds (it frees its
+    microbatch's activations as it ends)."""
+    rows, c = weights.shape[0], prog.chunks
+    table = np.zeros((rows, 3 * c + 1), dtype=np.int64)
+    table[:, :c] = weights
     plus, minus = (prog.live_plus, prog.live_minus) if deferred is None else (prog.split_plus, prog.split_minus)
     if deferred is not None:
-        table[:, prog.chunks:2 * prog.chunks] = deferred
+        table[:, c:2 * c] = deferred
+    if grads is not None:
+        table[:, 2 * c:3 * c] = grads
     delta = table[:, plus] - table[:, minus]
     delta[:, prog.n] = 0
     live = np.cumsum(delta[:, prog.padded], axis=2)
+    if grads is not None:
+        made = np.cumsum(table[:, prog.made][:, prog.padded], axis=2)  # the padding's column is the zero
+        before = live - delta[:, prog.padded]  # what an action starts with: a backward's microbatch still kept
+        live = np.maximum(live, before) + made
     return np.maximum(live.max(axis=2, initial=0), 0)
 
 

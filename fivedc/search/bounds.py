@@ -27,14 +27,14 @@ every candidate of small models):
   seconds).
 
 And a lower bound of the busiest rank's memory (`memory_bound`), to reject a layout that
-cannot fit before its schedule is built: a rank holds its parameters, gradients and
-optimizer state (exactly the plan's, `memory.held_bytes`), and, just before its first
-backward, every forward it ran before it (nothing is freed before a backward), each
-keeping at least its units' own saved bytes and the inputs of its layers after the first
-for the whole local batch, divided by m (`chunk_activations` adds what chunks share;
+cannot fit before its schedule is built: a rank holds its parameters and optimizer state
+(exactly the plan's, `memory.held_bytes`) throughout, its gradients whole by the step's end
+(under a pipeline from a chunk's first backward on), and, just before its first backward,
+every forward it ran before it (nothing is freed before a backward): the bound takes the
+larger of those two moments. Each forward keeps at least its units' own saved bytes and
+the inputs of its layers after the first for the whole local batch, divided by m (`chunk_activations` adds what chunks share;
 of the transients only ZeRO-3's gathered parameters under a pipeline, the plan's own).
-Without a pipeline no gradient is live in forward (`fivedc/estimates/timeline.py`): the
-bound takes the larger of the gradients and what forward keeps (`single_bound`).
+Without a pipeline likewise (`single_bound`, `fivedc/estimates/timeline.py`).
 Which forwards
 run before the first backward is read from the schedule itself at m, or at 2p
 microbatches when m is larger: a larger m runs the same ones or more
@@ -112,18 +112,21 @@ def memory_bound(memo: Memo, *, dtype_bytes: int, recompute: str, zero: int, sch
                      placement=placement)
     kept = kept_rows(memo, dtype_bytes=dtype_bytes, recompute=recompute, schedule=schedule, microbatches=microbatches,
                      virtual=virtual, ranges=ranges, placement=placement)
-    return max(h + k for h, k in zip(held, kept))
+    return max(rest + max(grads, k) for (rest, grads), k in zip(held, kept))
 
 
 def held_rows(memo: Memo, *, dtype_bytes: int, zero: int, schedule: str, virtual: int | None,
-              ranges: list[tuple[int, int]], placement: tuple[int, ...]) -> list[int]:
-    """Per pp rank, its parameters', gradients' and optimizer state's bytes (the plan's own)."""
+              ranges: list[tuple[int, int]], placement: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Per pp rank, (its parameters' and optimizer state's bytes, its gradients'), the plan's
+    own. The gradients are held whole only from a chunk's first backward on
+    (`memory.kept_with_grads`): the bound takes the larger of them and what forward keeps."""
     spec = PipelineSpec(schedule, 1, virtual or 1, tuple(
         Chunk(k, rank, ranges[k % len(ranges)], "", 0.0, 0) for k, rank in enumerate(placement)))
     out = []
     for r in range(max(placement) + 1):
         gathered = zero3_gathers(memo.graph, memo.mesh, dtype_bytes, zero, spec, rank_held(memo, spec, r), ()) if zero == 3 else 0
-        out.append(sum(held_bytes(memo, dtype_bytes, zero, spec, r)) + gathered)  # ZeRO-3 gathers: a transient
+        params, grads, optimizer = held_bytes(memo, dtype_bytes, zero, spec, r)
+        out.append((params + optimizer + gathered, grads))  # ZeRO-3 gathers: a transient
     return out
 
 

@@ -125,7 +125,7 @@ class GraphCase:
             self._bounds[kept_key] = kept_rows(self.draft.memo, dtype_bytes=DTYPE_BYTES[self.dtype],
                                                recompute=recompute, schedule=name, microbatches=m, virtual=v,
                                                ranges=ranges, placement=chunk_place)
-        return max(h + k for h, k in zip(self._bounds[held_key], self._bounds[kept_key]))
+        return max(rest + max(grads, k) for (rest, grads), k in zip(self._bounds[held_key], self._bounds[kept_key]))
 
     def _shape(self, pipeline: Pipeline) -> tuple | None:
         """(units per model chunk, each schedule chunk's pp rank, model copies) of a pipeline cut
