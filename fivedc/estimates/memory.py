@@ -133,7 +133,8 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
         graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, pipeline=pipeline, recompute=recompute, memo=memo))
     # the busiest moment of activations and gradients together: the gradients of a chunk are
     # there from its first backward on, not from the step's start
-    together = kept_with_grads(memo, dtype_bytes, recompute, pipeline) if zero < 3 else \
+    together = memo.get(("kept with grads", dtype_bytes, recompute, pipeline), lambda: kept_with_grads(
+        memo, dtype_bytes, recompute, pipeline)) if zero < 3 else \
         [a + grads for a, (_, grads, _) in zip(activations, held)]  # ZeRO-3's chunks: made after the last backward
     beyond = [t - grads for t, (_, grads, _) in zip(together, held)]  # what that moment holds beyond them
     parts = transients(graph, mesh, dtype=dtype, dtype_bytes=dtype_bytes, zero=zero, pipeline=pipeline,
@@ -178,7 +179,21 @@ def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, 
     if pipeline is None:
         kept, region, constants = chunk_activations(c, graph, all_units, recompute=recompute, cache=cache)
         return [kept + sum(constants.values())], [region]
-    pp, schedule = mesh.size(MeshAxis.PP), pipeline.build_schedule(mesh.size(MeshAxis.PP))
+    pp = mesh.size(MeshAxis.PP)
+    per_chunk, deferred, regions, constants, split = memo.get(
+        ("chunk activations", dtype_bytes, recompute, pipeline),
+        lambda: _chunk_figures(memo, c, all_units, cache, dtype_bytes, recompute, pipeline))
+    key = ("in flight", pipeline.schedule, m, pipeline.virtual, tuple(per_chunk), tuple(deferred) if split else None,
+           grads)
+    in_flight = memo.get(key, lambda: activations_in_flight(pipeline, pp, per_chunk, deferred if split else None,
+                                                            grads=grads))
+    return [in_flight[r] + sum(constants[r].values()) for r in range(pp)], regions
+
+
+def _chunk_figures(memo: Memo, c, all_units, cache, dtype_bytes: int, recompute: str, pipeline: PipelineSpec):
+    """(what one microbatch keeps per chunk, what it keeps between I and W per chunk, each
+    rank's largest recomputed region, each rank's constants, whether backward is split)."""
+    graph, m, pp = memo.graph, pipeline.microbatches, memo.mesh.size(MeshAxis.PP)
     per_chunk, deferred, regions, constants = [], [], [0] * pp, [dict() for _ in range(pp)]
     for chunk in pipeline.chunks:
         before = pipeline.chunks[chunk.index - 1] if chunk.index > 0 else None
@@ -192,12 +207,9 @@ def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, 
                                  lambda: chunk_deferred(c, graph, chunk_units)))
         regions[chunk.rank] = max(regions[chunk.rank], region)
         constants[chunk.rank].update(const)
+    schedule = pipeline.build_schedule(pp)
     split = any(a.kind == "W" for acts in schedule.ranks for a in acts)
-    key = ("in flight", pipeline.schedule, m, pipeline.virtual, tuple(per_chunk), tuple(deferred) if split else None,
-           grads)
-    in_flight = memo.get(key, lambda: activations_in_flight(pipeline, pp, per_chunk, deferred if split else None,
-                                                            grads=grads))
-    return [in_flight[r] + sum(constants[r].values()) for r in range(pp)], regions
+    return per_chunk, deferred, regions, constants, split
 
 
 def held_bytes(memo: Memo, dtype_bytes: int, zero: int, pipeline: PipelineSpec | None,
@@ -243,19 +255,32 @@ def _classes(rows: list[tuple[int, ...]], pipeline: bool) -> tuple[RankMemory, .
 def kept_with_grads(memo: Memo, dtype_bytes: int, recompute: str, pipeline: PipelineSpec) -> list[int]:
     """Per pp rank, the most bytes of activations in flight and gradients live at once under
     the schedule: each chunk's gradients (whole: they add up over the microbatches) join
-    from its first backward on the rank. A parameter two chunks of a rank read is counted
-    with the first of them."""
-    graph, pp = memo.graph, memo.mesh.size(MeshAxis.PP)
+    from its first backward on the rank. A top-level parameter two chunks of a rank read is
+    counted with the first of them."""
+    pp = memo.mesh.size(MeshAxis.PP)
+    own, top = memo.get(("unit grads", dtype_bytes), lambda: _unit_grads(memo, dtype_bytes))
+    seen: list[set] = [set() for _ in range(pp)]
+    grads = []
+    for chunk in pipeline.chunks:
+        made = sum(own[chunk.units[0]:chunk.units[1]])
+        for u in range(*chunk.units):
+            for name, nbytes in top[u]:
+                if name not in seen[chunk.rank]:
+                    seen[chunk.rank].add(name)
+                    made += nbytes
+        grads.append(made)
+    return rank_activations(memo.graph, memo.mesh, dtype=memo.dtype, dtype_bytes=dtype_bytes, pipeline=pipeline,
+                            recompute=recompute, memo=memo, grads=tuple(grads))[0]
+
+
+def _unit_grads(memo: Memo, dtype_bytes: int) -> tuple[list[int], list[tuple]]:
+    """Per unit, the whole gradient bytes of a layer's own parameters, and the top-level
+    parameters it reads with theirs (which several units may read)."""
     sizes = {(param.name, repeat.name if repeat else None): local * dtype_bytes
              for param, repeat, local, _, _ in param_sizes(memo)}
-    all_units, seen, grads = memo_units(memo), [set() for _ in range(pp)], []
-    for chunk in pipeline.chunks:
-        made = 0
-        for unit in all_units[chunk.units[0]:chunk.units[1]]:
-            for key in unit_params(graph, unit):
-                if (key, unit.layer) not in seen[chunk.rank] and key in sizes:
-                    seen[chunk.rank].add((key, unit.layer))
-                    made += sizes[key]
-        grads.append(made)
-    return rank_activations(graph, memo.mesh, dtype=memo.dtype, dtype_bytes=dtype_bytes, pipeline=pipeline,
-                            recompute=recompute, memo=memo, grads=tuple(grads))[0]
+    own, top = [], []
+    for unit in memo_units(memo):
+        keys = [key for key in unit_params(memo.graph, unit) if key in sizes]
+        own.append(sum(sizes[key] for key in keys if key[1] is not None))
+        top.append(tuple((key, sizes[key]) for key in keys if key[1] is None))
+    return own, top
