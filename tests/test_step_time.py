@@ -18,7 +18,8 @@ import re
 import pytest
 
 from fivedc.cli.main import main
-from fivedc.estimates.costs import collective_seconds, model_flops, node_span, op_times
+from fivedc.estimates.collectives import collective_seconds, node_span
+from fivedc.estimates.costs import model_flops, op_times
 from fivedc.estimates.gemm import Gemm, gemm_seconds
 from fivedc.frontends.dsl_file import load_model, parse_model
 from fivedc.ir.hardware import HardwareError, hardware, profiles

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fivedc.estimates.costs import collective_seconds, model_flops, unit_times
+from fivedc.estimates.collectives import collective_seconds
+from fivedc.estimates.costs import model_flops, unit_times
 from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import CollectiveKind, Graph
 from fivedc.estimates.memory import OPTIMIZER_BYTES
