@@ -21,10 +21,8 @@ check, and the model is exported whole, as before, with the reason (`WholeExport
 the tracer reports as an `FxWarning`). The two eager runs cost a fraction of the export
 they save.
 
-The record names each tensor by a typed origin (`Input`, `State`, `Result`, `Constant`,
-`Outside`), and a layer's calls are compared in canonical forms relative to the layer
-(`LayerResult`, `LayerOutput`, `LayerState`; `SegmentResult` for the calls before and after
-the layers).
+The record names each tensor by a typed origin, and a layer's calls are compared in
+canonical forms relative to the layer (`fivedc/frontends/fx/layer_forms.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +40,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
+from fivedc.frontends.fx.layer_forms import (Constant, Input, LayerOutput, LayerResult, LayerState, Outside, Result,
+                                              SegmentResult, State)
 from fivedc.frontends.fx.locs import scope
 from fivedc.frontends.fx.params import fetch_attr
 from fivedc.frontends.weightless import example_run
@@ -111,64 +111,7 @@ def _cut(module: nn.Module, path: str):
         holder._modules = whole
 
 
-# ---- the eager record: each tensor by its origin ------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Input:
-    name: str  # the model's keyword input
-
-
-@dataclass(frozen=True, slots=True)
-class State:
-    name: str  # a parameter or buffer, by its qualified name
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    call: int  # the index of the ATen call that returned it
-    position: int  # of that call's tensors
-
-
-@dataclass(frozen=True, slots=True)
-class Constant:
-    """A small tensor made outside ATen (a Python constant), named by its values."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    values: tuple
-
-
-@dataclass(frozen=True, slots=True)
-class Outside:
-    key: int  # any other tensor: only itself is itself
-
-
-# ---- ... and in canonical form, relative to the layer that reads it ----------------------
-@dataclass(frozen=True, slots=True)
-class SegmentResult:
-    segment: str  # "before" or "after" the layers
-    position: int  # of the call in its segment
-    output: int
-
-
-@dataclass(frozen=True, slots=True)
-class LayerResult:
-    offset: int  # the layer that made it, less the one reading it
-    position: int
-    output: int
-
-
-@dataclass(frozen=True, slots=True)
-class LayerOutput:
-    offset: int
-    index: int  # of the tensors that layer returned
-
-
-@dataclass(frozen=True, slots=True)
-class LayerState:
-    offset: int
-    name: str  # in its layer
-
-
+# ---- the eager record -------------------------------------------------------------------
 class _Recorder(TorchDispatchMode):
     """Every ATen call of a run: (segment, func, arguments with tensors named by origin, results' shapes)."""
 
