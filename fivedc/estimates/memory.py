@@ -40,7 +40,7 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.held_params import HeldParams, param_count
 from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec
-from fivedc.estimates.timeline import Moment, peak_moment, step_moments, unit_params
+from fivedc.estimates.timeline import Moment, peak_moment, step_moments, unit_grads
 from fivedc.estimates.transient import step_buffers, transients
 
 # Bytes per parameter element of AdamW's state: in 16-bit training an fp32 master copy and
@@ -258,7 +258,7 @@ def kept_with_grads(memo: Memo, dtype_bytes: int, recompute: str, pipeline: Pipe
     from its first backward on the rank. A top-level parameter two chunks of a rank read is
     counted with the first of them."""
     pp = memo.mesh.size(MeshAxis.PP)
-    own, top = memo.get(("unit grads", dtype_bytes), lambda: _unit_grads(memo, dtype_bytes))
+    own, top = unit_grads(memo, dtype_bytes, chunked=False)
     seen: list[set] = [set() for _ in range(pp)]
     grads = []
     for chunk in pipeline.chunks:
@@ -271,16 +271,3 @@ def kept_with_grads(memo: Memo, dtype_bytes: int, recompute: str, pipeline: Pipe
         grads.append(made)
     return rank_activations(memo.graph, memo.mesh, dtype=memo.dtype, dtype_bytes=dtype_bytes, pipeline=pipeline,
                             recompute=recompute, memo=memo, grads=tuple(grads))[0]
-
-
-def _unit_grads(memo: Memo, dtype_bytes: int) -> tuple[list[int], list[tuple]]:
-    """Per unit, the whole gradient bytes of a layer's own parameters, and the top-level
-    parameters it reads with theirs (which several units may read)."""
-    sizes = {(param.name, repeat.name if repeat else None): local * dtype_bytes
-             for param, repeat, local, _, _ in param_sizes(memo)}
-    own, top = [], []
-    for unit in memo_units(memo):
-        keys = [key for key in unit_params(memo.graph, unit) if key in sizes]
-        own.append(sum(sizes[key] for key in keys if key[1] is not None))
-        top.append(tuple((key, sizes[key]) for key in keys if key[1] is None))
-    return own, top

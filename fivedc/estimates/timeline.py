@@ -116,21 +116,32 @@ def kept_through(memo: Memo, dtype_bytes: int, recompute: str) -> list[int]:
 
 def grads_from(memo: Memo, dtype_bytes: int, zero: int) -> list[int]:
     """Per unit u: the gradient bytes units u.. have made by the end of u's backward (a
-    parameter read by several units counted once; ZeRO-2 and 3 hold a chunk of each)."""
+    top-level parameter several units read counted once; ZeRO-2 and 3 hold a chunk of each)."""
     def compute() -> list[int]:
-        sizes = {(param.name, repeat.name if repeat else None): (chunk if zero >= 2 else local) * dtype_bytes
-                 for param, repeat, local, chunk, _ in param_sizes(memo)}
+        own, top = unit_grads(memo, dtype_bytes, chunked=zero >= 2)
         seen: set = set()
         made, out = 0, []
-        for unit in reversed(memo_units(memo)):
-            for key in unit_params(memo.graph, unit):
-                layer_key = (key, unit.layer)
-                if layer_key not in seen and key in sizes:
-                    seen.add(layer_key)
-                    made += sizes[key]
+        for u in reversed(range(len(own))):
+            made += own[u] + sum(nbytes for key, nbytes in top[u] if key not in seen)
+            seen.update(key for key, _ in top[u])
             out.append(made)
         return out[::-1]
     return memo.get(("grads from", dtype_bytes, zero), compute)
+
+
+def unit_grads(memo: Memo, dtype_bytes: int, *, chunked: bool) -> tuple[list[int], list[tuple]]:
+    """Per unit, the gradient bytes of a layer's own parameters, and the top-level parameters
+    it reads with theirs (several units may read one): whole, or each a ZeRO chunk."""
+    def compute() -> tuple[list[int], list[tuple]]:
+        sizes = {(param.name, repeat.name if repeat else None): (chunk if chunked else local) * dtype_bytes
+                 for param, repeat, local, chunk, _ in param_sizes(memo)}
+        own, top = [], []
+        for unit in memo_units(memo):
+            keys = [key for key in unit_params(memo.graph, unit) if key in sizes]
+            own.append(sum(sizes[key] for key in keys if key[1] is not None))
+            top.append(tuple((key, sizes[key]) for key in keys if key[1] is None))
+        return own, top
+    return memo.get(("unit grads", dtype_bytes, chunked), compute)
 
 
 def unit_params(graph: Graph, unit: Unit) -> list[tuple[str, str | None]]:

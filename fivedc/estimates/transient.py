@@ -291,10 +291,8 @@ def zero3_by_unit(buckets) -> dict[str | None, tuple[int, int]]:
 def zero3_unit_and_group(buckets) -> tuple[int, int]:
     """(the largest unit's groups, the largest group) in bytes: a unit is a layer of a repeat
     (all alike) or the top level, a group one of the buckets."""
-    units: dict[str | None, int] = {}
-    for bucket in buckets:
-        units[bucket.repeat] = units.get(bucket.repeat, 0) + bucket.bytes
-    return max(units.values(), default=0), max((b.bytes for b in buckets), default=0)
+    units = zero3_by_unit(buckets).values()
+    return max((unit for unit, _ in units), default=0), max((group for _, group in units), default=0)
 
 
 def _buckets(graph: Graph, mesh: Mesh, dtype_bytes: int, zero: int, buckets, held: HeldParams | None) -> int:
