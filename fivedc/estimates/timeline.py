@@ -137,7 +137,7 @@ def unit_grads(memo: Memo, dtype_bytes: int, *, chunked: bool) -> tuple[list[int
                  for param, repeat, local, chunk, _ in param_sizes(memo)}
         own, top = [], []
         for unit in memo_units(memo):
-            keys = [key for key in unit_params(memo.graph, unit) if key in sizes]
+            keys = [key for key in dict.fromkeys(unit_params(memo.graph, unit)) if key in sizes]  # once a unit
             own.append(sum(sizes[key] for key in keys if key[1] is not None))
             top.append(tuple((key, sizes[key]) for key in keys if key[1] is None))
         return own, top
