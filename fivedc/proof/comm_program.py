@@ -27,6 +27,11 @@ first tensor the layer saved: the same collectives of the same class, a little
 later). `fivedc/proof/agreement.py` proves from these programs that every group agrees.
 `tests/test_agreement.py` holds them against what the runtime really calls.
 
+`class_instructions` gives the same step with its computations too (an op's forward and
+backward, a recomputed op's forward again, a zero-bubble chunk's weight gradients, the
+optimizer step): each class's instruction list, which `fivedc show PLAN --program` prints.
+The proof's events are that list without its `COMPUTE` instructions (a test holds them so).
+
 `class_runs` gives each class's step as shared `Run`s: a repeat's layer forward and
 backward are each built once for all its layers (a site's events depend on its node, not
 its layer), a chunk's runs once for every microbatch; `class_programs` flattens them.
@@ -41,7 +46,7 @@ from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
-from fivedc.proof.events import RING_TAG, Event, Run, at_layer, flatten, templated
+from fivedc.proof.events import COMPUTE, RING_TAG, Event, Run, at_layer, compute, flatten, templated
 from fivedc.proof.kernel_events import KernelEvents
 from fivedc.proof.pipeline_events import PipelineEvents
 from fivedc.proof.sync_events import Buckets, SyncEvents
@@ -60,14 +65,20 @@ SAVES_NOTHING = frozenset({"add", "sub"})
 KEEPS_NO_PARAMETER = frozenset({"embedding"})
 
 
-def class_runs(plan, *, shared: bool = True) -> dict[int, tuple[Run, ...]]:
+def class_runs(plan, *, shared: bool = True, computations: bool = False) -> dict[int, tuple[Run, ...]]:
     """Per pp rank (a class of ranks), one training step as runs in issue order. The proof
     (`fivedc/proof/agreement.py`) does its work once per distinct run's events, so its cost
     follows the plan's structure, not the layers' repetition, the microbatches or the world
     size. `shared=False` builds each layer's and each site's events apart (the reference
-    the tests hold the shared runs against)."""
-    expander = _Expander(plan, shared=shared)
+    the tests hold the shared runs against); `computations`: with the `COMPUTE` instructions."""
+    expander = _Expander(plan, shared=shared, computations=computations)
     return {rank: expander.runs(rank) for rank in range(plan.mesh.size(MeshAxis.PP))}
+
+
+def class_instructions(plan) -> dict[int, tuple[Run, ...]]:
+    """Per pp rank, one training step as instructions: the proof's events and the
+    computations between them, in issue order (shared runs, as `class_runs`)."""
+    return class_runs(plan, computations=True)
 
 
 def class_programs(plan) -> dict[int, tuple[Event, ...]]:
@@ -76,8 +87,8 @@ def class_programs(plan) -> dict[int, tuple[Event, ...]]:
 
 
 class _Expander(KernelEvents, SyncEvents, PipelineEvents):
-    def __init__(self, plan, *, shared: bool = True) -> None:
-        self.shared = shared
+    def __init__(self, plan, *, shared: bool = True, computations: bool = False) -> None:
+        self.shared, self.computations = shared, computations
         self.plan, self.graph, self.mesh = plan, plan.graph, plan.mesh
         self.dtype = TORCH_DTYPES[plan.dtype]
         self.pipeline = plan.pipeline
@@ -125,6 +136,9 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
         if self.pipeline is not None and self.pipeline.kind.pipelines > 1:
             tail += self._copies(pp_rank, mine)
         tail += self._loss()
+        if self.computations:
+            tail.append(compute("optimizer step: this rank's parameters (its ZeRO chunks)" if self.plan.zero
+                                else "optimizer step: this rank's parameters"))
         if self.plan.zero in (1, 2):
             tail += self._gathers(mine, "gather the updated parameters (ZeRO-1/2)")
         tail += self._states()
@@ -235,7 +249,15 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
                                f"forward of {templated(site)}",
                                node.loc, "int64" if node.type.dtype == DType.INT else self.dtype,
                                rings=("all_gather", "reduce_scatter", "all_reduce"))
-        return self._kernel_forward(site)
+        return self.computed(site, "forward") + self._kernel_forward(site)
+
+    def computed(self, site: Site, what: str) -> list[Event]:
+        """The instruction that runs an op's kernel (`what`: forward, backward, forward again),
+        where the expander lists computations; its collectives follow it."""
+        if not self.computations or not isinstance(site.node, Op):
+            return []
+        node = site.node
+        return [compute(f"{what} of {node.kind} {templated(site)}({', '.join(map(str, node.args))})", node.loc)]
 
     def _backward(self, site: Site) -> list[Event]:
         node = site.node
@@ -245,8 +267,14 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
             return self._steps(node.backward, self.numel(node.type.dims, node.sharding),
                                f"backward of {templated(site)}",
                                node.loc, rings=("all_gather",))  # a sum's gradient back in a ring
-        return [e for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
-            + self._kernel_backward(site)
+        return [self._again(e) for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
+            + self.computed(site, "backward") + self._kernel_backward(site)
+
+    @staticmethod
+    def _again(event: Event) -> Event:
+        """A recomputed op's forward instruction, named so."""
+        return event if event.op != COMPUTE else compute(event.what.replace("forward of", "forward again of", 1),
+                                                         event.loc)
 
     def redone(self, site: Site) -> list[Site]:
         """The sites whose forward backward redoes at `site`: a recomputed layer's, at its

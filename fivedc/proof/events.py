@@ -12,11 +12,17 @@ from fivedc.ir.mesh import MeshAxis
 LAYER = "{layer}"  # in an event's description: the layer of the run that issues it (`at_layer`)
 MICROBATCH = "{microbatch}"  # and its microbatch (a pipeline transfer's)
 RING_TAG = 2  # a chunk passed around a tp ring (fivedc/runtime/tp_ring.py); ring attention's are 0 and 1
+# An instruction that runs kernels and puts nothing on the wire (an op's forward or backward, a
+# chunk's weight gradients, the optimizer step): in a class's instruction list
+# (`comm_program.class_instructions`, what `fivedc show PLAN --program` prints), never in the
+# proof's events, which are that list's other instructions.
+COMPUTE = "compute"
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
     op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv (a ring hop) | send | recv
+    # (or COMPUTE: an instruction list's kernel, no group)
     axes: tuple[MeshAxis, ...]  # the group (send, recv: pp)
     numel: int | None  # elements this rank puts in; None: sized at run time
     dtype: str
@@ -38,6 +44,8 @@ class Event:
         return (self.op, self.numel, self.dtype, self.tag, self.level)
 
     def __str__(self) -> str:
+        if self.op == COMPUTE:
+            return self.what
         size = "rows sized at run time" if self.numel is None else f"{self.numel} x {self.dtype}"
         peer = f" with pp rank {self.peer}" if self.peer is not None else ""
         level = f" ({self.level})" if self.level else ""
@@ -71,6 +79,11 @@ class Run(NamedTuple):
     events: tuple[Event, ...]
     layer: int | None = None
     microbatch: int | None = None
+
+
+def compute(what: str, loc: SourceLoc | None = None) -> Event:
+    """An instruction that computes (`COMPUTE`): no group, nothing sent."""
+    return Event(COMPUTE, (), None, "", what, loc)
 
 
 def flatten(runs: tuple[Run, ...]) -> tuple[Event, ...]:

@@ -15,7 +15,7 @@ from fivedc.ir.ops import counts_targets
 from fivedc.ir.graph import Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.stages import value_types
-from fivedc.proof.events import MICROBATCH, Event, Run
+from fivedc.proof.events import COMPUTE, MICROBATCH, Event, Run, compute
 
 
 class PipelineEvents:
@@ -30,10 +30,29 @@ class PipelineEvents:
                 if key not in self._chunks:
                     self._chunks[key] = self._units("forward" if kind == "F" else "backward",
                                                     *self.pipeline.chunks[c].units)
-                out += self._chunks[key]
+                runs = self._chunks[key]  # the same for every microbatch; an instruction list names it
+                if self.computations:
+                    runs = [r._replace(microbatch=action.microbatch) for r in self._input_only(runs)] \
+                        if kind == "I" else [r._replace(microbatch=action.microbatch) for r in runs]
+                out += runs
             elif kind in ("SF", "RF", "SB", "RB"):
                 out.append(Run(self._transfer(kind, action.peer, c), microbatch=action.microbatch))
+            elif kind == "W" and self.computations:  # zero bubble: the weight gradients put off
+                key = ("weights", c)
+                if key not in self._chunks:
+                    self._chunks[key] = (compute(f"weight gradients of chunk {c} (microbatch {MICROBATCH})"),)
+                out.append(Run(self._chunks[key], microbatch=action.microbatch))
         return out
+
+    def _input_only(self, runs: list[Run]) -> list[Run]:
+        """A split backward's first half (zero bubble: its weight gradients come later, a `W`
+        action): the chunk's backward runs with their computations named so."""
+        key = ("input only", id(runs))
+        if key not in self._chunks:
+            self._chunks[key] = [r._replace(events=tuple(
+                compute(e.what.replace("backward of", "input gradient of", 1), e.loc) if e.op == COMPUTE else e
+                for e in r.events)) for r in runs]
+        return self._chunks[key]
 
     def _transfer(self, kind: str, peer: int, c: int) -> tuple[Event]:
         """A pipeline transfer: chunk c's outputs (forward) or the gradients of chunk c-1's

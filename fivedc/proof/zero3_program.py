@@ -56,13 +56,13 @@ class _Groups:
                 continue
             for s in x.redone(site):
                 self._read(s, out, f"again to recompute {s.id}")
-                out += x.at(s, x.forward(s))
+                out += x.at(s, [x._again(e) for e in x.forward(s)])
             out += x.at(site, x.input_again(site))
             for k in dict.fromkeys(self.saved.get(i, ())):
                 if k not in again:
                     again.add(k)
                     out.append(self._event("all_gather", k, "gathered again for backward"))
-            out += x._kernel_backward(site)
+            out += x.at(site, x.computed(site, "backward")) + x._kernel_backward(site)
             out += [self._event("reduce_scatter", k, "gradients reduce-scattered")
                     for k, first in self.first_reader.items() if first == i]
         return out
