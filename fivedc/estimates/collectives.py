@@ -13,6 +13,7 @@ Which ranks share a node follows from the rank order (`Mesh.group_ranks`).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -24,11 +25,13 @@ from fivedc.ir.mesh import Mesh
 K = CollectiveKind
 
 
+@functools.lru_cache(maxsize=4096)
 def node_span(mesh: Mesh, axes: tuple, gpus_per_node: int) -> tuple[int, int]:
     """(nodes the group of `axes` spans, its members per node), for the group of rank 0:
     its members are the sums of each axis's coordinate times its stride (what
     `Mesh.group_ranks(axes, 0)` lists), counted here as an array (a 16384-rank group in
-    microseconds; the layout search asks for many)."""
+    microseconds), once per mesh, group and node size (the layout search asks for each
+    many times)."""
     members = np.zeros(1, dtype=np.int64)
     for axis in axes:
         members = np.add.outer(members, np.arange(mesh.size(axis), dtype=np.int64) * mesh.stride(axis)).ravel()
