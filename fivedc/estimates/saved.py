@@ -1,4 +1,5 @@
-"""What each op keeps for backward: one save rule per op kind, as the runtime's kernels save.
+"""What each op keeps for backward: one save rule per op kind, as the runtime's kernels save
+(a pointwise op's: the rule its definition's `saves` names, fivedc/ir/pointwise.py).
 
 An op's rule lists `Saved` tensors for one microbatch on one rank: a value it keeps
 (an input or its output, by name, so two ops keeping the same tensor count it once,
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 from fivedc.ir.graph import (CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, readers, walk_ops,
                              walk_params)
 from fivedc.ir.mesh import Mesh
+from fivedc.ir.ops import POINTWISE
+from fivedc.ir.pointwise import Saves
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.fp8 import SCALAR_BYTES as FP8_SCALE_BYTES, is_fp8
 from fivedc.passes.recompute import recomputes_layer
@@ -289,10 +292,13 @@ def _moe(c: SaveContext, op: Op) -> list[Saved]:
     return saved
 
 
+# A pointwise op's rule is its definition's `saves` (fivedc/ir/pointwise.py), priced here.
+POINTWISE_SAVES = {Saves.NOTHING: _nothing, Saves.INPUT: _input(0), Saves.OUTPUT: _output,
+                   Saves.OTHER_OPERAND: _mul, Saves.QUOTIENT_OPERANDS: _div}
+
 SAVE_RULES = {
-    "linear": _linear, "matmul": _linear, "add": _nothing, "sub": _nothing, "mul": _mul, "div": _div,
-    "state_add": _nothing,
-    "gelu": _input(0), "silu": _input(0), "relu": _output, "tanh": _output, "sigmoid": _output,
+    **{kind: POINTWISE_SAVES[pointwise.saves] for kind, pointwise in POINTWISE.items()},
+    "linear": _linear, "matmul": _linear, "state_add": _nothing,
     "swiglu": lambda c, op: c.value(op.args[0]) + c.value(op.args[1]),
     "rmsnorm": _norm(1), "layernorm": _norm(2), "rope": _rope, "attention": _attention,
     "cross_entropy": _cross_entropy, "embedding": _embedding, "moe": _moe, "aten": _aten,

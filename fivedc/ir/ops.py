@@ -1,13 +1,17 @@
-"""The op vocabulary: every op kind, its arguments, its attributes with defaults, and its family.
+"""The op vocabulary: every op kind, its arguments, its attrs with defaults, and its family.
 
 Frontends check calls against this table (an unknown op or keyword is a DSL error
 at the call's position). An op's `family` names the shape rule and the sharding rule it
 shares with its kin (linear and matmul; add, sub, mul, div; the five activations; the two
 norms): `fivedc/passes/shapes.py` and `fivedc/passes/rules.py` each hold one rule per family
 and read their per-kind table from this one (`by_family`, which fails at import when a
-family has no rule). Kernels (`fivedc/runtime/kernels.py`) and save rules
-(`fivedc/estimates/saved.py`) differ within a family and are keyed by kind;
-`tests/test_op_tables.py` holds every table to the kinds here.
+family has no rule). A pointwise op (the activation and elementwise families) is defined
+here whole. Its `Pointwise` (`fivedc/ir/pointwise.py`) names the torch function of its kernel,
+what its backward saves, and what the fx frontend reads as it. The kernels
+(`fivedc/runtime/kernels.py`), save rules (`fivedc/estimates/saved.py`), the fx frontend's names
+and the kind sets that list pointwise ops are built from `POINTWISE`. The other ops' kernels
+and save rules are per kind. `tests/test_op_tables.py` holds every table to the kinds here;
+docs/adding-an-op.md walks through adding one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from enum import StrEnum
 from typing import Mapping, TypeVar
 
 from fivedc.ir.graph import Scalar
+from fivedc.ir.pointwise import Pointwise, Saves
 
 
 class OpFamily(StrEnum):
@@ -36,6 +41,9 @@ class OpFamily(StrEnum):
     ATEN = "aten"
 
 
+POINTWISE_FAMILIES = {OpFamily.UNARY: 1, OpFamily.ELEMENTWISE: 2}  # families of pointwise ops, and their arity
+
+
 @dataclass(frozen=True, slots=True)
 class OpSpec:
     kind: str
@@ -44,11 +52,21 @@ class OpSpec:
     attrs: tuple[tuple[str, Scalar], ...] = ()  # keyword attributes and their defaults
     doc: str = ""
     variadic: bool = False  # any number of arguments (aten)
-    family: OpFamily | None = None  # None: the family named as the kind
+    family: OpFamily | None = None  # None: UNARY or ELEMENTWISE for a pointwise op, else the one named as the kind
+    pointwise: Pointwise | None = None  # a pointwise op's own facts: kernel, save rule, fx names
 
     def __post_init__(self) -> None:
         if self.family is None:
-            object.__setattr__(self, "family", OpFamily(self.kind))
+            pointwise_family = OpFamily.UNARY if len(self.args) == 1 else OpFamily.ELEMENTWISE
+            object.__setattr__(self, "family", pointwise_family if self.pointwise else OpFamily(self.kind))
+        if (self.pointwise is not None) != (self.family in POINTWISE_FAMILIES):
+            raise TypeError(f"op {self.kind!r} of family {self.family}: a pointwise definition "
+                            f"(fivedc/ir/pointwise.py) is {'required' if self.pointwise is None else 'only'} "
+                            "for the families "
+                            f"{sorted(map(str, POINTWISE_FAMILIES))}")
+        if self.pointwise is not None and len(self.args) != POINTWISE_FAMILIES[self.family]:
+            raise TypeError(f"pointwise op {self.kind!r}: {self.family} ops take "
+                            f"{POINTWISE_FAMILIES[self.family]} arguments, not {len(self.args)}")
 
     @property
     def max_args(self) -> int:
@@ -67,6 +85,7 @@ def parse_freqs(text: str) -> tuple[float, ...]:
 
 _UNARY = ("x",)
 _BINARY = ("a", "b")
+_F = "torch.nn.functional"
 
 OP_SPECS: dict[str, OpSpec] = {
     spec.kind: spec
@@ -78,19 +97,35 @@ OP_SPECS: dict[str, OpSpec] = {
                doc="contract x's trailing dims with w's leading dims (or with its "
                    "trailing dims: a weight stored [out, in], a tied embedding table)"),
         OpSpec("matmul", ("x", "w"), 2, family=OpFamily.LINEAR, doc="same contraction as linear"),
-        OpSpec("add", _BINARY, 2, family=OpFamily.ELEMENTWISE,
-               doc="elementwise a + b (b broadcast by dim name, or a number)"),
-        OpSpec("sub", _BINARY, 2, family=OpFamily.ELEMENTWISE, doc="elementwise a - b"),
-        OpSpec("mul", _BINARY, 2, family=OpFamily.ELEMENTWISE, doc="elementwise a * b"),
-        OpSpec("div", _BINARY, 2, family=OpFamily.ELEMENTWISE, doc="elementwise a / b"),
-        OpSpec("gelu", _UNARY, 1, (("approximate", "none"),), family=OpFamily.UNARY, doc="GELU activation"),
-        OpSpec("silu", _UNARY, 1, family=OpFamily.UNARY, doc="SiLU (swish) activation"),
-        OpSpec("relu", _UNARY, 1, family=OpFamily.UNARY, doc="ReLU activation"),
+        OpSpec("add", _BINARY, 2, doc="elementwise a + b (b broadcast by dim name, or a number)",
+               pointwise=Pointwise("torch.add", Saves.NOTHING, functions=("operator.add", "operator.iadd"),
+                                   aten=("add",), commutative=True)),
+        OpSpec("sub", _BINARY, 2, doc="elementwise a - b",
+               pointwise=Pointwise("torch.sub", Saves.NOTHING, functions=("operator.sub", "operator.isub"),
+                                   aten=("sub",))),
+        OpSpec("mul", _BINARY, 2, doc="elementwise a * b",
+               pointwise=Pointwise("torch.mul", Saves.OTHER_OPERAND, functions=("operator.mul", "operator.imul"),
+                                   methods=("multiply",), aten=("mul",), commutative=True)),
+        OpSpec("div", _BINARY, 2, doc="elementwise a / b",
+               pointwise=Pointwise("torch.div", Saves.QUOTIENT_OPERANDS,
+                                   functions=("operator.truediv", "torch.true_divide"),
+                                   methods=("divide", "true_divide"), aten=("div",))),
+        OpSpec("gelu", _UNARY, 1, (("approximate", "none"),), doc="GELU activation",
+               pointwise=Pointwise(f"{_F}.gelu", Saves.INPUT, modules=("torch.nn.GELU",), aten=("gelu",))),
+        OpSpec("silu", _UNARY, 1, doc="SiLU (swish) activation",
+               pointwise=Pointwise(f"{_F}.silu", Saves.INPUT, modules=("torch.nn.SiLU",), aten=("silu",))),
+        OpSpec("relu", _UNARY, 1, doc="ReLU activation",
+               pointwise=Pointwise(f"{_F}.relu", Saves.OUTPUT, functions=("torch.relu",), modules=("torch.nn.ReLU",),
+                                   aten=("relu",))),
         OpSpec("state_add", ("value",), 1, (("state", ""),),
                doc="adds value (whole on every rank: the whole batch's) to the module buffer `state` in a "
                    "training forward, and returns value (fivedc/ir/states.py)"),
-        OpSpec("tanh", _UNARY, 1, family=OpFamily.UNARY, doc="tanh activation"),
-        OpSpec("sigmoid", _UNARY, 1, family=OpFamily.UNARY, doc="sigmoid activation"),
+        OpSpec("tanh", _UNARY, 1, doc="tanh activation",
+               pointwise=Pointwise("torch.tanh", Saves.OUTPUT, functions=(f"{_F}.tanh",), modules=("torch.nn.Tanh",),
+                                   aten=("tanh",))),
+        OpSpec("sigmoid", _UNARY, 1, doc="sigmoid activation",
+               pointwise=Pointwise("torch.sigmoid", Saves.OUTPUT, functions=(f"{_F}.sigmoid",),
+                                   modules=("torch.nn.Sigmoid",), aten=("sigmoid",))),
         OpSpec("swiglu", ("gate", "up"), 2, doc="silu(gate) * up"),
         OpSpec("rmsnorm", ("x", "w"), 2, (("eps", 1e-5),), family=OpFamily.NORM,
                doc="RMS norm over x's trailing dims that w has (the last, or several)"),
@@ -146,6 +181,8 @@ OP_SPECS: dict[str, OpSpec] = {
     )
 }
 
+
+POINTWISE: dict[str, Pointwise] = {kind: spec.pointwise for kind, spec in OP_SPECS.items() if spec.pointwise}
 
 Rule = TypeVar("Rule")
 

@@ -17,11 +17,12 @@ from fivedc.errors import ShapeError, SourceLoc
 from fivedc.ir.aten_layout import whole_dims
 from fivedc.ir.graph import Graph, Op, Repeat, TensorType, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.ir.ops import OP_SPECS, OpFamily
+from fivedc.ir.ops import OP_SPECS, POINTWISE, OpFamily
 from fivedc.ir.sharding import Sharding
 
-PASS_THROUGH = frozenset(kind for kind, spec in OP_SPECS.items()  # a dim split over tp stays split through them
-                         if spec.family in (OpFamily.ELEMENTWISE, OpFamily.UNARY, OpFamily.SWIGLU))
+# A dim split over tp stays split through them: every pointwise op (fivedc/ir/pointwise.py), and swiglu.
+PASS_THROUGH = frozenset(POINTWISE) | frozenset(kind for kind, spec in OP_SPECS.items()
+                                                if spec.family == OpFamily.SWIGLU)
 
 
 def divisors(n: int) -> list[int]:

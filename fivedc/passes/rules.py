@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from fivedc.ir.ops import OpFamily, by_family, counts_targets
+from fivedc.ir.ops import POINTWISE, OpFamily, by_family, counts_targets
 from fivedc.ir.aten_layout import whole_dims
 from fivedc.errors import ShardingError
 from fivedc.ir.graph import Collective, CollectiveKind, Op, Phase, TensorType
@@ -117,7 +117,7 @@ def _elementwise(ctx: RuleContext, op: Op, shs: Shardings, types: Types) -> Rule
             return RuleResult((Sharding(), None), Sharding())
         if _is_param(ctx, op.read(1)):
             raise ShardingError(f"{op.kind}: one operand must be an activation", loc=op.loc)
-        if op.kind in ("sub", "div"):
+        if not POINTWISE[op.kind].commutative:
             raise ShardingError(f"{op.kind}: write the activation first, the parameter second", loc=op.loc)
         swapped = _elementwise_ordered(ctx, op, [shs[1], shs[0]], [types[1], types[0]], param=True)
         return RuleResult((swapped.args[1], swapped.args[0]), swapped.out)

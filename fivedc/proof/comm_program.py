@@ -43,6 +43,8 @@ import itertools
 
 from fivedc.ir.graph import DType, Graph, Op, Redistribute, Repeat, param_instances, walk_ops, walk_params
 from fivedc.ir.mesh import MeshAxis
+from fivedc.ir.ops import POINTWISE
+from fivedc.ir.pointwise import Saves
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
@@ -59,8 +61,8 @@ from fivedc.passes.tied import tied_groups
 TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Kernels whose backward reads nothing they computed from (autograd saves no tensor for
 # them, as for a redistribution): a recomputed layer is redone at the first node from its
-# end that is not one of these.
-SAVES_NOTHING = frozenset({"add", "sub"})
+# end that is not one of these. The pointwise ops whose definition saves nothing (add, sub).
+SAVES_NOTHING = frozenset(kind for kind, pointwise in POINTWISE.items() if pointwise.saves == Saves.NOTHING)
 # Kernels whose backward does not read their parameter: ZeRO-3 does not gather it again.
 KEEPS_NO_PARAMETER = frozenset({"embedding"})
 

@@ -1,4 +1,5 @@
-"""Local kernels: one function per op kind, computing on this rank's shards.
+"""Local kernels: one function per op kind, computing on this rank's shards. A pointwise op's
+kernel calls the torch function its definition names (`_pointwise`, fivedc/ir/pointwise.py).
 
 A kernel gets the op (its attrs, argument specs and output sharding), the local
 argument tensors and their dim names, and a `KernelContext` that knows this rank's
@@ -23,7 +24,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fivedc.errors import NotSupportedError
 from fivedc.ir.graph import Graph, Op
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.ir.ops import parse_freqs
+from fivedc.ir.ops import OP_SPECS, POINTWISE, OpFamily, parse_freqs
+from fivedc.ir.pointwise import Pointwise, resolve
 from fivedc.runtime import tp_overlap, tp_ring, weight_grads
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
 from fivedc.runtime.loss import cross_entropy
@@ -210,8 +212,18 @@ def _binary(fn):
     return kernel
 
 
-def _unary(fn):
-    return lambda ctx, op, args, dims: fn(args[0])
+def _unary(fn, attrs):
+    """fn(x) with the op's attributes as keywords (gelu: approximate=), each as its default's type."""
+    def kernel(ctx, op, args, dims):
+        return fn(args[0], **{name: type(default)(op.attr(name, default)) for name, default in attrs})
+
+    return kernel
+
+
+def _pointwise(kind: str, pointwise: Pointwise):
+    """A pointwise op's kernel: its torch function (fivedc/ir/pointwise.py), on one operand or two."""
+    fn, spec = resolve(pointwise.torch), OP_SPECS[kind]
+    return _binary(fn) if spec.family == OpFamily.ELEMENTWISE else _unary(fn, spec.attrs)
 
 
 def _state_add(ctx, op, args, dims):
@@ -222,10 +234,6 @@ def _state_add(ctx, op, args, dims):
     if not recomputing(ctx):
         add_to_state(ctx, str(op.attr("state")), args[0].detach())
     return args[0]
-
-
-def _gelu(ctx, op, args, dims):
-    return F.gelu(args[0], approximate=str(op.attr("approximate", "none")))
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -391,16 +399,8 @@ KERNELS: dict[str, Kernel] = {
     "embedding": _embedding,
     "linear": _linear,
     "matmul": _linear,
-    "add": _binary(torch.add),
-    "sub": _binary(torch.sub),
-    "mul": _binary(torch.mul),
-    "div": _binary(torch.div),
-    "gelu": _gelu,
-    "silu": _unary(F.silu),
+    **{kind: _pointwise(kind, pointwise) for kind, pointwise in POINTWISE.items()},
     "state_add": _state_add,
-    "relu": _unary(F.relu),
-    "tanh": _unary(torch.tanh),
-    "sigmoid": _unary(torch.sigmoid),
     "swiglu": _swiglu,
     "rmsnorm": _rmsnorm,
     "layernorm": _layernorm,

@@ -29,18 +29,21 @@ from fivedc.frontends.fx.aten_rewrites import (baddbmm_written_out, call_like, c
 from fivedc.frontends.fx.fill_writes import fill_writes
 from fivedc.frontends.fx.flex import drop_dead, flex_attention_as_sdpa, flex_attention_on_cpu
 from fivedc.frontends.fx.params import fetch_attr
+from fivedc.ir.ops import POINTWISE
+from fivedc.ir.pointwise import resolve
 
 aten = torch.ops.aten
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 # aten op -> torch-level callable taking the same positional arguments
-_SAME = {
-    aten.linear: F.linear, aten.add: torch.add, aten.sub: torch.sub, aten.mul: torch.mul, aten.div: torch.div,
-    aten.neg: torch.neg, aten.rsqrt: torch.rsqrt, aten.sqrt: torch.sqrt, aten.pow: torch.pow, aten.mean: torch.mean,
+_SAME = {  # a pointwise op's ATen operators (fivedc/ir/pointwise.py) -> the function its kernel calls
+    **{getattr(aten, name): resolve(pointwise.torch)
+       for pointwise in POINTWISE.values() for name in pointwise.aten},
+    aten.linear: F.linear, aten.neg: torch.neg, aten.rsqrt: torch.rsqrt, aten.sqrt: torch.sqrt, aten.pow: torch.pow,
+    aten.mean: torch.mean,
     aten.view: torch.reshape, aten.reshape: torch.reshape, aten._unsafe_view: torch.reshape,
     aten.transpose: torch.transpose, aten.permute: torch.permute, aten.movedim: torch.movedim, aten.unsqueeze: torch.unsqueeze,
     aten.squeeze: torch.squeeze, aten.split: torch.split, aten.split_with_sizes: torch.split, aten.chunk: torch.chunk,
-    aten.gelu: F.gelu, aten.silu: F.silu, aten.relu: F.relu, aten.tanh: torch.tanh, aten.sigmoid: torch.sigmoid,
     aten.scaled_dot_product_attention: F.scaled_dot_product_attention, aten.matmul: torch.matmul,
     aten.bmm: torch.matmul, aten.addmm: torch.addmm, aten.masked_fill: torch.masked_fill, aten.eq: operator.eq,
     aten.repeat_interleave: torch.repeat_interleave, aten.dropout: F.dropout, aten.arange: torch.arange,

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the walk that calls these handlers (it imports this module)
 from fivedc.frontends.fx.buffer_writes import buffer_write, is_buffer_write
 from fivedc.frontends.fx.recognise import CASTS
 from fivedc.ir.graph import DType
-from fivedc.ir.ops import OP_SPECS
+from fivedc.ir.ops import OP_SPECS, POINTWISE, OpFamily
 
 _HINTS = {
     "softmax": "softmax is understood only inside attention: softmax(q @ k.transpose(-2, -1) / sqrt(d)) @ v "
@@ -134,11 +134,13 @@ def binary(kind: str):
             if kind == "sub":
                 neg = lw.emit(frame, node, "mul", (x.ref, -1.0), x.ir)
                 return T(lw.emit(frame, node, "add", (neg, na), x.ir), x.ir, x.layout)
+            if not POINTWISE[kind].commutative:
+                raise lw.unsupported(node, f"{kind} of a number and a tensor (the number first)")
             return T(lw.emit(frame, node, kind, (x.ref, na), x.ir), x.ir, x.layout)
         ta, tb = lw.tensor(frame, a, node), lw.tensor(frame, b, node)
         if DType.INT in (ta.dtype, tb.dtype):
             raise lw.unsupported(node, f"{kind} of integer tensors")
-        if kind in ("add", "mul") and isinstance(ta.ref, DParam) and not isinstance(tb.ref, DParam):
+        if POINTWISE[kind].commutative and isinstance(ta.ref, DParam) and not isinstance(tb.ref, DParam):
             ta, tb = tb, ta  # the activation first, as the sharding rules want it
         layout = broadcast(lw, node, lw.groups(ta), lw.groups(tb))
         ia, ib = lw.ir(ta), lw.ir(tb)
@@ -151,13 +153,16 @@ def binary(kind: str):
 
 
 def unary(kind: str):
+    """An activation; its attributes (gelu's approximate) are the module's attributes of those
+    names, or the function's arguments after x, by position or keyword."""
+    spec_attrs = OP_SPECS[kind].attrs
+
     def handler(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
         x = lw.tensor(frame, args[0], node)
-        attrs = ()
-        if kind == "gelu":
-            approx = frame.traced.gm.get_submodule(node.target).approximate if node.op == "call_module" \
-                else arg(args, kwargs, 1, "approximate", "none")
-            attrs = (("approximate", str(approx)),)
+        module = frame.traced.gm.get_submodule(node.target) if node.op == "call_module" else None
+        attrs = tuple((name, type(default)(getattr(module, name, default) if module is not None
+                                           else arg(args, kwargs, 1 + i, name, default)))
+                      for i, (name, default) in enumerate(spec_attrs))
         return T(lw.emit(frame, node, kind, (x.ref,), x.ir, attrs), x.ir, x.layout)
 
     return handler
@@ -287,8 +292,7 @@ def expand(lw: Lowering, frame: Frame, node: fx.Node, args, kwargs) -> T:
 
 
 HANDLERS = {
-    **{k: binary(k) for k in ("add", "sub", "mul", "div")},
-    **{k: unary(k) for k in ("gelu", "silu", "relu", "tanh", "sigmoid")},
+    **{k: binary(k) if OP_SPECS[k].family == OpFamily.ELEMENTWISE else unary(k) for k in POINTWISE},
     "neg": neg, "swiglu": swiglu,
     **dict.fromkeys((*CASTS, "dropout"), identity),
     **dict.fromkeys(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"), view),

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivedc.frontends.fx.moe_leaves import MOE_OPS
-from fivedc.ir.ops import parse_freqs
+from fivedc.ir.ops import POINTWISE, parse_freqs
+from fivedc.ir.pointwise import resolve
 
 _RMS_NAME = re.compile(r"rms_?norm", re.IGNORECASE)
 _ROPE_NAME = re.compile(r"rotary|rope", re.IGNORECASE)
@@ -84,17 +85,14 @@ def rope(x: torch.Tensor, *, theta: float, seq_axis: int, freqs: str = "") -> to
 
 
 # ---- op names -----------------------------------------------------------------------------
+# The pointwise ops' names come from their definitions (fivedc/ir/pointwise.py): the kernel's
+# function and the other callables, nn modules and tensor methods each lists.
 _FUNCTIONS = {
-    operator.add: "add", torch.add: "add", operator.iadd: "add",
-    operator.sub: "sub", torch.sub: "sub", operator.isub: "sub",
-    operator.mul: "mul", torch.mul: "mul", operator.imul: "mul",
-    operator.truediv: "div", torch.div: "div", torch.true_divide: "div",
+    **{resolve(name): kind for kind, pointwise in POINTWISE.items() for name in pointwise.callables},
     operator.neg: "neg", torch.neg: "neg", operator.pow: "pow", torch.pow: "pow",
     operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "matmul", torch.addmm: "addmm",
     operator.getitem: "getitem", getattr: "getattr",
     torch.rsqrt: "rsqrt", torch.sqrt: "sqrt", torch.mean: "mean", torch.exp: "exp",
-    torch.tanh: "tanh", F.tanh: "tanh", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid",
-    F.gelu: "gelu", F.silu: "silu", F.relu: "relu", torch.relu: "relu",
     F.softmax: "softmax", torch.softmax: "softmax", F.dropout: "dropout", torch.dropout: "dropout",
     torch.transpose: "transpose", torch.permute: "permute", torch.movedim: "movedim", torch.moveaxis: "movedim", torch.reshape: "reshape",
     torch.flatten: "flatten", torch.unsqueeze: "unsqueeze", torch.squeeze: "squeeze",
@@ -106,19 +104,19 @@ _FUNCTIONS = {
     rms_norm: "rms_norm", swiglu: "swiglu", rope: "rope", **dict.fromkeys(MOE_OPS, "moe"),
 }
 _MODULES = {
-    nn.SiLU: "silu", nn.GELU: "gelu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
+    **{resolve(name): kind for kind, pointwise in POINTWISE.items() for name in pointwise.modules},
     nn.Dropout: "dropout", nn.Identity: "identity", nn.Linear: "linear", nn.Embedding: "embedding",
     nn.LayerNorm: "layer_norm", nn.RMSNorm: "rms_norm", nn.CrossEntropyLoss: "cross_entropy",
 }
+_METHODS = {"__getitem__": "getitem", "moveaxis": "movedim",
+            **{name: kind for kind, pointwise in POINTWISE.items() for name in pointwise.methods}}
 CASTS = {"float", "double", "half", "bfloat16", "type_as", "to", "contiguous", "clone", "identity"}
 
 
 def op_name(node: fx.Node, root: nn.Module) -> str | None:
     """A canonical name for what a node computes: `mul` for `*`, `torch.mul` and `.mul()`."""
     if node.op == "call_method":
-        return {"__getitem__": "getitem", "divide": "div", "multiply": "mul", "true_divide": "div",
-                "moveaxis": "movedim"}.get(
-            node.target, node.target)
+        return _METHODS.get(node.target, node.target)
     if node.op == "call_function":
         return _FUNCTIONS.get(node.target)
     if node.op == "call_module":
