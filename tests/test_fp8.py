@@ -193,7 +193,7 @@ def test_a_rehearsed_float8_rank_holds_what_the_estimate_says(model, mesh):
 def test_the_casts_are_memory_bound_terms_of_the_step():
     """--explain's terms: a float8 layer's matmul term is its matmuls at the fp8 peak, its
     casts are added to the memory-bound ops (not hidden in the matmuls)."""
-    from fivedc.estimates.costs import unit_times
+    from fivedc.estimates.unit_costs import unit_times
     from fivedc.passes.stages import units
 
     hw = hardware("h100")

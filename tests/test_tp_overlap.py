@@ -17,7 +17,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fivedc.estimates.costs import op_times, unit_times
+from fivedc.estimates.costs import op_times
+from fivedc.estimates.unit_costs import unit_times
 from fivedc.estimates.memo import Memo, memo_units
 from fivedc.estimates.saved import SaveContext
 from fivedc.estimates.step_time import estimate_time

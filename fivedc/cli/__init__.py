@@ -1,7 +1,7 @@
 """The `fivedc` command: every subcommand, its errors (no tracebacks) and its exit codes.
 
-main.py           the parser and dispatch: compile, show, verify, run, rehearse, train, export, diff,
-                  check, search
+main.py           dispatch: compile, show, verify, run, rehearse, train, export, diff, check, search
+arguments.py      the parser: each subcommand's options, one function each
 shared.py         what commands share: models and plans loaded, options read
 run.py, verify.py, verify_report.py, train.py, train_report.py, train_resume.py: one command each
 train_outputs.py  what fivedc train writes, checked by the one output rule before any work

@@ -1,6 +1,7 @@
 """Estimates: the cost, memory and step time of a plan before it runs.
 
-costs.py        work and time per op and per pipeline unit on given hardware
+costs.py        work and time per op on given hardware
+unit_costs.py   seconds per pipeline unit: its ops and collectives, less what hides behind compute
 gemm.py         one GEMM's seconds from its shape: tiles in waves over the SMs, its memory roofline
 saved.py        what each op keeps for backward (the runtime kernels' save rules)
 activations.py  activation bytes per unit and microbatch, with recomputation

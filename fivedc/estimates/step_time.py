@@ -4,7 +4,7 @@ A step (`estimate_time`) is
 
 1. the pipeline's forward and backward of every microbatch: the schedule simulator
    (`fivedc/schedule/`) plays each rank's actions with each chunk's seconds per
-   microbatch (`fivedc/estimates/costs.py`: its units' roofline compute and blocking
+   microbatch (`fivedc/estimates/unit_costs.py`: its units' roofline compute and blocking
    collectives), transfers delaying their RECV by their send/recv time over pp; its
    makespan and idle share (the bubble). Without a pipeline: one forward and backward.
    A whole backward (B) hides tensor parallelism's backward sums behind the weight
@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fivedc.estimates.collectives import collective_seconds
-from fivedc.estimates.costs import model_flops, unit_times
+from fivedc.estimates.costs import model_flops
+from fivedc.estimates.unit_costs import unit_times
 from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import CollectiveKind, Graph
 from fivedc.estimates.memory import OPTIMIZER_BYTES
@@ -100,7 +101,7 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
 
 
 def memo_unit_times(memo: Memo, hw: Hardware, dtype_bytes: int, microbatches: int, recompute: str) -> list:
-    """Each unit's seconds for one of `microbatches` microbatches on `hw` (`costs.unit_times`), kept in `memo`."""
+    """Each unit's seconds for one of `microbatches` microbatches on `hw` (`unit_costs.unit_times`), kept in `memo`."""
     return memo.get(("unit times", hw, dtype_bytes, microbatches, recompute), lambda: unit_times(
         save_context(memo, dtype_bytes, microbatches, recompute), memo.graph, memo_units(memo), hw,
         recompute=recompute))
@@ -234,7 +235,7 @@ def closed_form_makespan(schedule: str, p: int, m: int, v: int, forward: float, 
     1/v of a stage (Narayanan et al. 2021; v = 1 gives the first); equal to the simulator's
     then (tests/test_step_time.py). None for schedules without one (split backward, a V,
     two copies: `ScheduleKind.has_closed_form`). A layout search can score
-    candidates with it from per-layer costs computed once (`fivedc/costs.unit_times`), with
+    candidates with it from per-layer costs computed once (`fivedc/estimates/unit_costs.unit_times`), with
     no compile and no simulation; the plan's own estimate plays the schedule, with its
     unequal chunks and transfer times."""
     if not schedule_kind(schedule).has_closed_form:

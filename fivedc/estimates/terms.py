@@ -1,4 +1,4 @@
-"""The terms a unit's seconds are made of, recorded while `costs.unit_time` adds them up.
+"""The terms a unit's seconds are made of, recorded while `unit_costs.unit_time` adds them up.
 
 `unit_time` keeps a `Ledger` beside its sums: every second it adds to a phase (forward,
 input gradient, weight gradient) it also adds to one term there, and what a whole

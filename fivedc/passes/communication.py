@@ -22,7 +22,7 @@ linear makes it, and in backward that sum's gradient comes back in a ring, the l
 making its input gradient a chunk at a time; and without SP, the all-reduce of the
 linear just before it runs in n chunks, each summed (async) while the linear makes the
 next (collective matmul, `fivedc/runtime/tp_ring.py`). Their `overlaps` names the
-matmul, and the step time hides them behind it (`fivedc/estimates/costs.py`).
+matmul, and the step time hides them behind it (`fivedc/estimates/unit_costs.py`).
 
 And a backward sum (one all-reduce or reduce-scatter) of a linear's input runs behind
 that linear's weight gradient, as Megatron's async tensor parallelism: the linears that

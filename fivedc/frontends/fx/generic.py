@@ -62,18 +62,46 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
     if any(n not in frame.syms for n in used):
         return None
     value_args, value_kwargs = fx.node.map_arg((call_args, call_kwargs), frame.traced.values.get)
+    target = _resolved_target(lw, node, overload, value_args, value_kwargs, reason)
+    value = frame.traced.values.get(node)
+    items = _result_tensors(lw, node, target, value, reason)
+    syms_args, syms_kwargs = fx.node.map_arg((call_args, call_kwargs), lambda n: frame.syms[n])
+    syms_args = _kept_sizes(overload, syms_args, value_args)
+    text, tensors = _encoded_call(lw, frame, node, target, syms_args, syms_kwargs)
+    dtypes = _arg_dtypes(frame, call_args, call_kwargs, tensors)
+    consts = [c.value for c in leaves((syms_args, syms_kwargs)) if isinstance(c, Const)]
+    local = _local(lw, node, overload, value_args, value_kwargs, tensors, consts, items)
+    if local:  # it has a sharding rule: the ATen operator's own
+        reason = reason.replace("no sharding rule for ", "no IR op for ", 1)
+    attrs = (("target", target), ("call", text), ("dtypes", ";".join(dtypes)), ("reason", reason)) + _rule_attrs(local)
+    several = isinstance(value, (tuple, list))
+    outs = _append_results(lw, frame, node, tensors, items, local, attrs, several=several)
+    _keep_tokens_whole(lw, tensors)
+    return tuple(outs) if several else outs[0]
+
+
+def _resolved_target(lw: Lowering, node: fx.Node, overload, value_args, value_kwargs, reason: str) -> str:
+    """The ATen operator's name, its call resolved on the example values (else an error saying why)."""
     try:
         target = target_name(overload)
         resolve(target, value_args, value_kwargs)
     except AtenCallError as error:
         raise lw.unsupported(node, f"{error.message} (no sharding rule either: {reason})") from None
-    value = frame.traced.values.get(node)
+    return target
+
+
+def _result_tensors(lw: Lowering, node: fx.Node, target: str, value, reason: str) -> list[torch.Tensor]:
+    """The example results of the call, one or several; a replicated op must return tensors."""
     items = list(value) if isinstance(value, (tuple, list)) else [value]
     if not items or not all(isinstance(v, torch.Tensor) for v in items):
         raise lw.unsupported(node, f"{target} returning {type(value).__name__} (no sharding rule: {reason})",
                              "a replicated op must return tensors")
-    syms_args, syms_kwargs = fx.node.map_arg((call_args, call_kwargs), lambda n: frame.syms[n])
-    syms_args = _kept_sizes(overload, syms_args, value_args)
+    return items
+
+
+def _encoded_call(lw: Lowering, frame: Frame, node: fx.Node, target: str, syms_args,
+                  syms_kwargs) -> tuple[str, list[T]]:
+    """The call as text (`encode_call`) and the IR values its tensor arguments' slots hold, in order."""
     tensors: list[T] = []
 
     def slot(obj):  # a tensor argument: the IR value holding it
@@ -82,27 +110,36 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
             return len(tensors) - 1
         return None
 
-    def unwrap(obj):  # constant tensors as they are: the call holds them (small ones only)
-        if isinstance(obj, Const):
-            return obj.value
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(unwrap(o) for o in obj)
-        return obj
-
     try:
-        text = encode_call(unwrap(tuple(syms_args)), {k: unwrap(v) for k, v in syms_kwargs.items()}, slot)
+        text = encode_call(_unwrap(tuple(syms_args)), {k: _unwrap(v) for k, v in syms_kwargs.items()}, slot)
     except AtenCallError as error:
         raise lw.unsupported(node, f"{target}: {error.message}") from None
-    dtypes = _arg_dtypes(frame, call_args, call_kwargs, tensors)
-    consts = [c.value for c in leaves((syms_args, syms_kwargs)) if isinstance(c, Const)]
-    local = _local(lw, node, overload, value_args, value_kwargs, tensors, consts, items)
-    rule = (("rule", local[0]),) + ((("along", ",".join(map(str, local[1]))),) if local[1] else ()) \
-        + ((("rows", ",".join(map(str, local[3]))),) if local[3] else ()) if local else (("rule", "replicated"),)
-    if local:  # it has a sharding rule: the ATen operator's own
-        reason = reason.replace("no sharding rule for ", "no IR op for ", 1)
-    outs = []
+    return text, tensors
+
+
+def _unwrap(obj):
+    """Constant tensors as they are: the call holds them (small ones only)."""
+    if isinstance(obj, Const):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unwrap(o) for o in obj)
+    return obj
+
+
+def _rule_attrs(local) -> tuple:
+    """The op's rule attributes: `_local`'s rule with the dims it runs along and its rows, or replicated."""
+    if not local:
+        return (("rule", "replicated"),)
+    return (("rule", local[0]),) + ((("along", ",".join(map(str, local[1]))),) if local[1] else ()) \
+        + ((("rows", ",".join(map(str, local[3]))),) if local[3] else ())
+
+
+def _append_results(lw: Lowering, frame: Frame, node: fx.Node, tensors: list[T], items: list, local, attrs: tuple,
+                    *, several: bool) -> list[T | None]:
+    """One IR op per result the graph reads (None for the others), appended to the frame's block."""
+    outs: list[T | None] = []
     wanted = _items_used(node, len(items))
-    for index, item in enumerate(items):  # an op returning several tensors: one IR op per result used
+    for index, item in enumerate(items):
         if index not in wanted:
             outs.append(None)
             continue
@@ -111,13 +148,11 @@ def generic(lw: Lowering, frame: Frame, node: fx.Node, call, reason: str) -> T |
         atoms = tuple(a for group in layout for a in group)
         dtype = DType.FLOAT if item.is_floating_point() else DType.INT
         out = DValue(node.name, atoms, dtype)
-        attrs = (("target", target), ("call", text), ("dtypes", ";".join(dtypes)), ("reason", reason)) + rule
-        attrs += (("item", index),) if isinstance(value, (tuple, list)) else ()
-        frame.block.items.append(DOp(out, "aten", tuple(t.ref for t in tensors), attrs, node_loc(node), scope(node),
-                                     layouts=(tuple(t.layout for t in tensors), layout)))
+        item_attrs = attrs + ((("item", index),) if several else ())
+        frame.block.items.append(DOp(out, "aten", tuple(t.ref for t in tensors), item_attrs, node_loc(node),
+                                     scope(node), layouts=(tuple(t.layout for t in tensors), layout)))
         outs.append(T(out, atoms, layout, dtype))
-    _keep_tokens_whole(lw, tensors)
-    return tuple(outs) if isinstance(value, (tuple, list)) else outs[0]
+    return outs
 
 
 def _keep_tokens_whole(lw: Lowering, tensors: list[T]) -> None:
