@@ -108,3 +108,19 @@ def test_show_program_of_a_pipeline_names_the_rank_class_and_microbatches():
     assert "microbatch 1, layer 1" in text and "weight gradients of chunk 1 (microbatch 1)" in text
     with pytest.raises(FivedcError, match=r"--rank 4 is not a rank of mesh .* \(4 ranks\)"):
         render_program(plan, 4, console=console)
+
+
+def test_the_show_command_prints_a_ranks_program_and_refuses_a_rank_off_the_mesh(tmp_path, capsys):
+    from fivedc.cli.main import main
+
+    plan = tmp_path / "p.plan.json"
+    assert main(["compile", "examples/tiny_llama.5d", "--mesh", "2x2x1x1x1", "--schedule", "1f1b",
+                 "--microbatches", "2", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(plan), "--program", "--rank", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rank 3 runs the program of pp rank 1") and "optimizer step" in out
+    assert "recv           over pp with pp rank 0" in out and "forward of linear layers.1." in out
+    assert main(["show", str(plan), "--program", "--rank", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--rank 4 is not a rank of mesh 2x2x1x1x1 (4 ranks)" in err and "Traceback" not in err

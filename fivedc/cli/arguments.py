@@ -18,7 +18,8 @@ from fivedc.schedule.kinds import schedules_help
 
 COMMANDS = {
     "compile": "compile a model for a mesh: write the plan and print a readable summary",
-    "show": "list a plan's ops with their ids (--ops), or draw its pipeline schedule (--schedule out.png)",
+    "show": "list a plan's ops with their ids (--ops), print one rank's step as instructions (--program), or "
+            "draw its pipeline schedule (--schedule out.png)",
     "verify": "train a few steps with the plan on local processes and compare with one device",
     "run": "execute a plan (or compile a model and execute it): loss, step time and memory per rank",
     "train": "train a model (or a plan) on token files: validation, checkpoints, resume on any mesh",
@@ -184,6 +185,10 @@ def _show_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--schedule", default=None, metavar="OUT", help="draw the pipeline schedule: a .png or .svg")
     s.add_argument("--ops", action="store_true",
                    help="list every op and redistribution with its id (what --inject-fault and a divergence name)")
+    s.add_argument("--program", action="store_true",
+                   help="print one rank's training step as its instruction list: computations, collectives and "
+                        "transfers in issue order (what the agreement proof checks)")
+    s.add_argument("--rank", type=int, default=0, help="the rank whose program --program prints (default 0)")
     _wide_arg(s)
 
 

@@ -102,9 +102,9 @@ def cmd_show(args) -> int:
     from fivedc.cli.plan_check import load_plan
     from fivedc.schedule import draw_schedule
 
-    if not args.ops and args.schedule is None:
-        raise FivedcError("fivedc show needs --ops (list the ops) or --schedule OUT (draw the schedule)",
-                          hint=f"e.g. fivedc show {args.plan} --ops")
+    if not args.ops and not args.program and args.schedule is None:
+        raise FivedcError("fivedc show needs --ops (list the ops), --program (a rank's instructions) or "
+                          "--schedule OUT (draw the schedule)", hint=f"e.g. fivedc show {args.plan} --ops")
     if args.schedule is not None:  # the picture's target, before any work
         from fivedc.outputs import Output, check_outputs
 
@@ -116,8 +116,12 @@ def cmd_show(args) -> int:
         from fivedc.plan.op_list import render_ops
 
         render_ops(plan, console=screen.console(wide=args.wide))
-        if args.schedule is None:
-            return 0
+    if args.program:
+        from fivedc.cli.show_program import render_program
+
+        render_program(plan, args.rank, console=screen.console(wide=args.wide))
+    if args.schedule is None:
+        return 0
     if plan.pipeline is None:
         raise FivedcError(f"{args.plan} has no pipeline (pp = 1): nothing to draw",
                           hint="compile with pp > 1, e.g. --mesh 1x4x1x1x1 --schedule 1f1b")
