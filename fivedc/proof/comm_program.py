@@ -50,11 +50,11 @@ from fivedc.ir.sharding import Sharding
 from fivedc.plan.sites import Site, sites, trainable
 from fivedc.proof.events import COMPUTE, RING_TAG, Event, Run, at_layer, compute, flatten, templated
 from fivedc.proof.kernel_events import KernelEvents
+from fivedc.proof.param_facts import ParamFacts
 from fivedc.proof.pipeline_events import PipelineEvents
 from fivedc.proof.sync_events import Buckets, SyncEvents
 from fivedc.proof.zero3_program import zero3_step
 from fivedc.passes.overlap import expand_buckets
-from fivedc.passes.param_sync import zero_chunk
 from fivedc.passes.stages import held_by_rank, units
 from fivedc.passes.tied import tied_groups
 
@@ -88,7 +88,7 @@ def class_programs(plan) -> dict[int, tuple[Event, ...]]:
     return {rank: flatten(runs) for rank, runs in class_runs(plan).items()}
 
 
-class _Expander(KernelEvents, SyncEvents, PipelineEvents):
+class _Expander(KernelEvents, SyncEvents, PipelineEvents, ParamFacts):
     def __init__(self, plan, *, shared: bool = True, computations: bool = False) -> None:
         self.shared, self.computations = shared, computations
         self.plan, self.graph, self.mesh = plan, plan.graph, plan.mesh
@@ -196,28 +196,6 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
             runs.append(Run(events, layer))
         return runs
 
-    def first_uses(self) -> dict[str, int]:
-        """Each parameter instance read by an op -> the index of the first site that reads it;
-        a repeat's body worked out once for all its layers."""
-        first: dict[str, int] = {}
-        offsets: dict[str, list[tuple[int, str, bool]]] = {}  # per repeat: first reads in a layer
-        for u, sites in self.unit_sites.items():  # in program order
-            start, layer, repeat = self.index[id(sites[0])], self.units[u].layer, sites[0].repeat
-            if layer is None or not self.shared:
-                for i, site in enumerate(sites):
-                    for name in self._param_args(site):
-                        first.setdefault(name, start + i)
-                continue
-            if repeat not in offsets:
-                seen: dict[str, tuple[int, str, bool]] = {}
-                for j, site in enumerate(sites):
-                    for name, own in self._param_refs(site):
-                        seen.setdefault(name, (j, name, own))
-                offsets[repeat] = list(seen.values())
-            for j, name, own in offsets[repeat]:
-                first.setdefault(f"{repeat}.{layer}.{name}" if own else name, start + j)
-        return first
-
     # ---- one node ------------------------------------------------------------------------------
     def forward(self, site: Site) -> list[Event]:
         return self._cached("forward", site, self._forward)
@@ -228,9 +206,6 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
     def at(self, site: Site, events: list[Event]) -> list[Event]:
         """`forward(site)`'s or `backward(site)`'s events as issued at the site's layer."""
         return [at_layer(e, site.layer) for e in events]
-
-    def _param_args(self, site: Site) -> list[str]:
-        return self._cached("params", site, self._params_read)
 
     def _cached(self, what: str, site: Site, compute) -> list:
         """`compute(site)` once per node: a repeat's body node's for all its layers (its events
@@ -311,38 +286,6 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents):
         end, that saved a tensor (autograd unpacks it then)."""
         layer = [s for s in self.sites if s.repeat == site.repeat and s.layer == site.layer]
         return next((s for s in reversed(layer) if isinstance(s.node, Op) and s.node.kind not in SAVES_NOTHING), None)
-
-    def _params_read(self, site: Site) -> list[str]:
-        """The qualified parameters an op reads, in argument order."""
-        return [f"{site.repeat}.{site.layer}.{a}" if own else a for a, own in self._param_refs(site)]
-
-    def _param_refs(self, site: Site) -> list[tuple[str, bool]]:
-        """The parameters an op reads, in argument order, by name in its block, and whether
-        each is its layer's own (of the repeat's body) or the top level's."""
-        node = site.node
-        if not isinstance(node, Op):
-            return []
-        body = self._param_names.get(site.repeat)
-        if body is None:
-            body = self._param_names[site.repeat] = {p.name for p in self.repeats[site.repeat].body.params} \
-                if site.repeat else set()
-        top = self._param_names.setdefault("", {p.name for p in self.graph.body.params})
-        return [(a, a in body) for a in node.reads if a in body or a in top]
-
-    def param_numel(self, name: str) -> int:
-        """Elements of a parameter instance's local tensor (once per parameter of the graph: a
-        repeat's layers share it)."""
-        param = self.params[name]
-        if id(param) not in self._numels:
-            self._numels[id(param)] = self.graph.local_numel(param.dims, param.sharding, self.mesh)
-        return self._numels[id(param)]
-
-    def chunk_numel(self, name: str) -> int:
-        """`zero_chunk` of a parameter instance (once per parameter of the graph)."""
-        param = self.params[name]
-        if (id(param), "zero") not in self._numels:
-            self._numels[(id(param), "zero")] = zero_chunk(self.graph, self.mesh, param)
-        return self._numels[(id(param), "zero")]
 
     def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None, *,
                rings: tuple[str, ...] = ()) -> list[Event]:
