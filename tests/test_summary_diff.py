@@ -19,7 +19,8 @@ import pytest
 from rich.console import Console
 
 from fivedc.cli.main import main
-from fivedc.plan.diff import PlanDiff, diff_plans, render_diff
+from fivedc.plan.diff import PlanDiff, diff_plans
+from fivedc.plan.diff_report import render_diff
 from fivedc.frontends.dsl_file import load_model
 from fivedc.ir.graph import Phase
 from fivedc.ir.mesh import Mesh, MeshAxis

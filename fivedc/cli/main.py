@@ -146,7 +146,8 @@ def _load_side(text: str, args):
 
 
 def cmd_diff(args) -> int:
-    from fivedc.plan.diff import diff_plans, render_diff
+    from fivedc.plan.diff import diff_plans
+    from fivedc.plan.diff_report import render_diff
 
     result = diff_plans(_load_side(args.a, args), _load_side(args.b, args))
     if args.json:
