@@ -50,6 +50,7 @@ def test_plan_commands_fit_100_columns(tmp_path, capsys) -> None:
          "--json", str(tmp_path / "all.json")],
         ["search", GPT, "--gpus", "64", "--gpu", "h100", "--explain", "--compare", "4x4x4x1x1", "--schedule", "1f1b",
          "--microbatches", "1", "--recompute", "full"],
+        ["search", GPT, "--gpus", "64", "--gpu", "h100", "--fp8", "--explain", "--compare", "4x4x4x1x1"],
     ]
     for argv in commands:
         assert_fits(printed(capsys, argv), " ".join(argv[:1]))

@@ -159,6 +159,11 @@ def test_mesh_auto_is_the_searchs_first_layout(monkeypatch) -> None:
                       dtype="fp32", keep=1, compile_best=False).best.candidate
         assert (plan.mesh, plan.zero, module) == (best.mesh, best.zero, None)
         assert note.endswith(best.flags()) and plan.mesh.world == world
+    args = parser.parse_args(["train", "examples/tiny_llama.5d", "--mesh", "auto", "--fp8", "--data", "x.bin"])
+    plan, _, note = train_plan(args, defaults, launched=True)  # the precision is the user's: searched with it
+    best = search(load_model(str(ROOT / "examples" / "tiny_llama.5d")), gpus=4, hardware=hardware("h100", ()),
+                  dtype="fp32", keep=1, compile_best=False, fp8=True).best.candidate
+    assert plan.fp8 and plan.mesh == best.mesh and note.endswith(best.flags()) and note.endswith("--fp8")
 
 
 @pytest.mark.parametrize("flags,message", [

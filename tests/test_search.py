@@ -197,22 +197,23 @@ def test_the_memo_changes_no_figure(tiny_result) -> None:
 MOE = "examples/moe.5d"
 
 
-@pytest.mark.parametrize("model, gpus, keep", [(TINY, 8, 1), (TINY, 8, 5), (TINY, 16, 3), (MOE, 8, 4)])
-def test_the_k_best_are_those_of_scoring_every_layout(model: str, gpus: int, keep: int) -> None:
+@pytest.mark.parametrize("model, gpus, keep, fp8", [(TINY, 8, 1, False), (TINY, 8, 5, False), (TINY, 16, 3, False),
+                                                   (MOE, 8, 4, False), (TINY, 8, 5, True)])
+def test_the_k_best_are_those_of_scoring_every_layout(model: str, gpus: int, keep: int, fp8: bool) -> None:
     # best first with pruning by bounds: the same K best, figures and order, as scoring everything
     from fivedc.frontends.dsl_file import load_model
     from fivedc.search.search import PRUNED
 
     graph = load_model(model) if model.endswith(".5d") else parse_model(model)
-    every = search(graph, gpus=gpus, hardware=H100, compile_best=False)
-    best = search(graph, gpus=gpus, hardware=H100, compile_best=False, keep=keep)
+    every = search(graph, gpus=gpus, hardware=H100, compile_best=False, fp8=fp8)
+    best = search(graph, gpus=gpus, hardware=H100, compile_best=False, keep=keep, fp8=fp8)
     assert best.ranked[:keep] == every.ranked[:keep]
     assert best.rejected[PRUNED] > 0 and PRUNED not in every.rejected
     assert sum(best.rejected.values()) + len(best.ranked) == sum(every.rejected.values()) + len(every.ranked)
 
 
-@pytest.mark.parametrize("model, gpus", [(TINY, 8), (MOE, 8)])
-def test_every_bound_is_below_the_plans_step_time(model: str, gpus: int) -> None:
+@pytest.mark.parametrize("model, gpus, fp8", [(TINY, 8, False), (MOE, 8, False), (TINY, 8, True)])
+def test_every_bound_is_below_the_plans_step_time(model: str, gpus: int, fp8: bool) -> None:
     # the bounds the search prunes by (fivedc/search/bounds.py), on every ranked layout
     from fivedc.frontends.dsl_file import load_model
     from fivedc.pipeline import GRAPH_PASSES, run_passes
@@ -220,7 +221,8 @@ def test_every_bound_is_below_the_plans_step_time(model: str, gpus: int) -> None
     from fivedc.search.cases import GraphCase
 
     graph = load_model(model) if model.endswith(".5d") else parse_model(model)
-    ranked = search(graph, gpus=gpus, hardware=H100, compile_best=False).ranked
+    ranked = search(graph, gpus=gpus, hardware=H100, compile_best=False, fp8=fp8).ranked
+    assert all(s.candidate.fp8 == fp8 for s in ranked)
     cases: dict = {}
     for scored in ranked:
         c = scored.candidate
@@ -256,8 +258,8 @@ def test_the_graph_passes_do_not_depend_on_the_rank_order(model: str, sizes: tup
 REFUSALS = {ShapeError: "is not divisible by tp", NotSupportedError: "under pipeline parallelism"}
 
 
-@pytest.mark.parametrize("model, gpus", [(TINY, 8), (MOE, 8)])
-def test_the_memory_bound_is_below_the_plans_memory(model: str, gpus: int) -> None:
+@pytest.mark.parametrize("model, gpus, fp8", [(TINY, 8, False), (MOE, 8, False), (TINY, 8, True)])
+def test_the_memory_bound_is_below_the_plans_memory(model: str, gpus: int, fp8: bool) -> None:
     # on every candidate the passes accept, fitting or not (a bound above would reject a layout that fits)
     from fivedc.frontends.dsl_file import load_model
     from fivedc.pipeline import GRAPH_PASSES, run_passes
@@ -268,7 +270,8 @@ def test_the_memory_bound_is_below_the_plans_memory(model: str, gpus: int) -> No
     graph = load_model(model) if model.endswith(".5d") else parse_model(model)
     checked, refused, every = 0, [], mesh_sizes(graph, gpus=gpus, gpus_per_node=8, units=20)
     for sizes in every:
-        base = Candidate(Mesh(sizes, rank_orders(sizes)[-1]), sp=sizes[2] > 1, cp_attention="ring" if sizes[3] > 1 else None)
+        base = Candidate(Mesh(sizes, rank_orders(sizes)[-1]), sp=sizes[2] > 1, cp_attention="ring" if sizes[3] > 1 else None,
+                         fp8=fp8)
         try:
             sharded = run_passes(Draft(graph), base.options(dtype="bf16"), GRAPH_PASSES).graph
         except (ShapeError, NotSupportedError) as error:  # only the model's own limits, each located
@@ -300,3 +303,59 @@ def test_a_memory_bound_search_keeps_the_k_best() -> None:
     best = search(graph, gpus=8, hardware=small, compile_best=False, keep=3)
     assert best.ranked[:3] == every.ranked[:3]
     assert every.rejected[DOES_NOT_FIT] > len(every.ranked) and best.rejected[PRUNED] > 0
+
+
+# ---- --fp8: every layout with float8 linears (the precision is the user's, never searched) -----------
+def test_fp8_scores_every_layout_with_float8_linears_and_steps_faster() -> None:
+    from fivedc.ir.graph import Op, walk_ops
+    from fivedc.passes.fp8 import is_fp8
+
+    graph = parse_model(TINY)
+    bf16 = search(graph, gpus=8, hardware=H100, keep=3)
+    fp8 = search(graph, gpus=8, hardware=H100, keep=3, fp8=True)
+    assert all(s.candidate.fp8 for s in fp8.ranked) and not any(s.candidate.fp8 for s in bf16.ranked)
+    assert fp8.plan.fp8 and any(is_fp8(op) for op, _ in walk_ops(fp8.plan.graph.body) if isinstance(op, Op))
+    assert fp8.best.time.step_seconds < bf16.best.time.step_seconds  # the matmuls at H100's float8 peak
+    for scored in fp8.ranked[:3]:  # what fivedc compile --fp8 of each prints
+        plan = compile_graph(graph, scored.candidate.options(dtype="bf16", hardware=H100))
+        assert plan.fp8 and plan.time.step_seconds == pytest.approx(scored.time.step_seconds, rel=1e-12)
+        assert scored.candidate.flags().endswith("--fp8") and scored.candidate.as_json()["fp8"] is True
+
+
+def test_cli_search_fp8_writes_a_float8_plan_compares_and_explains(tmp_path, capsys) -> None:
+    from fivedc.cli.plan_check import load_plan
+
+    model = tmp_path / "tiny.5d"
+    model.write_text(TINY)
+    steps = {}
+    for fp8 in (False, True):
+        best, every = tmp_path / f"best{fp8}.plan.json", tmp_path / f"all{fp8}.json"
+        argv = ["search", str(model), "--gpus", "8", "--gpu", "h100", "--top", "3", "-o", str(best),
+                "--json", str(every), "--compare", "4x1x2x1x1", "--explain"]
+        assert main(argv + (["--fp8"] if fp8 else [])) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        plan, data = load_plan(best), json.loads(every.read_text())["candidates"]  # load_plan: what compile gives
+        assert plan.fp8 == fp8 and all(c["options"].get("fp8", False) == fp8 for c in data)
+        assert ("with float8 linears (--fp8)" in out) == fp8 and ("--fp8 --gpu h100" in out) == fp8
+        assert "compared: --mesh 4x1x2x1x1" + (" --fp8" if fp8 else "") in out
+        assert "the step term by term" in out and "rejected, by reason" in out
+        steps[fp8] = plan.time.step_seconds
+    assert steps[True] < steps[False]
+
+
+@pytest.mark.parametrize("model, argv, words", [
+    (TINY, ["--gpu", "a100"], ["--fp8: the a100 profile", "no float8 tensor cores", "drop --fp8"]),
+    (TINY, ["--gpu", "a100", "--compare", "8x1x1x1x1"], ["no float8 tensor cores", "drop --fp8"]),
+    (ODD, ["--gpu", "h100"], ["--fp8: no linear of odd can run in float8", "multiples of 16", "drop --fp8"]),
+], ids=["a100", "a100-compare", "no-linear"])
+def test_search_fp8_refuses_what_compile_refuses(tmp_path, capsys, model, argv, words) -> None:
+    path = tmp_path / "m.5d"
+    path.write_text(model)
+    assert main(["search", str(path), "--gpus", "8" if model == TINY else "2", "--fp8", *argv]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert all(w in err for w in words), err
+    assert "Traceback" not in err and f"{path}:" not in err and "--compare" not in err  # no location: the option's
+    compile_argv = ["compile", str(path), "--mesh", "8x1x1x1x1" if model == TINY else "2x1x1x1x1", "--fp8", *argv[:2]]
+    assert main(compile_argv) == 2  # compile refuses it alike
+    err = " ".join(capsys.readouterr().err.split())
+    assert all(w in err for w in words), err

@@ -8,7 +8,9 @@ every one scored); `-o` writes the best plan (compiled for real, with its agreem
 counted by reason. `--compare MESH [layout flags]` puts the user's layout beside the best
 (`search_compare.py`), with `--explain` term by term. A rich progress bar runs on stderr while the meshes are sharded and the
 layouts scored. Without `--json` the search scores only what can still be among the `--top`
-best (fivedc/search/best_first.py); with it, every layout.
+best (fivedc/search/best_first.py); with it, every layout. `--fp8` scores every layout, and
+the `--compare` one, with float8 linears (`fivedc compile --fp8`); the title, the best's flags,
+`--json`'s options and the plan written say so.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def search_args(p) -> None:
     p.add_argument("--global-batch", type=int, default=None, metavar="B", help="sequences per step (default: the model's)")
     p.add_argument("--seq", type=int, default=None, metavar="S", help="tokens per sequence (default: the model's)")
     p.add_argument("--dtype", default="bf16", help="training precision (default bf16)")
+    p.add_argument("--fp8", action="store_true",
+                   help="every layout with float8 linears, as fivedc compile --fp8 (torchao's tensorwise recipe; "
+                   "the precision is not searched); the GPU needs float8 tensor cores (h100, h800, h200)")
     p.add_argument("--top", type=int, default=5, metavar="K", help="layouts printed (default 5)")
     p.add_argument("-o", "--output", default=None, help="write the best plan here")
     p.add_argument("--json", default=None, metavar="ALL.json", help="write every ranked candidate, best first")
@@ -46,7 +51,7 @@ def run_search(args, console) -> int:
     from fivedc.outputs import Output, check_outputs
     from fivedc.frontends.python_file import parse_spec
     from fivedc.ir.hardware import hardware
-    from fivedc.search.search import SearchError, search
+    from fivedc.search.search import SearchError, check_fp8, search
 
     if args.top < 1:
         raise SearchError(f"--top {args.top} must be at least 1", hint="e.g. --top 5")
@@ -60,6 +65,8 @@ def run_search(args, console) -> int:
             raise SearchError(f"--gpus-per-node {args.gpus_per_node} must be at least 1", hint="e.g. --gpus-per-node 8")
         hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
     graph = with_shape(load_graph(args.model), batch=args.global_batch, seq=args.seq)
+    if args.fp8:  # compile's refusals, before the compared layout (which has --fp8 too) meets them
+        check_fp8(graph, hw, args.dtype)
     compared = compared_layout(args, graph, hw, gpus=args.gpus, dtype=args.dtype)
     every_tie = args.explain or compared is not None  # scoring every tie doubles the largest searches' time
     start = time.perf_counter()
@@ -67,7 +74,7 @@ def run_search(args, console) -> int:
         result = search(graph, gpus=args.gpus, hardware=hw, dtype=args.dtype, progress=progress,
                         compile_best=args.output is not None or (args.explain and compared is not None),
                         keep=None if args.json is not None else args.top, band=STEP_TIME.spread if every_tie else 0.0,
-                        floor=compared.step if compared is not None else 0.0)
+                        floor=compared.step if compared is not None else 0.0, fp8=args.fp8)
     seconds = time.perf_counter() - start
     _print_top(result, args.top, console, graph, args.gpus, hw, seconds, every_tie or args.json is not None)
     if compared is not None:
@@ -113,7 +120,8 @@ def _print_top(result, top: int, console, graph, gpus: int, hw, seconds: float, 
 
     from fivedc.plan.summary import format_bytes
 
-    table = Table(title=f"best layouts of {graph.name} on {gpus} x {hw.name}", title_justify="left")
+    precision = " with float8 linears (--fp8)" if result.best.candidate.fp8 else ""
+    table = Table(title=f"best layouts of {graph.name} on {gpus} x {hw.name}{precision}", title_justify="left")
     for name in ("#", "mesh", "options", "memory", "bubble", "step", "tokens/s", "MFU", "comm"):
         table.add_column(name, justify="left" if name in ("mesh", "options") else "right")
     for rank, s in enumerate(result.ranked[:top], start=1):

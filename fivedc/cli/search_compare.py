@@ -1,8 +1,8 @@
 """`fivedc search ... --compare MESH [layout flags]`: the user's layout beside the search's best.
 
 The compared layout is compiled as `fivedc compile MODEL --mesh MESH [flags] --gpu GPU` would
-compile it (same model, batch, sequence and GPU as the search), so its step and memory are
-that command's; the search then scores every layout faster than it (`search(floor=...)`),
+compile it (same model, batch, sequence, GPU and `--fp8` as the search), so its step and memory
+are that command's; the search then scores every layout faster than it (`search(floor=...)`),
 so its rank among the layouts that fit is exact. With `--explain`, both steps term by term
 (`fivedc/estimates/breakdown.py`): the seconds of each, the difference, and a flag on
 every term whose advantage alone exceeds the model's error on published runs
@@ -80,7 +80,8 @@ def compared_layout(args, graph, hw, *, gpus: int, dtype: str) -> Compared | Non
         options = CompileOptions(mesh=mesh, sequence_parallel=args.sp, dtype=dtype, cp_attention=args.cp_attention,
                                  zero=args.zero or 0, schedule=args.schedule or DEFAULT_SCHEDULE,
                                  microbatches=args.microbatches,
-                                 virtual=args.virtual, recompute=args.recompute, hardware=hw)
+                                 virtual=args.virtual, recompute=args.recompute, hardware=hw,
+                                 fp8=getattr(args, "fp8", False))
         piped = [f"--{k}" for k in ("schedule", "microbatches", "virtual") if getattr(args, k) is not None]
         if mesh.size(MeshAxis.PP) == 1 and piped:
             raise FivedcError(f"{', '.join(piped)} set up a pipeline, and mesh {mesh} has pp=1: there is none",
@@ -91,7 +92,7 @@ def compared_layout(args, graph, hw, *, gpus: int, dtype: str) -> Compared | Non
     flags = [f"--mesh {mesh}"]
     for key, flag in zip((k for k in LAYOUT_FLAGS if getattr(args, k) is not None), given):
         flags.append(("--sp" if args.sp else "--no-sp") if key == "sp" else f"{flag} {getattr(args, key)}")
-    return Compared(" ".join(flags), plan)
+    return Compared(" ".join(flags + (["--fp8"] if options.fp8 else [])), plan)
 
 
 def print_compared(result, compared: Compared, hw) -> None:

@@ -4,7 +4,7 @@
 with fewer nodes, the smaller one) and the layout `fivedc search` ranks first for that
 many GPUs of `--gpu` (default h100): its mesh and every option it chooses (schedule,
 microbatches, ZeRO, SP, recomputation, rank order), so flags that would fix one of those
-are refused. Every rank searches alike (the search is deterministic) and gets the same
+are refused; the precision (`--dtype`, `--fp8`: float8 linears on every layout) is the user's. Every rank searches alike (the search is deterministic) and gets the same
 plan. A checkpoint saved on another layout is read into this one as any resume is
 (`fivedc/runtime/reshard.py`), and the run says so.
 """
@@ -17,7 +17,7 @@ from fivedc.errors import FivedcError
 
 AUTO = "auto"
 DEFAULT_GPU = "h100"  # the profile --mesh auto searches for without --gpu
-FREE_FLAGS = ("--mesh", "--dtype", "--stage-boundary")  # flags --mesh auto leaves to the user
+FREE_FLAGS = ("--mesh", "--dtype", "--stage-boundary", "--fp8")  # flags --mesh auto leaves to the user
 
 
 def train_plan(args, defaults, *, launched: bool):
@@ -76,7 +76,7 @@ def _auto(args, defaults, *, launched: bool):
     else:
         graph = load_graph(args.model, args.stage_boundary)
     hw = hardware(args.gpu or DEFAULT_GPU, tuple(args.hardware))
-    result = search(graph, gpus=world, hardware=hw, dtype=args.dtype or "fp32", keep=1)
+    result = search(graph, gpus=world, hardware=hw, dtype=args.dtype or "fp32", keep=1, fp8=args.fp8)
     profile = "" if args.gpu else f" (--gpu {DEFAULT_GPU}: the default profile)"
     note = (f"mesh auto: {world} process{'es' if world > 1 else ''}; the search ranks first, on {world} x "
             f"{hw.key}{profile}: "

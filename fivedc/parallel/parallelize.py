@@ -80,6 +80,7 @@ class ParallelizeOptions:
     virtual: int | None = None
     pp_layout: tuple[int, ...] | None = None
     recompute: str | None = None  # none | selective | full (fivedc/passes/recompute.py)
+    fp8: bool = False  # linears in float8, torchao's tensorwise recipe (fivedc/passes/fp8.py); also under mesh="auto"
     stage_boundaries: tuple[str, ...] = ()  # module-path patterns where a pipeline chunk begins
     device: torch.device | str | None = None
     sync_module_states: bool = True
@@ -124,7 +125,7 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
 
     mesh: "DPxPPxTPxCPxEP" (`"2x1x2x1x1"`), `"dp=2,tp=2"`, a `Mesh`, or "auto": `fivedc
     search` picks the layout for gpus= GPUs of kind gpu= (the plan options below are then
-    not used). example_inputs: the forward's arguments to trace with (full global tensors,
+    not used, but fp8). example_inputs: the forward's arguments to trace with (full global tensors,
     a tuple or dict, or a function of the module; default: the module's `example_inputs()`);
     the plan is for their shapes.
 
@@ -136,7 +137,10 @@ def parallelize(module: nn.Module | type | None = None, /, *, mesh: str | Mesh, 
     `fivedc.schedule.SCHEDULES`: gpipe, 1f1b, interleaved, zb-h1, dualpipev, dualpipe), microbatches, virtual, pp_layout (layers per chunk),
     stage_boundaries (module-path patterns where a pipeline chunk begins, as at modules with
     `fivedc_stage_boundary = True`): the pipeline when pp > 1, the forward then running the
-    whole schedule; recompute "none" | "selective" | "full"; device (default: the current
+    whole schedule; recompute "none" | "selective" | "full"; fp8 (the linears' three matmuls in
+    float8 as torchao's tensorwise recipe runs them, `fivedc compile --fp8`: e4m3 inputs and
+    weights, e5m2 output gradients, dynamic scales, each data-parallel rank's rows scaled on
+    their own; emulated at the module's dtype, not the output head); device (default: the current
     CUDA device with NCCL, else the module's); sync_module_states (start from rank 0's
     weights, default True); compile (each layer of a repeated block one `torch.compile`
     region; a string names the backend); after_step (a function fn(model), or a tuple of them:
@@ -202,14 +206,16 @@ def compile_module(module: nn.Module, example_inputs, *, mesh: Mesh | None = Non
 
 
 def search_module(module: nn.Module, example_inputs, *, gpus: int, gpu: str,
-                  shardings: Mapping[str, str] | None = None,
-                  stage_boundaries: tuple[str, ...] = ()) -> tuple[TracedModel, ExecutionPlan]:
-    """Trace `module` and compile it at the fastest layout `fivedc search` finds on `gpus` x `gpu`."""
+                  shardings: Mapping[str, str] | None = None, stage_boundaries: tuple[str, ...] = (),
+                  fp8: bool = False) -> tuple[TracedModel, ExecutionPlan]:
+    """Trace `module` and compile it at the fastest layout `fivedc search` finds on `gpus` x `gpu`
+    (with float8 linears on every layout under `fp8`, as `fivedc search --fp8`)."""
     from fivedc.ir.hardware import hardware
     from fivedc.search.search import search
 
     traced = trace_module(module, example_inputs, stage_boundaries=stage_boundaries)
-    result = search(pin_shardings(traced, shardings), gpus=gpus, hardware=hardware(gpu), dtype=module_dtype(module))
+    result = search(pin_shardings(traced, shardings), gpus=gpus, hardware=hardware(gpu), dtype=module_dtype(module),
+                    fp8=fp8)
     return traced, result.plan
 
 
@@ -254,7 +260,8 @@ def _build(module: nn.Module, request: _Request):
     example = _example_inputs(module, request.example_inputs)
     if request.auto is not None:
         traced, plan = search_module(module, example, gpus=request.auto[0], gpu=request.auto[1],
-                                     shardings=options.shardings, stage_boundaries=options.stage_boundaries)
+                                     shardings=options.shardings, stage_boundaries=options.stage_boundaries,
+                                     fp8=options.fp8)
         _check_world(plan.mesh)
     else:
         _check_world(request.mesh)
@@ -264,7 +271,7 @@ def _build(module: nn.Module, request: _Request):
             zero=options.zero, cp_attention=options.cp_attention, cp_layout=options.cp_layout,
             overlap=options.overlap, bucket_mb=options.bucket_mb, schedule=options.schedule,
             microbatches=options.microbatches, virtual=options.virtual, pp_layout=options.pp_layout,
-            recompute=options.recompute,
+            recompute=options.recompute, fp8=options.fp8,
         )
     return ParallelModule(module, traced, plan, example_inputs=example, device=_device(module, options.device),
                           sync_module_states=options.sync_module_states, compile=options.compile,

@@ -68,10 +68,11 @@ class BestFirst:
     """The search's state: the heap, the scored, the rejected by reason (filled as it runs)."""
 
     def __init__(self, hw: Hardware, dtype: str, keep: int | None, progress=None, *, band: float = 0.0,
-                 floor: float = 0.0) -> None:
+                 floor: float = 0.0, fp8: bool = False) -> None:
         """`band`: score every candidate within (1 + band) x the best step too (ties by the model's
-        error: `fivedc/estimates/model_error.py`); `floor`: every candidate faster than `floor` seconds."""
-        self.hw, self.dtype, self.keep, self.progress = hw, dtype, keep, progress
+        error: `fivedc/estimates/model_error.py`); `floor`: every candidate faster than `floor` seconds;
+        `fp8`: every candidate with float8 linears (`--fp8`)."""
+        self.hw, self.dtype, self.keep, self.progress, self.fp8 = hw, dtype, keep, progress, fp8
         self.band, self.floor, self._least = band, floor, float("inf")
         self.ranked: list[Scored] = []
         self.rejected: Counter = Counter()
@@ -90,7 +91,8 @@ class BestFirst:
             tp, cp = sizes[2], sizes[3]
             for sp in ((False, True) if tp > 1 else (False,)):
                 for cp_attention in (("ring", "allgather") if cp > 1 else (None,)):
-                    self._add_cases(graph, sizes, orders, Candidate(Mesh(sizes, orders[0]), sp, cp_attention))
+                    base = Candidate(Mesh(sizes, orders[0]), sp, cp_attention, fp8=self.fp8)
+                    self._add_cases(graph, sizes, orders, base)
         if self.progress is not None:
             self.progress.advance(len(orders))
 

@@ -26,6 +26,9 @@ recomputation only adds compute, so it is never faster), and those pruned by the
 bound. The ranked are sorted by step time (then memory, then the flags, so the order
 is deterministic); the best is compiled for real (its plan carries the agreement proof)
 when asked.
+
+`fp8` (`fivedc search --fp8`): every candidate with float8 linears (`Candidate.fp8`; the
+precision is the user's, not searched), after `check_fp8` has met compile's own refusals once.
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ from fivedc.errors import FivedcError, PassError
 from fivedc.ir.graph import Graph
 from fivedc.ir.hardware import Hardware
 from fivedc.ir.limits import check_world
-from fivedc.passes.base import DTYPE_BYTES
+from fivedc.ir.mesh import Mesh
+from fivedc.passes.base import DTYPE_BYTES, CompileOptions
 from fivedc.passes.stages import units
-from fivedc.pipeline import compile_graph
+from fivedc.pipeline import GRAPH_PASSES, compile_graph, run_passes
+from fivedc.plan.planning import Draft
 from fivedc.search.best_first import BATCH, DOES_NOT_FIT, DOMINATED, PRUNED, BestFirst, Scored
 from fivedc.search.space import mesh_sizes, rank_orders
 
 __all__ = ["BATCH", "DOES_NOT_FIT", "DOMINATED", "PRUNED", "Scored", "SearchError", "SearchResult", "check_cluster",
-           "search"]
+           "check_fp8", "search"]
 
 
 class SearchError(FivedcError):
@@ -67,18 +72,22 @@ class SearchResult:
 
 
 def search(graph: Graph, *, gpus: int, hardware: Hardware, dtype: str = "bf16", progress=None,
-           compile_best: bool = True, keep: int | None = None, band: float = 0.0, floor: float = 0.0) -> SearchResult:
+           compile_best: bool = True, keep: int | None = None, band: float = 0.0, floor: float = 0.0,
+           fp8: bool = False) -> SearchResult:
     """The layouts of `graph` on `gpus` GPUs of `hardware`, ranked by estimated step time:
     every one that fits (`keep=None`), or at least the `keep` best, every one within
-    (1 + `band`) x the best step and every one faster than `floor` seconds."""
+    (1 + `band`) x the best step and every one faster than `floor` seconds. `fp8`: every
+    layout with float8 linears (`fivedc compile --fp8`; the precision is not searched)."""
     check_cluster(gpus, hardware)
     if dtype not in DTYPE_BYTES:
         raise SearchError(f"unknown dtype {dtype!r}", hint=f"choose one of {', '.join(DTYPE_BYTES)}")
     if keep is not None and keep < 1:
         raise SearchError(f"keep={keep} must be at least 1 (or None: rank every layout)")
+    if fp8:
+        check_fp8(graph, hardware, dtype)
     sizes = mesh_sizes(graph, gpus=gpus, gpus_per_node=hardware.gpus_per_node, units=len(units(graph)))
     meshes = sum(len(rank_orders(s)) for s in sizes)
-    state = BestFirst(hardware, dtype, keep, progress, band=band, floor=floor)
+    state = BestFirst(hardware, dtype, keep, progress, band=band, floor=floor, fp8=fp8)
     if progress is not None:
         progress.start(meshes, "sharding meshes")
     for s in sizes:
@@ -102,6 +111,15 @@ def check_cluster(gpus: int, hardware: Hardware) -> None:
             f"--gpus {gpus} is not a whole number of {per_node}-GPU nodes ({hardware.key}): ranks would "
             f"straddle a partial node", hint=f"use a multiple of {per_node}, e.g. --gpus {gpus // per_node * per_node or per_node}"
             f" or {(gpus // per_node + 1) * per_node}, or set --gpus-per-node")
+
+
+def check_fp8(graph: Graph, hardware: Hardware, dtype: str) -> None:
+    """`--fp8`: compile's own refusals, once before the search rather than counted on every
+    mesh: a profile without float8 tensor cores (`CompileOptions`), a model with no linear
+    torchao converts (the fp8 pass, after shape inference, on one GPU: eligibility does not
+    depend on the mesh)."""
+    options = CompileOptions(mesh=Mesh((1, 1, 1, 1, 1)), dtype=dtype, hardware=hardware, fp8=True)
+    run_passes(Draft(graph), options, tuple(p for p in GRAPH_PASSES if p.name in ("infer-shapes", "fp8")))
 
 
 def _nothing_fits(graph: Graph, gpus: int, hw: Hardware, rejected: Counter) -> str:

@@ -21,6 +21,10 @@ and virtual stages, the ZeRO stage and the recomputation. The space (`meshes`,
 - SP on and off under tp > 1; ring and all-gather CP attention under cp > 1;
 - ZeRO 0-3 and recompute none, selective, full, where they change something.
 
+Not searched: the precision. The dtype and `--fp8` (float8 linears, `fivedc/passes/fp8.py`)
+are the user's choice, the same for every candidate (`Candidate.fp8`), as they change the
+numbers the model computes and not only its speed.
+
 What does not divide or does not fit is pruned by the compiler's own checks and
 estimates (`fivedc/search/search.py`), so the space above can be wide.
 """
@@ -57,12 +61,13 @@ class Candidate:
     virtual: int | None = None  # interleaved's chunks per rank
     zero: int = 0
     recompute: str = "none"
+    fp8: bool = False  # float8 linears (--fp8): the user's choice, the same for every candidate, never searched
 
     def options(self, *, dtype: str, hardware=None) -> CompileOptions:
         return CompileOptions(mesh=self.mesh, sequence_parallel=self.sp, dtype=dtype,
                               cp_attention=self.cp_attention, zero=self.zero, schedule=self.schedule or DEFAULT_SCHEDULE,
                               microbatches=self.microbatches, virtual=self.virtual, recompute=self.recompute,
-                              hardware=hardware)
+                              hardware=hardware, fp8=self.fp8)
 
     def as_json(self) -> dict:
         """The options as `--json` lists them (the mesh is written beside them)."""
@@ -73,7 +78,7 @@ class Candidate:
             out |= {"schedule": self.schedule, "microbatches": self.microbatches}
             if self.virtual:
                 out["virtual"] = self.virtual
-        return out | {"zero": self.zero, "recompute": self.recompute}
+        return out | {"zero": self.zero, "recompute": self.recompute} | ({"fp8": True} if self.fp8 else {})
 
     def flags(self) -> str:
         """The `fivedc compile` flags that give this layout."""
@@ -91,6 +96,8 @@ class Candidate:
             parts.append(f"--zero {self.zero}")
         if self.recompute != "none":
             parts.append(f"--recompute {self.recompute}")
+        if self.fp8:
+            parts.append("--fp8")
         return " ".join(parts)
 
     def short(self) -> str:
