@@ -6,7 +6,9 @@ coordinates, groups and the sequence layout (global positions of a local chunk,
 for RoPE and the causal mask). Dims are matched by name: `align` permutes and
 unsqueezes a tensor to another's dim order. The kernels whose sharded form needs
 communication inside (vocab-parallel cross-entropy, ring attention) do it with
-explicit autograd, and the plan lists those collectives on the op.
+explicit autograd, and the plan lists those collectives on the op. The linear kernel
+(`_linear`) also takes what the program hands it where the plan runs a linear beside
+tensor-parallel collectives: a `LinearFeed` (`fivedc/runtime/linear_paths.py`).
 """
 
 from __future__ import annotations
