@@ -17,24 +17,30 @@ records, by the name of the value each node makes:
   brings its input, whether it feeds the sum of its output, and the redistribution whose
   backward sum its dW is put off behind, with its weight's index there.
 
-At run time the program makes the live objects where the run allows (`Program._start_*`)
-and hands a linear's kernel the ones it works with as a `LinearFeed`
-(`fivedc/runtime/kernels._linear`): nothing travels on tensors or on the kernel context.
-Not worked out here, since they depend on the run: whether grad is enabled, whether
-torch.compile is tracing, whether verify traces values, whether a zero-bubble store
-defers dW, and whether the group has one member.
+At run time `Overlaps` makes the live objects where the run allows, and the program hands
+a linear's kernel the ones it works with as a `LinearFeed` (`fivedc/runtime/kernels._linear`):
+nothing travels on tensors or on the kernel context. What depends on the run is checked
+there, in one place: whether the group has one member, whether torch.compile is tracing,
+whether grad is enabled, whether a zero-bubble store defers dW, whether verify traces
+values. (The kernel itself checks grad and the store again to pick its autograd path.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
 
 from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat, walk_ops
 from fivedc.passes.communication import weight_readers
 from fivedc.passes.fp8 import is_fp8
 from fivedc.passes.recompute import recomputes_op
+from fivedc.runtime.collectives import Step
 from fivedc.runtime.tp_overlap import PutOff
-from fivedc.runtime.tp_ring import ChunkedSum, RingGather, RingSum
+from fivedc.runtime.tp_ring import ChunkedSum, RingGather, RingSum, start_ring
+from fivedc.runtime.weight_grads import store_of
 
 LINEAR_KINDS = ("linear", "matmul")  # the op kinds whose kernel is `kernels._linear` (it takes a `LinearFeed`)
 
@@ -110,6 +116,69 @@ class Live:
 
     sums: dict[str, RingSum | ChunkedSum] = field(default_factory=dict)
     put_offs: dict[str, PutOff] = field(default_factory=dict)
+
+
+class Overlaps:
+    """A program's paths (`paths`, read once from the plan) and the run-time conditions on
+    them: each live object is made only where the plan asks for it and this run allows it.
+    `steps`: each redistribution's runtime steps, forward and backward, by its output."""
+
+    def __init__(self, paths: Paths, ctx, steps: dict[str, tuple[tuple[Step, ...], tuple[Step, ...]]]) -> None:
+        self.paths, self.ctx, self.steps = paths, ctx, steps
+
+    def _runs(self, step: Step) -> bool:
+        """Whether a collective can run beside its linear: its group has more than one member,
+        and torch.compile is not tracing (each hop would break a compiled region: there it is
+        one collective)."""
+        return self.ctx.groups.size(step.axes) > 1 and not torch.compiler.is_compiling()
+
+    def start_gather(self, item: Redistribute, src: Tensor) -> RingGather | None:
+        """The ring that gathers `item`'s value (`src`'s shards), started, where the plan runs
+        its all-gather so (`fivedc/runtime/tp_ring.py`)."""
+        if item.out not in self.paths.gathers:
+            return None
+        (step,) = self.steps[item.out][0]
+        return start_ring(src, step, self.ctx.groups) if self._runs(step) else None
+
+    def start_sum(self, value: str) -> RingSum | ChunkedSum | None:
+        """How to sum `value` as the op making it runs, where the plan says so (a reduce-scatter
+        in a ring, an all-reduce by chunks: `fivedc/runtime/tp_ring.py`)."""
+        path = self.paths.sums.get(value)
+        if path is None:
+            return None
+        (step,), backward = self.steps[path.redistribution]
+        if not self._runs(step):
+            return None
+        if step.kind == "all_reduce":
+            return ChunkedSum(step, self.ctx.groups)
+        return RingSum(step, self.ctx.groups, grad_step=backward[0] if path.grad_ring else None)
+
+    def put_off(self, item: Redistribute, src: Tensor, weight: Callable[[str], Tensor]) -> PutOff | None:
+        """The weights (`weight(name)`) of the linears reading `item`'s output, where the plan
+        runs its backward sum behind their gradients (`fivedc/runtime/tp_overlap.py`) and this
+        run can: grad is enabled and `src` needs one (else that backward never runs), no
+        zero-bubble store puts dW off until W, torch.compile is not tracing."""
+        path = self.paths.put_offs.get(item.out)
+        if path is None or not (torch.is_grad_enabled() and src.requires_grad and store_of(self.ctx) is None
+                                and not torch.compiler.is_compiling()):
+            return None
+        return PutOff(tuple(weight(name) for name in path.weights))
+
+    def feed(self, op: Op, live: Live, ring: RingGather | None, summing: RingSum | ChunkedSum | None, *,
+             tracing: bool) -> LinearFeed | None:
+        """The live objects linear `op` works with (None: a plain linear): `ring`, where it
+        reads that gather by chunks; `summing`, where it feeds that sum (not while verify
+        traces values: the hops run on the traced value, at the redistribution); the put-off
+        of its dW (`live`)."""
+        path = self.paths.linears.get(op.out)
+        if path is None:
+            return None
+        gather = ring if path.gathered_by is not None else None
+        summing = summing if path.feeds_sum and not tracing else None
+        put_off = live.put_offs.get(path.put_off_by) if path.put_off_by is not None else None
+        if gather is None and summing is None and put_off is None:
+            return None
+        return LinearFeed(gather=gather, summing=summing, put_off=put_off, put_off_index=path.put_off_index)
 
 
 def plan_paths(graph: Graph, recompute: str) -> Paths:

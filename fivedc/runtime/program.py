@@ -15,10 +15,9 @@ forward again. A recomputed layer computes into an environment of its own, so
 its intermediate values are not kept alive by the program's either.
 
 Which linears run beside which tensor-parallel collectives is worked out once, from the
-plan's graph, into `self.paths` (`fivedc/runtime/linear_paths.py`); as it runs, the program
-makes the live objects where the run allows (`_start_gather`, `_start_sum`, `_put_off`:
-the run-time conditions, in one place) and passes a linear's to its kernel as a
-`LinearFeed`. Where the plan overlaps a redistribution's backward sum with weight
+plan's graph (`fivedc/runtime/linear_paths.py`); as it runs, the program makes the live
+objects where the run allows (`self.overlaps`: the run-time conditions, in one place) and
+passes a linear's to its kernel as a `LinearFeed`. Where the plan overlaps a redistribution's backward sum with weight
 gradients, the linears reading its output put their dW off until that sum has started
 (`fivedc/runtime/tp_overlap.py`). Where it sums a linear's output as it is made, the
 linear feeds the sum and the redistribution returns it. Where it runs a gather in a
@@ -49,10 +48,8 @@ from fivedc.runtime.kernels import KERNELS, KernelContext
 from fivedc.runtime.recompute import run_recomputed
 from fivedc.runtime.regions import CompiledLayers
 from fivedc.runtime.saved import mark_regathered
-from fivedc.runtime.linear_paths import LinearFeed, Live, plan_paths
-from fivedc.runtime.tp_overlap import PutOff
-from fivedc.runtime.tp_ring import ChunkedSum, RingGather, RingSum, start_ring
-from fivedc.runtime.weight_grads import store_of
+from fivedc.runtime.linear_paths import Live, Overlaps, plan_paths
+from fivedc.runtime.tp_ring import RingGather
 
 
 def grad_groups(graph: Graph, ctx: KernelContext) -> dict[str, object | None]:
@@ -157,7 +154,8 @@ class Program:
             for node, _ in walk_ops(graph.body)
             if isinstance(node, Redistribute)
         }
-        self.paths = plan_paths(graph, recompute)  # which linears run beside which collectives
+        # which linears run beside which collectives (read once from the plan), and when this run can
+        self.overlaps = Overlaps(plan_paths(graph, recompute), ctx, self.steps)
 
     def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
         env: dict[str, Tensor] = dict(inputs)
@@ -204,7 +202,7 @@ class Program:
             elif isinstance(item, Redistribute):
                 started = self._redistribute(item, env, dims, params, scope, layer, live)
                 if started is not None:
-                    gathering = (started, self.paths.gathers[item.out].reader)
+                    gathering = (started, self.overlaps.paths.gathers[item.out].reader)
             else:
                 self._op(item, env, dims, params, scope, repeat, layer, live, ring)
             if ring is not None:
@@ -225,10 +223,10 @@ class Program:
         for index, spec in enumerate(item.arg_specs):
             if spec is not None and spec.grad_once:
                 args[index] = counted_once(args[index], spec.grad_once, self.ctx.coords)
-        summing = self._start_sum(item.out)
+        summing = self.overlaps.start_sum(item.out)
         if summing is not None:
             live.sums[item.out] = summing  # for its redistribution
-        feed = self._feed(item, live, ring, summing)
+        feed = self.overlaps.feed(item, live, ring, summing, tracing=self.tracer is not None)
         if recomputes_op(item, repeat, self.recompute):
             out = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
         elif feed is not None:  # a linear beside collectives (its kernel is kernels._linear: LINEAR_KINDS)
@@ -244,14 +242,14 @@ class Program:
         A sum its source's maker ran (`live.sums`) is finished here if the maker did not feed it."""
         forward, backward = self.steps[item.out]
         summing = live.sums.pop(item.src, None)
-        put_off = self._put_off(item, env, params, scope)
+        put_off = self.overlaps.put_off(item, env[item.src], lambda name: params[scope[name]])
         if put_off is not None:  # the linears reading it compute dW while its backward sum runs
             live.put_offs[item.out] = put_off
         else:
             live.put_offs.pop(item.out, None)
         if summing is not None:
             summing.finish(env[item.src])
-        ring = self._start_gather(item, env[item.src], forward)
+        ring = self.overlaps.start_gather(item, env[item.src])
         out = redistribute(env[item.src], forward, backward, self.ctx.groups, put_off, ring or summing)
         if summing is not None:
             summing.out = None  # the value is `out` now: the sum (kept for backward's ring) lets go of it
@@ -266,55 +264,6 @@ class Program:
         env[item.out] = out
         dims[item.out] = item.type.dims
         return ring
-
-    # ---- the run-time conditions of the plan's paths (fivedc/runtime/linear_paths.py) ----------
-    def _start_gather(self, item: Redistribute, src: Tensor, forward: tuple[Step, ...]) -> RingGather | None:
-        """The ring that gathers `item`'s value, where the plan runs its all-gather so
-        (`fivedc/runtime/tp_ring.py`) and its group has more than one member; not inside a
-        compiled region (each hop would break it: there it is one all-gather)."""
-        if item.out not in self.paths.gathers or self.ctx.groups.size(forward[0].axes) == 1 \
-                or torch.compiler.is_compiling():
-            return None
-        return start_ring(src, forward[0], self.ctx.groups)
-
-    def _start_sum(self, value: str) -> RingSum | ChunkedSum | None:
-        """How to sum `value` over tp as its maker makes it, where the plan says so (a
-        reduce-scatter in a ring, an all-reduce by chunks: `fivedc/runtime/tp_ring.py`) and the
-        group has more than one member; not inside a compiled region."""
-        path = self.paths.sums.get(value)
-        if path is None:
-            return None
-        (step,), backward = self.steps[path.redistribution]
-        if self.ctx.groups.size(step.axes) == 1 or torch.compiler.is_compiling():
-            return None
-        if step.kind == "all_reduce":
-            return ChunkedSum(step, self.ctx.groups)
-        return RingSum(step, self.ctx.groups, grad_step=backward[0] if path.grad_ring else None)
-
-    def _put_off(self, item: Redistribute, env: dict, params: dict, scope: dict) -> PutOff | None:
-        """The weights of the linears reading `item`'s output, where the plan runs its backward
-        sum behind their gradients (`fivedc/runtime/tp_overlap.py`) and this run can: its input
-        needs a gradient, no zero-bubble store puts dW off until W, not inside a compiled region."""
-        path = self.paths.put_offs.get(item.out)
-        if path is None or not (torch.is_grad_enabled() and env[item.src].requires_grad
-                                and store_of(self.ctx) is None and not torch.compiler.is_compiling()):
-            return None
-        return PutOff(tuple(params[scope[name]] for name in path.weights))
-
-    def _feed(self, op: Op, live: Live, ring: RingGather | None,
-              summing: RingSum | ChunkedSum | None) -> LinearFeed | None:
-        """The live objects a linear works with (None: none, a plain linear): the ring bringing
-        its input by chunks, the sum it feeds (not while verify traces values: the hops run on
-        the traced value), the put-off of its dW."""
-        path = self.paths.linears.get(op.out)
-        if path is None:
-            return None
-        gather = ring if path.gathered_by is not None else None
-        summing = summing if path.feeds_sum and self.tracer is None else None
-        put_off = live.put_offs.get(path.put_off_by) if path.put_off_by is not None else None
-        if gather is None and summing is None and put_off is None:
-            return None
-        return LinearFeed(gather=gather, summing=summing, put_off=put_off, put_off_index=path.put_off_index)
 
     def _traced(self, name: str, layer: int | None, out: Tensor) -> Tensor:
         return out if self.tracer is None else self.tracer.record(name, layer, out)
