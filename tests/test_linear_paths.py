@@ -64,3 +64,18 @@ def test_without_overlap_every_linear_is_plain() -> None:
 def test_the_fed_kinds_are_the_linear_kernels() -> None:
     """The program hands a `LinearFeed` only to ops of `LINEAR_KINDS`, whose kernel takes it."""
     assert all(kernels.KERNELS[kind] is kernels._linear for kind in LINEAR_KINDS)
+
+
+def test_a_pipeline_unit_is_a_block_of_its_own() -> None:
+    """Cut into one item per piece, the head's gather has no reader in its piece (the ring is
+    finished at the piece's end) and no reader puts dW off behind it; the layers' bodies
+    keep theirs."""
+    plan = compiled(sequence_parallel=True)
+    whole = plan_paths(plan.graph, plan.recompute)
+    items = plan.graph.body.items
+    cut = plan_paths(plan.graph, plan.recompute, pieces=[(i, i + 1) for i in range(len(items))])
+    top = [node.out for node in items if isinstance(node, Redistribute) and node.out in whole.gathers]
+    assert top and all(whole.gathers[v].reader is not None and cut.gathers[v].reader is None for v in top)
+    assert all(v in whole.put_offs and v not in cut.put_offs for v in top)
+    inner = set(whole.gathers) - set(top)
+    assert inner and all(cut.gathers[v] == whole.gathers[v] for v in inner)

@@ -17,6 +17,9 @@ records, by the name of the value each node makes:
   brings its input, whether it feeds the sum of its output, and the redistribution whose
   backward sum its dW is put off behind, with its weight's index there.
 
+A pipeline runs the top level's items by units, each a block of its own: its paths are
+read with the top level cut there (`plan_paths(..., pieces=)`), as the program ran them.
+
 At run time `Overlaps` makes the live objects where the run allows, and the program hands
 a linear's kernel the ones it works with as a `LinearFeed` (`fivedc/runtime/kernels._linear`):
 nothing travels on tensors or on the kernel context. What depends on the run is checked
@@ -28,7 +31,7 @@ values. (The kernel itself checks grad and the store again to pick its autograd 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -109,11 +112,13 @@ class LinearFeed:
 
 @dataclass(slots=True)
 class Live:
-    """The live objects of one run of a program (a loss, a pipeline chunk's units) that pass
-    from one node to a later one, by value name: a sum from the op making its value to its
-    redistribution, a put-off from its redistribution to the linears reading its output (a
-    pipeline unit may end between them)."""
+    """One run of a program (a loss, a pipeline chunk's units): the `overlaps` it follows (a
+    pipeline's units are blocks of their own), and the live objects that pass from one node
+    to a later one, by value name: a sum from the op making its value to its redistribution
+    (a pipeline unit may end between them), a put-off from its redistribution to the linears
+    reading its output."""
 
+    overlaps: Overlaps
     sums: dict[str, RingSum | ChunkedSum] = field(default_factory=dict)
     put_offs: dict[str, PutOff] = field(default_factory=dict)
 
@@ -181,15 +186,17 @@ class Overlaps:
         return LinearFeed(gather=gather, summing=summing, put_off=put_off, put_off_index=path.put_off_index)
 
 
-def plan_paths(graph: Graph, recompute: str) -> Paths:
-    """The paths of every block of `graph` (see the module's doc)."""
+def plan_paths(graph: Graph, recompute: str, *, pieces: Sequence[tuple[int, int]] | None = None) -> Paths:
+    """The paths of every block of `graph` (see the module's doc). `pieces`: the ranges of
+    top-level items a pipeline runs as blocks of their own (its units, `Program.run_units`);
+    a gather's reader and a put-off's readers are then those in its piece."""
     makers = {node.out: node for node, _ in walk_ops(graph.body) if isinstance(node, Op)}
     sums = {node.src: _sum_path(node, makers.get(node.src)) for node, _ in walk_ops(graph.body)
             if isinstance(node, Redistribute) and _sums_as_made(node)}
     gathers: dict[str, GatherPath] = {}
     put_offs: dict[str, PutOffPath] = {}
     linears: dict[str, LinearPath] = {}
-    for block, repeat, params in _blocks(graph.body, None, frozenset()):
+    for block, repeat, params in _blocks(graph.body, None, frozenset(), pieces):
         items = block.items
         for index, node in enumerate(items):
             if not isinstance(node, Redistribute):
@@ -221,10 +228,15 @@ def _sum_path(node: Redistribute, maker: Op | None) -> SumPath:
     return SumPath(node.out, fed, len(node.backward) == 1 and bool(node.backward[0].overlaps))
 
 
-def _blocks(block: Block, repeat: Repeat | None, outer: frozenset[str]):
-    """(block, its repeat, the parameter names in scope there), the bodies of repeats too."""
+def _blocks(block: Block, repeat: Repeat | None, outer: frozenset[str],
+            pieces: Sequence[tuple[int, int]] | None = None):
+    """(block, its repeat, the parameter names in scope there), the bodies of repeats too;
+    `block` cut into `pieces`, where given."""
     params = outer | {p.name for p in block.params}
-    yield block, repeat, params
+    if pieces is None:
+        yield block, repeat, params
+    else:
+        yield from ((Block(items=block.items[start:stop]), repeat, params) for start, stop in pieces)
     for item in block.items:
         if isinstance(item, Repeat):
             yield from _blocks(item.body, item, params)

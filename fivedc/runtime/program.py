@@ -16,8 +16,9 @@ its intermediate values are not kept alive by the program's either.
 
 Which linears run beside which tensor-parallel collectives is worked out once, from the
 plan's graph (`fivedc/runtime/linear_paths.py`); as it runs, the program makes the live
-objects where the run allows (`self.overlaps`: the run-time conditions, in one place) and
-passes a linear's to its kernel as a `LinearFeed`. Where the plan overlaps a redistribution's backward sum with weight
+objects where the run allows (`linear_paths.Overlaps`: the run-time conditions, in one
+place) and passes a linear's to its kernel as a `LinearFeed`; a pipeline's units are
+blocks of their own (`run_units`), so their paths are read with the top level cut there. Where the plan overlaps a redistribution's backward sum with weight
 gradients, the linears reading its output put their dW off until that sum has started
 (`fivedc/runtime/tp_overlap.py`). Where it sums a linear's output as it is made, the
 linear feeds the sum and the redistribution returns it. Where it runs a gather in a
@@ -40,6 +41,7 @@ from fivedc.ir.ops import counts_targets
 from fivedc.ir.graph import Block, DType, Graph, Op, Redistribute, Repeat, outer_reads, readers, walk_ops
 from fivedc.ir.graph import param_instances as qualified_params
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
+from fivedc.passes.stages import units as all_units
 from fivedc.estimates.saved import regathered
 from fivedc.ir.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
@@ -154,14 +156,16 @@ class Program:
             for node, _ in walk_ops(graph.body)
             if isinstance(node, Redistribute)
         }
-        # which linears run beside which collectives (read once from the plan), and when this run can
+        # which linears run beside which collectives (read once from the plan), and when this run can;
+        # for a pipeline's units, each a block of its own (made at its first run)
         self.overlaps = Overlaps(plan_paths(graph, recompute), ctx, self.steps)
+        self.unit_overlaps: Overlaps | None = None
 
     def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
         env: dict[str, Tensor] = dict(inputs)
         dims = {i.name: i.type.dims for i in self.graph.inputs}
         scope = {p.name: p.name for p in self.graph.body.params}
-        self._block(self.graph.body, env, dims, params, scope, live=Live())
+        self._block(self.graph.body, env, dims, params, scope, live=Live(self.overlaps))
         return env[self.graph.output]
 
     def losses_ignoring(self) -> list[Op]:
@@ -173,7 +177,10 @@ class Program:
         """Run a pipeline chunk: top-level item ranges and single layers of repeats
         (`fivedc.passes.stages.Unit`), reading and extending `env` and `dims`."""
         scope = {p.name: p.name for p in self.graph.body.params}
-        items, live = self.graph.body.items, Live()  # a unit may end between a sum's maker and its redistribution
+        if self.unit_overlaps is None:
+            pieces = [(unit.start, unit.stop) for unit in all_units(self.graph) if unit.layer is None]
+            self.unit_overlaps = Overlaps(plan_paths(self.graph, self.recompute, pieces=pieces), self.ctx, self.steps)
+        items, live = self.graph.body.items, Live(self.unit_overlaps)
         for unit in units:
             if unit.layer is None:
                 self._block(Block(items=items[unit.start:unit.stop]), env, dims, params, scope, live=live)
@@ -186,7 +193,7 @@ class Program:
         value's readers are: its chunk reader (`GatherPath.reader`, the op right after it)
         multiplies the chunks as they come and the ring is whole after it; before any other
         item, and at the block's end, the program finishes it first."""
-        live = live if live is not None else Live()
+        live = live if live is not None else Live(self.overlaps)
         gathering: tuple[RingGather, str | None] | None = None  # a ring still bringing a value, and its reader
         for item in block.items:
             ring = None  # the ring this item reads by chunks
@@ -202,7 +209,7 @@ class Program:
             elif isinstance(item, Redistribute):
                 started = self._redistribute(item, env, dims, params, scope, layer, live)
                 if started is not None:
-                    gathering = (started, self.overlaps.paths.gathers[item.out].reader)
+                    gathering = (started, live.overlaps.paths.gathers[item.out].reader)
             else:
                 self._op(item, env, dims, params, scope, repeat, layer, live, ring)
             if ring is not None:
@@ -223,10 +230,10 @@ class Program:
         for index, spec in enumerate(item.arg_specs):
             if spec is not None and spec.grad_once:
                 args[index] = counted_once(args[index], spec.grad_once, self.ctx.coords)
-        summing = self.overlaps.start_sum(item.out)
+        summing = live.overlaps.start_sum(item.out)
         if summing is not None:
             live.sums[item.out] = summing  # for its redistribution
-        feed = self.overlaps.feed(item, live, ring, summing, tracing=self.tracer is not None)
+        feed = live.overlaps.feed(item, live, ring, summing, tracing=self.tracer is not None)
         if recomputes_op(item, repeat, self.recompute):
             out = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
         elif feed is not None:  # a linear beside collectives (its kernel is kernels._linear: LINEAR_KINDS)
@@ -242,14 +249,14 @@ class Program:
         A sum its source's maker ran (`live.sums`) is finished here if the maker did not feed it."""
         forward, backward = self.steps[item.out]
         summing = live.sums.pop(item.src, None)
-        put_off = self.overlaps.put_off(item, env[item.src], lambda name: params[scope[name]])
+        put_off = live.overlaps.put_off(item, env[item.src], lambda name: params[scope[name]])
         if put_off is not None:  # the linears reading it compute dW while its backward sum runs
             live.put_offs[item.out] = put_off
         else:
             live.put_offs.pop(item.out, None)
         if summing is not None:
             summing.finish(env[item.src])
-        ring = self.overlaps.start_gather(item, env[item.src])
+        ring = live.overlaps.start_gather(item, env[item.src])
         out = redistribute(env[item.src], forward, backward, self.ctx.groups, put_off, ring or summing)
         if summing is not None:
             summing.out = None  # the value is `out` now: the sum (kept for backward's ring) lets go of it
