@@ -7,7 +7,9 @@ coordinates, groups and the sequence layout (global positions of a local chunk,
 for RoPE and the causal mask). Dims are matched by name: `align` permutes and
 unsqueezes a tensor to another's dim order. The kernels whose sharded form needs
 communication inside (vocab-parallel cross-entropy, ring attention) do it with
-explicit autograd, and the plan lists those collectives on the op.
+explicit autograd, and the plan lists those collectives on the op. The linear kernel
+(`_linear`) also takes what the program hands it where the plan runs a linear beside
+tensor-parallel collectives: a `LinearFeed` (`fivedc/runtime/linear_paths.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.ir.ops import OP_SPECS, POINTWISE, OpFamily, parse_freqs
 from fivedc.ir.pointwise import Pointwise, resolve
 from fivedc.runtime import tp_overlap, tp_ring, weight_grads
+from fivedc.runtime.linear_paths import LinearFeed
 from fivedc.runtime.attention import Ring, blockwise_attention, ring_attention
 from fivedc.runtime.loss import cross_entropy
 from fivedc.runtime.precision import compute_dtype, for_matmul
@@ -55,8 +58,6 @@ class KernelContext:
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
     # cross-entropy op -> its count of targets for the whole step, set by a pipeline before its microbatches
     step_counts: dict = field(default_factory=dict, compare=False, repr=False)
-    # a linear's output -> the ring summing it over tp as it is made (tp_ring.RingSum), set by the program
-    sum_rings: dict = field(default_factory=dict, compare=False, repr=False)
 
     def shard_range(self, dim: str, sharding: Sharding, coords: dict[MeshAxis, int] | None = None) -> tuple[int, int]:
         """Global [start, stop) of this rank's (or `coords`') chunk of `dim` (axes major-first)."""
@@ -150,34 +151,47 @@ def align(t: Tensor, dims: Dims, target: Dims) -> Tensor:
     return t.reshape(shape)
 
 
-def _linear(ctx, op, args, dims):
+def _linear(ctx, op, args, dims, feed: LinearFeed | None = None):
+    """`tensordot(x, w)` over x's dims the output drops, by one of these paths:
+
+    - float8 (`fivedc/runtime/fp8.py`): its own autograd (the program feeds it nothing);
+    - with the program's `feed` (`fivedc/runtime/linear_paths.py`), the product made chunk
+      by chunk as `feed.gather`'s ring brings x, or into `feed.summing` as that sum needs
+      them (collective matmul, `fivedc/runtime/tp_ring.py`), entering autograd by one of:
+    - put-off dW (`feed.put_off`, while grad is enabled): dX now, dW while x's gradient is
+      summed over tp (`fivedc/runtime/tp_overlap.py`);
+    - zero-bubble (a weight-gradient store, while grad is enabled and w needs a gradient):
+      dW may wait for W (`fivedc/runtime/weight_grads.py`);
+    - `tp_ring.Product` (a value made by chunks): a ring summing it can bring its gradient
+      back by chunks;
+    - plain `tensordot`.
+    """
     x, w = args
     k = len([d for d in dims[0] if d not in op.type.dims])
     order = None
     if tuple(dims[1][:k]) != tuple(dims[0][-k:]):  # stored [out, in] (a tied embedding table): in first
         order = (*range(w.dim() - k, w.dim()), *range(w.dim() - k))
     oriented = w if order is None else w.permute(order)
-    if is_fp8(op):  # float8 (fivedc/runtime/fp8.py): its own autograd; a ring bringing x is waited for first,
-        ring = tp_ring.ring_of(x)  # a sum ring left to the program (it sums the whole value), dW not put off
-        if ring is not None and not ring.done:
-            ring.finish()
+    if is_fp8(op):
         x, oriented = for_matmul(x, oriented)
         return Fp8Linear.apply(x, oriented.to(x.dtype), k, fp8_cast(ctx, op, tuple(dims[0])))
-    # collective matmul: the product made chunk by chunk as a ring brings x, or as a ring sums it
-    sum_ring = ctx.sum_rings.pop(op.out, None)
-    value = tp_ring.product(x, oriented, k) if sum_ring is None else tp_ring.summed_product(x, oriented, k, sum_ring)
-    put_off = tp_overlap.put_off_of(x)  # dW computed while x's gradient is summed over tp
-    if put_off is not None and (index := put_off.index(w)) is not None and torch.is_grad_enabled():
+    feed = feed if feed is not None else LinearFeed()
+    value = None  # collective matmul: the product made as a ring brings x, or as a ring sums it
+    if feed.summing is not None:
+        value = tp_ring.summed_product(x, oriented, k, feed.summing)
+    elif feed.gather is not None:
+        value = tp_ring.product(x, oriented, k, feed.gather)
+    if feed.put_off is not None and torch.is_grad_enabled():
         undo = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
         x, held = for_matmul(x, oriented.detach())
-        return tp_overlap.PutOffLinear.apply(x, held, k, put_off, index, undo, value)
+        return tp_overlap.PutOffLinear.apply(x, held, k, feed.put_off, feed.put_off_index, undo, value)
     w = oriented
-    store = weight_grads.store_of(ctx)  # a zero-bubble pipeline: the weight gradient may wait for W
+    store = weight_grads.store_of(ctx)
     if store is not None and torch.is_grad_enabled() and w.requires_grad:
         return weight_grads.DeferrableLinear.apply(*for_matmul(x), w, k, store, value)  # casts the leaf w itself
-    if value is not None:  # a ring summing it can bring its gradient back by chunks
-        return tp_ring.Product.apply(*for_matmul(x, w), k, value, sum_ring if isinstance(sum_ring, tp_ring.RingSum)
-                                     else None)
+    if value is not None:
+        summing = feed.summing if isinstance(feed.summing, tp_ring.RingSum) else None
+        return tp_ring.Product.apply(*for_matmul(x, w), k, value, summing)
     return torch.tensordot(*for_matmul(x, w), dims=k)
 
 

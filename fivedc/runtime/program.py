@@ -14,11 +14,19 @@ repeat (full) or an attention kernel (selective) runs as one region of
 forward again. A recomputed layer computes into an environment of its own, so
 its intermediate values are not kept alive by the program's either.
 
-Where the plan overlaps a redistribution's backward sum with weight gradients, the
-linears reading its output put their dW off until that sum has started
-(`fivedc/runtime/tp_overlap.py`). Where it runs a gather in a ring, the next op (a linear)
-multiplies the chunks as they arrive, and the value is whole before any other op reads
-it (`fivedc/runtime/tp_ring.py`).
+Which linears run beside which tensor-parallel collectives is worked out once, from the
+plan's graph (`fivedc/runtime/linear_paths.py`); as it runs, the program makes the live
+objects where the run allows (`linear_paths.Overlaps`: the run-time conditions, in one
+place) and passes a linear's to its kernel as a `LinearFeed`; a pipeline's units are
+blocks of their own (`run_units`), so their paths are read with the top level cut there. Where the plan overlaps a redistribution's backward sum with weight
+gradients, the linears reading its output put their dW off until that sum has started
+(`fivedc/runtime/tp_overlap.py`). Where it sums a linear's output as it is made, the
+linear feeds the sum and the redistribution returns it. Where it runs a gather in a
+ring, the op right after it (a linear) multiplies the chunks as they arrive; the one rule
+for finishing a ring: it is whole before any other item runs, and right after its reader
+(`_block`; `fivedc/runtime/tp_ring.py`). The objects that pass from one node to a later
+one (a sum to its redistribution, a put-off to its readers) are held by name in a `Live`
+per run.
 """
 
 from __future__ import annotations
@@ -32,8 +40,8 @@ from torch import Tensor
 from fivedc.ir.ops import counts_targets
 from fivedc.ir.graph import Block, DType, Graph, Op, Redistribute, Repeat, outer_reads, readers, walk_ops
 from fivedc.ir.graph import param_instances as qualified_params
-from fivedc.passes.communication import weight_readers
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
+from fivedc.passes.stages import units as all_units
 from fivedc.estimates.saved import regathered
 from fivedc.ir.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
@@ -42,9 +50,8 @@ from fivedc.runtime.kernels import KERNELS, KernelContext
 from fivedc.runtime.recompute import run_recomputed
 from fivedc.runtime.regions import CompiledLayers
 from fivedc.runtime.saved import mark_regathered
-from fivedc.runtime.tp_overlap import PutOff, mark_put_off
-from fivedc.runtime.tp_ring import ChunkedSum, RingGather, RingSum, mark_ring, start_ring
-from fivedc.runtime.weight_grads import store_of
+from fivedc.runtime.linear_paths import Live, Overlaps, plan_paths
+from fivedc.runtime.tp_ring import RingGather
 
 
 def grad_groups(graph: Graph, ctx: KernelContext) -> dict[str, object | None]:
@@ -149,21 +156,16 @@ class Program:
             for node, _ in walk_ops(graph.body)
             if isinstance(node, Redistribute)
         }
-        # a linear's output the plan sums as the linear makes it (a reduce-scatter in a ring, an
-        # all-reduce by chunks) -> that step, and the backward's gather of its gradient where it
-        # runs in a ring too; and the sums under way, for their redistribution
-        self.summed_in_ring = {node.src: (self.steps[node.out][0][0], self.steps[node.out][1][0]
-                                          if len(node.backward) == 1 and node.backward[0].overlaps else None)
-                               for node, _ in walk_ops(graph.body) if isinstance(node, Redistribute)
-                               and len(node.forward) == 1 and node.forward[0].kind in ("reduce_scatter", "all_reduce")
-                               and node.forward[0].overlaps}
-        self.summing: dict[str, RingSum | ChunkedSum] = {}
+        # which linears run beside which collectives (read once from the plan), and when this run can;
+        # for a pipeline's units, each a block of its own (made at its first run)
+        self.overlaps = Overlaps(plan_paths(graph, recompute), ctx, self.steps)
+        self.unit_overlaps: Overlaps | None = None
 
     def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
         env: dict[str, Tensor] = dict(inputs)
         dims = {i.name: i.type.dims for i in self.graph.inputs}
         scope = {p.name: p.name for p in self.graph.body.params}
-        self._block(self.graph.body, env, dims, params, scope)
+        self._block(self.graph.body, env, dims, params, scope, live=Live(self.overlaps))
         return env[self.graph.output]
 
     def losses_ignoring(self) -> list[Op]:
@@ -175,76 +177,93 @@ class Program:
         """Run a pipeline chunk: top-level item ranges and single layers of repeats
         (`fivedc.passes.stages.Unit`), reading and extending `env` and `dims`."""
         scope = {p.name: p.name for p in self.graph.body.params}
-        items = self.graph.body.items
+        if self.unit_overlaps is None:
+            pieces = [(unit.start, unit.stop) for unit in all_units(self.graph) if unit.layer is None]
+            self.unit_overlaps = Overlaps(plan_paths(self.graph, self.recompute, pieces=pieces), self.ctx, self.steps)
+        items, live = self.graph.body.items, Live(self.unit_overlaps)
         for unit in units:
             if unit.layer is None:
-                self._block(Block(items=items[unit.start:unit.stop]), env, dims, params, scope)
+                self._block(Block(items=items[unit.start:unit.stop]), env, dims, params, scope, live=live)
             else:
-                self._layer(items[unit.start], unit.layer, env, dims, params, scope)
+                self._layer(items[unit.start], unit.layer, env, dims, params, scope, live)
 
     def _block(self, block: Block, env: dict, dims: dict, params: dict, scope: dict,
-               repeat: Repeat | None = None, layer: int | None = None) -> None:
-        ring, ring_value = None, ""  # a gather still arriving in a ring: its next op reads it chunk by chunk
+               repeat: Repeat | None = None, layer: int | None = None, live: Live | None = None) -> None:
+        """Run `block`'s items into `env`. A gather the plan runs in a ring is finished where its
+        value's readers are: its chunk reader (`GatherPath.reader`, the op right after it)
+        multiplies the chunks as they come and the ring is whole after it; before any other
+        item, and at the block's end, the program finishes it first."""
+        live = live if live is not None else Live(self.overlaps)
+        gathering: tuple[RingGather, str | None] | None = None  # a ring still bringing a value, and its reader
         for item in block.items:
-            if ring is not None and not isinstance(item, Redistribute) and not self._reads_by_chunks(item, repeat,
-                                                                                                    ring_value):
-                ring.finish()  # anything else waits for the whole value
+            ring = None  # the ring this item reads by chunks
+            if gathering is not None:
+                if isinstance(item, Op) and item.out == gathering[1]:
+                    ring = gathering[0]
+                else:
+                    gathering[0].finish()  # anything else waits for the whole value
+                gathering = None
             if isinstance(item, Repeat):
                 for index in range(item.count):
-                    self._layer(item, index, env, dims, params, scope)
+                    self._layer(item, index, env, dims, params, scope, live)
             elif isinstance(item, Redistribute):
-                started = self._redistribute(block, item, env, dims, params, scope, layer,
-                                             self.summing.pop(item.src, None))
+                started = self._redistribute(item, env, dims, params, scope, layer, live)
                 if started is not None:
-                    if ring is not None:
-                        ring.finish()
-                    ring, ring_value = started, item.out
+                    gathering = (started, live.overlaps.paths.gathers[item.out].reader)
             else:
-                args, arg_dims = list(item.args), [None] * len(item.args)  # number literals as they are
-                for index, name in item.reads_at:
-                    if name in scope:
-                        args[index], arg_dims[index] = params[scope[name]], self.param_dims[scope[name]]
-                    else:
-                        args[index], arg_dims[index] = env[name], dims[name]
-                for index, spec in enumerate(item.arg_specs):
-                    if spec is not None and spec.grad_once:
-                        args[index] = counted_once(args[index], spec.grad_once, self.ctx.coords)
-                if (summing := self._sum_ring(item)) is not None:
-                    self.summing[item.out] = summing
-                    if self.tracer is None:  # else the hops run on the traced (maybe perturbed) value
-                        self.ctx.sum_rings[item.out] = summing  # the linear feeds it chunk by chunk
-                if recomputes_op(item, repeat, self.recompute):
-                    out = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
-                else:
-                    out = KERNELS[item.kind](self.ctx, item, args, arg_dims)
-                self.ctx.sum_rings.pop(item.out, None)
-                env[item.out] = self._traced(item.out, layer, out)
-                dims[item.out] = item.type.dims
-            if ring is not None and not isinstance(item, Redistribute):
-                ring.finish()
-                ring = None
-        if ring is not None:  # the block ends before its reader (a pipeline unit's last item)
-            ring.finish()
+                self._op(item, env, dims, params, scope, repeat, layer, live, ring)
+            if ring is not None:
+                ring.finish()  # done by its reader already, unless that took another path
+        if gathering is not None:  # the block ends before its reader (a pipeline unit's last item)
+            gathering[0].finish()
 
-    def _redistribute(self, block: Block, item: Redistribute, env: dict, dims: dict, params: dict, scope: dict,
-                      layer: int | None, summing: RingSum | ChunkedSum | None) -> RingGather | None:
+    def _op(self, item: Op, env: dict, dims: dict, params: dict, scope: dict, repeat: Repeat | None,
+            layer: int | None, live: Live, ring: RingGather | None) -> None:
+        """Run one op's kernel into `env`; a linear gets its `LinearFeed` (`ring`: the gather it
+        reads by chunks)."""
+        args, arg_dims = list(item.args), [None] * len(item.args)  # number literals as they are
+        for index, name in item.reads_at:
+            if name in scope:
+                args[index], arg_dims[index] = params[scope[name]], self.param_dims[scope[name]]
+            else:
+                args[index], arg_dims[index] = env[name], dims[name]
+        for index, spec in enumerate(item.arg_specs):
+            if spec is not None and spec.grad_once:
+                args[index] = counted_once(args[index], spec.grad_once, self.ctx.coords)
+        summing = live.overlaps.start_sum(item.out)
+        if summing is not None:
+            live.sums[item.out] = summing  # for its redistribution
+        feed = live.overlaps.feed(item, live, ring, summing, tracing=self.tracer is not None)
+        if recomputes_op(item, repeat, self.recompute):
+            out = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
+        elif feed is not None:  # a linear beside collectives (its kernel is kernels._linear: LINEAR_KINDS)
+            out = KERNELS[item.kind](self.ctx, item, args, arg_dims, feed)
+        else:
+            out = KERNELS[item.kind](self.ctx, item, args, arg_dims)
+        env[item.out] = self._traced(item.out, layer, out)
+        dims[item.out] = item.type.dims
+
+    def _redistribute(self, item: Redistribute, env: dict, dims: dict, params: dict, scope: dict,
+                      layer: int | None, live: Live) -> RingGather | None:
         """Run a redistribution into `env`; the ring still bringing its value, if it runs in one.
-        `summing`: the ring its source was summed in as it was made (finished here if it was not)."""
+        A sum its source's maker ran (`live.sums`) is finished here if the maker did not feed it."""
         forward, backward = self.steps[item.out]
-        put_off = self._put_off(block, item, env, params, scope)
+        summing = live.sums.pop(item.src, None)
+        put_off = live.overlaps.put_off(item, env[item.src], lambda name: params[scope[name]])
+        if put_off is not None:  # the linears reading it compute dW while its backward sum runs
+            live.put_offs[item.out] = put_off
+        else:
+            live.put_offs.pop(item.out, None)
         if summing is not None:
             summing.finish(env[item.src])
-        ring = self._ring(item, env[item.src], forward)
+        ring = live.overlaps.start_gather(item, env[item.src])
         out = redistribute(env[item.src], forward, backward, self.ctx.groups, put_off, ring or summing)
         if summing is not None:
             summing.out = None  # the value is `out` now: the sum (kept for backward's ring) lets go of it
-        if ring is not None:
-            mark_ring(out, ring)
-            if self.tracer is not None:  # the tracer copies the value now: the same hops, waited at once
-                ring.finish()
+        if ring is not None and self.tracer is not None:  # the tracer copies the value now: the same hops,
+            ring.finish()  # waited at once; no reader takes them by chunks
+            ring = None
         out = self._traced(item.out, layer, out)
-        if put_off is not None:  # the linears reading it compute dW while its backward sum runs
-            mark_put_off(out, put_off)
         if item.out in self.regathered:  # sequence parallelism: backward gathers it again
             # (marked after tracing: an injected fault's perturbed copy is gathered again too,
             # so every rank issues the same collectives; backward sees the unperturbed value)
@@ -253,48 +272,11 @@ class Program:
         dims[item.out] = item.type.dims
         return ring
 
-    def _put_off(self, block: Block, item: Redistribute, env: dict, params: dict, scope: dict) -> PutOff | None:
-        """The weights of the linears reading `item`'s output, where the plan runs its backward
-        sum behind their gradients and this run can (`fivedc/runtime/tp_overlap.py`)."""
-        if not (len(item.backward) == 1 and item.backward[0].overlaps and torch.is_grad_enabled()
-                and env[item.src].requires_grad and store_of(self.ctx) is None
-                and not torch.compiler.is_compiling()):
-            return None
-        names = weight_readers(block.items, item.out, scope)
-        return PutOff(tuple(params[scope[name]] for name in names)) if names else None
-
-    def _ring(self, item: Redistribute, src: Tensor, forward: tuple[Step, ...]) -> RingGather | None:
-        """The ring that gathers `item`'s value, where the plan runs its all-gather so and its next
-        op multiplies it chunk by chunk (`fivedc/runtime/tp_ring.py`); not inside a compiled
-        region (each hop would break it: there it is one all-gather)."""
-        if not (len(forward) == 1 and item.forward[0].overlaps and forward[0].kind == "all_gather"
-                and self.ctx.groups.size(forward[0].axes) > 1 and not torch.compiler.is_compiling()):
-            return None
-        return start_ring(src, forward[0], self.ctx.groups)
-
-    def _sum_ring(self, op) -> RingSum | ChunkedSum | None:
-        """How to sum `op`'s output over tp as it is made, where the plan says so (a reduce-scatter
-        in a ring, an all-reduce by chunks: `fivedc/runtime/tp_ring.py`); not inside a compiled region."""
-        step, grad_step = self.summed_in_ring.get(op.out, (None, None))
-        if step is None or self.ctx.groups.size(step.axes) == 1 or torch.compiler.is_compiling():
-            return None
-        if step.kind == "all_reduce":
-            return ChunkedSum(step, self.ctx.groups)
-        return RingSum(step, self.ctx.groups, grad_step=grad_step)
-
-    def _reads_by_chunks(self, op, repeat: Repeat | None, value: str) -> bool:
-        """Whether `op` multiplies `value` chunk by chunk as its ring brings them (a linear reading
-        it as its input, as it is)."""
-        if not isinstance(op, Op):
-            return False
-        spec = op.arg_specs[0] if op.arg_specs else None
-        return op.kind == "linear" and op.args[0] == value and value not in op.args[1:] \
-            and not (spec is not None and spec.grad_once) and not recomputes_op(op, repeat, self.recompute)
-
     def _traced(self, name: str, layer: int | None, out: Tensor) -> Tensor:
         return out if self.tracer is None else self.tracer.record(name, layer, out)
 
-    def _layer(self, item: Repeat, layer: int, env: dict, dims: dict, params: dict, scope: dict) -> None:
+    def _layer(self, item: Repeat, layer: int, env: dict, dims: dict, params: dict, scope: dict,
+               live: Live | None = None) -> None:
         """One iteration: the carried values enter (layer 0) or the previous layer's,
         kept under the results' names, and the body's yields become the results."""
         sources = item.carried if layer == 0 else item.results
@@ -307,7 +289,7 @@ class Program:
         elif self.regions is not None:
             self.regions.run(item, env, dims, params, scope, inner)
         else:
-            self._block(item.body, env, dims, params, inner, item, layer)
+            self._block(item.body, env, dims, params, inner, item, layer, live)
         for result, value, source in zip(item.results, item.body.yields, sources):
             env[result] = env[value]
             dims[result] = dims[source]

@@ -5,7 +5,9 @@ summed over tp (an all-reduce; under SP a reduce-scatter) while the same backwar
 computes the weight gradient dW = X^T dY, which the sum does not need. Where the plan
 marks a redistribution's backward sum so (`Collective.overlaps`, from
 `fivedc/passes/communication.py`), the program gives it a `PutOff` naming the
-readers' weights:
+readers' weights, and hands the same `PutOff` to each reader's kernel with its weight's
+index (`fivedc/runtime/linear_paths.LinearFeed`; which linears read it is worked out once
+from the plan, `LinearPath.put_off_by`):
 
 - the redistribution takes those weights as inputs of its autograd node
   (`fivedc/runtime/collectives.redistribute`), and each reader reads a detached weight
@@ -33,8 +35,6 @@ from torch import Tensor
 
 from fivedc.runtime.saved import regather_note
 
-_ATTR = "_fivedc_put_off"
-
 
 class PutOff:
     """The weight gradients of the linears reading one redistributed value."""
@@ -58,16 +58,6 @@ class PutOff:
             grads[index] = grad if grads[index] is None else grads[index] + grad
         self.pending = []
         return [g if w.requires_grad else None for g, w in zip(grads, self.weights)]
-
-
-def mark_put_off(value: Tensor, put_off: PutOff) -> Tensor:
-    """Note on `value` (the redistribution's output) that its readers put dW off into `put_off`."""
-    setattr(value, _ATTR, put_off)
-    return value
-
-
-def put_off_of(value: Tensor) -> PutOff | None:
-    return getattr(value, _ATTR, None)
 
 
 class PutOffLinear(torch.autograd.Function):

@@ -11,11 +11,12 @@ hop beside one chunk's matmul:
   s (1..n-1) sends the chunk this rank received at hop s-1 (at hop 1, its own) to the
   next member and receives the following one from the previous member, so after hop s
   it holds chunk i - s. The linear reading it (`fivedc/runtime/kernels._linear`, through
-  `product`) multiplies its own chunk first, then each chunk as its hop completes, while
-  the next hop runs; then the gathered tensor is put together for the other readers.
+  `product`, the program handing it the ring) multiplies its own chunk first, then each
+  chunk as its hop completes, while the next hop runs; then the gathered tensor is put
+  together for the other readers.
   Hop s + 1 is posted once hop s's receive is done: it sends what that receive wrote;
 - the reduce-scatter (`RingSum`): the linear making the partial output (through
-  `summed_product`) makes its part of chunk i - 1 and sends it on; then its part of
+  `summed_product`, the program handing it the sum) makes its part of chunk i - 1 and sends it on; then its part of
   chunk i - 2 while that hop runs, adds what the previous member summed of that chunk,
   sends it on; and so on, ending with its own chunk summed over the group. In backward
   the sum's gradient is gathered back in a ring (`RingSum.gather_grad_of`), and the
@@ -26,8 +27,11 @@ hop beside one chunk's matmul:
   chunk's matmul.
 
 Either product enters autograd as the linear's (`Product`), so backward is unchanged.
-The program finishes a gather before anything else reads the value, and runs a sum's
-hops on the whole value where no linear fed them. Every rank of the group posts the
+Which linear reads a gather by chunks and which feeds a sum is worked out once from the
+plan (`fivedc/runtime/linear_paths.py`); the program passes the ring or sum to that
+linear's kernel, finishes a gather before anything else reads the value (right after its
+reader, the op after the redistribution), and runs a sum's hops on the whole value where
+no linear fed them. Every rank of the group posts the
 same hops in the same order; the agreement proof lists them as `send_recv` events
 (`fivedc/proof/comm_program.py`).
 """
@@ -43,8 +47,6 @@ from fivedc.runtime.collectives import Step, chunk_size
 from fivedc.runtime.groups import MeshGroups
 from fivedc.runtime.p2p import Transfer, exchange
 from fivedc.runtime.precision import for_matmul
-
-_ATTR = "_fivedc_ring"
 
 
 class _Ring:
@@ -107,8 +109,8 @@ class RingGather(_Ring):
 
     def finish(self) -> Tensor | None:
         """Wait for every hop and put the chunks together in `out`, the gathered value, which
-        the first call returns (the ring lets go of it: the value marked with its ring would
-        otherwise keep itself alive)."""
+        the first call returns (the ring lets go of it: whatever still holds the ring does not
+        keep the value alive)."""
         if self.done:
             return None
         for hop in range(1, self.n):
@@ -127,21 +129,12 @@ def start_ring(shard: Tensor, step: Step, groups: MeshGroups) -> RingGather:
     return RingGather(shard, step, groups, shard.new_empty(shape))
 
 
-def mark_ring(value: Tensor, ring: RingGather) -> Tensor:
-    setattr(value, _ATTR, ring)
-    return value
-
-
-def ring_of(x: Tensor) -> RingGather | None:
-    """The ring still bringing x's chunks, if one does."""
-    return getattr(x, _ATTR, None)
-
-
-def product(x: Tensor, w: Tensor, k: int) -> Tensor | None:
-    """`tensordot(x, w, dims=k)` without autograd, chunk by chunk as x's ring brings them
-    (the gather dim is one x keeps), x completed at the end; None when no ring fills x."""
-    ring: RingGather | None = getattr(x, _ATTR, None)
-    if ring is None or ring.done:
+def product(x: Tensor, w: Tensor, k: int, ring: RingGather) -> Tensor | None:
+    """`tensordot(x, w, dims=k)` without autograd, chunk by chunk as `ring` (filling x, its
+    `out`) brings them (the gather dim is one x keeps), x completed at the end; None when
+    the ring is done already, or, completing x first, when the gather dim is contracted (the
+    program's paths never ask for that: `fivedc/runtime/linear_paths.py`)."""
+    if ring.done:
         return None
     if ring.dim >= x.dim() - k:  # the gather dim is contracted: no chunk makes a part of the product
         ring.finish()
