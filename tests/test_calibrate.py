@@ -163,12 +163,13 @@ def test_the_step_time_model_holds_against_fivedc_run_on_this_machine(tmp_path) 
 
 def _least_step(plan, *, unless: float, tries: int = 3) -> float:
     """The least step of a short `fivedc run` (after the first); other work on the machine only adds
-    to a step, so a run far slower than `unless` predicts is run again, up to `tries` in all."""
+    to a step (and more to a two-rank one on two cores), so a run half again slower than `unless`
+    predicts is run again, up to `tries` in all."""
     least = float("inf")
     for _ in range(tries):
         report = run_plan(plan, TrainSettings(steps=4, dtype="fp32", keep_grads=False))
         least = min(least, *report.seconds[1:])
-        if least <= 2 * unless:
+        if least <= 1.5 * unless:
             break
     return least
 
