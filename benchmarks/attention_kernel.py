@@ -5,7 +5,7 @@ K/V, timed in one process, interleaved, medians of `--repeats`:
 
 - SDPA: `F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)`.
 - fused: `blockwise_attention` with its blocks by the fused kernel (what the CPU runs:
-  `fivedc/runtime/attention_fused.py`), over the load-balanced halves of a cp=2 rank's
+  `runtime/attention_fused.py`), over the load-balanced halves of a cp=2 rank's
   sequence as ring attention sees them, and over the whole sequence at once.
 - matmuls: the same with the blocks by the module's own matmuls in 256-row tiles (what
   every block was before, and what devices without the fused kernel run).

@@ -4,11 +4,11 @@ Llama (`examples/llama.py`, 4 layers, float32) under `fivedc.parallelize(mesh="1
 on 2 local gloo processes, trained with `torch.optim.AdamW`, with and without SP: once
 with `overlap=True` (each column-parallel linear input's backward all-reduce, or under
 SP reduce-scatter, starts async and the readers' weight gradients are computed while
-it runs: `fivedc/runtime/tp_overlap.py`; and the forward's collectives run beside their
+it runs: `runtime/tp_overlap.py`; and the forward's collectives run beside their
 linears, under SP each gather before a column-parallel linear and each reduce-scatter
 after a row-parallel one in a ring (that one's gradient gathered back in a ring beside
 the linear's dX), without SP each all-reduce after a row-parallel linear by chunks:
-`fivedc/runtime/tp_ring.py`), once with `overlap=False` (they block). The variants
+`runtime/tp_ring.py`), once with `overlap=False` (they block). The variants
 alternate round by round in the same processes, so machine load hits them alike. Per variant: rank 0's median step time over
 `--steps` steps after a warm-up step, then the median over `--rounds` rounds; and the
 seconds one step spends waiting in tensor parallelism's collectives, forward and backward

@@ -195,7 +195,7 @@ def _deepseek_v3() -> Run:
 
 
 # FP8 runs: printed apart and not in `fivedc/estimates/model_error.py` (the bf16 runs above):
-# the recipe fivedc prices (`--fp8`, fivedc/passes/fp8.py) is not the one these ran.
+# the recipe fivedc prices (`--fp8`, passes/fp8.py) is not the one these ran.
 FP8_RUNS = (_deepseek_v3(),)
 
 

@@ -4,7 +4,7 @@ A model (from the DSL, torch.fx or torch.export: `fivedc/frontends/`) is an IR
 `Graph`. The passes of `PIPELINE` run in order, each a pure function of what the
 passes before it produced and the options (`CompileOptions`):
 
-- graph passes (`fivedc/passes/`), Graph -> Graph: check the IR, infer shapes,
+- graph passes (`passes/`), Graph -> Graph: check the IR, infer shapes,
   split the sequence over cp, place experts over ep, propagate shardings (dp, tp,
   sp, cp), decide the gradient sums, insert the redistributions with their
   collectives, check the IR again;

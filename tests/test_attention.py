@@ -4,7 +4,7 @@ Every numerical check runs in float64 and compares with SDPA on the full sequenc
 natural order (GQA by `repeat_interleave`, as SDPA expects): the q rows are one cp
 rank's chunks and k/v the whole sequence in all-gathered order, so the positions are
 a permutation and causality must come from them, not from row order. Each runs twice:
-with the blocks computed by torch's fused kernel (`fivedc/runtime/attention_fused.py`, what
+with the blocks computed by torch's fused kernel (`runtime/attention_fused.py`, what
 the CPU uses) and by the module's own matmuls (what other devices use).
 """
 

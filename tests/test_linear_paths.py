@@ -1,4 +1,4 @@
-"""The plan's paths of its linears (`fivedc/runtime/linear_paths.py`), read once per program.
+"""The plan's paths of its linears (`runtime/linear_paths.py`), read once per program.
 
 Which linear multiplies a gathered value chunk by chunk as its ring brings it, which feeds
 the sum of its output as it makes it, and which puts its weight gradient off behind which

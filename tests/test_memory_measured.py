@@ -3,7 +3,7 @@
 `fivedc run --report` measures, per rank: the parameters, gradients and optimizer
 state held after the last backward, and the peak of what a step keeps for backward
 (every storage autograd saves, each once, plus checkpoint's region inputs and the
-pipeline's boundary values, alive until the backward: `fivedc/runtime/saved.LiveMeter`).
+pipeline's boundary values, alive until the backward: `runtime/saved.LiveMeter`).
 Each must be within 5% of the plan's estimate (`fivedc/estimates/memory.py`), on meshes over
 every axis, with pipeline schedules and recomputation.
 """

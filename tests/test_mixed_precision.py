@@ -1,9 +1,9 @@
 """Mixed precision (bf16 autocast, float32 master weights) and compiled layer regions.
 
-The kernels follow `torch.autocast` (fivedc/runtime/precision.py): a parallelized module
+The kernels follow `torch.autocast` (runtime/precision.py): a parallelized module
 trained under autocast matches the plain module trained under autocast to bfloat16's
 accuracy, its parameters and gradients stay float32. Compiled regions
-(fivedc/runtime/regions.py) change no result: in float64 they equal the uncompiled
+(runtime/regions.py) change no result: in float64 they equal the uncompiled
 program, as one graph per repeat with no graph break. A long RoPE table in float32
 (2048 positions) is still recognised as the rope op (it was a replicated constant).
 """

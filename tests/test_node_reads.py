@@ -10,14 +10,13 @@ held here on small sources."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
+from package_files import package_files
 
 from fivedc.ir.graph import Block, Op, Redistribute, Repeat, TensorType, outer_reads, readers
 from fivedc.ir.sharding import Sharding
 
-PACKAGE = Path(__file__).resolve().parent.parent / "fivedc"
 
 # (file under fivedc/, enclosing function): why its isinstance(..., str) over `.args` is not an op's args
 ALLOWED = {
@@ -144,11 +143,10 @@ def g(data, value):
 
 def test_no_module_tells_an_ops_names_from_its_numbers_itself():
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).as_posix()
+    for rel, path in package_files():
         for where, line in scan(path.read_text()):
             if (rel, where) not in ALLOWED:
-                found.append(f"fivedc/{rel}:{line} ({where})")
+                found.append(f"{path}:{line} ({where})")
     assert not found, ("isinstance(<arg>, str) over an op's args: ask the node instead (Op.reads, reads_at, "
                        "arg_names, read, map_reads; fivedc/ir/graph.py): " + ", ".join(found))
 
@@ -157,4 +155,5 @@ def test_no_module_tells_an_ops_names_from_its_numbers_itself():
 def test_each_allowed_exception_is_still_there(key):
     """An exception named here that the code no longer needs is taken off the list."""
     rel, where = key
-    assert where in {w for w, _ in scan((PACKAGE / rel).read_text())}, f"{key} no longer scans args: drop it"
+    path = dict(package_files())[rel]
+    assert where in {w for w, _ in scan(path.read_text())}, f"{key} no longer scans args: drop it"

@@ -88,7 +88,7 @@ def test_plan_lists_the_p2p_transfers_and_memory_per_stage() -> None:
 
 def test_a_parameter_used_on_two_stages_is_held_by_both_and_summed_over_them() -> None:
     """The first and the last chunk read wte2: each pp rank holds a copy, and the plan sums their
-    gradients over pp (the tied weights of fivedc/passes/tied.py; tests/test_tied_weights.py trains them)."""
+    gradients over pp (the tied weights of passes/tied.py; tests/test_tied_weights.py trains them)."""
     text = small(layers=2).replace("linear(rmsnorm(x, lnf), w_head)", "linear(rmsnorm(x, lnf), wte2)") \
         .replace("param w_head: [hidden, vocab] = normal(0.3)", "")
     text = text.replace("param wte: [vocab, hidden] = normal(0.5)",

@@ -417,7 +417,7 @@ def _threads(info, payload) -> int:
 @pytest.mark.parametrize("model, mesh", [
     # the gradient sync overlapped with backward (over dp here, over ep and dp there, with ep's own
     # all-to-all groups): each left one gloo group's threads per run (3 more each run, on every rank
-    # that synced) while a parameter's hook held the sync object (fivedc/runtime/buckets.call_weakly)
+    # that synced) while a parameter's hook held the sync object (runtime/buckets.call_weakly)
     ("gpt", "2x1x1x1x1"), ("moe", "1x1x1x1x2"),
 ])
 def test_a_pool_run_leaves_no_threads_behind(worker_pool, model: str, mesh: str) -> None:

@@ -14,12 +14,12 @@ import ast
 from pathlib import Path
 
 import pytest
+from package_files import package_files
 
 from fivedc.schedule import (DEFAULT_SCHEDULE, SCHEDULES, ActionKind, Placement, ScheduleError, make_schedule,
                              schedule_kind, schedules_help)
 from fivedc.schedule.generators import placement
 
-PACKAGE = Path(__file__).resolve().parent.parent / "fivedc"
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -32,7 +32,7 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return out
 
 
-def _name_literals(path: Path, root: Path = PACKAGE.parent) -> list[str]:
+def _name_literals(path: Path, root: Path = Path(__file__).resolve().parent.parent) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     skip = _docstrings(tree)
     return [f"{path.relative_to(root)}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
@@ -41,7 +41,7 @@ def _name_literals(path: Path, root: Path = PACKAGE.parent) -> list[str]:
 
 
 def test_no_schedule_name_outside_the_schedule_folder():
-    found = [hit for path in sorted(PACKAGE.rglob("*.py")) if "schedule" not in path.relative_to(PACKAGE).parts[:1]
+    found = [hit for name, path in package_files() if not name.startswith("schedule/")
              for hit in _name_literals(path)]
     assert found == [], "ask schedule_kind(name) for a property instead of comparing names:\n" + "\n".join(found)
 

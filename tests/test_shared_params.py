@@ -5,7 +5,7 @@ parameters and the top-level ones read outside it), so its gradient was never su
 over dp and the agreement proof refused the plan. It is now a top-level bucket of its
 own, launched right after the repeat's buckets (its gradient is complete once backward
 has run the first layer); a pipeline that splits the repeat's layers over pp ranks holds
-it on each and sums its gradient over them as a tied weight (`fivedc/passes/tied.py`).
+it on each and sums its gradient over them as a tied weight (`passes/tied.py`).
 In float64 the plans train like one device.
 """
 

@@ -7,7 +7,7 @@ The IR keeps it as one parameter that both ops use (`linear` takes a weight stor
 (float64) under dp, tp (vocab-parallel for both uses) and ZeRO-3. Under a pipeline whose
 first and last stages both use it, each holds a copy (one layout) and the two sum their
 gradients over the pp ranks holding it before the gradient sync, as Megatron does
-(`fivedc/passes/tied.py`): in float64 the parallelized module and fivedc's own training
+(`passes/tied.py`): in float64 the parallelized module and fivedc's own training
 loop (clipping, a checkpoint, resuming on another pipeline) equal one device.
 """
 

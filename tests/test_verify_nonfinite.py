@@ -3,7 +3,7 @@
 Before, the worst error was kept with `max((err, name), ...)`, which a NaN never
 wins, so a parallel run whose numbers were all NaN reported error 0.0 and "OK".
 These tests poison a real parallel run inside the workers (the job wraps
-`fivedc/runtime/verify.train_plan`) and check the verdict, and hold each comparison rule
+`runtime/verify.train_plan`) and check the verdict, and hold each comparison rule
 to its definition.
 """
 

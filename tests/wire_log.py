@@ -1,7 +1,7 @@
 """What a rank really calls on torch.distributed during one training step, for the agreement tests.
 
 `record_step` (a worker-pool job) wraps torch.distributed's collectives and point-to-
-point calls, trains one step of the plan (`fivedc/runtime/verify.train_plan`), and returns
+point calls, trains one step of the plan (`runtime/verify.train_plan`), and returns
 each call as (op, group axes or "pp", elements, dtype, peer pp rank). Calls made
 inside another recorded call (torch's `recv` through `irecv`) are not recorded twice.
 `expected_calls` turns a class program (`fivedc/proof/comm_program.py`) into the same form,

@@ -1,12 +1,12 @@
 """`fivedc rehearse`: one rank of each class runs the plan's real step at full scale, on nothing.
 
 `fivedc rehearse PLAN.json` or `fivedc rehearse MODEL --mesh ... [compile flags]` runs
-`fivedc/runtime/rehearse.py` for every class of ranks of the plan's memory estimate and
+`runtime/rehearse.py` for every class of ranks of the plan's memory estimate and
 prints, per class, the estimate against the rehearsed peak, by category, with the
 largest storages live at the peak; `--report out.json` writes them. `--device meta`
 (the default) allocates nothing: a rank of a 405B plan runs on a laptop. `--device cpu`
 runs each rank on real tensors and also times its step by kind of work
-(`fivedc/runtime/calibrate.py`), against the seconds a profile estimates for them (the
+(`runtime/calibrate.py`), against the seconds a profile estimates for them (the
 plan's `--gpu`, or `--gpu NAME --hardware FILE`); `--calibrate OUT.toml` writes this
 machine's profile from those times and its links, for `fivedc compile --hardware`.
 `--device cuda` does the same on a GPU, one class after another, and holds the estimate to

@@ -4,11 +4,11 @@
 compiles first (the same options as `compile`). Started plainly it spawns the
 mesh's world of local processes (gloo on CPU, NCCL with CUDA); under torchrun it
 is one rank of that job. It trains `--steps` AdamW steps on a seeded synthetic
-batch (`fivedc/runtime/run.py`) and prints each step's loss and time (the slowest
+batch (`runtime/run.py`) and prints each step's loss and time (the slowest
 rank's), then the bytes the busiest rank held against the plan's estimate: parameters,
 gradients and optimizer state after the last backward, and the peak of what a step
-kept for backward (saved tensors, `fivedc/runtime/saved.LiveMeter`); `--report out.json` writes
-them per rank (`fivedc/runtime/run.memory_report`).
+kept for backward (saved tensors, `runtime/saved.LiveMeter`); `--report out.json` writes
+them per rank (`runtime/run.memory_report`).
 """
 
 from __future__ import annotations

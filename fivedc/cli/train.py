@@ -3,10 +3,10 @@
 `fivedc train MODEL_OR_PLAN --data train.bin [--val val.bin]` compiles the model for
 `--mesh` with the same options as `fivedc run` (or takes a saved plan as it is),
 checks the token files against the model (whole ids, one batch at least, every id
-inside the vocabulary) and which input gets what (`fivedc/runtime/data.input_roles`),
+inside the vocabulary) and which input gets what (`runtime/data.input_roles`),
 then trains on the mesh's world of local processes, on Ray actors (`--launcher ray`) or
 as one rank under torchrun (`fivedc/cli/train_launch.py`, which also restarts a job
-whose rank died): `fivedc/runtime/train_loop.py` on each rank. The plan, `--mesh auto`
+whose rank died): `runtime/train_loop.py` on each rank. The plan, `--mesh auto`
 among them, comes from `fivedc/cli/train_plan.py`; where the run starts (`--resume auto`:
 the save directory's latest checkpoint) from `fivedc/cli/train_resume.py`. A
 `file.py:factory` model starts from the
@@ -15,7 +15,7 @@ their shards from); a DSL model from seeded weights. Rank 0's rows become progre
 lines, the `--log` JSONL file and the `--plot` picture (`fivedc/cli/train_report.py`).
 Everything the run writes is checked first, before the model is compiled
 (`fivedc/cli/train_outputs.py`), and the save directory is locked for the whole run
-(`fivedc/runtime/save_lock.py`).
+(`runtime/save_lock.py`).
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def run_train(args, *, defaults) -> int:
 
 
 def _holding(save_dir: str | None):
-    """The save directory's lock for the run (`fivedc/runtime/save_lock.py`)."""
+    """The save directory's lock for the run (`runtime/save_lock.py`)."""
     import contextlib
 
     from fivedc.runtime.save_lock import hold_save_dir

@@ -1,8 +1,8 @@
 """How `fivedc train` runs its ranks, and restarts them: local processes, one rank of torchrun, Ray actors.
 
 `--launcher local` (the default) starts the mesh's world of processes on this machine
-(`fivedc/runtime/pool.py`); `--launcher ray` one Ray actor per rank
-(`fivedc/runtime/ray_launcher.py`); under torchrun (its `WORLD_SIZE` set) the process is
+(`runtime/pool.py`); `--launcher ray` one Ray actor per rank
+(`runtime/ray_launcher.py`); under torchrun (its `WORLD_SIZE` set) the process is
 one rank whatever the flag says. With `--max-restarts N` (local and Ray) a job whose rank
 died, crashed or timed out starts again from the latest committed checkpoint of its save
 directory (afresh, or from its own `--resume`, when none was written yet), up to N

@@ -6,7 +6,7 @@ many GPUs of `--gpu` (default h100): its mesh and every option it chooses (sched
 microbatches, ZeRO, SP, recomputation, rank order), so flags that would fix one of those
 are refused; the precision (`--dtype`, `--fp8`: float8 linears on every layout) is the user's. Every rank searches alike (the search is deterministic) and gets the same
 plan. A checkpoint saved on another layout is read into this one as any resume is
-(`fivedc/runtime/reshard.py`), and the run says so.
+(`runtime/reshard.py`), and the run says so.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What `fivedc train` shows and keeps of a run: progress lines, the JSONL log, the loss picture.
 
-Rank 0 of the run hands over one row per step (`fivedc/runtime/train_loop.py`:
+Rank 0 of the run hands over one row per step (`runtime/train_loop.py`:
 `{"step", "loss", "lr", "grad_norm", "tokens", "seconds"}`, `"val_loss"` where
 measured). `Progress` prints a line with a bar, the loss, tokens per second and the
 time left (from the last ten steps), at most about 50 lines a run plus every

@@ -149,7 +149,7 @@ def _resume_line(folder: Path, index: dict, plan, *, auto: bool) -> str:
 
 def _check_save_dir(save_dir: str, found: list) -> None:
     """A save directory that holds no other run's checkpoints (created, and locked, when
-    the run starts: `fivedc/runtime/save_lock.py`)."""
+    the run starts: `runtime/save_lock.py`)."""
     path = Path(save_dir)
     if path.exists() and not path.is_dir():
         raise FivedcError(f"--save-dir {save_dir} is not a directory", hint="give a directory (it is created)")

@@ -7,7 +7,7 @@ way it prints the largest relative error of the loss, gradients and parameters
 and exits 1 when one exceeds the tolerance (`fivedc/cli/verify_report.py`).
 
 On a mismatch it runs the plan once more with every op's value and gradient traced
-and names the first op that diverges (`fivedc/runtime/divergence.py`); `--trace-divergence`
+and names the first op that diverges (`runtime/divergence.py`); `--trace-divergence`
 traces the first run itself (so a difference that leaves the loss alone fails
 too), and `--inject-fault OP[@RANK]` perturbs one op on one rank: the checker's
 self-test, which must fail naming that op. A `file.py:factory` module is checked

@@ -17,7 +17,7 @@ from fivedc.errors import PassError, VerifyMismatch
 def judge(report, tol: float, *, what: str, fault=None) -> int:
     """Print the report; 0 when every error is within `tol`, else `VerifyMismatch` (exit 1)
     naming the first divergent op when the run was traced. Errors are never NaN
-    (fivedc/runtime/compare.py: a non-finite value is an infinite error). With a `fault` the run
+    (runtime/compare.py: a non-finite value is an infinite error). With a `fault` the run
     must fail at that op: a checker that misses it is a bug (exit 4)."""
     _print_report(report, tol)
     if fault is not None:

@@ -1,7 +1,7 @@
 """Activation bytes on one rank: what each unit keeps for backward, per microbatch, with recomputation.
 
 The save rules of `fivedc/estimates/saved.py` say what each op keeps; here they are summed per
-pipeline unit (one layer of a repeat, or a run of top-level ops: `fivedc/passes/stages.py`)
+pipeline unit (one layer of a repeat, or a run of top-level ops: `passes/stages.py`)
 with the same tensor counted once, as autograd keeps one storage:
 
 - a layer's own values and buffers are its own (`UnitSaves.own`); the body arguments
@@ -9,7 +9,7 @@ with the same tensor counted once, as autograd keeps one storage:
   (`outer`) are counted once per chunk, whichever units keep them;
 - constants (RoPE's tables) are kept once per rank, whatever the microbatches.
 
-Recomputation (`fivedc/passes/recompute.py`) changes what a unit keeps:
+Recomputation (`passes/recompute.py`) changes what a unit keeps:
 
 - selective: an attention op keeps only its inputs q, k, v (the recomputed region's
   inputs, which checkpoint holds); its own buffers (the log-sum-exp) are rebuilt in
@@ -159,7 +159,7 @@ def _boundary_key(graph: Graph, unit: Unit, name: str, after: int) -> tuple[str,
 
 def chunk_deferred(c: SaveContext, graph: Graph, chunk_units: list[Unit]) -> int:
     """What one microbatch keeps between its input-gradient pass (I) and its weight pass
-    (W) under a split backward (`fivedc/runtime/weight_grads.py`): each linear with a parameter
+    (W) under a split backward (`runtime/weight_grads.py`): each linear with a parameter
     weight keeps its input (as backward unpacked it: gathered) and its output's gradient."""
     total, layers = 0, {}
     for unit in chunk_units:

@@ -52,7 +52,7 @@ class Work:
     bytes: float = 0.0
     weight_flops: float = 0.0  # of the matmul FLOPs, those whose backward is a weight gradient (W)
     gemms: tuple[Gemm, ...] = ()  # the matmul FLOPs as GEMMs by shape (timed by shape on a tiled profile)
-    fp8: bool = False  # the matmuls run in float8 (`fivedc/passes/fp8.py`): at the profile's fp8_flops
+    fp8: bool = False  # the matmuls run in float8 (`passes/fp8.py`): at the profile's fp8_flops
     cast_bytes: float = 0.0  # float8: the casts' memory traffic before the matmul (`fp8_cast_bytes`)
 
 
@@ -157,7 +157,7 @@ def fp8_cast_bytes(c: SaveContext, op: Op) -> tuple[float, float]:
 def matmul_times(work: Work, hw: Hardware, *, element_bytes: int) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of an op's matmuls: on a tiled profile
     each GEMM by its shape (`gemm.py`), else all its FLOPs at the flat matmul rate."""
-    if work.fp8:  # float8 operands at the float8 peak (fivedc/passes/fp8.py)
+    if work.fp8:  # float8 operands at the float8 peak (passes/fp8.py)
         hw, element_bytes = float8_hardware(hw), 1
     if hw.tiled and work.gemms:
         return gemms_seconds(work.gemms, hw, element_bytes=element_bytes)

@@ -41,7 +41,7 @@ from fivedc.ir.hardware import Hardware
 @dataclass(frozen=True, slots=True)
 class Gemm:
     """`count` alike GEMMs C[m, n] = A[m, k] · B[k, n] on one rank, one after another (a
-    rank's experts, each on its own rows, as `fivedc/runtime/moe.py` runs them: no grouped
+    rank's experts, each on its own rows, as `runtime/moe.py` runs them: no grouped
     kernel sharing waves); `weight`: B is a parameter, so its gradient is a weight gradient (W)."""
 
     m: float

@@ -123,7 +123,7 @@ def estimate_memory(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, z
     """Bytes per class of ranks; the transient is the largest part `fivedc/estimates/transient.py` finds.
     The per-layer figures come from `memo` (`fivedc/estimates/memo.py`), computed once per graph.
     A tied parameter is held (with its gradient and optimizer state) by every pp rank whose
-    chunks use it; `tied`: the groups whose gradients those ranks sum (`fivedc/passes/tied.py`)."""
+    chunks use it; `tied`: the groups whose gradients those ranks sum (`passes/tied.py`)."""
     memo = memo_for(memo, graph, mesh, dtype)
     if pipeline is None:
         return MemoryEstimate((peak_of_step(memo, dtype_bytes, zero, recompute, buckets, overlap)[0],))
@@ -229,7 +229,7 @@ def _held(sizes: list[tuple], dtype: str, dtype_bytes: int, zero: int,
           held: HeldParams | None, *, accumulates: bool = False) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes of one pp rank (every rank without a pipeline). Under a
     pipeline (`accumulates`) the gradients add up whole over the microbatches and are summed
-    after the last (`fivedc/runtime/train.Trainer`): ZeRO-2 holds them whole, as ZeRO-1 does."""
+    after the last (`runtime/train.Trainer`): ZeRO-2 holds them whole, as ZeRO-1 does."""
     params = grads = optimizer = 0
     for param, repeat, local_numel, chunk, _ in sizes:
         n = param_count(held, param.name, repeat)

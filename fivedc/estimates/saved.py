@@ -7,7 +7,7 @@ as autograd keeps one storage), a buffer of its own (the log-sum-exp of attentio
 a norm's statistics, the log-softmax of a loss), or a constant every microbatch
 shares (RoPE's tables, cached by the kernel). Parameters and the model's inputs
 are never counted: they are held whatever backward needs. What the kernels in
-`fivedc/runtime/kernels.py` save, and so what the rules say (tests/test_saved.py measures
+`runtime/kernels.py` save, and so what the rules say (tests/test_saved.py measures
 each kernel with saved-tensor hooks against its rule):
 
     linear, matmul   x (a weight stored [out, in] also: its transposed copy)
@@ -26,7 +26,7 @@ each kernel with saved-tensor hooks against its rule):
 
 Sequence parallelism as Megatron runs it: the all-gathered input of a column-parallel
 linear is not kept; the linear keeps the sequence shard and gathers it again in
-backward (`regathered`; `fivedc/runtime/saved.py` does it, the plan lists the extra
+backward (`regathered`; `runtime/saved.py` does it, the plan lists the extra
 all-gather). So a GPT layer keeps 32·s·b·h/t bytes in 16-bit training, Megatron's
 34·s·b·h/t less its two dropout masks (fivedc has no dropout), plus the
 log-sum-exp and the norms' statistics (tests/test_activations.py).
@@ -170,7 +170,7 @@ def _linear(c: SaveContext, op: Op) -> list[Saved]:
     if tuple(w_dims[:k]) != tuple(x_dims[-k:]):  # stored [out, in]: tensordot keeps a transposed copy
         sharding = op.arg_specs[1].sharding if op.arg_specs and op.arg_specs[1] else Sharding()
         saved.append(c.own(op, "weight^T", c.graph.local_numel(w_dims, sharding, c.mesh) * c.dtype_bytes))
-    if is_fp8(op):  # float8 (fivedc/passes/fp8.py): the forward's scales of x and w, one float32 each
+    if is_fp8(op):  # float8 (passes/fp8.py): the forward's scales of x and w, one float32 each
         saved.append(c.own(op, "fp8 scales", 2 * FP8_SCALE_BYTES))
     return saved
 
@@ -257,7 +257,7 @@ def _aten(c: SaveContext, op: Op) -> list[Saved]:
 
 
 def _moe(c: SaveContext, op: Op) -> list[Saved]:
-    """fivedc/runtime/moe.py on T local tokens, R = T x top_k routed rows (dropless, balanced: a
+    """runtime/moe.py on T local tokens, R = T x top_k routed rows (dropless, balanced: a
     rank receives as many as it sends): x (the router's input); the scores [T, E]; the
     chosen experts [T, k] (int64); the gates and their sum, normalised; the routed
     rows' order and tokens [R] (int64); the rows the experts receive [R, hidden] and

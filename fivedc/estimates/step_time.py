@@ -72,7 +72,7 @@ def estimate_time(graph: Graph, *, mesh: Mesh, dtype: str, dtype_bytes: int, zer
                   buckets, pipeline: PipelineSpec | None, recompute: str, hardware: Hardware,
                   memo: Memo | None = None, tied=()) -> TimeEstimate:
     """The step on `hardware`, from per-layer seconds computed once per graph (`memo`);
-    `tied`: the groups of tied parameters the pp ranks holding them sum (`fivedc/passes/tied.py`)."""
+    `tied`: the groups of tied parameters the pp ranks holding them sum (`passes/tied.py`)."""
     memo = memo_for(memo, graph, mesh, dtype)
     hw, m = hardware, pipeline.microbatches if pipeline else 1
     c = save_context(memo, dtype_bytes, m, recompute)

@@ -17,12 +17,12 @@ part is placed at its moment of the step, beside what is live then
 - ZeRO-3: without a pipeline, gathered by group (the buckets): in forward the groups
   of the unit running (a layer's, or the top level's) and the next group, prefetched;
   in backward a group gathered again, its gradients and their reduce-scatter buffer
-  (3 x the group): the larger (`fivedc/runtime/zero3.py`); under a pipeline the whole
+  (3 x the group): the larger (`runtime/zero3.py`); under a pipeline the whole
   gathered parameters of the rank's chunks and their gradients for the step (2 x the
   local parameters); both also beside other parts (below);
 - gradient buckets: ZeRO-0/1 copy a bucket's gradients into one flat buffer, dropping
   them (the largest bucket beyond the gradients); ZeRO-2 lays every bucket out whole
-  before reduce-scattering it, two at a time (2 x the largest, `fivedc/runtime/buckets.py`);
+  before reduce-scattering it, two at a time (2 x the largest, `runtime/buckets.py`);
 - MoE all-to-all: the rows sent to the experts and back ([R, hidden] each way);
 - ring attention: the K/V block in hand and the one arriving, and in backward their
   gradient accumulators (4 x the packed K/V block at the dtype, 6 x at float32);
@@ -92,7 +92,7 @@ def transients(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, zero: 
 
 OPTIMIZER_STEP = "optimizer step's temporaries beyond the activations freed by then"
 GRAD_SUMS = "gradient buckets beyond the activations freed by then"
-# AdamW's temporaries per element of the part it updates (fivedc/runtime/zero.adamw_): in
+# AdamW's temporaries per element of the part it updates (runtime/zero.adamw_): in
 # 16-bit training the gradient in float32, the square root of the second moment and its
 # quotient (float32 each); in fp32 and fp64 the last two, at the dtype.
 STEP_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8, "fp64": 16}
@@ -216,7 +216,7 @@ def working_set(c: SaveContext, graph: Graph, unit: Unit, recompute: str) -> int
 
 def fp8_copies(c: SaveContext, op: Op) -> int:
     """Bytes of a float8 linear's float8 copies of its input and weight, one byte an element,
-    live beside its forward matmul (torchao keeps neither for backward: `fivedc/passes/fp8.py`)."""
+    live beside its forward matmul (torchao keeps neither for backward: `passes/fp8.py`)."""
     from fivedc.ir.graph import walk_params
 
     w = next(p for p, _ in walk_params(c.graph.body) if p.name == op.args[1])
@@ -226,14 +226,14 @@ def fp8_copies(c: SaveContext, op: Op) -> int:
 
 def loss_bytes(c: SaveContext, graph: Graph, unit: Unit) -> int:
     items, _ = _items(graph, unit)
-    # two logits-sized tensors at once (16-bit logits: computed in float32, fivedc/runtime/precision.py)
+    # two logits-sized tensors at once (16-bit logits: computed in float32, runtime/precision.py)
     return max((2 * c.value_numel(op.args[0]) * c.compute_bytes for op in items
                 if isinstance(op, Op) and op.kind == "cross_entropy"), default=0)
 
 
 def put_off_bytes(c: SaveContext, graph: Graph, unit: Unit, again=()) -> int:
     """Where a linear input's backward sum runs behind its readers' weight gradients
-    (`fivedc/runtime/tp_overlap.PutOff`): the readers' output gradients, kept for dW until
+    (`runtime/tp_overlap.PutOff`): the readers' output gradients, kept for dW until
     the sum starts, beside the input's gradient and the sum's buffer, and under SP the
     input gathered again (`again`: `fivedc.estimates.saved.regathered`)."""
     items, _ = _items(graph, unit)

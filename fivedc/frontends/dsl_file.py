@@ -1,6 +1,6 @@
 """The DSL frontend: model text (`examples/*.5d`) to a `fivedc.ir.graph.Graph`.
 
-`parse_model` parses with one cached LALR parser built from `fivedc/frontends/dsl/fivedc.lark`
+`parse_model` parses with one cached LALR parser built from `grammars/fivedc.lark`
 and hands the tree to `fivedc.frontends.dsl.lower`, which checks names, dims and op calls and
 builds the IR. A syntax error becomes a `DslError` at the offending character with
 the expected tokens in plain words; no lark exception, and no other exception type,
@@ -34,7 +34,7 @@ _KINDS = {"NAME": "name ", "INT": "number ", "FLOAT": "number ", "STRING": "stri
 
 @functools.cache
 def _parser() -> lark.Lark:
-    grammar = files("fivedc.frontends.dsl").joinpath("fivedc.lark").read_text(encoding="utf-8")
+    grammar = files("fivedc.grammars").joinpath("fivedc.lark").read_text(encoding="utf-8")
     return lark.Lark(grammar, parser="lalr", propagate_positions=True)
 
 

@@ -53,7 +53,7 @@ An `aten` op's attributes say everything the kernel needs:
   cuts them to this rank's positions, so the sequence keeps its split under cp.
 
 On a full tensor the sequence dim is stored in the cp layout's order
-(`fivedc/runtime/program.shard`); where the operator reads the sequence whole (replicated,
+(`runtime/program.shard`); where the operator reads the sequence whole (replicated,
 or an op along it) the kernel puts it back in global order for the call, and
 the result's sequence dim into layout order again.
 """

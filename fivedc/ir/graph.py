@@ -13,7 +13,7 @@ the last iteration. The body may also read outer values it does not reassign.
 Passes process a body once, so compile time does not grow with the layer count.
 
 Fields left `None` by the frontend (types, shardings) are filled by passes; the
-verifier (`fivedc/passes/verify.py`) checks which must be set at which point.
+verifier (`passes/verify.py`) checks which must be set at which point.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Input:
     sharding: Sharding | None = None
 
 
-PARAM_INITS = ("normal", "ones", "zeros")  # how a parameter starts (fivedc/runtime/program.init_params)
+PARAM_INITS = ("normal", "ones", "zeros")  # how a parameter starts (runtime/program.init_params)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,12 +3,12 @@
 Frontends check calls against this table (an unknown op or keyword is a DSL error
 at the call's position). An op's `family` names the shape rule and the sharding rule it
 shares with its kin (linear and matmul; add, sub, mul, div; the five activations; the two
-norms): `fivedc/passes/shapes.py` and `fivedc/passes/rules.py` each hold one rule per family
+norms): `passes/shapes.py` and `passes/rules.py` each hold one rule per family
 and read their per-kind table from this one (`by_family`, which fails at import when a
 family has no rule). A pointwise op (the activation and elementwise families) is defined
 here whole. Its `Pointwise` (`fivedc/ir/pointwise.py`) names the torch function of its kernel,
 what its backward saves, and what the fx frontend reads as it. The kernels
-(`fivedc/runtime/kernels.py`), save rules (`fivedc/estimates/saved.py`), the fx frontend's names
+(`runtime/kernels.py`), save rules (`fivedc/estimates/saved.py`), the fx frontend's names
 and the kind sets that list pointwise ops are built from `POINTWISE`. The other ops' kernels
 and save rules are per kind. `tests/test_op_tables.py` holds every table to the kinds here;
 docs/adding-an-op.md walks through adding one.
@@ -166,7 +166,7 @@ OP_SPECS: dict[str, OpSpec] = {
                 "bias_update: DeepSeek-V3 loss-free balancing rate (0: off); bias_state: a state [experts] added "
                 "to the scores to choose (a module's routing bias); count_state: a state [experts] each "
                 "training forward adds the whole batch's tokens per expert to (fivedc/ir/states.py). See "
-                "fivedc/passes/experts.py",
+                "passes/experts.py",
         ),
         OpSpec(
             "aten",

@@ -14,7 +14,7 @@ their attributes; `graph_states` reads them off the graph, one table entry per o
   device computes from the whole batch.
 
 Writes are additions, so a state is the same on every rank holding the op and the sum of
-what each pp rank's chunks added (`fivedc/runtime/states.py` sums them over pp after the
+what each pp rank's chunks added (`runtime/states.py` sums them over pp after the
 step, then runs the after-step hooks: updates the training loop makes from the state).
 """
 

@@ -8,7 +8,7 @@ comparing them checks every rank's shards). `check_module` trains the plain modu
 in this process, then the parallelized one on `mesh.world` workers (a
 `WorkerPool`, or a temporary one), and reports the worst relative error of each
 kind (relative to the largest magnitude of the reference tensor, as
-`fivedc/runtime/verify.py` does). The module comes from a `file.py:factory` spec, so
+`runtime/verify.py` does). The module comes from a `file.py:factory` spec, so
 each worker builds it again; the reference's initial state is sent along, so the
 factory need not be seeded.
 
@@ -72,7 +72,7 @@ class ModuleCheck:
     note: str = ""  # why the precision is not the one asked for
     module: bool = True  # checked against the plain module (a plan's report is against the plan on one device)
     traced: bool = False  # verify traced the module's plan op by op (fivedc/cli/verify.py)
-    divergence: object = None  # then its first divergent op (fivedc/runtime/divergence.Divergence), or None
+    divergence: object = None  # then its first divergent op (runtime/divergence.Divergence), or None
     injected: int = 0
 
     @property
@@ -84,7 +84,7 @@ class ModuleCheck:
 def train_module(model: nn.Module, inputs: tuple | dict, *, steps: int = 2, lr: float = 1e-2,
                  weight_decay: float = 0.1, autocast: str | None = None, on_step=None) -> ModuleRun:
     """autocast ("bf16", "fp16"): each forward under `torch.autocast` in that dtype, the parameters
-    (master weights) in theirs (fivedc/runtime/precision.py)."""
+    (master weights) in theirs (runtime/precision.py)."""
     from fivedc.parallel.module import ParallelModule
 
     parallel = isinstance(model, ParallelModule)
@@ -247,7 +247,7 @@ def _reference(spec: str, module: nn.Module, inputs, dtype: str | None, settings
 
 
 def compare(reference: ModuleRun, parallel: ModuleRun) -> ModuleCheck:
-    """The worst relative error of each kind (fivedc/runtime/compare.py: a missing step or
+    """The worst relative error of each kind (runtime/compare.py: a missing step or
     tensor, or a non-finite value in the parallel run, is an infinite error)."""
     worst = compare_runs(parallel, reference, names=tuple(reference.params))
     keys = dict.fromkeys((*reference.changed, *(k for k in parallel.buffers if k in reference.buffers

@@ -2,7 +2,7 @@
 
 Each parameter shard's gradient is a summand over its `grad_partial` axes (dp, cp,
 and tp for norm weights under SP). `GradSync` sums it there with the plan's
-buckets (`fivedc/runtime/buckets.py`), started during backward from post-accumulate-grad
+buckets (`runtime/buckets.py`), started during backward from post-accumulate-grad
 hooks in the plan's order (or all at the end with overlap off), and completes
 them in a callback queued on the autograd engine, which runs before `backward()`
 returns. So `.grad` holds the full gradient of each shard when the user's
@@ -37,7 +37,7 @@ class Grouping:
     """The plan's gradient sums in the names a parallelized module holds its tensors by
     (`fivedc/parallel/names.HeldNames.grouping`): each one's group (None: nothing to sum
     over), the buckets in launch order, each bucket with its unit (ZeRO-3 gathers a unit's
-    groups together: `fivedc/runtime/zero3.py`)."""
+    groups together: `runtime/zero3.py`)."""
 
     groups: dict[str, object | None]
     buckets: tuple[tuple[str, ...], ...]

@@ -251,7 +251,7 @@ class ParallelModule(nn.Module):
     def _fivedc_init_states(self, module: nn.Module, sync: bool) -> None:
         """The module's buffers the plan reads or adds to (`fivedc/ir/states.py`): whole on every rank
         (rank 0's, as the weights), registered under their keys (as the module registers them), and the
-        program's states (`fivedc/runtime/states.py`)."""
+        program's states (`runtime/states.py`)."""
         values = self.fivedc_traced.state_values(module)
         if sync and self._fivedc_groups is not None and values:
             _broadcast(values, self._fivedc_device)
@@ -344,7 +344,7 @@ def _mesh_groups(plan: ExecutionPlan, device: torch.device):
     axis_sets |= {p.sharding.axes_of(d) for _, p in qualified_params(plan.graph) for d in p.dims}
     axis_sets |= {loss_axes_of(plan.graph, plan.mesh)}
     if written_keys(plan.graph) and plan.mesh.size(MeshAxis.PP) > 1:
-        axis_sets |= {(MeshAxis.PP,)}  # the states' sum over pp (fivedc/runtime/states.py)
+        axis_sets |= {(MeshAxis.PP,)}  # the states' sum over pp (runtime/states.py)
     return MeshGroups(plan.mesh, device_type=device.type, axis_sets=sorted(a for a in axis_sets if a),
                       pp_subsets=holder_sets(plan.graph, plan.pipeline, plan.mesh.size(MeshAxis.PP)))
 

@@ -79,12 +79,12 @@ class ParallelizeOptions:
     microbatches: int | None = None
     virtual: int | None = None
     pp_layout: tuple[int, ...] | None = None
-    recompute: str | None = None  # none | selective | full (fivedc/passes/recompute.py)
-    fp8: bool = False  # linears in float8, torchao's tensorwise recipe (fivedc/passes/fp8.py); also under mesh="auto"
+    recompute: str | None = None  # none | selective | full (passes/recompute.py)
+    fp8: bool = False  # linears in float8, torchao's tensorwise recipe (passes/fp8.py); also under mesh="auto"
     stage_boundaries: tuple[str, ...] = ()  # module-path patterns where a pipeline chunk begins
     device: torch.device | str | None = None
     sync_module_states: bool = True
-    compile: bool | str = False  # each repeat's layer one torch.compile region (fivedc/runtime/regions.py)
+    compile: bool | str = False  # each repeat's layer one torch.compile region (runtime/regions.py)
     gpus: int | None = None  # mesh="auto": GPUs the layout search plans for (default: the job's world size)
     gpu: str | None = None  # mesh="auto": their kind (h100, ...)
     after_step: object = None  # fn(model) or a tuple of them, run by model.after_step() (None: the module's own)

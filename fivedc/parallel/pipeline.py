@@ -2,7 +2,7 @@
 
 A pipeline interleaves the microbatches' forwards and backwards across the pp
 ranks, so it cannot wait for the user's `loss.backward()`. `PipelineLoss.loss`
-runs the plan's schedule (`fivedc/runtime/pipeline.PipelineRunner`: every microbatch's
+runs the plan's schedule (`runtime/pipeline.PipelineRunner`: every microbatch's
 forward and backward) on aliases of the weights, and returns the full loss (the
 last chunk's sum of microbatch losses, summed over pp and the loss's pending
 axes) through `_PrecomputedGrads`, an autograd function of the weights whose

@@ -9,15 +9,15 @@ torch optimizer over `parameters()` steps, so its state is sharded exactly as th
   shards, and the forward reads views of them. `GradSync` sums their gradients over their
   `grad_partial` axes during backward.
 - `FlatChunks` (ZeRO-1 and 2, and ZeRO-3 under a pipeline): the parameters are
-  the owned chunks of the flattened local shards (`fivedc/runtime/flat_shard.FlatShard`, padded
+  the owned chunks of the flattened local shards (`runtime/flat_shard.FlatShard`, padded
   so every rank holds the same bytes). Each forward all-gathers them into full
-  local tensors (`fivedc/runtime/flat_shard.gather_flat`: one collective per gradient
+  local tensors (`runtime/flat_shard.gather_flat`: one collective per gradient
   bucket of the plan, not one per parameter), new leaves that autograd accumulates into, and
   a `GradSync` over those sums the gradients into the chunks' `.grad`: the full
   sum's owned slice (ZeRO-1, an all-reduce) or a reduce-scatter (ZeRO-2, 3). The
   optimizer updates only the chunks; the next forward gathers them again.
 - `GatheredOnUse` (ZeRO-3): the parameters are the owned chunks; a layer's groups
-  are gathered while it runs (`fivedc/runtime/zero3.ShardedParams`), and backward gathers
+  are gathered while it runs (`runtime/zero3.ShardedParams`), and backward gathers
   again instead of keeping; the gradient's chunk arrives through autograd, the
   gather's backward being a reduce-scatter.
 

@@ -49,12 +49,12 @@ class ExecutionPlan:
     zero: int = 0  # ZeRO stage: 0 (off), 1 optimizer state, 2 + gradients, 3 + parameters
     overlap: bool = True  # reduce gradient buckets during backward; ZeRO-3: prefetch parameters
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    buckets: tuple[Bucket, ...] = ()  # gradient buckets in launch order (fivedc/passes/overlap.py)
-    pipeline: PipelineSpec | None = None  # pp > 1: chunks, schedule, microbatches (fivedc/passes/stages.py)
+    buckets: tuple[Bucket, ...] = ()  # gradient buckets in launch order (passes/overlap.py)
+    pipeline: PipelineSpec | None = None  # pp > 1: chunks, schedule, microbatches (passes/stages.py)
     notes: tuple[str, ...] = ()  # warnings for the reader, e.g. a setting that changes nothing
     recompute: str = "none"  # activation recomputation: none, selective (attention), full (each layer)
     time: TimeEstimate | None = None  # seconds per step on a GPU (compile --gpu; fivedc/estimates/step_time.py)
-    fp8: bool = False  # --fp8: the linears the graph marks run in float8 (fivedc/passes/fp8.py)
+    fp8: bool = False  # --fp8: the linears the graph marks run in float8 (passes/fp8.py)
 
     def save(self, path: str | Path, *, inputs: tuple[str | Path, ...] = ()) -> None:
         """Write atomically with `fivedc.files.write_output`: never half a plan, never over

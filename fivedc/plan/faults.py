@@ -4,7 +4,7 @@
 `fivedc show PLAN --ops` lists them (`logits`, `layers.2.q`; a bare name in a layer
 stack is its layer 0), RANK a rank that computes it (default: the first that does;
 under a pipeline only its stage's ranks do). The runtime's trace
-(`fivedc/runtime/trace.py`) then adds a small constant to one element of that op's output
+(`runtime/trace.py`) then adds a small constant to one element of that op's output
 on that rank at step 1, and verify must fail naming the op.
 """
 

@@ -114,7 +114,7 @@ def _header(plan: ExecutionPlan) -> Table:
 
 
 def _fp8_text(plan: ExecutionPlan) -> str:
-    """How many linears run in float8 (fivedc/passes/fp8.py), per layer stack and at top level."""
+    """How many linears run in float8 (passes/fp8.py), per layer stack and at top level."""
     from fivedc.ir.graph import Op, walk_ops
     from fivedc.passes.fp8 import is_fp8
 

@@ -11,7 +11,7 @@ from fivedc.ir.mesh import MeshAxis
 
 LAYER = "{layer}"  # in an event's description: the layer of the run that issues it (`at_layer`)
 MICROBATCH = "{microbatch}"  # and its microbatch (a pipeline transfer's)
-RING_TAG = 2  # a chunk passed around a tp ring (fivedc/runtime/tp_ring.py); ring attention's are 0 and 1
+RING_TAG = 2  # a chunk passed around a tp ring (runtime/tp_ring.py); ring attention's are 0 and 1
 # An instruction that runs kernels and puts nothing on the wire (an op's forward or backward, a
 # chunk's weight gradients, the optimizer step): in a class's instruction list
 # (`comm_program.class_instructions`, what `fivedc show PLAN --program` prints), never in the

@@ -42,7 +42,7 @@ class KernelEvents:
         return []
 
     def _amax(self, op: Op, phase) -> list[Event]:
-        """A float8 linear's amax all-reduces (`fivedc/passes/fp8.py`): forward its input's and
+        """A float8 linear's amax all-reduces (`passes/fp8.py`): forward its input's and
         weight's, backward its output gradient's, one float32 each."""
         return [Event("all_reduce", c.axes, 1, "float32", c.reason, op.loc) for c in op.collectives
                 if c.phase == phase and c.reason.startswith("fp8:")]
@@ -63,7 +63,7 @@ class KernelEvents:
     def _counted_up_front(self, op: Op) -> tuple[int, ...] | None:
         """The top-level items a pipeline runs once more before its first microbatch to count
         `op`'s targets over the step (none: they are an input); None where the kernel counts
-        them itself (fivedc/runtime/pipeline.PipelineRunner._count_targets)."""
+        them itself (runtime/pipeline.PipelineRunner._count_targets)."""
         if self.pipeline is None:
             return None
         if op.args[1] in {i.name for i in self.graph.inputs}:

@@ -15,7 +15,7 @@ from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.state_sync import state_sync_numel
 from fivedc.proof.events import Event
 
-GATHER_BUCKET_BYTES = 25 * 2**20  # fivedc/runtime/flat_shard.gather_flat's cap for parameters in no bucket
+GATHER_BUCKET_BYTES = 25 * 2**20  # runtime/flat_shard.gather_flat's cap for parameters in no bucket
 
 
 class SyncEvents:
@@ -67,13 +67,13 @@ class SyncEvents:
         return out
 
     def _states(self) -> list[Event]:
-        """After the step: the states the forward adds to, summed over pp (`fivedc/passes/state_sync.py`)."""
+        """After the step: the states the forward adds to, summed over pp (`passes/state_sync.py`)."""
         numel = state_sync_numel(self.graph, self.mesh)
         return [Event("all_reduce", (MeshAxis.PP,), numel, "float64",
                       "the states the forward adds to, summed over pp for the after-step hooks")] if numel else []
 
     def _tied(self, pp_rank: int) -> list[Event]:
-        """Tied parameters (`fivedc/passes/tied.py`): after the last microbatch, the pp ranks that
+        """Tied parameters (`passes/tied.py`): after the last microbatch, the pp ranks that
         hold copies of them sum their local gradients, one all-reduce per holder set."""
         out = []
         for group in self.tied:

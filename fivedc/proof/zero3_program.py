@@ -1,6 +1,6 @@
 """ZeRO-3 without a pipeline: one step's events with the parameters gathered by group.
 
-What `fivedc/runtime/zero3.py` does, expanded: the groups are the plan's buckets per
+What `runtime/zero3.py` does, expanded: the groups are the plan's buckets per
 layer (`expand_units`). In forward, at each op, every parameter it reads whose group
 is not held gathers its group (an all-gather of the group's chunks, an *instance* of
 the group); reading a parameter of another unit (a layer, or the top level) first

@@ -21,7 +21,7 @@ and virtual stages, the ZeRO stage and the recomputation. The space (`meshes`,
 - SP on and off under tp > 1; ring and all-gather CP attention under cp > 1;
 - ZeRO 0-3 and recompute none, selective, full, where they change something.
 
-Not searched: the precision. The dtype and `--fp8` (float8 linears, `fivedc/passes/fp8.py`)
+Not searched: the precision. The dtype and `--fp8` (float8 linears, `passes/fp8.py`)
 are the user's choice, the same for every candidate (`Candidate.fp8`), as they change the
 numbers the model computes and not only its speed.
 

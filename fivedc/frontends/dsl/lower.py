@@ -1,4 +1,4 @@
-"""Lowering of a parsed model (the lark tree of `fivedc/frontends/dsl/fivedc.lark`) to `fivedc.ir.graph.Graph`.
+"""Lowering of a parsed model (the lark tree of `grammars/fivedc.lark`) to `fivedc.ir.graph.Graph`.
 
 One walk, top to bottom: evaluate dims, declare inputs and params
 (`fivedc/frontends/dsl/decls.py`), check every call against `fivedc.ir.ops.OP_SPECS`, give every
@@ -330,7 +330,7 @@ class _Lowering(Declarations):
         scope.values.update(zip(carried, results))
 
     def recompute_mode(self, tree: Tree, mark: Annotation) -> str:
-        """`@recompute(full)`: one of the modes (fivedc/passes/recompute.py)."""
+        """`@recompute(full)`: one of the modes (passes/recompute.py)."""
         if len(mark.args) != 1 or mark.args[0] not in RECOMPUTE_MODES:
             raise self.src.error(tree, f"{mark} needs one mode: {', '.join(RECOMPUTE_MODES)}",
                                  "e.g. @recompute(selective): attention recomputed in backward; @recompute(full): "

@@ -25,7 +25,7 @@ import fivedc
 from fivedc.errors import SourceLoc
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_LIBS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, fivedc))
+_LIBS = (os.path.dirname(torch.__file__) + os.sep, *(str(folder) + os.sep for folder in fivedc.folders()))
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _INSTALLED = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
 

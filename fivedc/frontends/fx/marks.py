@@ -14,7 +14,7 @@ Layers inlined into top-level ops (the export path inlines every module; a list 
 layers differ) are still the pipeline's units: `mark_layers` puts `@layer(path)`
 (`Annotation("layer")`) on the first top-level op of each layer of an `nn.ModuleList`
 (or `nn.ModuleDict`),
-where a unit begins (`fivedc/passes/stages.py`) without forcing a cut; what follows the
+where a unit begins (`passes/stages.py`) without forcing a cut; what follows the
 last layer (the final norm, the head) begins a unit too.
 Ops that compute from the inputs alone (Hugging Face's shifted labels: a pad and a slice of
 the input ids) are placed at their first use (`sink_input_only`), so that the chunk that
