@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,26 @@ def worker_pool() -> Iterator[WorkerPool]:
     """One pool of 8 worker processes for the whole session (workers start on first use)."""
     with WorkerPool(8) as pool:
         yield pool
+
+
+SOURCE = Path(__file__).resolve().parent.parent
+WATCHED = ("", "examples", "tests", "benchmarks", "docs", "fivedc", "passes", "runtime", "grammars")
+SCRATCH = {"__pycache__", ".hypothesis", ".pytest_cache"}  # what Python, hypothesis and pytest keep
+
+
+def _tree_entries() -> set[str]:
+    return {f"{folder}/{p.name}".lstrip("/") for folder in WATCHED if (SOURCE / folder).is_dir()
+            for p in (SOURCE / folder).iterdir() if p.name not in SCRATCH}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_into_the_source_tree() -> Iterator[None]:
+    """A test writes under its tmp_path only: a file or folder that appears in the source tree's
+    folders during the session is an error at its end, named (a command run without -o, say)."""
+    before = _tree_entries()
+    yield
+    made = sorted(_tree_entries() - before)
+    assert not made, f"the tests wrote into the source tree (write under tmp_path): {made}"
 
 
 def pytest_addoption(parser) -> None:

@@ -118,7 +118,7 @@ def test_the_command_writes_a_profile_compile_prices_with(tmp_path, capsys) -> N
     hw = hardware("laptop", (profile,))
     assert hw.bf16_flops > 1e8 and 0 < hw.op_memory_efficiency <= 1 and hw.nvlink_latency_s > 0
     assert main(["compile", MODEL, "--mesh", "2x1x1x1x1", "--dtype", "fp32", "--hardware", str(profile),
-                 "--gpu", "laptop"]) == 0
+                 "--gpu", "laptop", "-o", str(tmp_path / "p.plan.json")]) == 0
     assert "Step time on this machine" in capsys.readouterr().out
 
 
