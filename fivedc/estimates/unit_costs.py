@@ -25,7 +25,6 @@ the ops run, so the same plan gives the same seconds to the last bit.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 
 from fivedc.estimates.collectives import collective_seconds
@@ -287,8 +286,7 @@ class UnitSums:
         return hidden
 
 
-@functools.lru_cache(maxsize=4096)
-def _batched(graph: Graph, node) -> bool:
+def _batched(graph: Graph, node) -> bool:  # no cache: a key would hash the whole graph at every call
     return graph.batch_dim in node.type.dims if node.type else True
 
 
