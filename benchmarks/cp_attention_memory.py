@@ -34,7 +34,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import torch.nn.functional as F
 
-from fivedc.runtime.attention import TILE, make_ring, ring_attention
+from fivedc.runtime.attention_pairs import TILE
+from fivedc.runtime.attention_ring import make_ring, ring_attention
 from fivedc.runtime.pool import RankInfo, WorkerPool
 from fivedc.ir.seq_layout import SeqLayout, layout_order
 

@@ -1,6 +1,6 @@
 """The parameters each pp rank holds, counted: what the memory and time estimates and DualPipe's copy sync sum over.
 
-`chunk_param_names` (passes/stages.py) names every parameter instance a pp rank's
+`chunk_param_names` (passes/chunk_params.py) names every parameter instance a pp rank's
 chunks use (`layers.17.wq`), which the runtime needs; the estimates need only how
 many copies of each parameter a rank holds, which `held_params` counts in one pass
 over the rank's units, whatever the depth of the model.
@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivedc.ir.graph import Graph, Repeat
-from fivedc.passes.stages import PipelineSpec, Unit, outer_params, unit_top_params, units
+from fivedc.passes.chunk_params import outer_params, unit_top_params
+from fivedc.passes.stages import PipelineSpec, Unit, units
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivedc.ir.graph import Graph
-from fivedc.passes.stages import PipelineSpec, chunk_param_names, outer_params, unit_top_params, units
+from fivedc.passes.chunk_params import chunk_param_names, outer_params, unit_top_params
+from fivedc.passes.stages import PipelineSpec, units
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Attention blocks by torch's fused kernel (flash attention on the CPU), for blockwise and ring attention.
 
-A block is a (q run, k/v run) pair of `runtime/attention.py`: rows of consecutive
+A block is a (q run, k/v run) pair of `runtime/attention_pairs.py`: rows of consecutive
 global positions. The fused kernel returns the block's output and its log-sum-exp,
 which merge with the other blocks' exactly (`merge_partials`); its backward, given
 the rows' final output and log-sum-exp (over every block), computes this block's
@@ -13,7 +13,7 @@ A causal pair on the diagonal covers the same positions on both sides whenever t
 runs are aligned (cp's chunks are), and is the kernel's own causal mask; any other
 partly visible pair gets an explicit additive mask. Used where torch has the kernel:
 the CPU, in float64, float32, bfloat16 and float16 (`available`); elsewhere the
-blocks are computed by `runtime/attention.py`'s own matmuls.
+blocks are computed by `runtime/attention_blocks.py`'s own matmuls.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _mask(pair, q_pos: Tensor, block, dtype: torch.dtype) -> tuple[bool, Tensor 
 
 def pair_forward(q: Tensor, q_pos: Tensor, block, pair) -> tuple[Tensor, Tensor]:
     """The attention of the pair's q rows to its k/v rows: (output, log-sum-exp), which
-    `runtime/attention.py` merges with the other pairs'."""
+    `runtime/attention_blocks.py` merges with the other pairs'."""
     (qo, qn), (ko, kn) = pair.q, pair.kv
     causal, mask, blind = _mask(pair, q_pos, block, q.dtype)
     part, part_lse = _FORWARD(q[:, :, qo:qo + qn], block.k[:, :, ko:ko + kn], block.v[:, :, ko:ko + kn], 0.0,

@@ -34,7 +34,7 @@ from fivedc.ir.mesh import MeshAxis
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.plan.sites import Site, data_dependent, sites
 from fivedc.runtime.compare import relative_error
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.program import shard
 
 PHASES = ("forward", "backward", "gradient sync")

@@ -1,7 +1,7 @@
 """One hop around a ring of ranks: send a tensor to the next member, receive its like from the previous.
 
 Ring attention passes K/V blocks (and their gradients) this way over cp
-(`runtime/attention.py`); a gather the plan runs in a ring passes the chunks of a
+(`runtime/attention_ring.py`); a gather the plan runs in a ring passes the chunks of a
 tensor over tp (`runtime/tp_ring.py`). Both post the send and the receive
 together (`batch_isend_irecv`) and wait for them when the received tensor is needed.
 """

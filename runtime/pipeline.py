@@ -34,8 +34,9 @@ from fivedc.runtime.loss import counted_targets
 from fivedc.runtime.saved import held
 from fivedc.runtime.weight_grads import DeferredGrad
 from fivedc.runtime.weight_grads import enable as enable_deferred_weight_grads
-from fivedc.passes.stage_plan import input_only_items
-from fivedc.passes.stages import PipelineSpec, Unit, units, value_types
+from fivedc.passes.microbatch_checks import input_only_items
+from fivedc.passes.stage_values import value_types
+from fivedc.passes.stages import PipelineSpec, Unit, units
 from fivedc.passes.tied import tied_groups
 
 K = ActionKind
@@ -216,7 +217,7 @@ class PipelineRunner:
         """A loss with ignore_index divides by the count of its targets over the whole step,
         not one microbatch's: counted here, before them, on the rank that holds the loss. Its
         targets are an input, or computed from the inputs alone (Hugging Face's label shift:
-        `stage_plan.input_only_items`), by those ops run once more here on the whole step's
+        `microbatch_checks.input_only_items`), by those ops run once more here on the whole step's
         inputs (row by row: the plan runs no op along the batch under microbatches)."""
         self.ctx.step_counts.clear()
         if all(self.spec.chunks[c].rank != self.ctx.coords[MeshAxis.PP] for c in self.loss_chunks):

@@ -46,7 +46,8 @@ from fivedc.estimates.saved import regathered
 from fivedc.ir.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.grad_once import counted_once
-from fivedc.runtime.kernels import KERNELS, KernelContext
+from fivedc.runtime.kernel_context import KernelContext
+from fivedc.runtime.kernels import KERNELS
 from fivedc.runtime.recompute import run_recomputed
 from fivedc.runtime.regions import CompiledLayers
 from fivedc.runtime.saved import mark_regathered

@@ -36,11 +36,11 @@ from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.fault_hook import strike
 from fivedc.runtime.data import RankBatches, Sampler, TokenFile, token_shape
 from fivedc.runtime.grad_norm import clip_grad_norm, counted_params
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.program import Program, init_params, qualified_params, shard
 from fivedc.runtime.resume import check_same_model, local_params, restore_state
 from fivedc.runtime.train import Trainer, TrainSettings, loss_axes_of, synchronize
-from fivedc.passes.stages import chunk_param_names
+from fivedc.passes.chunk_params import chunk_param_names
 from fivedc.passes.tied import holder_sets, shared_instances
 from fivedc.runtime.train_config import TrainConfig
 from fivedc.ir.states import written_keys

@@ -24,11 +24,11 @@ from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.compare import check_reference, compare_runs, relative_error
 from fivedc.runtime.divergence import Divergence, RankTrace, first_divergence
 from fivedc.runtime.fp8 import reference_blocks
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.moe import ExpertLoad
 from fivedc.runtime.program import Program, init_params, make_inputs, qualified_params, shard
 from fivedc.runtime.trace import Fault, ValueTrace
-from fivedc.passes.stages import chunk_param_names
+from fivedc.passes.chunk_params import chunk_param_names
 from fivedc.passes.tied import holder_sets
 from fivedc.runtime.train import TrainRecord, TrainSettings, loss_axes_of, train
 

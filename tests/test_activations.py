@@ -22,7 +22,7 @@ from fivedc.frontends.dsl_file import parse_model
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.program import Program, init_params, make_inputs
 from fivedc.runtime.saved import SavedRecorder, saving_scope
 from random_models import model_text

@@ -21,8 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fivedc.errors import ShapeError
-from fivedc.runtime import attention, attention_fused
-from fivedc.runtime.attention import blockwise_attention, merge_partials, plan_pairs, position_runs
+from fivedc.runtime import attention_blocks, attention_fused, attention_pairs
+from fivedc.runtime.attention import blockwise_attention
+from fivedc.runtime.attention_pairs import merge_partials, plan_pairs, position_runs
 from fivedc.ir.seq_layout import SeqLayout, layout_order
 
 TOL = 1e-12
@@ -159,13 +160,13 @@ def test_skipped_pairs_compute_no_scores(monkeypatch: pytest.MonkeyPatch) -> Non
     seq, cp = 32, 4
     q_pos, kv_pos = cp_positions(seq, cp=cp, rank=0, balanced=True), gathered(seq, cp, balanced=True)
     calls: list[tuple[int, ...]] = []
-    real = attention._scores
+    real = attention_blocks._scores
 
     def counting(q_rows, k_run, mask, scale, *rest):
         calls.append((q_rows.shape[-2], k_run.shape[-2], mask is not None))
         return real(q_rows, k_run, mask, scale, *rest)
 
-    monkeypatch.setattr(attention, "_scores", counting)
+    monkeypatch.setattr(attention_blocks, "_scores", counting)
     q = torch.randn(1, 4, 8, 4, dtype=torch.float64, requires_grad=True)
     k, v = torch.randn(2, 1, 2, seq, 4, dtype=torch.float64, requires_grad=True)  # group 2
     out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=True, kv_blocks=4)
@@ -189,7 +190,7 @@ def test_the_fused_kernel_gets_whole_runs_and_the_causal_diagonal(monkeypatch: p
         return real(q, k, v, dropout, causal, attn_mask=attn_mask)
 
     monkeypatch.setattr(attention_fused, "_FORWARD", counting)
-    monkeypatch.setattr(attention, "TILE", 2)  # would cut every run of 4: the fused path ignores it
+    monkeypatch.setattr(attention_pairs, "TILE", 2)  # would cut every run of 4: the fused path ignores it
     q = torch.randn(1, 4, 8, 4, dtype=torch.float64)
     k, v = torch.randn(2, 1, 2, seq, 4, dtype=torch.float64)
     blockwise_attention(q, k, v, q_pos, kv_pos, causal=True, kv_blocks=4)
@@ -264,7 +265,7 @@ def test_shape_errors_name_the_fix() -> None:
 @pytest.mark.parametrize("causal", [True, False])
 def test_long_runs_are_cut_into_tiles(causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """With TILE = 3 every score matrix is at most 3 x 3, and the result is unchanged."""
-    monkeypatch.setattr(attention, "TILE", 3)
+    monkeypatch.setattr(attention_pairs, "TILE", 3)
     pairs = plan_pairs(torch.arange(8), torch.arange(8), causal=causal)
     assert max(max(p.q[1], p.kv[1]) for p in pairs) == 3
     assert len(pairs) == (6 if causal else 9)  # 3 x 3 tiles, the 3 above the diagonal skipped

@@ -25,7 +25,9 @@ from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan.work_counts import compute_seconds, own_work_seconds, step_work
-from fivedc.runtime.calibrate import LinkSeconds, StepSeconds, profile_of, profile_text
+from fivedc.runtime.calibrate import StepSeconds
+from fivedc.runtime.calibrate_links import LinkSeconds
+from fivedc.runtime.calibrate_profile import profile_of, profile_text
 from fivedc.runtime.run import run_plan
 from fivedc.runtime.train import TrainSettings
 

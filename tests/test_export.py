@@ -24,7 +24,7 @@ from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.data import RankBatches, Sampler
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.train_loop import TrainJob, train_job
 from fivedc.cli.train_launch import _write_init
 from train_helpers import ROOT, job_for, make_tokens, one_device

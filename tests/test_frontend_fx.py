@@ -30,7 +30,7 @@ from fivedc.ir.graph import Op, Repeat, walk_ops
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.states import set_states
 from fivedc.runtime.program import Program
 from fivedc.runtime.train import TrainSettings

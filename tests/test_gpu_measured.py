@@ -29,7 +29,8 @@ from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.plan.work_counts import compute_seconds, step_seconds
-from fivedc.runtime.calibrate import StepSeconds, profile_of
+from fivedc.runtime.calibrate import StepSeconds
+from fivedc.runtime.calibrate_profile import profile_of
 from fivedc.runtime.rehearse import rehearse_plan
 
 DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data"

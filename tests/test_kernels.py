@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from fivedc.ir.graph import ArgSpec, Graph, Block, Op, TensorType
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.runtime.kernels import KERNELS, KernelContext
+from fivedc.runtime.kernel_context import KernelContext
+from fivedc.runtime.kernels import KERNELS
 from fivedc.ir.sharding import Sharding
 
 DIMS = (("b", 2), ("s", 6), ("h", 3), ("kv", 1), ("d", 4), ("v", 8), ("e", 5))

@@ -23,7 +23,7 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
 from fivedc.passes.experts import MoeSettings
 from fivedc.pipeline import compile_graph
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime import moe
 from fivedc.runtime.moe import (batched_experts, capacity_keep, grouped_experts, local_experts, loop_experts, route,
                                 sliced_experts)

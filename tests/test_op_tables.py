@@ -138,7 +138,7 @@ from fivedc.frontends.fx_module import trace_module
 from fivedc.ir.graph import Op, walk_ops
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.program import Program
 from fivedc.runtime.verify import single_device_mesh
 

@@ -35,7 +35,7 @@ from fivedc.parallel.parallelize import compile_module
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.passes.stages import chunk_param_names
+from fivedc.passes.chunk_params import chunk_param_names
 
 HERE = str(Path(__file__).resolve())
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -21,7 +21,8 @@ from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan
 from fivedc.passes.stage_plan import RUNNABLE
-from fivedc.passes.stages import chunk_param_names, partition
+from fivedc.passes.chunk_params import chunk_param_names
+from fivedc.passes.stage_cuts import partition
 from random_models import model_text
 
 TOL = 1e-10
@@ -221,7 +222,7 @@ def test_dualpipev_balances_each_ranks_pair_of_chunks() -> None:
     import itertools
     import random
 
-    from fivedc.passes.stage_plan import balance_v
+    from fivedc.passes.stage_cuts import balance_v
 
     def worst_pair(costs, ranges) -> float:
         chunk = [sum(costs[a:b]) for a, b in ranges]

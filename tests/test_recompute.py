@@ -29,7 +29,7 @@ from fivedc.pipeline import compile_graph
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.cli.plan_check import check_plan
 from fivedc.runtime import program as program_module
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.program import Program, init_params, make_inputs
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import single_device_mesh, verify_plan

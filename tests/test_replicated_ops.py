@@ -543,7 +543,7 @@ def test_a_constant_that_differs_between_batch_rows_is_seen_whole(worker_pool) -
     import dataclasses
 
     from fivedc.runtime.aten_kernel import aten_kernel
-    from fivedc.runtime.kernels import KernelContext
+    from fivedc.runtime.kernel_context import KernelContext
     from replicated_models import per_row_alibi
 
     module, inputs = per_row_alibi()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fivedc.runtime.attention import make_ring, ring_attention
+from fivedc.runtime.attention_ring import make_ring, ring_attention
 from fivedc.runtime.pool import RankInfo, WorkerPool
 from fivedc.ir.seq_layout import SeqLayout, layout_order
 

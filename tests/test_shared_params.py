@@ -16,7 +16,7 @@ import pytest
 from fivedc.frontends.dsl_file import parse_model
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.base import CompileOptions
-from fivedc.passes.stages import chunk_param_names
+from fivedc.passes.chunk_params import chunk_param_names
 from fivedc.passes.tied import tied_names
 from fivedc.pipeline import compile_graph
 from fivedc.proof.agreement import prove_agreement

@@ -26,7 +26,7 @@ from fivedc.ir.graph import Annotation, Op, walk_ops
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.parallel.check import check_module
 from fivedc.passes.base import CompileOptions
-from fivedc.passes.stages import chunk_param_names
+from fivedc.passes.chunk_params import chunk_param_names
 from fivedc.pipeline import compile_graph
 from fivedc.proof.agreement import prove_agreement
 from fivedc.proof.comm_program import class_programs

@@ -20,7 +20,7 @@ from fivedc.cli.main import main
 from fivedc.errors import FivedcError
 from fivedc.frontends.dsl_file import parse_model
 from fivedc.runtime.data import RankBatches, Sampler, TokenFile, input_roles, read_windows
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.program import Program, init_params, shard
 from fivedc.runtime.train_loop import train_job
 from fivedc.runtime.train_config import TrainConfig

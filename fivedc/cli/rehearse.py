@@ -227,7 +227,9 @@ def _estimated_seconds(work, hw, matmuls: float | None) -> dict[str, float]:
 def _write_profile(args, plan, timing: Timing, measured) -> None:
     from fivedc.files import write_output
     from fivedc.ir.hardware import hardware
-    from fivedc.runtime.calibrate import profile_of, profile_text, time_links, time_rank
+    from fivedc.runtime.calibrate import time_rank
+    from fivedc.runtime.calibrate_links import time_links
+    from fivedc.runtime.calibrate_profile import profile_of, profile_text
 
     gpu = timing.device == "cuda"
     small = time_rank(timing.small, 0, beside=timing.beside, device=timing.device)

@@ -6,8 +6,8 @@ An op's rule lists `Saved` tensors for one microbatch on one rank: a value it ke
 as autograd keeps one storage), a buffer of its own (the log-sum-exp of attention,
 a norm's statistics, the log-softmax of a loss), or a constant every microbatch
 shares (RoPE's tables, cached by the kernel). Parameters and the model's inputs
-are never counted: they are held whatever backward needs. What the kernels in
-`runtime/kernels.py` save, and so what the rules say (tests/test_saved.py measures
+are never counted: they are held whatever backward needs. What the kernels of
+`runtime/kernels.py`'s table save, and so what the rules say (tests/test_saved.py measures
 each kernel with saved-tensor hooks against its rule):
 
     linear, matmul   x (a weight stored [out, in] also: its transposed copy)

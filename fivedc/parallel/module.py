@@ -45,7 +45,7 @@ from fivedc.parallel.weights import make_weights
 from fivedc.passes.tied import holder_sets
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.collectives import Step, apply_steps, redistribute
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.moe import end_step, register_params
 from fivedc.runtime.program import Program, qualified_params, shard
 from fivedc.runtime.states import mark_summed, set_states, state_store, sum_over_pp

@@ -36,7 +36,7 @@ from fivedc.ir.graph import Param
 from fivedc.parallel.grads import Grouping
 from fivedc.passes.overlap import expand_units
 from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.runtime.kernels import KernelContext
+from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.program import grad_groups, qualified_params
 
 

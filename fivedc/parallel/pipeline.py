@@ -34,7 +34,7 @@ from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.pipeline import PipelineRunner
 from fivedc.runtime.moe import register_params
 from fivedc.runtime.train import DTYPES, loss_axes_of
-from fivedc.passes.stages import chunk_param_names
+from fivedc.passes.chunk_params import chunk_param_names
 
 
 class PipelineLoss:

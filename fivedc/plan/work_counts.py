@@ -7,7 +7,7 @@ nothing, so the step's seconds are that kind's count: matmul FLOPs, attention FL
 memory-bound ops of forward and backward, bytes of the optimizer's update, ops issued.
 Recomputation
 and the plan's sharding count as the model counts them, because it is the model that
-counts. A calibration divides measured seconds by these (`runtime/calibrate.py`),
+counts. A calibration divides measured seconds by these (`runtime/calibrate_profile.py`),
 so the profile it writes prices exactly what it measured.
 """
 

@@ -41,7 +41,7 @@ from fivedc.errors import PassError
 from fivedc.ir.graph import param_instances
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.overlap import expand_buckets
-from fivedc.passes.stages import held_by_rank
+from fivedc.passes.chunk_params import held_by_rank
 
 
 class AgreementError(PassError):

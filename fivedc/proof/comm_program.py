@@ -55,7 +55,8 @@ from fivedc.proof.pipeline_events import PipelineEvents
 from fivedc.proof.sync_events import Buckets, SyncEvents
 from fivedc.proof.zero3_program import zero3_step
 from fivedc.passes.overlap import expand_buckets
-from fivedc.passes.stages import held_by_rank, units
+from fivedc.passes.chunk_params import held_by_rank
+from fivedc.passes.stages import units
 from fivedc.passes.tied import tied_groups
 
 TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fivedc.ir.ops import counts_targets
 from fivedc.ir.mesh import MeshAxis
-from fivedc.passes.stage_plan import input_only_items
+from fivedc.passes.microbatch_checks import input_only_items
 from fivedc.plan.sites import Site
 from fivedc.ir.graph import Op, Phase
 from fivedc.passes.fp8 import is_fp8

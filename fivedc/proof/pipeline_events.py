@@ -14,7 +14,7 @@ from __future__ import annotations
 from fivedc.ir.ops import counts_targets
 from fivedc.ir.graph import Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import MeshAxis
-from fivedc.passes.stages import value_types
+from fivedc.passes.stage_values import value_types
 from fivedc.proof.events import COMPUTE, MICROBATCH, Event, Run, compute
 
 

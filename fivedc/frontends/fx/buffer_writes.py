@@ -8,7 +8,7 @@ shape); the buffer must be read nowhere else in the forward (a read would be a c
 the plan, fixed when traced), and the write's result must not be used. Anything else stays
 refused at its line. Under a pipeline of several microbatches each adds its rows' part: only a
 sum over the batch that nothing else reads adds up to the one-device value; any other value is
-refused there (`passes/stage_plan.py`).
+refused there (`passes/microbatch_checks.py`).
 """
 
 from __future__ import annotations

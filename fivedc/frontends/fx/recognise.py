@@ -215,7 +215,7 @@ def rope_theta(m: nn.Module, x: torch.Tensor, seq_axis: int) -> float | None:
 
 
 def reference_rope(x: torch.Tensor, seq_axis: int, theta: float, freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """fivedc's rope (`runtime/kernels.py`) on a tensor whose sequence is `seq_axis`: frequencies
+    """fivedc's rope (`runtime/sequence_kernels.py`) on a tensor whose sequence is `seq_axis`: frequencies
     theta ** (-i / half), or the ones given."""
     half = x.shape[-1] // 2
     if freqs is None:
