@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from fivedc.cli.main import main
-from fivedc.cli.rehearse import _estimated_seconds
 from fivedc.cli.shared import with_shape
 from fivedc.errors import FivedcError
 from fivedc.frontends.dsl_file import load_model
