@@ -1,7 +1,7 @@
 """Microbatches for a pipeline: how many by default, and whether the model can run in them.
 
-The local batch must split into the microbatches (`_check_microbatches`); ops that see
-the whole batch at once cannot run one microbatch at a time (`_check_per_microbatch`:
+The local batch must split into the microbatches (`check_microbatches`); ops that see
+the whole batch at once cannot run one microbatch at a time (`check_per_microbatch`:
 an `aten` op along the batch, a buffer write that is not a sum over the batch, a loss
 counting targets computed from more than the inputs, whose ops `input_only_items`
 finds). `choose_schedule` (`passes/stage_plan.py`) runs these checks.
@@ -16,7 +16,7 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.ir.ops import counts_targets
 
 
-def _default_microbatches(graph: Graph, mesh: Mesh, p: int, least: int) -> int:
+def default_microbatches(graph: Graph, mesh: Mesh, p: int, least: int) -> int:
     """pp microbatches (or the schedule's least, if more), else the nearest count that
     splits the local batch: the next larger divisor, or the largest one."""
     local = graph.dim(graph.batch_dim) // mesh.size(MeshAxis.DP, MeshAxis.EP)
@@ -25,7 +25,7 @@ def _default_microbatches(graph: Graph, mesh: Mesh, p: int, least: int) -> int:
     return next((d for d in divisors if d >= want), divisors[-1])
 
 
-def _check_microbatches(graph: Graph, mesh: Mesh, m: int) -> None:
+def check_microbatches(graph: Graph, mesh: Mesh, m: int) -> None:
     batch = graph.dim(graph.batch_dim)
     data = mesh.size(MeshAxis.DP, MeshAxis.EP)
     local = batch // data
@@ -60,7 +60,7 @@ def input_only_items(graph: Graph, name: str) -> tuple[int, ...] | None:
     return tuple(sorted(needed))
 
 
-def _check_per_microbatch(graph: Graph, m: int) -> None:
+def check_per_microbatch(graph: Graph, m: int) -> None:
     """Ops that see the whole batch at once cannot run one microbatch at a time: an `aten` op
     that runs replicated or along the batch (it may reduce over it), and a loss with
     ignore_index whose targets are computed from more than the inputs (its count spans the

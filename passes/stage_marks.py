@@ -14,7 +14,7 @@ from fivedc.schedule import schedule_kind
 from fivedc.passes.stages import Unit
 
 
-def _check_marks(graph: Graph, all_units: list[Unit], layout: tuple[int, ...] | None, schedule: str,
+def check_marks(graph: Graph, all_units: list[Unit], layout: tuple[int, ...] | None, schedule: str,
                  p: int, per_rank: int) -> None:
     """Marks not together with a layout, and giving the chunks the schedule runs."""
     first = next(u for u in all_units if u.marked)
@@ -53,7 +53,7 @@ def _marks_hint(n: int, runs: int, schedule: str, p: int, per_rank: int) -> str:
     return "; or ".join(fixes)
 
 
-def _check_mark_places(graph: Graph) -> None:
+def check_mark_places(graph: Graph) -> None:
     """Marks the DSL cannot write but another frontend could: layers out of range,
     twice, or `@stage` on an op inside a repeat body."""
     for item in graph.body.items:

@@ -21,10 +21,10 @@ from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.schedule import SCHEDULES, Schedule, schedule_kind
 from fivedc.schedule.batched import peaks, program
 from fivedc.schedule.generators import check_request, placement
-from fivedc.passes.microbatch_checks import _check_microbatches, _check_per_microbatch, _default_microbatches
+from fivedc.passes.microbatch_checks import check_microbatches, check_per_microbatch, default_microbatches
 from fivedc.passes.stage_costs import unit_costs
 from fivedc.passes.stage_cuts import balance_v, check_enough, layout_ranges, partition
-from fivedc.passes.stage_marks import _check_mark_places, _check_marks
+from fivedc.passes.stage_marks import check_mark_places, check_marks
 from fivedc.passes.stage_values import all_boundary_values, value_types
 from fivedc.passes.stages import Chunk, PipelineSpec, Unit, cached_schedule, has_marks, marked_ranges, units
 
@@ -73,15 +73,15 @@ def choose_schedule(graph: Graph, mesh: Mesh, *, schedule: str, microbatches: in
     if virtual is None and kind.takes_virtual:
         virtual = kind.per_rank()
     per_rank = kind.model_chunks_per_rank(virtual)
-    _check_mark_places(graph)
+    check_mark_places(graph)
     all_units = _cached(memo, "units", lambda: units(graph))
     if has_marks(graph):  # before the batch is checked: the marks decide the chunks
-        _check_marks(graph, all_units, layout, schedule, p, per_rank)
+        check_marks(graph, all_units, layout, schedule, p, per_rank)
     elif layout is None:
         check_enough(len(all_units), p * per_rank, "layers and op groups")
-    m = microbatches if microbatches is not None else _default_microbatches(graph, mesh, p, kind.min_microbatches(p))
-    _check_microbatches(graph, mesh, m)
-    _check_per_microbatch(graph, m)
+    m = microbatches if microbatches is not None else default_microbatches(graph, mesh, p, kind.min_microbatches(p))
+    check_microbatches(graph, mesh, m)
+    check_per_microbatch(graph, m)
     if not build:
         return check_request(schedule, p, m, virtual)
     return cached_schedule(schedule, p, m, virtual)

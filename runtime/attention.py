@@ -33,7 +33,8 @@ from torch import Tensor
 
 from fivedc.runtime import attention_fused
 from fivedc.runtime.attention_blocks import (
-    _Block, _backward_into, _check, _compute_dtype, _delta, _empty_partial, _forward_into, _one_head_dim,
+    Block, accumulation_dtype, backward_into, check_attention_args, empty_partial, forward_into, one_head_dim,
+    row_delta,
 )
 from fivedc.runtime.attention_pairs import plan_pairs
 
@@ -44,9 +45,9 @@ class _BlockwiseAttention(torch.autograd.Function):
                 causal: bool, kv_blocks: int, softcap: float, fused: bool, window: int) -> Tensor:
         fused = fused and attention_fused.available(q) and not softcap  # torch's kernel has no softcap
         pairs = plan_pairs(q_pos, kv_pos, causal=causal, kv_blocks=kv_blocks, tiles=not fused, window=window)
-        block = _Block(k, v, kv_pos, pairs, softcap, window)
-        out, lse = _empty_partial(q)
-        _forward_into(out, lse, q, q_pos, block, fused=fused)
+        block = Block(k, v, kv_pos, pairs, softcap, window)
+        out, lse = empty_partial(q)
+        forward_into(out, lse, q, q_pos, block, fused=fused)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.positions, ctx.pairs, ctx.fused, ctx.softcap, ctx.window = (q_pos, kv_pos), pairs, fused, softcap, window
@@ -55,14 +56,14 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        (q_pos, kv_pos), dtype = ctx.positions, _compute_dtype(q.dtype)
+        (q_pos, kv_pos), dtype = ctx.positions, accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
-        block = _Block(k, v, kv_pos, ctx.pairs, ctx.softcap, ctx.window)
+        block = Block(k, v, kv_pos, ctx.pairs, ctx.softcap, ctx.window)
         if ctx.fused:
             attention_fused.backward_into(dq, dkv, q, q_pos, block, dout, out, lse)
         else:
-            _backward_into(dq, dkv, q, q_pos, block, (dout, lse, _delta(dout, out)))
+            backward_into(dq, dkv, q, q_pos, block, (dout, lse, row_delta(dout, out)))
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 
@@ -77,7 +78,7 @@ def blockwise_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: 
     capped at softcap * tanh(score / softcap). fused=False (the `math` kernel): explicit matmuls.
     window W > 0: a query at i sees the keys at i - W < j <= i (pairs outside the band skipped).
     """
-    q, k, v, width = _one_head_dim(q, k, v)
-    _check(q, k, v, q_pos, kv_pos)
+    q, k, v, width = one_head_dim(q, k, v)
+    check_attention_args(q, k, v, q_pos, kv_pos)
     return _BlockwiseAttention.apply(q, k, v, q_pos, kv_pos, causal, kv_blocks, float(softcap), fused,
                                      int(window))[..., :width]

@@ -1,8 +1,8 @@
 """The attention of q to one block of K/V rows in hand, pair by pair, forward and backward.
 
-A `_Block` is the k/v rows in hand with their positions and planned pairs
-(`runtime/attention_pairs.py`); `_forward_into` merges q's attention to it into a
-running partial (out, lse), and `_backward_into` adds its share of dq, dk and dv,
+A `Block` is the k/v rows in hand with their positions and planned pairs
+(`runtime/attention_pairs.py`); `forward_into` merges q's attention to it into a
+running partial (out, lse), and `backward_into` adds its share of dq, dk and dv,
 each pair by matmuls here (scores of one pair at a time, GQA heads grouped over the
 shared K/V, a softcap and a window's mask applied) or by torch's fused kernel
 (`runtime/attention_fused.py`). Also the shared checks and buffers of blockwise
@@ -25,7 +25,7 @@ from fivedc.runtime.attention_pairs import Pair, merge_partials
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
@@ -65,7 +65,7 @@ def _finite(lse: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True, slots=True)
-class _Block:
+class Block:
     """The k/v rows in hand with their positions, and how to attend to them."""
 
     k: Tensor
@@ -76,14 +76,14 @@ class _Block:
     window: int = 0
 
 
-def _mask(pair: Pair, q_pos: Tensor, block: _Block, device: torch.device) -> Tensor | None:
+def _mask(pair: Pair, q_pos: Tensor, block: Block, device: torch.device) -> Tensor | None:
     if not pair.masked:
         return None
     (qo, qn), (ko, kn) = pair.q, pair.kv
     return visible(q_pos[qo:qo + qn], block.kv_pos[ko:ko + kn], block.window).to(device)
 
 
-def _forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block: _Block, *, fused: bool) -> None:
+def forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block: Block, *, fused: bool) -> None:
     """Merge the attention of q to `block` into the partial (out, lse) [b, heads, sq, ...],
     a pair at a time (by the fused kernel, or by `_pair_forward`'s matmuls)."""
     for pair in block.pairs:
@@ -94,7 +94,7 @@ def _forward_into(out: Tensor, lse: Tensor, q: Tensor, q_pos: Tensor, block: _Bl
                                                           part_lse.to(lse.dtype))
 
 
-def _pair_forward(q: Tensor, q_pos: Tensor, block: _Block, pair: Pair, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _pair_forward(q: Tensor, q_pos: Tensor, block: Block, pair: Pair, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """One pair's (output, log-sum-exp) by matmuls, GQA heads grouped over shared K/V."""
     heads, kv_heads, scale = q.shape[1], block.k.shape[1], q.shape[-1] ** -0.5
     (ko, kn) = pair.kv
@@ -108,8 +108,8 @@ def _pair_forward(q: Tensor, q_pos: Tensor, block: _Block, pair: Pair, dtype: to
     return _unrows(pair_out, heads), _unrows(pair_lse, heads)
 
 
-def _backward_into(
-    dq: Tensor, dkv: Tensor, q: Tensor, q_pos: Tensor, block: _Block, grads: tuple[Tensor, Tensor, Tensor]
+def backward_into(
+    dq: Tensor, dkv: Tensor, q: Tensor, q_pos: Tensor, block: Block, grads: tuple[Tensor, Tensor, Tensor]
 ) -> None:
     """Add the gradients through the attention of q to `block`: into dq [b, heads, sq, d]
     and dkv [2, b, kv_heads, sk, d] (dk, dv). `grads` = (dout, lse, delta) of the whole rows."""
@@ -134,22 +134,22 @@ def _backward_into(
         del dscores  # before the next pair's scores
 
 
-def _empty_partial(q: Tensor) -> tuple[Tensor, Tensor]:
+def empty_partial(q: Tensor) -> tuple[Tensor, Tensor]:
     """A zero output and -inf log-sum-exp. The output is laid out [batch, sq, heads, d] in
     memory (a transposed view here), so the kernel's [batch, seq, heads, head_dim] result
     is contiguous and the next linear saves it as it is rather than a copy."""
-    dtype = _compute_dtype(q.dtype)
+    dtype = accumulation_dtype(q.dtype)
     b, h, s, d = q.shape
     out = torch.zeros((b, s, h, d), dtype=dtype, device=q.device).transpose(1, 2)
     return out, torch.full(q.shape[:-1], -math.inf, dtype=dtype, device=q.device)
 
 
-def _delta(dout: Tensor, out: Tensor) -> Tensor:
-    dtype = _compute_dtype(out.dtype)
+def row_delta(dout: Tensor, out: Tensor) -> Tensor:
+    dtype = accumulation_dtype(out.dtype)
     return (dout.to(dtype) * out.to(dtype)).sum(dim=-1)
 
 
-def _one_head_dim(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+def one_head_dim(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
     """q, k and v with one head_dim, and v's own: where v's is narrower (DeepSeek-V3's MLA: q/k
     192, v 128), v padded with zeros (the output's extra columns are zero, cut off after);
     where wider, q and k padded (their products unchanged) and q scaled by sqrt(v's / theirs),
@@ -164,7 +164,7 @@ def _one_head_dim(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tens
     return q, k, v, width
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor) -> None:
+def check_attention_args(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, kv_pos: Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ShapeError(
             f"attention takes q [batch, heads, sq, d] and k, v [batch, kv_heads, sk, d]; "

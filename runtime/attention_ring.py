@@ -19,7 +19,8 @@ from torch import Tensor
 from fivedc.errors import ShapeError
 from fivedc.runtime import attention_fused
 from fivedc.runtime.attention_blocks import (
-    _Block, _backward_into, _check, _compute_dtype, _delta, _empty_partial, _forward_into, _one_head_dim,
+    Block, accumulation_dtype, backward_into, check_attention_args, empty_partial, forward_into, one_head_dim,
+    row_delta,
 )
 from fivedc.runtime.attention_pairs import plan_pairs
 from fivedc.runtime.p2p import NOTHING, Transfer, exchange
@@ -60,25 +61,25 @@ def _exchange(ring: Ring, send: Tensor, tag: int) -> tuple[Tensor, Transfer]:
 
 
 def _ring_block(kv: Tensor, ring: Ring, step: int, q_pos: Tensor, causal: bool, fused: bool,
-                softcap: float, window: int) -> _Block:
+                softcap: float, window: int) -> Block:
     """The block in hand at `step`; its pairs are none where every key is outside the window
     (nothing computed, the block still passed on)."""
     kv_pos = ring.block_positions[(ring.index - step) % ring.size]
     pairs = plan_pairs(q_pos, kv_pos, causal=causal, tiles=not fused, window=window)
-    return _Block(kv[0], kv[1], kv_pos, pairs, softcap, window)
+    return Block(kv[0], kv[1], kv_pos, pairs, softcap, window)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, causal: bool,
                 softcap: float, fused: bool, window: int) -> Tensor:
-        out, lse = _empty_partial(q)
+        out, lse = empty_partial(q)
         fused = fused and attention_fused.available(q) and not softcap  # torch's kernel has no softcap
         kv = torch.stack((k, v))  # one packed buffer to send
         for step in range(ring.size):
             last = step == ring.size - 1
             arriving, transfer = (None, NOTHING) if last else _exchange(ring, kv, tag=0)
-            _forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused, softcap, window),
+            forward_into(out, lse, q, q_pos, _ring_block(kv, ring, step, q_pos, causal, fused, softcap, window),
                           fused=fused)
             transfer.wait()
             kv = arriving
@@ -91,8 +92,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        ring, dtype = ctx.ring, _compute_dtype(q.dtype)
-        grads = (dout, lse, _delta(dout, out))
+        ring, dtype = ctx.ring, accumulation_dtype(q.dtype)
+        grads = (dout, lse, row_delta(dout, out))
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         kv, acc, acc_transfer = torch.stack((k, v)), None, NOTHING
         for step in range(ring.size):
@@ -103,7 +104,7 @@ class _RingAttention(torch.autograd.Function):
             if ctx.fused:
                 attention_fused.backward_into(dq, dkv, q, ctx.q_pos, block, dout, out, lse)
             else:
-                _backward_into(dq, dkv, q, ctx.q_pos, block, grads)
+                backward_into(dq, dkv, q, ctx.q_pos, block, grads)
             acc_transfer.wait()  # the accumulator of the block in hand, from its earlier holders
             if acc is not None:
                 dkv += acc
@@ -122,6 +123,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, ring: Ring, *
     Every member calls it with its own q/k/v block; q_pos are the global positions of
     the q rows, `ring.block_positions` those of every member's K/V block; `fused` as blockwise's.
     """
-    q, k, v, width = _one_head_dim(q, k, v)
-    _check(q, k, v, q_pos, ring.block_positions[ring.index])
+    q, k, v, width = one_head_dim(q, k, v)
+    check_attention_args(q, k, v, q_pos, ring.block_positions[ring.index])
     return _RingAttention.apply(q, k, v, q_pos, ring, causal, float(softcap), fused, int(window))[..., :width]

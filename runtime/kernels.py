@@ -34,8 +34,8 @@ from fivedc.runtime.precision import for_matmul
 from fivedc.runtime.fp8 import Fp8Linear, fp8_cast
 from fivedc.passes.fp8 import is_fp8
 from fivedc.runtime.kernel_context import KernelContext, align
-from fivedc.runtime.norm_kernels import _layernorm, _rmsnorm, _swiglu
-from fivedc.runtime.sequence_kernels import _attention, _rope
+from fivedc.runtime.norm_kernels import layernorm, rmsnorm, swiglu
+from fivedc.runtime.sequence_kernels import attention, rope
 
 
 def _linear(ctx, op, args, dims, feed: LinearFeed | None = None):
@@ -159,11 +159,11 @@ KERNELS: dict[str, Kernel] = {
     "matmul": _linear,
     **{kind: _pointwise(kind, pointwise) for kind, pointwise in POINTWISE.items()},
     "state_add": _state_add,
-    "swiglu": _swiglu,
-    "rmsnorm": _rmsnorm,
-    "layernorm": _layernorm,
-    "rope": _rope,
-    "attention": _attention,
+    "swiglu": swiglu,
+    "rmsnorm": rmsnorm,
+    "layernorm": layernorm,
+    "rope": rope,
+    "attention": attention,
     "cross_entropy": cross_entropy,
     "moe": _moe,
     "aten": _aten,

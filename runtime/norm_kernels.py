@@ -43,7 +43,7 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def _rmsnorm(ctx, op, args, dims):
+def rmsnorm(ctx, op, args, dims):
     x, w = args
     eps = float(op.attr("eps", 1e-5))
     shape = x.shape  # over the trailing dims w has: as one dim
@@ -56,7 +56,7 @@ def _rmsnorm(ctx, op, args, dims):
     return out.reshape(shape)
 
 
-def _swiglu(ctx, op, args, dims):
+def swiglu(ctx, op, args, dims):
     if torch.compiler.is_compiling():
         return F.silu(args[0]) * args[1]
     return _SwiGLU.apply(args[0], args[1])
@@ -81,7 +81,7 @@ class _SwiGLU(torch.autograd.Function):
         return grad_gate, grad_up
 
 
-def _layernorm(ctx, op, args, dims):
+def layernorm(ctx, op, args, dims):
     x, w = args[0], args[1]
     b = args[2] if len(args) > 2 else None
     return F.layer_norm(x, x.shape[x.dim() - w.dim():], w, b, float(op.attr("eps", 1e-5)))

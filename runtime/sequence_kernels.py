@@ -1,8 +1,8 @@
 """The kernels that read the sequence's global positions: rope and attention.
 
 Positions come from the `KernelContext` (`runtime/kernel_context.py`): a rank's chunk
-of the sequence in layout order. `_rope` rotates by a cos/sin table of them, computed
-once per layout; `_attention` runs SDPA on one device, and across cp blockwise
+of the sequence in layout order. `rope` rotates by a cos/sin table of them, computed
+once per layout; `attention` runs SDPA on one device, and across cp blockwise
 attention at global positions (`runtime/attention.py`), as ring attention
 (`runtime/attention_ring.py`) or over the gathered K/V. Entries of
 `runtime/kernels.py`'s table.
@@ -26,7 +26,7 @@ from fivedc.runtime.kernel_context import Dims, align, index_device
 from fivedc.runtime.precision import compute_dtype, for_matmul
 
 
-def _rope(ctx, op, args, dims):
+def rope(ctx, op, args, dims):
     (x,), (x_dims,) = args, dims
     half = x.shape[-1] // 2
     cos, sin = _rope_table(ctx, op, x, x_dims)
@@ -55,7 +55,7 @@ def _rope_table(ctx, op, x: Tensor, x_dims: Dims) -> tuple[Tensor, Tensor]:
     return ctx._cache[key]
 
 
-def _attention(ctx, op, args, dims):
+def attention(ctx, op, args, dims):
     """SDPA on one device; across cp, blockwise attention at global positions: ring
     attention, or over the gathered K/V (one block per cp rank) for @cp(allgather).
     Scores capped by a `softcap` (which SDPA has not) take the blockwise kernel on one device too, and
