@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat, walk_ops
+from fivedc.ir.ops import LINEAR_KINDS  # their kernel is `kernels._linear` (it takes a `LinearFeed`)
 from fivedc.passes.communication import weight_readers
 from fivedc.passes.fp8 import is_fp8
 from fivedc.passes.recompute import recomputes_op
@@ -45,7 +46,6 @@ from fivedc.runtime.tp_overlap import PutOff
 from fivedc.runtime.tp_ring import ChunkedSum, RingGather, RingSum, start_ring
 from fivedc.runtime.weight_grads import store_of
 
-LINEAR_KINDS = ("linear", "matmul")  # the op kinds whose kernel is `kernels._linear` (it takes a `LinearFeed`)
 
 
 @dataclass(frozen=True, slots=True)

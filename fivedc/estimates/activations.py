@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat, outer_reads
+from fivedc.ir.ops import LINEAR_KINDS
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import CONSTANT, OWN, SaveContext, op_saves
 from fivedc.passes.stages import Unit
@@ -170,7 +171,7 @@ def chunk_deferred(c: SaveContext, graph: Graph, chunk_units: list[Unit]) -> int
             graph.body.items[unit.start:unit.stop]
         kept: dict[str, int] = {}
         for op in items:
-            if isinstance(op, Op) and op.kind in ("linear", "matmul") and op.args[1] in c.params:
+            if isinstance(op, Op) and op.kind in LINEAR_KINDS and op.args[1] in c.params:
                 x = op.args[0]
                 if x in c.layouts and x not in c.inputs:
                     kept[x] = c.value_bytes(x)

@@ -34,13 +34,12 @@ from dataclasses import dataclass, replace
 from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import Graph, Op, Repeat
 from fivedc.ir.mesh import Mesh
+from fivedc.ir.ops import LINEAR_KINDS
 from fivedc.estimates.attention_cost import math_attention_times
 from fivedc.estimates.gemm import Gemm, gemms_seconds
 from fivedc.estimates.saved import SaveContext
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.fp8 import is_fp8
-
-MATMULS = ("linear", "matmul")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +56,7 @@ class Work:
 
 
 def op_work(c: SaveContext, op: Op) -> Work:
-    if op.kind in MATMULS:
+    if op.kind in LINEAR_KINDS:
         x = c.layouts[op.args[0]][0].dims
         contracted = [d for d in x if d not in op.type.dims]
         spec = op.arg_specs[0].sharding if op.arg_specs and op.arg_specs[0] else None
@@ -200,7 +199,7 @@ def model_flops(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int) -> fl
         items = node.body.items if isinstance(node, Repeat) else (node,)
         layers = node.count if isinstance(node, Repeat) else 1
         for op in items:
-            if isinstance(op, Op) and op.kind in (*MATMULS, "attention", "moe"):
+            if isinstance(op, Op) and op.kind in (*LINEAR_KINDS, "attention", "moe"):
                 work = op_work(c, op)
                 total += 3.0 * (work.matmul_flops + work.attention_flops) * layers
     return total if math.isfinite(total) else 0.0

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from fivedc.ir.graph import (CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, readers, walk_ops,
                              walk_params)
 from fivedc.ir.mesh import Mesh
-from fivedc.ir.ops import POINTWISE
+from fivedc.ir.ops import LINEAR_KINDS, POINTWISE
 from fivedc.ir.pointwise import Saves
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.fp8 import SCALAR_BYTES as FP8_SCALE_BYTES, is_fp8
@@ -333,7 +333,7 @@ def regathered(graph: Graph, recompute: str = "none") -> dict[str, str]:
         gathers = [c for c in node.forward if c.kind != CollectiveKind.SLICE]
         uses = uses_of.get(node.out, [])
         if gathers and all(c.kind == CollectiveKind.ALL_GATHER for c in gathers) and uses and all(
-                isinstance(op, Op) and op.kind in ("linear", "matmul") and i == 0 for op, i in uses):
+                isinstance(op, Op) and op.kind in LINEAR_KINDS and i == 0 for op, i in uses):
             out[node.out] = node.src
     return out
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivedc.ir.mesh import MESH_ORDER
+from fivedc.ir.ops import LINEAR_KINDS
 
-MATMUL_KINDS = ("linear", "matmul", "moe")
+MATMUL_KINDS = (*LINEAR_KINDS, "moe")
 MATMULS, ATTENTION, MEMORY_BOUND = "matmuls", "attention", "memory-bound ops"
 RECOMPUTATION, ISSUE = "recomputation", "op issue (host)"
 PHASES = ("forward", "input", "weight", "hidden")

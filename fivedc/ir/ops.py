@@ -184,6 +184,14 @@ OP_SPECS: dict[str, OpSpec] = {
 
 POINTWISE: dict[str, Pointwise] = {kind: spec.pointwise for kind, spec in OP_SPECS.items() if spec.pointwise}
 
+
+def kinds_of(family: OpFamily) -> tuple[str, ...]:
+    """The op kinds of `family`, in the vocabulary's order."""
+    return tuple(kind for kind, spec in OP_SPECS.items() if spec.family == family)
+
+
+LINEAR_KINDS = kinds_of(OpFamily.LINEAR)  # linear, matmul: a contraction with a weight (one kernel, one cost)
+
 Rule = TypeVar("Rule")
 
 

@@ -21,9 +21,10 @@ from dataclasses import replace
 from fivedc.errors import ShardingError
 from fivedc.frontends.fx_module import TracedModel
 from fivedc.ir.graph import Annotation, Block, Graph, Op, Repeat
+from fivedc.ir.ops import LINEAR_KINDS
 
 MODES = ("col", "row", "replicate")
-PINNABLE = ("linear", "matmul", "embedding")  # the ops whose rules read @col/@row/@replicate
+PINNABLE = (*LINEAR_KINDS, "embedding")  # the ops whose rules read @col/@row/@replicate
 _ALIASES = {"colwise": "col", "column": "col", "rowwise": "row", "replicated": "replicate"}
 
 Key = tuple[str | None, str]  # (repeat name or None, the IR Param's own name)
