@@ -15,7 +15,7 @@ from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.plan.sites import sites
-from fivedc.proof.comm_program import class_instructions, class_runs, flatten
+from fivedc.proof.comm_program import class_instructions, class_runs, flatten, rank_instructions
 from fivedc.proof.events import COMPUTE
 
 PLANS = {
@@ -45,6 +45,7 @@ def test_the_proofs_events_are_the_instruction_lists_collectives_and_transfers(n
     instructions, proved = class_instructions(plan), class_runs(plan)
     assert instructions.keys() == proved.keys()
     for rank, runs in instructions.items():
+        assert rank_instructions(plan, rank) == runs  # one class alone, as `show --program` builds it
         listed = flatten(runs)
         assert [e for e in listed if e.op != COMPUTE] == list(flatten(proved[rank]))
         assert sum(e.op == COMPUTE for e in listed) > 0

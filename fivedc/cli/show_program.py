@@ -1,6 +1,6 @@
 """`fivedc show PLAN --program [--rank R]`: one rank's training step as its instruction list.
 
-A rank runs the program of its class (its pp rank: `fivedc/proof/comm_program.class_instructions`):
+A rank runs the program of its class (its pp rank: `fivedc/proof/comm_program.rank_instructions`):
 each op's forward and backward, the collectives and ring hops around them, pipeline sends and
 receives, the gradients' sums, the optimizer step and ZeRO's gathers, in the order it issues
 them. The collectives and transfers are the events the agreement proof checks, and
@@ -19,7 +19,7 @@ from rich.text import Text
 
 from fivedc.errors import FivedcError
 from fivedc.ir.mesh import MeshAxis
-from fivedc.proof.comm_program import class_instructions
+from fivedc.proof.comm_program import rank_instructions
 from fivedc.proof.events import COMPUTE, LAYER, Event, Run, at_layer
 
 
@@ -29,7 +29,7 @@ def render_program(plan, rank: int, *, console: Console) -> None:
         raise FivedcError(f"--rank {rank} is not a rank of mesh {plan.mesh} ({world} ranks)",
                           hint=f"choose a rank from 0 to {world - 1}")
     pp = plan.mesh.coords(rank)[MeshAxis.PP]
-    runs = class_instructions(plan)[pp]
+    runs = rank_instructions(plan, pp)
     events = [e for run in runs for e in run.events]
     wire = sum(e.op != COMPUTE for e in events)
     peers = world // plan.mesh.size(MeshAxis.PP)

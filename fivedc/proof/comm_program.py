@@ -84,6 +84,11 @@ def class_instructions(plan) -> dict[int, tuple[Run, ...]]:
     return class_runs(plan, computations=True)
 
 
+def rank_instructions(plan, pp_rank: int) -> tuple[Run, ...]:
+    """`class_instructions(plan)[pp_rank]`, without expanding the other classes."""
+    return _Expander(plan, computations=True).runs(pp_rank)
+
+
 def class_programs(plan) -> dict[int, tuple[Event, ...]]:
     """Per pp rank (a class of ranks), the events of one training step in issue order."""
     return {rank: flatten(runs) for rank, runs in class_runs(plan).items()}

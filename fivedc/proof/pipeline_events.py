@@ -32,8 +32,8 @@ class PipelineEvents:
                                                     *self.pipeline.chunks[c].units)
                 runs = self._chunks[key]  # the same for every microbatch; an instruction list names it
                 if self.computations:
-                    runs = [r._replace(microbatch=action.microbatch) for r in self._input_only(runs)] \
-                        if kind == "I" else [r._replace(microbatch=action.microbatch) for r in runs]
+                    runs = [r._replace(microbatch=action.microbatch)
+                            for r in (self._input_only(c, runs) if kind == "I" else runs)]
                 out += runs
             elif kind in ("SF", "RF", "SB", "RB"):
                 out.append(Run(self._transfer(kind, action.peer, c), microbatch=action.microbatch))
@@ -44,10 +44,10 @@ class PipelineEvents:
                 out.append(Run(self._chunks[key], microbatch=action.microbatch))
         return out
 
-    def _input_only(self, runs: list[Run]) -> list[Run]:
+    def _input_only(self, c: int, runs: list[Run]) -> list[Run]:
         """A split backward's first half (zero bubble: its weight gradients come later, a `W`
-        action): the chunk's backward runs with their computations named so."""
-        key = ("input only", id(runs))
+        action): chunk c's backward `runs` with their computations named so."""
+        key = ("input only", c)
         if key not in self._chunks:
             self._chunks[key] = [r._replace(events=tuple(
                 compute(e.what.replace("backward of", "input gradient of", 1), e.loc) if e.op == COMPUTE else e
