@@ -7,7 +7,8 @@ expert_collectives.py. Planning decisions on the compiled graph: stage_plan.py
 (pipeline chunks and schedule) with stages.py (units and chunks), stage_costs.py,
 stage_cuts.py, stage_marks.py (the model's marks), microbatch_checks.py,
 stage_values.py (what crosses a cut) and chunk_params.py (what a chunk holds),
-recompute.py (what recomputes), param_sync.py (ZeRO's chunks and collectives),
+recompute.py (what recomputes),
+regather.py (what sequence parallelism gathers again in backward), param_sync.py (ZeRO's chunks and collectives),
 overlap.py (gradient buckets).
 base.py holds `CompileOptions` and the `Pass` protocol.
 

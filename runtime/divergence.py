@@ -32,7 +32,7 @@ from fivedc.errors import SourceLoc
 from fivedc.ir.graph import Collective, Op, Redistribute
 from fivedc.ir.mesh import MeshAxis
 from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.plan.sites import Site, data_dependent, sites
+from fivedc.instructions.sites import Site, data_dependent, sites
 from fivedc.runtime.compare import relative_error
 from fivedc.runtime.kernel_context import KernelContext
 from fivedc.runtime.program import shard
@@ -219,7 +219,7 @@ def around(plan: ExecutionPlan, site: Site, *, grad: bool) -> tuple[str, ...]:
     """The plan's collectives next to a site: for its value, those that made its inputs
     (the redistributions it reads) and its own; for its gradient, the backward ones of
     the redistributions and ops that read it."""
-    from fivedc.plan.sites import graph_nodes
+    from fivedc.instructions.sites import graph_nodes
 
     nodes = [n for n, _ in graph_nodes(plan.graph)]
     by_out = {n.out: n for n in nodes}

@@ -42,7 +42,7 @@ from fivedc.ir.graph import Block, DType, Graph, Op, Redistribute, Repeat, outer
 from fivedc.ir.graph import param_instances as qualified_params
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.passes.stages import units as all_units
-from fivedc.estimates.saved import regathered
+from fivedc.passes.regather import regathered
 from fivedc.ir.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.grad_once import counted_once

@@ -33,7 +33,7 @@ linear's kernel, finishes a gather before anything else reads the value (right a
 reader, the op after the redistribution), and runs a sum's hops on the whole value where
 no linear fed them. Every rank of the group posts the
 same hops in the same order; the agreement proof lists them as `send_recv` events
-(`fivedc/proof/comm_program.py`).
+(`fivedc/instructions/comm_program.py`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fivedc.proof.events import RING_TAG
+from fivedc.instructions.events import RING_TAG
 from fivedc.runtime.collectives import Step, chunk_size
 from fivedc.runtime.groups import MeshGroups
 from fivedc.runtime.p2p import Transfer, exchange

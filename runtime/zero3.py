@@ -16,7 +16,7 @@ freed after its last use. The gradients of the group's parameters come back to
 and scattered with one reduce-scatter into each rank's chunks.
 
 So per group and step: an all-gather in forward, one in backward, one reduce-scatter,
-what `fivedc/proof/comm_program.py` expects and the plan lists. A parameter read again
+what `fivedc/instructions/comm_program.py` expects and the plan lists. A parameter read again
 after its unit was dropped (a tied embedding read by the head) gathers its group again;
 its gradient then comes back in two parts, both reduce-scattered into its chunk.
 """

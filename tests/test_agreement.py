@@ -1,6 +1,6 @@
 """Every process group's ranks agree: the proof, held against the runtime and against broken programs.
 
-The class programs (`fivedc/proof/comm_program.py`) must be what the runtime really calls:
+The class programs (`fivedc/instructions/comm_program.py`) must be what the runtime really calls:
 one step of real plans on gloo is recorded call by call and, group by group, must
 equal the expansion of the rank's class. The proof (`fivedc/proof/agreement.py`) must
 reject what would hang or corrupt: two collectives swapped on one rank, a transfer
@@ -20,7 +20,7 @@ import pytest
 from fivedc.proof.agreement import AgreementError, RankClasses, prove_agreement
 from fivedc.cli.main import main
 from fivedc.cli.shared import load_graph
-from fivedc.proof.comm_program import Run, class_programs, class_runs, flatten
+from fivedc.instructions.comm_program import Run, class_programs, class_runs, flatten
 from fivedc.frontends.dsl_file import load_model, parse_model
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.overlap import expand_buckets, plan_buckets

@@ -25,7 +25,7 @@ from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
 from fivedc.runtime.train import TrainSettings
 from fivedc.runtime.verify import Diagnosis, single_device_mesh, verify_plan
-from fivedc.plan.sites import data_dependent, find_site, is_float, sites
+from fivedc.instructions.sites import data_dependent, find_site, is_float, sites
 from random_models import draw_case
 
 TOL = 1e-10

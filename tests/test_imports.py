@@ -29,6 +29,7 @@ LAYERS = (  # bottom to top
     ("fivedc.ir",),
     ("fivedc.schedule",),
     ("fivedc.passes",),
+    ("fivedc.instructions",),
     ("fivedc.estimates",),
     ("fivedc.plan",),
     ("fivedc.proof",),

@@ -14,9 +14,9 @@ from fivedc.ir.graph import Op
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
-from fivedc.plan.sites import sites
-from fivedc.proof.comm_program import class_instructions, class_runs, flatten, rank_instructions
-from fivedc.proof.events import COMPUTE
+from fivedc.instructions.sites import sites
+from fivedc.instructions.comm_program import class_instructions, class_runs, flatten, rank_instructions
+from fivedc.instructions.events import COMPUTE
 
 PLANS = {
     "sp-zero1": ("examples/tiny_llama.5d", "2x1x2x1x1", dict(sequence_parallel=True, zero=1)),

@@ -29,7 +29,7 @@ from fivedc.passes.base import CompileOptions
 from fivedc.passes.chunk_params import chunk_param_names
 from fivedc.pipeline import compile_graph
 from fivedc.proof.agreement import prove_agreement
-from fivedc.proof.comm_program import class_programs
+from fivedc.instructions.comm_program import class_programs
 from fivedc.runtime.checkpoint import read_index
 from fivedc.runtime.reshard import consolidate
 from fivedc.runtime.train_loop import train_job

@@ -4,7 +4,7 @@
 point calls, trains one step of the plan (`runtime/verify.train_plan`), and returns
 each call as (op, group axes or "pp", elements, dtype, peer pp rank). Calls made
 inside another recorded call (torch's `recv` through `irecv`) are not recorded twice.
-`expected_calls` turns a class program (`fivedc/proof/comm_program.py`) into the same form,
+`expected_calls` turns a class program (`fivedc/instructions/comm_program.py`) into the same form,
 as gloo runs it: a reduce-scatter is an all-reduce of the same input; a ring hop is a
 send and a receive (recorded as one `send_recv`).
 """
@@ -118,7 +118,7 @@ def same_call(got: tuple, want: tuple) -> bool:
 def assert_calls_match(plan, pool) -> None:
     """One step of `plan` on `pool` (a worker pool), each rank's recorded collectives held to
     the agreement proof's program of its class, group by group and in order."""
-    from fivedc.proof.comm_program import class_programs
+    from fivedc.instructions.comm_program import class_programs
     from fivedc.runtime.train import TrainSettings
 
     programs = class_programs(plan)

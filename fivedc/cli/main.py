@@ -178,7 +178,7 @@ def cmd_check(args) -> int:
     screen.say(model_line, indent="")
     screen.say(str(prove_agreement(plan)), indent="")
     if args.collectives:
-        from fivedc.proof.comm_program import class_programs
+        from fivedc.instructions.comm_program import class_programs
 
         for pp_rank, events in class_programs(plan).items():
             print(f"\npp rank {pp_rank}: {len(events)} collectives and transfers per step, in issue order")

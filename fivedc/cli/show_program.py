@@ -19,8 +19,8 @@ from rich.text import Text
 
 from fivedc.errors import FivedcError
 from fivedc.ir.mesh import MeshAxis
-from fivedc.proof.comm_program import rank_instructions
-from fivedc.proof.events import COMPUTE, LAYER, Event, Run, at_layer
+from fivedc.instructions.comm_program import rank_instructions
+from fivedc.instructions.events import COMPUTE, LAYER, Event, Run, at_layer
 
 
 def render_program(plan, rank: int, *, console: Console) -> None:

@@ -9,5 +9,5 @@ transient.py    transient peaks: gathered layers, buckets, all-to-all buffers, l
 memory.py       memory per class of ranks: params, grads, optimizer, activations, transient
 step_time.py    seconds per step, bubble, tokens/s and MFU from the costs and the schedule
 
-Layer 4: may import `fivedc.passes`, `fivedc.schedule` and `fivedc.ir`.
+Layer 4: may import `fivedc.instructions`, `fivedc.passes`, `fivedc.schedule` and `fivedc.ir`.
 """

@@ -26,7 +26,7 @@ each kernel with saved-tensor hooks against its rule):
 
 Sequence parallelism as Megatron runs it: the all-gathered input of a column-parallel
 linear is not kept; the linear keeps the sequence shard and gathers it again in
-backward (`regathered`; `runtime/saved.py` does it, the plan lists the extra
+backward (`fivedc/passes/regather.py`; `runtime/saved.py` does it, the plan lists the extra
 all-gather). So a GPT layer keeps 32·s·b·h/t bytes in 16-bit training, Megatron's
 34·s·b·h/t less its two dropout masks (fivedc has no dropout), plus the
 log-sum-exp and the norms' statistics (tests/test_activations.py).
@@ -36,14 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivedc.ir.graph import (CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, readers, walk_ops,
-                             walk_params)
+from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, Repeat, TensorType, DType, walk_ops, walk_params
 from fivedc.ir.mesh import Mesh
-from fivedc.ir.ops import LINEAR_KINDS, POINTWISE
+from fivedc.ir.ops import POINTWISE
 from fivedc.ir.pointwise import Saves
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.fp8 import SCALAR_BYTES as FP8_SCALE_BYTES, is_fp8
-from fivedc.passes.recompute import recomputes_layer
+from fivedc.passes.regather import regathered
 from fivedc.ir.sharding import Sharding
 
 LOW_PRECISION = ("bf16", "fp16")  # their kernels keep statistics in float32
@@ -320,39 +319,3 @@ def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
 
 
 # ---- sequence parallelism: gathered inputs gathered again in backward ----------------------
-def regathered(graph: Graph, recompute: str = "none") -> dict[str, str]:
-    """Gathered values that are kept as their shard and gathered again in backward:
-    a redistribution whose forward only all-gathers, read only as the input x of
-    linears (Megatron's sequence parallelism keeps the shard of a column-parallel
-    linear's input). Inside a layer recomputed whole nothing is kept anyway: left out."""
-    uses_of = readers(graph.body)
-    out = {}
-    for node, repeat in walk_ops(graph.body):
-        if not isinstance(node, Redistribute) or (repeat is not None and recomputes_layer(repeat, recompute)):
-            continue
-        gathers = [c for c in node.forward if c.kind != CollectiveKind.SLICE]
-        uses = uses_of.get(node.out, [])
-        if gathers and all(c.kind == CollectiveKind.ALL_GATHER for c in gathers) and uses and all(
-                isinstance(op, Op) and op.kind in LINEAR_KINDS and i == 0 for op, i in uses):
-            out[node.out] = node.src
-    return out
-
-
-def regather_collectives(graph: Graph, recompute: str = "none"):
-    """The all-gathers backward runs again for the values `regathered` keeps as shards."""
-    from dataclasses import replace
-
-    from fivedc.ir.graph import Phase
-
-    again = regathered(graph, recompute)
-    out = []
-    for node, _ in walk_ops(graph.body):
-        if isinstance(node, Redistribute) and node.out in again:
-            for c in node.forward:
-                if c.kind == CollectiveKind.ALL_GATHER:
-                    out.append(replace(c, phase=Phase.BACKWARD, overlaps="", reason=(
-                        f"sequence parallelism: the linears reading {node.out} keep only this rank's shard "
-                        f"({node.src}) for backward and gather it again there for their weight gradients "
-                        "(as Megatron), instead of keeping the gathered tensor")))
-    return out
-

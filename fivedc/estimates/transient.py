@@ -50,7 +50,8 @@ from __future__ import annotations
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
-from fivedc.estimates.saved import VALUE, SaveContext, op_saves, regathered, score_elements
+from fivedc.estimates.saved import VALUE, SaveContext, op_saves, score_elements
+from fivedc.passes.regather import regathered
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.fp8 import is_fp8
 from fivedc.passes.communication import weight_readers
@@ -235,7 +236,7 @@ def put_off_bytes(c: SaveContext, graph: Graph, unit: Unit, again=()) -> int:
     """Where a linear input's backward sum runs behind its readers' weight gradients
     (`runtime/tp_overlap.PutOff`): the readers' output gradients, kept for dW until
     the sum starts, beside the input's gradient and the sum's buffer, and under SP the
-    input gathered again (`again`: `fivedc.estimates.saved.regathered`)."""
+    input gathered again (`again`: `fivedc.passes.regather.regathered`)."""
     items, _ = _items(graph, unit)
     params = {p.name for p, _ in walk_params(graph.body)}
     best = 0

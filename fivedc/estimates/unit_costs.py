@@ -29,7 +29,8 @@ from dataclasses import dataclass, field, replace
 
 from fivedc.estimates.collectives import collective_seconds
 from fivedc.estimates.costs import fp8_cast_bytes, op_times
-from fivedc.estimates.saved import SaveContext, regathered
+from fivedc.estimates.saved import SaveContext
+from fivedc.passes.regather import regathered
 from fivedc.estimates.terms import ISSUE, MEMORY_BOUND, PHASES, RECOMPUTATION, Ledger, UnitParts, comm_term, op_term
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Phase, Redistribute, Repeat
 from fivedc.ir.hardware import Hardware
@@ -77,7 +78,7 @@ def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompu
     added up in order (`UnitSums`), then each phase bounded by the host's issue, what the
     forward's matmuls hide taken off, a recomputed layer's forward run again in backward,
     and what a whole backward hides set apart (`UnitSums.finish`). `again`: the values SP
-    gathers again for the weight gradients (`saved.regathered`)."""
+    gathers again for the weight gradients (`regather.regathered`)."""
     repeat, nodes = unit_nodes(graph, unit)
     sums = UnitSums(c, graph, hw, layers=repeat.count if repeat else 1, again=again)
     for node in nodes:

@@ -4,8 +4,7 @@ execution_plan.py  ExecutionPlan, its JSON file, and `build_plan` (assembles wha
 summary.py         the readable summary `fivedc compile` prints
 diff.py            what changes between two plans (`fivedc diff`)
 op_list.py         every op of a plan with its id (`fivedc show --ops`)
-sites.py           where a plan computes its values, in program order (ids, pp ranks, groups)
 faults.py          a fault to inject into one op on one rank (`fivedc verify --inject-fault`)
 
-Layer 5: may import `fivedc.estimates`, `fivedc.passes`, `fivedc.schedule`, `fivedc.ir`.
+Layer 5: may import `fivedc.estimates`, `fivedc.instructions`, `fivedc.passes`, `fivedc.schedule`, `fivedc.ir`.
 """

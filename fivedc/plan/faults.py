@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivedc.errors import FivedcError
-from fivedc.plan.sites import find_site, is_float, ranks_computing
+from fivedc.instructions.sites import find_site, is_float, ranks_computing
 
 
 @dataclass(frozen=True, slots=True)

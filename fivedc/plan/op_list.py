@@ -1,7 +1,7 @@
 """`fivedc show PLAN --ops`: every op and redistribution of a plan with its id.
 
 The ids are what `fivedc verify --inject-fault` and verify's first-divergence report
-use (`fivedc/plan/sites.py`): a top-level value's name, or `REPEAT.LAYER.NAME` for a node
+use (`fivedc/instructions/sites.py`): a top-level value's name, or `REPEAT.LAYER.NAME` for a node
 of a layer stack, listed once as `REPEAT.[0-N].NAME`. Each row gives the node's kind
 and arguments, its output sharding (`int` for integer values), where it was written,
 the collectives it runs (in the op, or the redistribution's forward and backward
@@ -17,7 +17,7 @@ from rich.text import Text
 
 from fivedc.ir.graph import Redistribute
 from fivedc.plan.execution_plan import ExecutionPlan
-from fivedc.plan.sites import graph_nodes, pp_rank_of, sites
+from fivedc.instructions.sites import graph_nodes, pp_rank_of, sites
 
 
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "send_recv": "P2P"}

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from fivedc.estimates.memo import Memo
 from fivedc.estimates.memory import MemoryEstimate, estimate_memory
-from fivedc.estimates.saved import regather_collectives
+from fivedc.passes.regather import regather_collectives
 from fivedc.estimates.step_time import TimeEstimate, estimate_time
 from fivedc.ir.graph import Collective, Graph
 from fivedc.ir.mesh import MeshAxis

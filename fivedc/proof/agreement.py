@@ -5,7 +5,7 @@ operation and sizes, in the same order as the group's other collectives; a recei
 completes only when its sender sends. A plan that breaks either hangs or corrupts
 memory on a cluster. `prove_agreement` shows that no plan fivedc accepts does:
 
-1. Every class of ranks (`fivedc/proof/comm_program.py`: the ranks of one pp rank run one
+1. Every class of ranks (`fivedc/instructions/comm_program.py`: the ranks of one pp rank run one
    program) is expanded into the events of one training step.
 2. For every group of ranks that issues a collective, the members' programs,
    projected on that group, are the same sequence of (operation, elements, dtype).
@@ -35,8 +35,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from fivedc.proof.comm_program import class_runs
-from fivedc.proof.events import Event, Run, at_layer
+from fivedc.instructions.comm_program import class_runs
+from fivedc.instructions.events import Event, Run, at_layer
 from fivedc.errors import PassError
 from fivedc.ir.graph import param_instances
 from fivedc.ir.mesh import Mesh, MeshAxis

@@ -15,9 +15,9 @@ linear input's readers, the all-gather that makes it again); pipeline sends and
 receives with their buffers; the tied parameters' sums over the pp ranks holding
 them; then the buckets left (ZeRO-1's all of them, reduce-scattered), DualPipe's
 exchange of the two copies' gradients, the loss's all-reduce, and ZeRO-1/2's gathers
-after the update (those: `fivedc/proof/sync_events.py`). ZeRO-3 without a pipeline
+after the update (those: `fivedc/instructions/sync_events.py`). ZeRO-3 without a pipeline
 gathers and reduce-scatters by group inside forward and backward
-(`fivedc/proof/zero3_program.py`).
+(`fivedc/instructions/zero3_program.py`).
 
 An `Event` records what must agree between the ranks of its group: the operation,
 the group's axes, the elements this rank contributes and their dtype (None: sized at
@@ -46,14 +46,15 @@ from fivedc.ir.mesh import MeshAxis
 from fivedc.ir.ops import POINTWISE
 from fivedc.ir.pointwise import Saves
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
+from fivedc.passes.regather import regathered
 from fivedc.ir.sharding import Sharding
-from fivedc.plan.sites import Site, sites, trainable
-from fivedc.proof.events import COMPUTE, RING_TAG, Event, Run, at_layer, compute, flatten, templated
-from fivedc.proof.kernel_events import KernelEvents
-from fivedc.proof.param_facts import ParamFacts
-from fivedc.proof.pipeline_events import PipelineEvents
-from fivedc.proof.sync_events import Buckets, SyncEvents
-from fivedc.proof.zero3_program import zero3_step
+from fivedc.instructions.sites import Site, sites, trainable
+from fivedc.instructions.events import COMPUTE, RING_TAG, Event, Run, at_layer, compute, flatten, templated
+from fivedc.instructions.kernel_events import KernelEvents
+from fivedc.instructions.param_facts import ParamFacts
+from fivedc.instructions.pipeline_events import PipelineEvents
+from fivedc.instructions.sync_events import Buckets, SyncEvents
+from fivedc.instructions.zero3_program import zero3_step
 from fivedc.passes.overlap import expand_buckets
 from fivedc.passes.chunk_params import held_by_rank
 from fivedc.passes.stages import units
@@ -347,11 +348,9 @@ def _dims(graph: Graph) -> dict[str, tuple[str, ...]]:
 
 
 def _regather_points(plan, all_sites: list[Site]) -> dict[int, Site]:
-    """Where backward gathers an SP linear input again (`fivedc.estimates.saved.regathered`): at the
+    """Where backward gathers an SP linear input again (`fivedc.passes.regather.regathered`): at the
     backward of the last linear (in program order) reading it, the first whose backward
     runs; per layer instance. Maps that site's index to the redistribution's site."""
-    from fivedc.estimates.saved import regathered
-
     again = regathered(plan.graph, plan.recompute)
     made = {(s.repeat, s.layer, s.node.out): s for s in all_sites if isinstance(s.node, Redistribute)
             and s.node.out in again}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from fivedc.ir.graph import Redistribute
 from fivedc.passes.overlap import expand_units
-from fivedc.proof.events import Event
+from fivedc.instructions.events import Event
 
 __all__ = ["zero3_step"]
 

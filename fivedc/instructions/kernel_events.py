@@ -1,4 +1,4 @@
-"""What a kernel sends inside itself, as proof events (a part of `fivedc/proof/comm_program.py`).
+"""What a kernel sends inside itself, as proof events (a part of `fivedc/instructions/comm_program.py`).
 
 Vocab-parallel cross-entropy's three all-reduces and its count of targets, ring
 attention's K/V hops (and in backward the blocks again with their gradient
@@ -12,10 +12,10 @@ from __future__ import annotations
 from fivedc.ir.ops import counts_targets
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.microbatch_checks import input_only_items
-from fivedc.plan.sites import Site
+from fivedc.instructions.sites import Site
 from fivedc.ir.graph import Op, Phase
 from fivedc.passes.fp8 import is_fp8
-from fivedc.proof.events import Event
+from fivedc.instructions.events import Event
 
 
 class KernelEvents:

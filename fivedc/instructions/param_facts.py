@@ -1,4 +1,4 @@
-"""What the proof's expander knows of the parameters (a part of `fivedc/proof/comm_program.py`).
+"""What the proof's expander knows of the parameters (a part of `fivedc/instructions/comm_program.py`).
 
 Which parameter instances an op reads (a layer's own, by its qualified name, or the top
 level's), where each is first read, and their elements on this rank and in a ZeRO chunk,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fivedc.ir.graph import Op
 from fivedc.passes.param_sync import zero_chunk
-from fivedc.plan.sites import Site
+from fivedc.instructions.sites import Site
 
 
 class ParamFacts:

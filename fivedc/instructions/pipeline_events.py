@@ -1,5 +1,5 @@
 """What a pipeline's class of ranks issues around its chunks' computations (a part of
-`fivedc/proof/comm_program.py`).
+`fivedc/instructions/comm_program.py`).
 
 The schedule's actions in order: a forward or backward is its chunk's runs (built once,
 the same for every microbatch), a send or receive one event sized by the sender from what
@@ -15,7 +15,7 @@ from fivedc.ir.ops import counts_targets
 from fivedc.ir.graph import Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.stage_values import value_types
-from fivedc.proof.events import COMPUTE, MICROBATCH, Event, Run, compute
+from fivedc.instructions.events import COMPUTE, MICROBATCH, Event, Run, compute
 
 
 class PipelineEvents:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from fivedc.ir.graph import walk_ops
 from fivedc.ir.mesh import MeshAxis
 from fivedc.passes.state_sync import state_sync_numel
-from fivedc.proof.events import Event
+from fivedc.instructions.events import Event
 
 GATHER_BUCKET_BYTES = 25 * 2**20  # runtime/flat_shard.gather_flat's cap for parameters in no bucket
 
