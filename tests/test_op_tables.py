@@ -19,7 +19,7 @@ from fivedc.ir.pointwise import Pointwise, Saves, resolve
 from fivedc.passes.layout import PASS_THROUGH
 from fivedc.passes.rules import SHARDING_RULES
 from fivedc.passes.shapes import SHAPE_RULES
-from fivedc.instructions.comm_program import SAVES_NOTHING
+from fivedc.instructions.unit_program import SAVES_NOTHING
 from fivedc.runtime.kernels import KERNELS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,7 +37,7 @@ ORDER_FREE = frozenset({
     "units", "boundaries", "unit costs", "copy sync", "regathers", "partition", "param sizes", "held", "held bytes", "buckets",
     "model flops", "unit saves", "unit own bytes", "deferred", "in flight", "rank activations", "unit transients",
     "kept transients", "zero transients", "kept through", "grads from", "step moments", "kept with grads",
-    "unit grads", "chunk activations",
+    "unit grads", "chunk activations", "unit instructions",
 })
 
 

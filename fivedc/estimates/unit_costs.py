@@ -1,6 +1,14 @@
 """Seconds of one pipeline unit for one microbatch: its ops' phases (`costs.py`) added up with
 its collectives, less what runs beside compute.
 
+What runs is read from the unit's instruction list (`fivedc/instructions/unit_program.py`),
+the one the agreement proof checks and `fivedc show PLAN --program` prints: the nodes that run
+forward and backward (a node the list issues nothing for, a local slice, costs nothing), the
+forwards backward does again (an op's own under selective recomputation, or the whole
+layer's), and the gathered inputs sequence parallelism gathers again for the weight
+gradients. How long each takes is this module's: an op's phases, a collective by its
+algorithm over its group's links (not the list's hops).
+
 Collectives are timed by their algorithm over the group's links
 (`fivedc/estimates/collectives.py`). A unit's collectives are on its critical path unless the
 plan says they overlap (`Collective.overlaps`): ring attention's hops hide behind the
@@ -30,12 +38,12 @@ from dataclasses import dataclass, field, replace
 from fivedc.estimates.collectives import collective_seconds
 from fivedc.estimates.costs import fp8_cast_bytes, op_times
 from fivedc.estimates.saved import SaveContext
-from fivedc.passes.regather import regathered
+from fivedc.instructions.events import BACKWARD, FORWARD_AGAIN, GATHER_AGAIN
+from fivedc.instructions.unit_program import unit_instructions
 from fivedc.estimates.terms import ISSUE, MEMORY_BOUND, PHASES, RECOMPUTATION, Ledger, UnitParts, comm_term, op_term
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Phase, Redistribute, Repeat
 from fivedc.ir.hardware import Hardware
 from fivedc.passes.fp8 import is_fp8
-from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.passes.stages import Unit
 
 K = CollectiveKind
@@ -61,32 +69,56 @@ class UnitTime:
         return self.backward_input + self.backward_weight - self.hidden
 
 
-def unit_times(c: SaveContext, graph: Graph, units: list[Unit], hw: Hardware, *, recompute: str) -> list[UnitTime]:
-    """Every unit's seconds, a repeat's layers computed once."""
-    again, cache, out = regathered(graph, recompute), {}, []
-    for unit in units:
-        key = graph.body.items[unit.start].name if unit.layer is not None else ("ops", unit.start)
-        if key not in cache:
-            cache[key] = unit_time(c, graph, unit, hw, recompute=recompute, again=again)
-        out.append(cache[key])
-    return out
+def unit_times(c: SaveContext, graph: Graph, units: list[Unit], hw: Hardware, *, recompute: str,
+               instructions: dict | None = None) -> list[UnitTime]:
+    """Every unit's seconds, a repeat's layers computed once: each priced from its instruction
+    list (`instructions`, by unit: `fivedc/instructions/unit_program.unit_instructions`, made
+    here if not given), which says what runs: which nodes run forward and backward, which
+    forwards backward does again (recomputation), which gathered inputs it gathers again
+    (sequence parallelism)."""
+    keys = [_key(graph, unit) for unit in units]
+    first = distinct_units(graph, units)
+    listed = instructions if instructions is not None else unit_instructions(
+        graph, c.mesh, recompute=recompute, dtype=c.dtype, wanted=list(first.values()))
+    again = {e.node.out for unit in first.values() for e in listed[unit][1] if e.phase == GATHER_AGAIN}
+    cache = {key: unit_time(c, graph, unit, hw, instructions=listed[unit], again=again) for key, unit in first.items()}
+    return [cache[key] for key in keys]
 
 
-def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, recompute: str,
-              again: dict[str, str]) -> UnitTime:
-    """Seconds of one unit for one microbatch, its blocking collectives included: its nodes
-    added up in order (`UnitSums`), then each phase bounded by the host's issue, what the
-    forward's matmuls hide taken off, a recomputed layer's forward run again in backward,
-    and what a whole backward hides set apart (`UnitSums.finish`). `again`: the values SP
-    gathers again for the weight gradients (`regather.regathered`)."""
+def _key(graph: Graph, unit: Unit):
+    """What units of the same cost share: a repeat's layers, its name."""
+    return graph.body.items[unit.start].name if unit.layer is not None else ("ops", unit.start)
+
+
+def distinct_units(graph: Graph, units: list[Unit]) -> dict:
+    """The units whose costs `unit_times` computes: a repeat's first layer, every top-level run."""
+    return {key: unit for key, unit in reversed([(_key(graph, unit), unit) for unit in units])}
+
+
+def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, instructions: tuple[tuple, tuple],
+              again: set[str]) -> UnitTime:
+    """Seconds of one unit for one microbatch, its blocking collectives included: the nodes its
+    `instructions` (forward, backward) issue added up in program order (`UnitSums`), then each
+    phase bounded by the host's issue, what the forward's matmuls hide taken off, a forward done
+    again in backward added (an op's own, or the whole layer's where backward redoes every
+    forward instruction), and what a whole backward hides set apart (`UnitSums.finish`).
+    `again`: the values SP gathers again for the weight gradients (`GATHER_AGAIN`)."""
+    forward, backward = instructions
+    runs_forward = {id(e.node) for e in forward}
+    runs_backward = {id(e.node) for e in backward if e.phase == BACKWARD}
+    redone = [e for e in backward if e.phase == FORWARD_AGAIN]
+    whole = bool(forward) and len(redone) == len(forward)  # the layer's whole forward, again
     repeat, nodes = unit_nodes(graph, unit)
     sums = UnitSums(c, graph, hw, layers=repeat.count if repeat else 1, again=again)
+    redone_ops = set() if whole else {id(e.node) for e in redone}
     for node in nodes:
+        if id(node) not in runs_forward and id(node) not in runs_backward:
+            continue  # it issues nothing (a local slice): nothing to price
         if isinstance(node, Redistribute):
-            sums.redistribution(node)
+            sums.redistribution(node, backward=id(node) in runs_backward)
         elif isinstance(node, Op):
-            sums.op(node, recomputed=recomputes_op(node, repeat, recompute))
-    return sums.finish(layer_recomputed=repeat is not None and recomputes_layer(repeat, recompute))
+            sums.op(node, recomputed=id(node) in redone_ops, backward=id(node) in runs_backward)
+    return sums.finish(layer_recomputed=whole)
 
 
 def unit_nodes(graph: Graph, unit: Unit) -> tuple[Repeat | None, tuple]:
@@ -166,7 +198,7 @@ class UnitSums:
     __slots__ = ("c", "graph", "hw", "layers", "again", "seconds", "comm", "issued", "ledger",
                  "beside_matmuls", "beside_input_grads", "behind_weights", "ring_gathers", "linear_outputs")
 
-    def __init__(self, c: SaveContext, graph: Graph, hw: Hardware, *, layers: int, again: dict[str, str]) -> None:
+    def __init__(self, c: SaveContext, graph: Graph, hw: Hardware, *, layers: int, again: set[str]) -> None:
         self.c, self.graph, self.hw, self.layers, self.again = c, graph, hw, layers, again
         self.seconds = Phases()  # forward, input gradients, weight gradients
         self.comm = 0.0  # of those, the seconds in collectives
@@ -184,11 +216,12 @@ class UnitSums:
         return sum(collective_seconds(x.kind, x.axes, x.bytes * scale, self.c.mesh, self.hw) * x.count / self.layers
                    for x in steps if only is None or x.kind == only)
 
-    def redistribution(self, node: Redistribute) -> None:
-        """A redistribution's collectives: forward, its gradient's in backward, and under SP
-        its gather run again for the weight gradients."""
+    def redistribution(self, node: Redistribute, *, backward: bool = True) -> None:
+        """A redistribution's collectives: forward, its gradient's in backward (`backward`: where
+        the gradient reaches it), and under SP its gather run again for the weight gradients."""
         scale = 1.0 / self.c.microbatches if _batched(self.graph, node) else 1.0
-        forward, input = self.collectives_seconds(node.forward, scale), self.collectives_seconds(node.backward, scale)
+        forward = self.collectives_seconds(node.forward, scale)
+        input = self.collectives_seconds(node.backward, scale) if backward else 0.0
         weight = self.collectives_seconds(node.forward, scale, K.ALL_GATHER) if node.out in self.again else 0.0
         self.seconds = self.seconds.plus(forward, input, weight)
         self.comm = self.comm + forward + input + weight
@@ -222,21 +255,24 @@ class UnitSums:
         if node.backward and node.backward[0].overlaps:
             self.beside_input_grads.add(input_term, hidden_beside(K.ALL_GATHER, input, made_input, n))
 
-    def op(self, node: Op, *, recomputed: bool) -> None:
-        """An op's phases with its own collectives; `recomputed`: its forward runs again in backward."""
+    def op(self, node: Op, *, recomputed: bool, backward: bool = True) -> None:
+        """An op's phases with its own collectives; `recomputed`: its forward runs again in
+        backward; `backward`: its backward runs (the gradient reaches it)."""
         forward, input, weight = op_times(self.c, node, self.hw)
+        if not backward:
+            input = weight = 0.0
         self.op_terms(node, forward, input, weight)
         if node.kind == "linear":
             self.linear(node, forward, input, weight)
         own_forward = _op_collectives(self.c, node, self.hw, forward, ledger=self.ledger)
-        own_input = _op_collectives(self.c, node, self.hw, input, backward=True, ledger=self.ledger)
+        own_input = _op_collectives(self.c, node, self.hw, input, backward=True, ledger=self.ledger) if backward else 0.0
         forward, input = forward + own_forward, input + own_input
         self.comm = self.comm + own_forward + own_input
         if recomputed:
             input += forward
             self.ledger.add("input", RECOMPUTATION, forward)
         self.seconds = self.seconds.plus(forward, input, weight)
-        self.issued = self.issued.plus(1, 1 + recomputed, bool(weight))
+        self.issued = self.issued.plus(1, backward + recomputed, bool(weight))
 
     def op_terms(self, node: Op, forward: float, input: float, weight: float) -> None:
         """An op's phases in the ledger: its compute term, a float8 linear's casts memory-bound work."""

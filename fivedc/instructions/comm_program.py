@@ -39,34 +39,17 @@ its layer), a chunk's runs once for every microbatch; `class_programs` flattens 
 
 from __future__ import annotations
 
-import itertools
-
-from fivedc.ir.graph import DType, Graph, Op, Redistribute, Repeat, param_instances, walk_ops, walk_params
+from fivedc.ir.graph import param_instances
 from fivedc.ir.mesh import MeshAxis
-from fivedc.ir.ops import POINTWISE
-from fivedc.ir.pointwise import Saves
-from fivedc.passes.recompute import recomputes_layer, recomputes_op
-from fivedc.passes.regather import regathered
-from fivedc.ir.sharding import Sharding
-from fivedc.instructions.sites import Site, sites, trainable
-from fivedc.instructions.events import COMPUTE, RING_TAG, Event, Run, at_layer, compute, flatten, templated
-from fivedc.instructions.kernel_events import KernelEvents
+from fivedc.instructions.events import Event, Run, compute, flatten
 from fivedc.instructions.param_facts import ParamFacts
 from fivedc.instructions.pipeline_events import PipelineEvents
 from fivedc.instructions.sync_events import Buckets, SyncEvents
+from fivedc.instructions.unit_program import TORCH_DTYPES, UnitExpander
 from fivedc.instructions.zero3_program import zero3_step
-from fivedc.passes.overlap import expand_buckets
 from fivedc.passes.chunk_params import held_by_rank
-from fivedc.passes.stages import units
+from fivedc.passes.overlap import expand_buckets
 from fivedc.passes.tied import tied_groups
-
-TORCH_DTYPES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# Kernels whose backward reads nothing they computed from (autograd saves no tensor for
-# them, as for a redistribution): a recomputed layer is redone at the first node from its
-# end that is not one of these. The pointwise ops whose definition saves nothing (add, sub).
-SAVES_NOTHING = frozenset(kind for kind, pointwise in POINTWISE.items() if pointwise.saves == Saves.NOTHING)
-# Kernels whose backward does not read their parameter: ZeRO-3 does not gather it again.
-KEEPS_NO_PARAMETER = frozenset({"embedding"})
 
 
 def class_runs(plan, *, shared: bool = True, computations: bool = False) -> dict[int, tuple[Run, ...]]:
@@ -95,28 +78,14 @@ def class_programs(plan) -> dict[int, tuple[Event, ...]]:
     return {rank: flatten(runs) for rank, runs in class_runs(plan).items()}
 
 
-class _Expander(KernelEvents, SyncEvents, PipelineEvents, ParamFacts):
+class _Expander(UnitExpander, SyncEvents, PipelineEvents, ParamFacts):
     def __init__(self, plan, *, shared: bool = True, computations: bool = False) -> None:
-        self.shared, self.computations = shared, computations
-        self.plan, self.graph, self.mesh = plan, plan.graph, plan.mesh
-        self.dtype = TORCH_DTYPES[plan.dtype]
-        self.pipeline = plan.pipeline
-        self.m = plan.pipeline.microbatches if plan.pipeline is not None else 1
-        self.dims = _dims(plan.graph)
-        self.sites = sites(plan.graph)
-        self.repeats = {i.name: i for i in plan.graph.body.items if isinstance(i, Repeat)}
+        super().__init__(plan.graph, plan.mesh, recompute=plan.recompute, dtype=TORCH_DTYPES[plan.dtype],
+                         pipeline=plan.pipeline, microbatches=plan.pipeline.microbatches if plan.pipeline else 1,
+                         shared=shared, computations=computations)
+        self.plan = plan
         self.params = dict(param_instances(plan.graph))  # qualified name -> Param
-        self.trainable = trainable(plan.graph)  # what backward reaches
-        self.index = {id(site): i for i, site in enumerate(self.sites)}
-        self.unit_sites: dict[int, list[Site]] = {}
-        for site in self.sites:
-            self.unit_sites.setdefault(site.unit, []).append(site)
-        self.units = units(plan.graph)
-        self.regather_at = _regather_points(plan, self.sites)  # site index -> the redistribution gathered again
         self.tied = tied_groups(plan.graph, plan.pipeline, plan.mesh.size(MeshAxis.PP))
-        # per node of the graph (of a repeat's body: for all its layers), computed once
-        self._cache: dict[tuple, list] = {}
-        self._chunks: dict[tuple, object] = {}  # units' and chunks' runs, transfers' sizes
         self.expanded_buckets = expand_buckets(plan.buckets)
         self._held_by_rank: dict[int, list[str]] | None = None
         self._buckets_by_rank: dict[int, list[tuple[str, ...]]] | None = None
@@ -133,8 +102,8 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents, ParamFacts):
         if self.pipeline is None and self.plan.zero == 3:  # gathered and reduce-scattered by group
             out.append(Run(tuple(zero3_step(self))))
         elif self.pipeline is None:
-            out += self._units("forward", 0, len(self.units))
-            out += self._units("backward", 0, len(self.units), buckets)
+            out += self.unit_runs("forward", 0, len(self.units))
+            out += self.unit_runs("backward", 0, len(self.units), buckets)
         else:
             out.append(Run(tuple(self._pipeline_start(pp_rank, mine))))
             out += self._actions(pp_rank)
@@ -177,186 +146,3 @@ class _Expander(KernelEvents, SyncEvents, PipelineEvents, ParamFacts):
             by_rank = held_by_rank(self.graph, self.pipeline, self.mesh.size(MeshAxis.PP))
             self._held_by_rank = {r: [n for n in self.params if n in names] for r, names in by_rank.items()}
         return self._held_by_rank[pp_rank]
-
-    def _units(self, what: str, first: int, stop: int, buckets: Buckets | None = None) -> list[Run]:
-        """The forward (in order) or backward (in reverse) of units [first, stop), a run per
-        unit: a layer's is shared by all layers of its repeat, but where gradient buckets start
-        inside it (`buckets`, overlap on): then the shared events with the buckets' inserted."""
-        order = range(first, stop) if what == "forward" else reversed(range(first, stop))
-        runs = []
-        for u in order:
-            sites, layer = self.unit_sites.get(u, []), self.units[u].layer
-            key = ("unit", what, sites[0].repeat if self.shared and layer is not None and sites else u)
-            if key not in self._chunks:
-                parts = [self.forward(site) for site in sites] if what == "forward" else \
-                    [self.backward(site) for site in reversed(sites)]
-                ends = list(itertools.accumulate(map(len, parts)))  # backward: after each site, from the last
-                self._chunks[key] = tuple(itertools.chain.from_iterable(parts)), ends
-            events, ends = self._chunks[key]
-            start = self.index[id(sites[0])] if sites else 0
-            started = [(j, buckets.after(start + len(sites) - 1 - j)) for j in range(len(sites))
-                       if buckets is not None and start + len(sites) - 1 - j in buckets.at]
-            if started:
-                cuts = [0] + [ends[j] for j, _ in started]
-                events = tuple(itertools.chain.from_iterable(
-                    (*events[cuts[i]:cuts[i + 1]], *more) for i, (_, more) in enumerate(started))) + events[cuts[-1]:]
-            runs.append(Run(events, layer))
-        return runs
-
-    # ---- one node ------------------------------------------------------------------------------
-    def forward(self, site: Site) -> list[Event]:
-        return self._cached("forward", site, self._forward)
-
-    def backward(self, site: Site) -> list[Event]:
-        return self._cached("backward", site, self._backward)
-
-    def at(self, site: Site, events: list[Event]) -> list[Event]:
-        """`forward(site)`'s or `backward(site)`'s events as issued at the site's layer."""
-        return [at_layer(e, site.layer) for e in events]
-
-    def _cached(self, what: str, site: Site, compute) -> list:
-        """`compute(site)` once per node: a repeat's body node's for all its layers (its events
-        name the layer `{layer}`), but the parameters an op reads (`params`), which are the
-        layer's own."""
-        if self.shared and site.repeat is not None and what != "params":
-            key = (what, site.repeat, id(site.node))
-        else:
-            key = (what, self.index[id(site)])
-        if key not in self._cache:
-            self._cache[key] = compute(site)
-        return self._cache[key]
-
-    def _forward(self, site: Site) -> list[Event]:
-        node = site.node
-        if isinstance(node, Redistribute):
-            return self._steps(node.forward, self.numel(node.type.dims, node.src_sharding),
-                               f"forward of {templated(site)}",
-                               node.loc, "int64" if node.type.dtype == DType.INT else self.dtype,
-                               rings=("all_gather", "reduce_scatter", "all_reduce"))
-        return self.computed(site, "forward") + self._kernel_forward(site)
-
-    def computed(self, site: Site, what: str) -> list[Event]:
-        """The instruction that runs an op's kernel (`what`: forward, backward, forward again),
-        where the expander lists computations; its collectives follow it."""
-        if not self.computations or not isinstance(site.node, Op):
-            return []
-        node = site.node
-        return [compute(f"{what} of {node.kind} {templated(site)}({', '.join(map(str, node.args))})", node.loc)]
-
-    def _backward(self, site: Site) -> list[Event]:
-        node = site.node
-        if node.out not in self.trainable:  # no gradient flows through it
-            return []
-        if isinstance(node, Redistribute):
-            return self._steps(node.backward, self.numel(node.type.dims, node.sharding),
-                               f"backward of {templated(site)}",
-                               node.loc, rings=("all_gather",))  # a sum's gradient back in a ring
-        return [self._again(e) for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
-            + self.computed(site, "backward") + self._kernel_backward(site)
-
-    @staticmethod
-    def _again(event: Event) -> Event:
-        """A recomputed op's forward instruction, named so."""
-        return event if event.op != COMPUTE else compute(event.what.replace("forward of", "forward again of", 1),
-                                                         event.loc)
-
-    def redone(self, site: Site) -> list[Site]:
-        """The sites whose forward backward redoes at `site`: a recomputed layer's, at its
-        recompute point; a recomputed op's own."""
-        repeat = self.repeats.get(site.repeat) if site.repeat else None
-        if repeat is not None and recomputes_layer(repeat, self.plan.recompute):
-            if site != self._recompute_point(site):
-                return []
-            return [s for s in self.sites if s.repeat == site.repeat and s.layer == site.layer]
-        return [site] if recomputes_op(site.node, repeat, self.plan.recompute) else []
-
-    def saves_params(self, site: Site) -> bool:
-        """Whether autograd keeps the parameters this op reads (its backward reads them), not
-        inside a recomputed layer, where the recomputation reads them again."""
-        if not isinstance(site.node, Op):
-            return False
-        repeat = self.repeats.get(site.repeat) if site.repeat else None
-        whole_layer = repeat is not None and recomputes_layer(repeat, self.plan.recompute)
-        return not whole_layer and site.node.kind not in SAVES_NOTHING | KEEPS_NO_PARAMETER
-
-    def input_again(self, site: Site) -> list[Event]:
-        """SP: the gathered input of its linears, gathered again at the first backward that reads it."""
-        if self.index[id(site)] not in self.regather_at:
-            return []
-        gathered = self.regather_at[self.index[id(site)]]
-        return self._steps([c for c in gathered.node.forward if c.kind == "all_gather"],
-                           self.numel(gathered.node.type.dims, gathered.node.src_sharding),
-                           f"{templated(gathered)} gathered again for the weight gradients (SP)", gathered.node.loc)
-
-    def _recompute_point(self, site: Site) -> Site | None:
-        """Where backward redoes a recomputed layer: at the first of its nodes, from the
-        end, that saved a tensor (autograd unpacks it then)."""
-        layer = [s for s in self.sites if s.repeat == site.repeat and s.layer == site.layer]
-        return next((s for s in reversed(layer) if isinstance(s.node, Op) and s.node.kind not in SAVES_NOTHING), None)
-
-    def _steps(self, collectives, numel: int, what: str, loc, dtype: str | None = None, *,
-               rings: tuple[str, ...] = ()) -> list[Event]:
-        """`rings`: the kinds that run beside a matmul where the plan says so (`overlaps`): an
-        all-gather or reduce-scatter in a ring is its n - 1 hops, an all-reduce by chunks its n
-        chunks' all-reduces."""
-        out = []
-        for c in collectives:
-            n = self.mesh.size(*c.axes)
-            if n == 1:
-                continue
-            if c.kind in rings and c.kind in ("all_gather", "reduce_scatter") and c.overlaps:
-                hop = numel if c.kind == "all_gather" else numel // n  # a chunk, or a chunk's sum so far
-                out += [Event("send_recv", c.axes, hop, dtype or self.dtype, f"{what}: a chunk to the next "
-                              "member (collective matmul)", loc, tag=RING_TAG)] * (n - 1)
-            elif c.kind in rings and c.kind == "all_reduce" and c.overlaps:  # by chunks, each as the linear makes it
-                out += [Event("all_reduce", c.axes, numel // n, dtype or self.dtype, f"{what}: a chunk's sum "
-                              "(collective matmul)", loc)] * n
-            elif c.kind != "slice":
-                out.append(Event(str(c.kind), c.axes, numel, dtype or self.dtype, what, loc))
-            numel = numel // n if c.kind in ("slice", "reduce_scatter") else numel * n if c.kind == "all_gather" \
-                else numel
-        return out
-
-    def _step_forward(self, site: Site) -> list[Event]:
-        """`forward(site)` on the whole step's rows at once, as the count up front runs it (not
-        cached: its sizes are those of all microbatches together)."""
-        m, self.m = self.m, 1
-        try:
-            return self._forward(site)
-        finally:
-            self.m = m
-
-    @property
-    def plan_bytes(self) -> int:
-        return {"float64": 8, "float32": 4}.get(self.dtype, 2)
-
-    def numel(self, dims: tuple[str, ...], sharding: Sharding) -> int:
-        total = self.graph.local_numel(dims, sharding, self.mesh)
-        return total // self.m if self.graph.batch_dim in dims else total
-
-
-def _dims(graph: Graph) -> dict[str, tuple[str, ...]]:
-    """Every value's dims (inputs, parameters, node outputs, a repeat's args and results)."""
-    out = {i.name: i.type.dims for i in graph.inputs} | {p.name: p.dims for p, _ in walk_params(graph.body)}
-    for node, _ in walk_ops(graph.body):
-        if isinstance(node, Repeat):
-            for arg, carried, result in zip(node.body.args, node.carried, node.results):
-                out[arg] = out[result] = out[carried]
-        else:
-            out[node.out] = node.type.dims
-    return out
-
-
-def _regather_points(plan, all_sites: list[Site]) -> dict[int, Site]:
-    """Where backward gathers an SP linear input again (`fivedc.passes.regather.regathered`): at the
-    backward of the last linear (in program order) reading it, the first whose backward
-    runs; per layer instance. Maps that site's index to the redistribution's site."""
-    again = regathered(plan.graph, plan.recompute)
-    made = {(s.repeat, s.layer, s.node.out): s for s in all_sites if isinstance(s.node, Redistribute)
-            and s.node.out in again}
-    last: dict[tuple, int] = {}
-    for i, s in enumerate(all_sites):
-        if isinstance(s.node, Op) and s.node.args and (s.repeat, s.layer, s.node.args[0]) in made:
-            last[(s.repeat, s.layer, s.node.args[0])] = i
-    return {i: made[key] for key, i in last.items()}
-

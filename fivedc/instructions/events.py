@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from fivedc.errors import SourceLoc
@@ -17,6 +17,11 @@ RING_TAG = 2  # a chunk passed around a tp ring (runtime/tp_ring.py); ring atten
 # (`comm_program.class_instructions`, what `fivedc show PLAN --program` prints), never in the
 # proof's events, which are that list's other instructions.
 COMPUTE = "compute"
+# What part of its node's work an instruction is (`Event.phase`): the step-time model reads them
+# (`fivedc/estimates/unit_costs.py`): an op's or a redistribution's forward, its backward, a
+# forward done again in backward (recomputation), and a gathered input gathered again for the
+# weight gradients (sequence parallelism). "" where no node's (transfers, sums, the optimizer).
+FORWARD, BACKWARD, FORWARD_AGAIN, GATHER_AGAIN = "forward", "backward", "forward again", "gather again"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,10 @@ class Event:
     tag: int = 0  # send, recv: 0 activations, 1 gradients; a ring hop: 0 K/V, 1 their gradients, 2 a tp ring's chunk
     level: str = ""  # a part of the group (a hierarchical all-to-all: intra or inter)
     pp_ranks: tuple[int, ...] = ()  # a group over pp of only these pp ranks (a tied weight's holders); (): all
+    # the graph node whose work it is (an op, a redistribution; a repeat body's node for all its
+    # layers) and which part (`FORWARD`, ...): for the readers that price it, not for agreement
+    node: object = field(default=None, compare=False, repr=False)
+    phase: str = field(default="", compare=False)
 
     @property
     def group(self) -> tuple:
@@ -84,6 +93,11 @@ class Run(NamedTuple):
 def compute(what: str, loc: SourceLoc | None = None) -> Event:
     """An instruction that computes (`COMPUTE`): no group, nothing sent."""
     return Event(COMPUTE, (), None, "", what, loc)
+
+
+def of_node(events, node, phase: str) -> list[Event]:
+    """`events` as the instructions of `node`'s `phase` (`Event.node`, `Event.phase`)."""
+    return [replace(e, node=node, phase=phase) for e in events]
 
 
 def flatten(runs: tuple[Run, ...]) -> tuple[Event, ...]:

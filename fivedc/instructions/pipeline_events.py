@@ -11,6 +11,8 @@ sites and `_units`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fivedc.ir.ops import counts_targets
 from fivedc.ir.graph import Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import MeshAxis
@@ -28,7 +30,7 @@ class PipelineEvents:
             if kind in ("F", "B", "I"):
                 key = ("chunk", kind == "F", c)
                 if key not in self._chunks:
-                    self._chunks[key] = self._units("forward" if kind == "F" else "backward",
+                    self._chunks[key] = self.unit_runs("forward" if kind == "F" else "backward",
                                                     *self.pipeline.chunks[c].units)
                 runs = self._chunks[key]  # the same for every microbatch; an instruction list names it
                 if self.computations:
@@ -50,7 +52,7 @@ class PipelineEvents:
         key = ("input only", c)
         if key not in self._chunks:
             self._chunks[key] = [r._replace(events=tuple(
-                compute(e.what.replace("backward of", "input gradient of", 1), e.loc) if e.op == COMPUTE else e
+                replace(e, what=e.what.replace("backward of", "input gradient of", 1)) if e.op == COMPUTE else e
                 for e in r.events)) for r in runs]
         return self._chunks[key]
 

@@ -10,6 +10,7 @@ bare name means layer 0. `pp_rank_of` says which pipeline stage computes a site.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from fivedc.errors import FivedcError
@@ -40,10 +41,12 @@ class Site:
         return self.node.kind if isinstance(self.node, Op) else "redistribute"
 
 
-def sites(graph: Graph) -> list[Site]:
-    """Every node at every layer, in the order a rank computes them."""
+def sites(graph: Graph, only: Collection[int] | None = None) -> list[Site]:
+    """Every node at every layer, in the order a rank computes them (`only`: of those units)."""
     out: list[Site] = []
     for index, unit in enumerate(units(graph)):
+        if only is not None and index not in only:
+            continue
         if unit.layer is None:
             out += [Site(item, unit=index) for item in graph.body.items[unit.start:unit.stop]]
             continue

@@ -6,7 +6,7 @@ held here once per op and read by every table that used to list the kinds by han
 
     torch      the function the kernel calls   -> runtime/kernels.KERNELS
     saves      what its backward keeps         -> estimates/saved.SAVE_RULES, and
-                                                  proof/comm_program.SAVES_NOTHING
+                                                  instructions/unit_program.SAVES_NOTHING
     functions, modules, methods, aten
                what the fx frontend reads as it -> frontends/fx/recognise (op names),
                                                   frontends/fx/export (aten targets),
