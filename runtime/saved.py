@@ -12,7 +12,7 @@ Two kinds of notes:
 - ZeRO-3's gathered parameter groups (`runtime/zero3.GroupNote`: one all-gather of the
   group's chunks again, each parameter one part of it);
 - the all-gathered input of column-parallel linears under sequence parallelism
-  (`mark_regathered`, for the values `fivedc.estimates.saved.regathered` names): the note
+  (`mark_regathered`, for the values `fivedc.passes.regather.regathered` names): the note
   (`GatherAgain`) holds this rank's shard and redoes the forward all-gather in backward,
   as Megatron does, so the linears keep 1/t of their input. Where their dW waits for the
   input gradient's sum (`runtime/tp_overlap.py`, which the program hands the note), the
