@@ -43,7 +43,7 @@ from them is the module's after-step hook.
 
 Per-layer state (the bias, this step's tokens per expert) lives on the
 `KernelContext`, keyed by the router's qualified name (`moe.3.router`), which
-`register_params` tells it; `end_step` (called by `runtime/train.py` after each
+`register_params` tells it (a ZeRO-3 gathered copy's name: `register_gathered`); `end_step` (called by `runtime/train.py` after each
 step) applies the bias update and hands back the load. A forward redone by activation
 recomputation routes the same tokens again and records nothing.
 """
@@ -51,6 +51,7 @@ recomputation routes the same tokens again and records nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,7 @@ class ExpertLoad:
 @dataclass
 class MoeState:
     names: dict[int, str] = field(default_factory=dict)  # id(parameter tensor) -> qualified name
+    gathered: Callable[[Tensor], str | None] | None = None  # ZeRO-3: a gathered copy's name
     bias: dict[str, Tensor] = field(default_factory=dict)
     pending: dict[str, tuple[float, Tensor]] = field(default_factory=dict)  # bias rate, this step's counts
     loads: dict[str, ExpertLoad] = field(default_factory=dict)
@@ -98,7 +100,7 @@ class MoeState:
         for t in (router, router._base):
             if t is None:
                 continue
-            name = self.names.get(id(t)) or getattr(getattr(t, "_fivedc_regather", None), "name", None)
+            name = self.names.get(id(t)) or (self.gathered(t) if self.gathered is not None else None)
             if name:
                 return f"{name.rpartition('.')[0]}.{op.out}" if "." in name else op.out
         return op.out
@@ -113,6 +115,12 @@ def moe_state(ctx) -> MoeState:
 def register_params(ctx, params: dict[str, Tensor]) -> None:
     """Tell the MoE kernels which parameter tensor is which (to name their layers)."""
     moe_state(ctx).names = {id(t): name for name, t in params.items()}
+
+
+def register_gathered(ctx, name_of: Callable[[Tensor], str | None]) -> None:
+    """ZeRO-3: tell the MoE kernels how to name a gathered copy of a parameter
+    (`runtime/zero3.ShardedParams.name_of`)."""
+    moe_state(ctx).gathered = name_of
 
 
 def end_step(ctx) -> dict[str, ExpertLoad]:
@@ -341,4 +349,4 @@ def loop_experts(rows: Tensor, recv: Tensor, weights: list[Tensor], swiglu: bool
 
 
 __all__ = ["ExpertLoad", "batched_experts", "end_step", "grouped_experts", "local_experts", "loop_experts",
-           "moe_kernel", "register_params", "route", "sliced_experts"]
+           "moe_kernel", "register_gathered", "register_params", "route", "sliced_experts"]

@@ -268,7 +268,9 @@ class Program:
         if item.out in self.regathered:  # sequence parallelism: backward gathers it again
             # (marked after tracing: an injected fault's perturbed copy is gathered again too,
             # so every rank issues the same collectives; backward sees the unperturbed value)
-            mark_regathered(out, env[item.src], forward, self.ctx.groups)
+            note = mark_regathered(out, env[item.src], forward, self.ctx.groups)
+            if put_off is not None:  # its readers' dW gathers it again by this note, in or out of a saving scope
+                put_off.regathered(out, note)
         env[item.out] = out
         dims[item.out] = item.type.dims
         return ring

@@ -1,17 +1,22 @@
 """What autograd keeps for backward: gathered tensors kept as notes, and a recorder of the rest.
 
-A tensor whose root carries `_fivedc_regather` is not kept by autograd: the pack hook
-of `saving_scope` keeps a note instead, and the unpack hook makes the tensor again.
-Two kinds of tensors carry such a note:
+Within `saving_scope`, a tensor given a note (`keep_as_note`) is not kept by autograd:
+the scope's pack hook finds the tensor's root in the scope's `Notes` (a weak map from
+root tensors to notes; nothing is set on tensors, and an entry goes with its tensor),
+keeps the note instead, and the unpack hook makes the tensor again. Outside a scope no
+note is taken. A `Note` is shared by every saved view of one gathered whole, and by the
+members of a gathered group: the first unpack gathers, the last one lets the whole go
+(`Note.take`); `start` begins the gather early, async where the subclass can (`launch`).
+Two kinds of notes:
 
-- ZeRO-3's gathered parameters (`runtime/zero.py`: the note gathers the chunk again);
+- ZeRO-3's gathered parameter groups (`runtime/zero3.GroupNote`: one all-gather of the
+  group's chunks again, each parameter one part of it);
 - the all-gathered input of column-parallel linears under sequence parallelism
-  (`mark_regathered`, for the values `fivedc.estimates.saved.regathered` names): the note holds
-  this rank's shard and redoes the forward all-gather in backward, as Megatron does,
-  so the linears keep 1/t of their input. The linears reading one gathered value share
-  one note: the first unpack gathers, the last one lets it go. Where their dW waits for
-  the input gradient's sum (`runtime/tp_overlap.py`), the first reader's backward
-  starts the gather async, so it runs while the readers compute dX.
+  (`mark_regathered`, for the values `fivedc.passes.regather.regathered` names): the note
+  (`GatherAgain`) holds this rank's shard and redoes the forward all-gather in backward,
+  as Megatron does, so the linears keep 1/t of their input. Where their dW waits for the
+  input gradient's sum (`runtime/tp_overlap.py`, which the program hands the note), the
+  first reader's backward starts the gather async, so it runs while the readers compute dX.
 
 `SavedRecorder` (given to `saving_scope`) counts the bytes of what is really kept:
 each storage once, leaving out the ones it is told to (parameters, inputs); a note
@@ -27,6 +32,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fivedc.runtime.collectives import apply_steps, start_gather
 
@@ -64,85 +70,139 @@ def held(tensors: Iterable) -> None:
             _ACTIVE[-1].add(t)
 
 
-class _GatherAgain:
-    """The note on a gathered activation: this rank's shard and the steps that gather it.
-    `start` begins the gather early (async, where it is one all-gather); `take` waits for it."""
+def root_of(t: Tensor) -> Tensor:
+    """The tensor owning `t`'s storage: `t` itself, or the base it is a view of."""
+    return t if t._base is None else t._base
 
-    def __init__(self, shard: Tensor, steps, groups) -> None:
-        self.shard, self.steps, self.groups = shard.detach(), steps, groups
-        self.packed = 0
-        self.whole: Tensor | None = None
-        self.pending = None  # the finish of an all-gather started early
+
+class Note:
+    """What autograd keeps instead of a gathered tensor: how to gather it again. Every save of
+    a tensor it covers takes a share (`at`); the first unpack gathers (or finishes the gather
+    `start` began early, where `launch` can), the last one lets the whole go. A subclass says
+    how to gather (`gather`, `launch`) and what it holds meanwhile (`kept`, counted as saved)."""
+
+    def __init__(self) -> None:
+        self.packed = 0  # saves not yet unpacked
+        self.whole = None  # the gathered whole, between the first unpack and the last
+        self.pending = None  # the finish of a gather started early
+
+    def gather(self):
+        raise NotImplementedError
+
+    def launch(self):
+        """Start the gather async: its finish (returning what `gather` does), or None where it cannot."""
+        return None
+
+    def kept(self) -> tuple[Tensor, ...]:
+        return ()
 
     def start(self) -> None:
-        if self.whole is None and self.pending is None and len(self.steps) == 1 and self.steps[0].kind == "all_gather":
-            self.pending = start_gather(self.shard, self.steps[0], self.groups)
+        """Begin the gather early, so it runs while backward computes something else."""
+        if self.whole is None and self.pending is None:
+            self.pending = self.launch()
 
-    def at(self, t: Tensor) -> _Packed:
+    def at(self, t: Tensor, part=None) -> Packed:
+        """What autograd keeps for `t` (`part` of the whole, or the whole for None)."""
         self.packed += 1
-        if _ACTIVE:
-            _ACTIVE[-1].add(self.shard)
-        return _Packed(self, (t.size(), t.stride(), t.storage_offset()))
+        held(self.kept())
+        return Packed(self, part, (t.size(), t.stride(), t.storage_offset()))
 
-    def take(self) -> Tensor:
+    def take(self, part=None) -> Tensor:
         if self.pending is not None:
             self.whole, self.pending = self.pending(), None
         elif self.whole is None:
-            self.whole = apply_steps(self.shard, self.steps, self.groups)
-        whole = self.whole
+            self.whole = self.gather()
+        whole = self.whole if part is None else self.whole[part]
         self.packed -= 1
         if self.packed <= 0:
             self.whole = None
         return whole
 
 
-class _Packed:
-    def __init__(self, note: _GatherAgain, layout: tuple) -> None:
-        self.note, self.layout = note, layout
+class Packed:
+    """One saved tensor as autograd keeps it: its note, its part and its layout."""
+
+    def __init__(self, note: Note, part, layout: tuple) -> None:
+        self.note, self.part, self.layout = note, part, layout
 
     def get(self) -> Tensor:
-        return self.note.take().as_strided(*self.layout)
+        return root_of(self.note.take(self.part)).as_strided(*self.layout)
 
 
-def regather_note(t: Tensor) -> _GatherAgain | None:
-    """The note on `t`'s root if backward gathers it again (sequence parallelism's linear inputs)."""
-    note = getattr(t if t._base is None else t._base, "_fivedc_regather", None)
-    return note if isinstance(note, _GatherAgain) else None
+class GatherAgain(Note):
+    """The note on a gathered activation: this rank's shard and the steps that gather it
+    (early, async, where they are one all-gather)."""
+
+    def __init__(self, shard: Tensor, steps, groups) -> None:
+        super().__init__()
+        self.shard, self.steps, self.groups = shard.detach(), steps, groups
+
+    def kept(self) -> tuple[Tensor, ...]:
+        return (self.shard,)
+
+    def launch(self):
+        if len(self.steps) == 1 and self.steps[0].kind == "all_gather":
+            return start_gather(self.shard, self.steps[0], self.groups)
+        return None
+
+    def gather(self) -> Tensor:
+        return apply_steps(self.shard, self.steps, self.groups)
 
 
-def mark_regathered(gathered: Tensor, shard: Tensor, steps, groups) -> Tensor:
-    """Note on `gathered` (the output of `apply_steps(shard, steps)`) that backward makes it again."""
-    root = gathered if gathered._base is None else gathered._base
-    root._fivedc_regather = _GatherAgain(shard, steps, groups)
-    return gathered
+class Notes:
+    """The notes of a saving scope: the root of each tensor kept as a note, weakly (an entry
+    goes with its tensor), mapped to its note and its part of the note's whole."""
+
+    def __init__(self) -> None:
+        self.roots = WeakTensorKeyDictionary()
+
+    def add(self, t: Tensor, note: Note, part=None) -> None:
+        self.roots[root_of(t)] = (note, part)
+
+    def pack(self, t: Tensor):
+        """The saved-tensor pack hook: a note where `t`'s root has one, else `t` (counted)."""
+        found = self.roots.get(root_of(t))
+        if found is not None:
+            return found[0].at(t, found[1])
+        held((t,))
+        return t
 
 
-def _pack(t: Tensor):
-    root = t if t._base is None else t._base
-    note = getattr(root, "_fivedc_regather", None)
-    if note is not None:
-        return note.at(t)
-    if _ACTIVE:
-        _ACTIVE[-1].add(t)
-    return t
+_SCOPES: list[Notes] = []  # the notes of the enclosing saving scopes (nested ones share the outermost's)
+
+
+def keep_as_note(t: Tensor, note: Note, part=None) -> Note:
+    """Within a saving scope, autograd keeps `note` (`part` of it) for `t` and every view of
+    `t`'s root; outside one, nothing changes (autograd keeps `t`)."""
+    if _SCOPES:
+        _SCOPES[-1].add(t, note, part)
+    return note
+
+
+def mark_regathered(gathered: Tensor, shard: Tensor, steps, groups) -> GatherAgain:
+    """Backward makes `gathered` (the output of `apply_steps(shard, steps)`) again: its note."""
+    return keep_as_note(gathered, GatherAgain(shard, steps, groups))
 
 
 def _unpack(saved):
-    return saved.get() if hasattr(saved, "get") and not isinstance(saved, Tensor) else saved
+    return saved.get() if isinstance(saved, Packed) else saved
 
 
 @contextlib.contextmanager
 def saving_scope(recorder: SavedRecorder | None = None):
-    """Around forward and backward: gathered tensors are kept as notes; with `recorder`,
-    what is kept is counted."""
+    """Around forward and backward: tensors given notes (`keep_as_note`) are kept as notes;
+    with `recorder`, what is kept is counted. Yields the scope's `Notes`."""
+    notes = _SCOPES[-1] if _SCOPES else Notes()
+    _SCOPES.append(notes)
     if recorder is not None:
         _ACTIVE.append(recorder)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-            yield
+        with torch.autograd.graph.saved_tensors_hooks(notes.pack, _unpack):
+            yield notes
     finally:
         if recorder is not None:
             _ACTIVE.remove(recorder)
+        _SCOPES.pop()
 
 
 class LiveMeter:

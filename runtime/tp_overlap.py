@@ -15,7 +15,8 @@ from the plan, `LinearPath.put_off_by`):
   not from the linear's: autograd accumulates it and runs its hooks (gradient
   buckets) in the same backward, with nothing nested;
 - a reader's backward computes dX only and keeps (X, dY); under SP, where X is
-  gathered again for dW (`runtime/saved.py`), the first reader's backward starts
+  gathered again for dW (`runtime/saved.py`; the program hands the `PutOff` that
+  note, `PutOff.regathered`, in or out of a saving scope), the first reader's backward starts
   that all-gather async, so it runs while the readers compute dX (Megatron's order:
   gather X, dX, then the sum of dX beside dW);
 - the redistribution's backward, which autograd runs once every reader's dX is in,
@@ -30,10 +31,12 @@ zero-bubble store (which puts dW off until W: `runtime/weight_grads.py`).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
-from fivedc.runtime.saved import regather_note
+from fivedc.runtime.saved import GatherAgain, root_of
 
 
 class PutOff:
@@ -42,6 +45,16 @@ class PutOff:
     def __init__(self, weights: tuple[Tensor, ...]) -> None:
         self.weights = weights
         self.pending: list[tuple[int, Tensor, Tensor, int, tuple[int, ...] | None]] = []
+        self.note: GatherAgain | None = None  # SP: how backward gathers the readers' input again
+        self.gathered = None  # a weak reference to the root of the value that note is for
+
+    def regathered(self, value: Tensor, note: GatherAgain) -> None:
+        """SP: backward gathers `value` (the readers' input) again, by `note`."""
+        self.note, self.gathered = note, weakref.ref(root_of(value))
+
+    def note_for(self, x: Tensor) -> GatherAgain | None:
+        """The note that gathers `x` again, if `x` is (a view of) the value `regathered` named."""
+        return self.note if self.gathered is not None and self.gathered() is root_of(x) else None
 
     def index(self, weight: Tensor) -> int | None:
         return next((i for i, w in enumerate(self.weights) if w is weight), None)
@@ -69,7 +82,7 @@ class PutOffLinear(torch.autograd.Function):
                 value: Tensor | None = None) -> Tensor:
         fctx.k, fctx.put_off, fctx.index, fctx.undo, fctx.lead = k, put_off, index, undo, x.dim() - k
         w = w.to(x.dtype)  # autocast: x is in its dtype already (runtime/precision.py)
-        note = regather_note(x)  # SP: x is gathered again for dW, by its note (which holds the shard only)
+        note = put_off.note_for(x)  # SP: x is gathered again for dW, by its note (which holds the shard only)
         fctx.x = note.at(x) if note is not None else None
         fctx.save_for_backward(*((w,) if note is not None else (w, x)))
         return torch.tensordot(x, w, dims=k) if value is None else value  # value: made as a ring brought x

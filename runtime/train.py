@@ -26,7 +26,7 @@ from fivedc.ir.mesh import MeshAxis
 from fivedc.runtime.program import Program, grad_groups
 from fivedc.passes.overlap import Bucket
 from fivedc.passes.overlap import expand_units
-from fivedc.runtime.moe import ExpertLoad, discard_counts, end_step, register_params
+from fivedc.runtime.moe import ExpertLoad, discard_counts, end_step, register_gathered, register_params
 from fivedc.runtime.pipeline import PipelineRunner
 from fivedc.runtime.saved import LiveMeter
 from fivedc.runtime.zero import ZeroOptimizer, gathered_params_scope
@@ -109,6 +109,8 @@ class Trainer:
                                        units=[unit for _, unit in expanded])
         self.loss_axes = loss_axes_of(graph, ctx.mesh)
         register_params(ctx, self.optimizer.params)  # MoE layers name their per-layer state by their router
+        if zero == 3:  # ... also when it is a gathered copy
+            register_gathered(ctx, self.optimizer.sharded.name_of)
         self.measure, self.kept = settings.measure, 0
 
     def forward_backward(self, inputs: dict[str, Tensor]) -> float:

@@ -9,9 +9,11 @@ repeat; the top-level parameters are one unit) and is dropped when a parameter o
 another unit is read, so a rank holds about one unit's parameters whole (and the next,
 prefetched: with overlap on, the group gathered next in the previous step's order is
 gathered while this one computes). Autograd does not keep the gathered tensors: the
-saved-tensor hook (`runtime/saved.py`) keeps a note (`_GroupNote`), and the first
-backward use of any of the group's parameters gathers the group again (one all-gather),
-freed after its last use. The gradients of the group's parameters come back to
+saved-tensor hook of the saving scope (`runtime/saved.py`) keeps a note (`GroupNote`,
+given to each gathered parameter by `keep_as_note`), and the first backward use of any
+of the group's parameters gathers the group again (one all-gather), freed after its
+last use. `ShardedParams.name_of` names a gathered copy (MoE layers name their state by
+their router: `runtime/moe.py`). The gradients of the group's parameters come back to
 `_GroupGather.backward` together, once every use's backward has run, and are summed
 and scattered with one reduce-scatter into each rank's chunks.
 
@@ -28,8 +30,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from fivedc.runtime.flat_shard import FlatShard, unpad_into
+from fivedc.runtime.saved import Note, keep_as_note, root_of
 
 
 class ParamGroup:
@@ -109,6 +113,11 @@ class ShardedParams:
         self.group_of = {n: k for k, g in enumerate(self.groups) for n in g.names}
         self.gather_order: tuple[int, ...] = ()  # the groups the last forward gathered, in order
         self.prefetch: tuple[int, int, tuple] | None = None  # (position, group, started gather)
+        self.named = WeakTensorKeyDictionary()  # a gathered parameter (its root) -> its name, weakly
+
+    def name_of(self, t: Tensor) -> str | None:
+        """The name of the parameter `t` (a root tensor) is the gathered copy of, if it is one."""
+        return self.named.get(t)
 
     def view(self) -> _Gathered:
         return _Gathered(self)
@@ -148,10 +157,10 @@ class _Gathered:
         started = None if self.finished else self._take_prefetch(k)
         self.gathered.append(k)
         outputs = _GroupGather.apply(group, started, *(z.chunks[n] for n in group.names))
-        note = _GroupNote(group, z)
+        note = GroupNote(group, z)
         for name, full in zip(group.names, outputs):
-            root = full if full._base is None else full._base
-            root._fivedc_regather = _MemberNote(note, name)
+            keep_as_note(full, note, name)
+            z.named[root_of(full)] = name
         if not self.finished:
             self._prefetch_next()
         return dict(zip(group.names, outputs))
@@ -181,42 +190,14 @@ class _Gathered:
         self.unit, self.held, self.finished = None, {}, True
 
 
-class _GroupNote:
-    """What autograd keeps of one gathered group: how to gather it again. The first
-    backward use gathers every parameter of the group; the last one lets them go."""
+class GroupNote(Note):
+    """What autograd keeps of one gathered group: how to gather it again (one all-gather of
+    its chunks), each parameter a part of the whole by its name (`runtime/saved.Note`)."""
 
     def __init__(self, group: ParamGroup, sharded: ShardedParams) -> None:
+        super().__init__()
         self.group, self.sharded = group, sharded
-        self.packed = 0
-        self.whole: dict[str, Tensor] | None = None
 
-    def take(self, name: str) -> Tensor:
-        if self.whole is None:
-            chunks = [self.sharded.chunks[n] for n in self.group.names]
-            self.whole = dict(zip(self.group.names, self.group.unpack(self.group.start(chunks))))
-        whole = self.whole[name]
-        self.packed -= 1
-        if self.packed <= 0:
-            self.whole = None
-        return whole
-
-
-class _MemberNote:
-    """The note on one gathered parameter (`runtime/saved.py` calls `at` when autograd saves it)."""
-
-    def __init__(self, note: _GroupNote, name: str) -> None:
-        self.note, self.name = note, name
-
-    def at(self, t: Tensor) -> _Packed:
-        self.note.packed += 1
-        return _Packed(self.note, self.name, (t.size(), t.stride(), t.storage_offset()))
-
-
-class _Packed:
-    def __init__(self, note: _GroupNote, name: str, layout: tuple) -> None:
-        self.note, self.name, self.layout = note, name, layout
-
-    def get(self) -> Tensor:
-        full = self.note.take(self.name)
-        root = full if full._base is None else full._base
-        return root.as_strided(*self.layout)
+    def gather(self) -> dict[str, Tensor]:
+        chunks = [self.sharded.chunks[n] for n in self.group.names]
+        return dict(zip(self.group.names, self.group.unpack(self.group.start(chunks))))

@@ -46,7 +46,7 @@ from fivedc.passes.tied import holder_sets
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.collectives import Step, apply_steps, redistribute
 from fivedc.runtime.kernel_context import KernelContext
-from fivedc.runtime.moe import end_step, register_params
+from fivedc.runtime.moe import end_step, register_gathered, register_params
 from fivedc.runtime.program import Program, qualified_params, shard
 from fivedc.runtime.states import mark_summed, set_states, state_store, sum_over_pp
 from fivedc.runtime.train import loss_axes_of, loss_partial_axes
@@ -113,6 +113,8 @@ class ParallelModule(nn.Module):
             view = weights.view()
             if isinstance(view, dict):
                 register_params(self._fivedc_ctx, view)  # MoE layers name their state by their router
+            elif hasattr(weights, "sharded"):  # ZeRO-3: gathered by group, named by their sharded params
+                register_gathered(self._fivedc_ctx, weights.sharded.name_of)
             loss = self._fivedc_program.loss(view, inputs)
         weights.forward_done(view)
         if self._fivedc_loss_steps:
