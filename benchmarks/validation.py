@@ -25,9 +25,15 @@ Sources (read from the papers, never from fivedc's output):
   (34/t + 5as/ht) with sequence parallel, (10 + 24/t) selective, 34/t both, 2 full).
 
 Held out (other teams, systems and GPUs, each row's source in its constructor below):
-Smith et al. 2022 (MT-NLG 530B, DeepSpeed on A100s), Dubey et al. 2024 (Llama 3 405B on
+Smith et al. 2022 (MT-NLG 530B, DeepSpeed on A100s), BigScience 2022 (BLOOM 176B,
+Megatron-DeepSpeed on 384 A100s: the run's launch script and its logged iteration time in
+bigscience-workshop/bigscience train/tr11-176B-ml), Dubey et al. 2024 (Llama 3 405B on
 H100s), torchtitan's docs/performance.md at commit 0413364 (FSDP2 on 64 A100s: Llama 3 70B,
-Llama 2 13B and 70B).
+Llama 2 13B and 70B) and its benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (Llama 3
+70B, FSDP2 + async TP on 256 H100s). FP8 rows, printed apart: DeepSeek-AI 2024 (DeepSeek-V3
+on 2048 H800s), torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (the TorchTitan
+paper's tables, Liang et al. 2024, arXiv 2410.06511: Llama 3.1 8B, 70B and 405B on 8 to
+512 H100s with FSDP2, TP, PP and CP, float8) and the float8 row of its async TP page.
 
     python benchmarks/validation.py             # the table (about a minute on 2 cores)
     python benchmarks/validation.py --write     # also replaces the table in benchmarks/RESULTS.md
@@ -139,6 +145,30 @@ def _mt_nlg(nodes: int, seconds: float) -> Run:
                f"--schedule 1f1b --zero 1 --recompute full {MEGATRON}", seconds, held_out=True)
 
 
+def _bloom() -> Run:
+    """BLOOM 176B (BigScience 2022, arXiv 2211.05100, section 3.4: 384 A100 80GB on Jean
+    Zay, 48 nodes of 8; Megatron-DeepSpeed, tensor 4 x pipeline 12 x data 8, ZeRO stage 1,
+    bf16), at the layout of the run's own launch script, bigscience-workshop/bigscience
+    train/tr11-176B-ml/tr11-176B-ml.slurm (commit 003b250): 70 layers, hidden 14336, 112
+    heads, sequence 2048, vocabulary padded to 250880, TP_SIZE=4, PP_SIZE=12, micro-batch
+    2 ("was MBS=1 till GBS=784"), global batch 2048, --checkpoint-activations (full),
+    DeepSpeed ZERO_STAGE=0 "bf16 must use z0! it implements its own zero stage 1
+    equivalent" (DeepSpeed's bf16 optimizer shards the optimizer state: ZeRO-1 here),
+    DeepSpeed's 1F1B pipeline, gradients reduced after the microbatches. Measured: the
+    log line quoted in the same folder's chronicles.md (commit e726b15), iteration 12695
+    at global batch 2048 (ramp-up over): "elapsed time per iteration (s): 105.22 ...
+    TFLOPs: 149.02". Megatron's GPT stands for BLOOM (examples/gpt3_175b.5d at its shape,
+    tied output as BLOOM's): BLOOM's ALiBi bias on the scores and its embedding
+    LayerNorm are not in it, and its learned positions (2048 x 14336) are; Megatron's
+    attention (scores materialised, fused softmax) and blocking TP, as above. The
+    launch script also sets CUDA_LAUNCH_BLOCKING=1, and Jean Zay's nodes have 4 x 100 Gb/s
+    Omni-Path each (the paper's section 3.4), a quarter of the a100 profile's per-GPU
+    bandwidth; neither is priced."""
+    shape = (("batch", 2048), ("seq", SEQ), ("hidden", 14336), ("heads", 112), ("vocab", 250880), ("layers", 70))
+    return Run("bloom-176b-384", "BigScience 2022, tr11-176B-ml chronicles.md", shape, "8x12x4x1x1", 2,
+               f"--schedule 1f1b --zero 1 --recompute full {MEGATRON}", 105.22, held_out=True)
+
+
 def _llama3(gpus: int, mesh: str, seq: int, mfu: float) -> Run:
     """Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models", table 4 and section
     3.3.2): BF16 MFU of the pre-training runs on H100s, 16M tokens a step; tensor 8 (SP),
@@ -178,6 +208,48 @@ LLAMA3_70B = (("hidden", 8192), ("heads", 64), ("kv_heads", 8), ("ffn", 28672), 
 LLAMA2_13B = (("hidden", 5120), ("heads", 40), ("kv_heads", 40), ("ffn", 13824), ("vocab", 32000), ("layers", 40))
 LLAMA2_70B = (("hidden", 8192), ("heads", 64), ("kv_heads", 8), ("ffn", 28672), ("vocab", 32000), ("layers", 80))
 
+LLAMA31_8B = (("hidden", 4096), ("heads", 32), ("kv_heads", 8), ("ffn", 14336), ("layers", 32))
+# Llama 3.1 8B in torchtitan's own model args (torchtitan/models/llama/__init__.py at commit
+# 9dec370: dim 4096, 32 layers, 32 heads, 8 kv heads, ffn_dim_multiplier 1.3 and multiple_of
+# 1024, so an FFN of 14336; its tiktoken vocabulary of 128000 + 256 reserved = 128256);
+# its 70B and 405B args give the dims of LLAMA3_70B and the Llama example.
+TITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TITAN_ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
+
+
+def _titan_h100(key: str, source: str, shape: tuple[tuple[str, int], ...], mesh: str, seq: int, local: int,
+                tokens_per_gpu_s: float, fp8: bool, schedule: str = "") -> Run:
+    """torchtitan on H100s (Meta's Grand Teton: 8 H100 96GB HBM2e at 500 W a host, NVLink
+    inside, 400 Gb/s RDMA a GPU), from its two H100 benchmark pages: `llama3_h100_202412_
+    torchtitan.md` (the December 2024 runs at torchtitan 9dec370, torch 1963fc8, first
+    published as docs/performance.md at commit d4c86e3, the tables of the TorchTitan paper,
+    Liang et al. 2024, arXiv 2410.06511) and `asyncTP_llama3_h100_2025-06_torchtitan.md`
+    (June 2025, torchtitan 820504e). Where a table gives no sequence length, it is the
+    train configs' seq_len = 8192 at those commits (llama3_70b.toml, llama3_405b.toml).
+    Every row: FSDP2 over the data-parallel ranks (ZeRO-3; under a pipeline torchtitan
+    does not reshard after forward, parallelize_llama.py at 9dec370, so the parameters
+    stay gathered: ZeRO-2 here, as the Llama 3 rows),
+    torch.compile, full activation checkpointing, flash attention (SDPA), async TP where
+    there is TP (its tensor parallel plan is sequence parallel: SequenceParallel on the
+    norms), context parallelism by all-gathering K and V (config_manager.py's default
+    rotate method at 9dec370), load-balanced. `local` is the sequences of a data-parallel
+    rank, and the measured figure its tokens per second per GPU, which torchtitan counts
+    as a rank's tokens over the step time x cp x tp x pp (train.py at 9dec370,
+    components/metrics.py at 820504e), so a step is local x seq / (that x cp x tp x pp).
+    A pipeline runs torchtitan's default microbatches, as many as pipeline ranks
+    (pipelining_utils.py at 9dec370), and its interleaved schedule two stages a rank (the
+    same file's generated split points). float8 rows are torchao's tensorwise recipe on
+    the linears (with float8 FSDP all-gathers, which fivedc does not price), the recipe
+    `--fp8` prices; torch.compile's fusions are not priced either."""
+    dp, pp, tp, cp, _ = (int(n) for n in mesh.split("x"))
+    micro = local // pp if pp > 1 else local
+    flags = ((f"{schedule} " if schedule else "") + ("--sp " if tp > 1 else "")
+             + ("--cp-attention allgather " if cp > 1 else "")
+             + f"--zero {2 if pp > 1 else 3} --recompute full" + (" --fp8" if fp8 else ""))
+    return Run(key, source, (("batch", dp * local), ("seq", seq), *shape), mesh, micro, flags,
+               local * seq / (tokens_per_gpu_s * cp * tp * pp), model=LLAMA, gpu="h100", held_out=True)
+
+
 def _deepseek_v3() -> Run:
     """DeepSeek-V3 (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", arXiv 2412.19437,
     section 1 and table 1: "180K H800 GPU hours" per trillion training tokens; section 3:
@@ -195,8 +267,32 @@ def _deepseek_v3() -> Run:
 
 
 # FP8 runs: printed apart and not in `fivedc/estimates/model_error.py` (the bf16 runs above):
-# the recipe fivedc prices (`--fp8`, passes/fp8.py) is not the one these ran.
-FP8_RUNS = (_deepseek_v3(),)
+# DeepSeek-V3 ran a recipe fivedc does not price (`--fp8`, passes/fp8.py: torchao's
+# tensorwise recipe on the linears); torchtitan's rows ran that recipe, but with float8
+# FSDP all-gathers and torch.compile, neither priced.
+FP8_RUNS = (
+    _deepseek_v3(),
+    # torchtitan's December 2024 H100 tables (TorchTitan paper): table 2, Llama 3.1 8B on 8
+    # GPUs, FSDP x CP, local batch 1, float8; table 4, 70B on 256 (FSDP 32, TP 8), local
+    # batch 16, float8 + async TP; table 5, 405B on 512 (FSDP 8, TP 8, PP 8), local batch 32,
+    # float8 + async TP, by schedule; table 6, 405B on 512 (TP 8, PP 8, FSDP x CP 8), 1F1B,
+    # local batch 8, float8 + async TP.
+    _titan_h100("titan-h100-8b-32k", TITAN_H100, LLAMA31_8B, "8x1x1x1x1", 32768, 1, 3890, True),
+    _titan_h100("titan-h100-8b-64k-cp2", TITAN_H100, LLAMA31_8B, "4x1x1x2x1", 65536, 1, 2540, True),
+    _titan_h100("titan-h100-8b-128k-cp4", TITAN_H100, LLAMA31_8B, "2x1x1x4x1", 131072, 1, 1071, True),
+    _titan_h100("titan-h100-8b-256k-cp8", TITAN_H100, LLAMA31_8B, "1x1x1x8x1", 262144, 1, 548, True),
+    _titan_h100("titan-h100-70b-2d", TITAN_H100, LLAMA3_70B, "32x1x8x1x1", 8192, 16, 876, True),
+    _titan_h100("titan-h100-405b-1f1b", TITAN_H100, (), "8x8x8x1x1", 8192, 32, 100, True, "--schedule 1f1b"),
+    _titan_h100("titan-h100-405b-interleaved", TITAN_H100, (), "8x8x8x1x1", 8192, 32, 128, True,
+                "--schedule interleaved --virtual 2"),
+    _titan_h100("titan-h100-405b-32k", TITAN_H100, (), "8x8x8x1x1", 32768, 8, 76, True, "--schedule 1f1b"),
+    _titan_h100("titan-h100-405b-64k-cp2", TITAN_H100, (), "4x8x8x2x1", 65536, 8, 47, True, "--schedule 1f1b"),
+    _titan_h100("titan-h100-405b-128k-cp4", TITAN_H100, (), "2x8x8x4x1", 131072, 8, 31, True, "--schedule 1f1b"),
+    _titan_h100("titan-h100-405b-256k-cp8", TITAN_H100, (), "1x8x8x8x1", 262144, 8, 16, True, "--schedule 1f1b"),
+    # June 2025's async TP page: Llama 3 70B on 256 (FSDP 32, TP 8), local batch 16, float8
+    # tensorwise with async TP (its bf16 row is in RUNS)
+    _titan_h100("titan-asynctp-70b-fp8", TITAN_ASYNC_TP, LLAMA3_70B, "32x1x8x1x1", 8192, 16, 942.4, True),
+)
 
 
 # Narayanan et al. table 1: (key, layers, hidden, heads, tp, pp, GPUs, global batch,
@@ -221,12 +317,16 @@ RUNS = (
     *_korthikanti("1t", 128, 25600, 160, 64, 512, 512, 1, 94.42, 71.49),
     # held out: runs of other teams, other systems and other GPUs
     _mt_nlg(280, 60.1), _mt_nlg(350, 50.2), _mt_nlg(420, 44.4),
+    _bloom(),
     _llama3(8192, "64x16x8x1x1", 8192, 0.43),
     _llama3(16384, "128x16x8x1x1", 8192, 0.41),
     _llama3(16384, "8x16x8x16x1", 131072, 0.38),
     _torchtitan("titan-llama3-70b", LLAMA3_70B, 8192, 1, "full", 331),
     _torchtitan("titan-llama2-13b", LLAMA2_13B, 4096, 2, "none", 2162),
     _torchtitan("titan-llama2-70b", LLAMA2_70B, 4096, 2, "full", 353),
+    # torchtitan's June 2025 async TP page: Llama 3 70B on 256 H100s (FSDP 32, TP 8),
+    # local batch 16, bf16 with async TP
+    _titan_h100("titan-asynctp-70b", TITAN_ASYNC_TP, LLAMA3_70B, "32x1x8x1x1", 8192, 16, 652.4, False),
 )
 
 
@@ -377,7 +477,8 @@ def table(found: list[Row]) -> str:
 def fp8_table(found: list[Row]) -> str:
     """The FP8 runs, apart: predicted / measured with what fivedc's recipe leaves out."""
     lines = ["FP8 runs (held out, not in the model's error: fivedc's `--fp8` is torchao's tensorwise recipe on "
-             "linears; these ran FP8 in their own recipe, experts included):", "",
+             "linears; DeepSeek-V3 ran its own block-scaled recipe, experts included; torchtitan's rows ran "
+             "torchao's tensorwise recipe with float8 FSDP all-gathers and torch.compile):", "",
              "| run (source) | layout: `fivedc compile` flags | GPU | measured s | predicted s | predicted / measured |",
              "|---|---|---|---:|---:|---:|"]
     for r in found:
