@@ -45,11 +45,12 @@ def test_step_time_holds_to_the_published_runs(published) -> None:
 
 
 def test_runs_the_model_was_not_built_on_stay_within_thirty_percent(published) -> None:
-    """MT-NLG 530B, Llama 3 405B and torchtitan's FSDP runs: every run within issue 35's
-    0.70-1.30. Their median (0.83) is short of the 0.85 the issue asks: the model is still
-    optimistic on MT-NLG's and Llama 3's, and this bound keeps it from getting worse."""
+    """MT-NLG 530B, BLOOM 176B, Llama 3 405B and torchtitan's FSDP runs (on A100s, and with
+    async TP on H100s): every run within issue 35's 0.70-1.30. Their median (0.83) is short of
+    the 0.85 the issue asks: the model is still optimistic on MT-NLG's, BLOOM's, Llama 3's and
+    torchtitan's H100 run, and this bound keeps it from getting worse."""
     held_out = {r.run.key: r.ratio for r in published if r.run.held_out}
-    assert len(held_out) == 9
+    assert len(held_out) == 11
     assert all(0.70 <= ratio <= 1.30 for ratio in held_out.values()), held_out
     assert statistics.median(held_out.values()) >= 0.81, held_out
 
@@ -217,7 +218,18 @@ def test_deepseek_v3_is_held_out_as_an_fp8_run_at_its_published_layout() -> None
     """180K H800 GPU hours per trillion tokens (DeepSeek-V3 report, table 1) at a step of
     15360 x 4096 tokens on 2048 GPUs; the layout 2x16x1x1x64 with 120 microbatches of one
     sequence per data-parallel rank; compiled with --fp8, apart from the model's error."""
-    (run,) = validation.FP8_RUNS
+    run = next(run for run in validation.FP8_RUNS if run.key == "deepseek-v3-2048")
     assert run.measured_s == pytest.approx(15360 * 4096 / (2048 * 1e12 / (180e3 * 3600)))
     assert run.microbatches == 120 and "--fp8" in run.argv() and run.gpu == "h800"
     assert run.key not in {r.key for r in validation.RUNS}
+
+
+def test_torchtitans_float8_runs_are_held_out_at_their_tokens_per_gpu() -> None:
+    """torchtitan's H100 tables count a rank's tokens over the step x cp x tp x pp: Llama 3.1
+    8B at 32K on 8 GPUs, 3890 tokens/s a GPU, is a step of 32768 / 3890 s; 405B on 512 (tp 8,
+    pp 8, 8 microbatches of 4 from a local batch of 32), 100 tokens/s, 32 x 8192 / (100 x 64)."""
+    runs = {run.key: run for run in validation.FP8_RUNS}
+    assert runs["titan-h100-8b-32k"].measured_s == pytest.approx(32768 / 3890)
+    big = runs["titan-h100-405b-1f1b"]
+    assert big.measured_s == pytest.approx(32 * 8192 / (100 * 64)) and big.microbatches == 8
+    assert all("--fp8" in run.argv() and run.key not in {r.key for r in validation.RUNS} for run in runs.values())

@@ -1,7 +1,8 @@
 """How far the step-time model is from measured steps: its error on published training runs.
 
 `benchmarks/validation.py` compiles published runs (Narayanan et al. 2021 table 1,
-Korthikanti et al. 2022 table 5, MT-NLG 530B, Llama 3 405B) at their shapes and
+Korthikanti et al. 2022 table 5, MT-NLG 530B, BLOOM 176B, Llama 3 405B, torchtitan's
+bf16 runs) at their shapes and
 layouts and divides fivedc's step by the measured one; these are its figures
 (tests/test_validation.py recomputes them and fails when they drift). `fivedc search`
 reports them and calls layouts whose steps are closer than the model's spread a tie:
@@ -32,4 +33,4 @@ class ModelError:
                 f"(predicted/measured {self.median:.2f} median, {self.low:.2f}-{self.high:.2f}; {self.source})")
 
 
-STEP_TIME = ModelError(runs=27, median=0.96, low=0.75, high=1.09)
+STEP_TIME = ModelError(runs=29, median=0.96, low=0.75, high=1.09)
