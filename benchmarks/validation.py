@@ -431,7 +431,7 @@ def activation_rows(key: str = "22b-full") -> list[tuple[str, float, float]]:
         plan = compile_run(run)
         c = SaveContext.of(plan.graph, plan.mesh, dtype=plan.dtype, dtype_bytes=2, recompute=mode)
         repeat = next(item for item in plan.graph.body.items if isinstance(item, Repeat))
-        saves = layer_saves(c, repeat, recompute=mode)
+        saves = layer_saves(c, repeat)
         predicted = saves.own + sum(b for _, b in saves.args)
         h, a = run.dims["hidden"], run.dims["heads"]
         out.append((name, predicted, SEQ * h * formula(tp, a * SEQ / h)))

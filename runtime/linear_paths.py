@@ -2,7 +2,7 @@
 
 Communication insertion marks three overlaps of a tensor-parallel collective with a
 linear (`Collective.overlaps`, `passes/communication.py`). `plan_paths(graph,
-recompute)` reads them once per `Program` (`runtime/program.py`) into frozen
+again)` reads them once per `Program` (`runtime/program.py`) into frozen
 records, by the name of the value each node makes:
 
 - `GatherPath`, per redistribution whose forward all-gather runs in a ring
@@ -40,7 +40,7 @@ from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.ops import LINEAR_KINDS  # their kernel is `kernels._linear` (it takes a `LinearFeed`)
 from fivedc.passes.communication import weight_readers
 from fivedc.passes.fp8 import is_fp8
-from fivedc.passes.recompute import recomputes_op
+from fivedc.instructions.done_again import DoneAgain
 from fivedc.runtime.collectives import Step
 from fivedc.runtime.tp_overlap import PutOff
 from fivedc.runtime.tp_ring import ChunkedSum, RingGather, RingSum, start_ring
@@ -186,7 +186,7 @@ class Overlaps:
         return LinearFeed(gather=gather, summing=summing, put_off=put_off, put_off_index=path.put_off_index)
 
 
-def plan_paths(graph: Graph, recompute: str, *, pieces: Sequence[tuple[int, int]] | None = None) -> Paths:
+def plan_paths(graph: Graph, again: DoneAgain, *, pieces: Sequence[tuple[int, int]] | None = None) -> Paths:
     """The paths of every block of `graph` (see the module's doc). `pieces`: the ranges of
     top-level items a pipeline runs as blocks of their own (its units, `Program.run_units`);
     a gather's reader and a put-off's readers are then those in its piece."""
@@ -203,7 +203,7 @@ def plan_paths(graph: Graph, recompute: str, *, pieces: Sequence[tuple[int, int]
                 continue
             if len(node.forward) == 1 and node.forward[0].kind == "all_gather" and node.forward[0].overlaps:
                 after = items[index + 1] if index + 1 < len(items) else None
-                chunks = _multiplies_chunks(after, node, repeat, recompute, sums)
+                chunks = _multiplies_chunks(after, node, repeat, again, sums)
                 gathers[node.out] = GatherPath(after.out if chunks else None)
             if len(node.backward) == 1 and node.backward[0].overlaps and weight_readers(items, node.out, params):
                 put_offs[node.out] = PutOffPath(weight_readers(items, node.out, params))
@@ -242,7 +242,7 @@ def _blocks(block: Block, repeat: Repeat | None, outer: frozenset[str],
             yield from _blocks(item.body, item, params)
 
 
-def _multiplies_chunks(op, node: Redistribute, repeat: Repeat | None, recompute: str,
+def _multiplies_chunks(op, node: Redistribute, repeat: Repeat | None, again: DoneAgain,
                        sums: dict[str, SumPath]) -> bool:
     """Whether `op`, right after the ring-gathered `node`, can multiply its value chunk by
     chunk: a linear reading it as its input only, as it is (not counted once, not recomputed
@@ -254,7 +254,7 @@ def _multiplies_chunks(op, node: Redistribute, repeat: Repeat | None, recompute:
     spec = op.arg_specs[0] if op.arg_specs else None
     dims, gathered = node.type.dims, node.forward[0].dim
     kept = len([d for d in dims if d in op.type.dims])  # tensordot keeps x's leading dims
-    return not (spec is not None and spec.grad_once) and not recomputes_op(op, repeat, recompute) \
+    return not (spec is not None and spec.grad_once) and not again.op(op, repeat) \
         and not is_fp8(op) and gathered in dims and dims.index(gathered) < kept and op.out not in sums
 
 

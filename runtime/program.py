@@ -11,7 +11,9 @@ and the single-device reference start from the same values) and cuts shards.
 With activation recomputation (`recompute`, `passes/recompute.py`) a layer of a
 repeat (full) or an attention kernel (selective) runs as one region of
 `runtime/recompute.run_recomputed`: it keeps its inputs, and backward runs its
-forward again. A recomputed layer computes into an environment of its own, so
+forward again. Which, and which gathered values sequence parallelism gathers again, the
+program reads from the instruction lists the proof checks and the estimates price
+(`fivedc/instructions/done_again.py`). A recomputed layer computes into an environment of its own, so
 its intermediate values are not kept alive by the program's either.
 
 Which linears run beside which tensor-parallel collectives is worked out once, from the
@@ -40,9 +42,8 @@ from torch import Tensor
 from fivedc.ir.ops import counts_targets
 from fivedc.ir.graph import Block, DType, Graph, Op, Redistribute, Repeat, outer_reads, readers, walk_ops
 from fivedc.ir.graph import param_instances as qualified_params
-from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.passes.stages import units as all_units
-from fivedc.passes.regather import regathered
+from fivedc.instructions.done_again import read_done_again
 from fivedc.ir.sharding import Sharding
 from fivedc.runtime.collectives import Step, redistribute
 from fivedc.runtime.grad_once import counted_once
@@ -144,14 +145,15 @@ def shard(full: Tensor, dims: tuple[str, ...], sharding: Sharding, ctx: KernelCo
 class Program:
     def __init__(self, graph: Graph, ctx: KernelContext, *, recompute: str = "none", tracer=None,
                  compile: bool | str = False) -> None:
-        self.graph, self.ctx, self.recompute = graph, ctx, recompute
+        self.graph, self.ctx = graph, ctx
         self.tracer = tracer  # runtime/trace.ValueTrace: every node's value and gradient (verify's diagnosis)
         # each repeat's layer as one torch.compile region (runtime/regions.py); not while tracing
         self.regions = None
         if compile and tracer is None:
             self.regions = CompiledLayers(self, "inductor" if compile is True else compile)
         self.param_dims = {name: p.dims for name, p in qualified_params(graph)}
-        self.regathered = regathered(graph, recompute)
+        # what backward does again (recomputation, SP's gathers), read from the instruction lists
+        self.again = read_done_again(graph, ctx.mesh, recompute=recompute)
         self.steps = {
             node.out: (_steps(node, node.forward), _steps(node, node.backward))
             for node, _ in walk_ops(graph.body)
@@ -159,7 +161,7 @@ class Program:
         }
         # which linears run beside which collectives (read once from the plan), and when this run can;
         # for a pipeline's units, each a block of its own (made at its first run)
-        self.overlaps = Overlaps(plan_paths(graph, recompute), ctx, self.steps)
+        self.overlaps = Overlaps(plan_paths(graph, self.again), ctx, self.steps)
         self.unit_overlaps: Overlaps | None = None
 
     def loss(self, params: dict[str, Tensor], inputs: dict[str, Tensor]) -> Tensor:
@@ -180,7 +182,7 @@ class Program:
         scope = {p.name: p.name for p in self.graph.body.params}
         if self.unit_overlaps is None:
             pieces = [(unit.start, unit.stop) for unit in all_units(self.graph) if unit.layer is None]
-            self.unit_overlaps = Overlaps(plan_paths(self.graph, self.recompute, pieces=pieces), self.ctx, self.steps)
+            self.unit_overlaps = Overlaps(plan_paths(self.graph, self.again, pieces=pieces), self.ctx, self.steps)
         items, live = self.graph.body.items, Live(self.unit_overlaps)
         for unit in units:
             if unit.layer is None:
@@ -235,7 +237,7 @@ class Program:
         if summing is not None:
             live.sums[item.out] = summing  # for its redistribution
         feed = live.overlaps.feed(item, live, ring, summing, tracing=self.tracer is not None)
-        if recomputes_op(item, repeat, self.recompute):
+        if self.again.op(item, repeat):
             out = run_recomputed(self.ctx, KERNELS[item.kind], self.ctx, item, args, arg_dims)
         elif feed is not None:  # a linear beside collectives (its kernel is kernels._linear: LINEAR_KINDS)
             out = KERNELS[item.kind](self.ctx, item, args, arg_dims, feed)
@@ -265,7 +267,7 @@ class Program:
             ring.finish()  # waited at once; no reader takes them by chunks
             ring = None
         out = self._traced(item.out, layer, out)
-        if item.out in self.regathered:  # sequence parallelism: backward gathers it again
+        if item.out in self.again.gathered:  # sequence parallelism: backward gathers it again
             # (marked after tracing: an injected fault's perturbed copy is gathered again too,
             # so every rank issues the same collectives; backward sees the unperturbed value)
             note = mark_regathered(out, env[item.src], forward, self.ctx.groups)
@@ -287,7 +289,7 @@ class Program:
             env[arg] = env[source]
             dims[arg] = dims[source]
         inner = {**scope, **{p.name: f"{item.name}.{layer}.{p.name}" for p in item.body.params}}
-        if recomputes_layer(item, self.recompute):
+        if self.again.layer(item):
             self._recomputed_layer(item, layer, env, dims, params, inner)
         elif self.regions is not None:
             self.regions.run(item, env, dims, params, scope, inner)

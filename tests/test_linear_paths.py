@@ -11,6 +11,7 @@ tests/test_tp_overlap.py and tests/test_agreement.py.
 from __future__ import annotations
 
 from fivedc.frontends.dsl_file import load_model
+from fivedc.instructions.done_again import read_done_again
 from fivedc.ir.graph import Op, Redistribute, Repeat, walk_ops
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
@@ -26,7 +27,7 @@ def compiled(mesh: str = "1x1x2x1x1", **options):
 
 def by_weight(plan) -> dict:
     """Each linear's path, by its weight's name (the first layer's: a repeat's body is one)."""
-    paths = plan_paths(plan.graph, plan.recompute)
+    paths = plan_paths(plan.graph, read_done_again(plan.graph, plan.mesh, recompute=plan.recompute))
     ops = {node.out: node for node, _ in walk_ops(plan.graph.body) if isinstance(node, Op)}
     return {ops[out].args[1]: path for out, path in paths.linears.items()}
 
@@ -37,7 +38,7 @@ def test_under_sp_the_first_reader_of_each_gather_takes_its_chunks() -> None:
     assert sorted(w for w, p in paths.items() if p.gathered_by) == ["w_gate", "w_head", "wq"]
     assert sorted(w for w, p in paths.items() if p.feeds_sum) == ["w_down", "wo"]
     # every reader of a redistributed input puts dW off behind its gradient's sum, each at its index
-    whole = plan_paths(plan.graph, plan.recompute)
+    whole = plan_paths(plan.graph, read_done_again(plan.graph, plan.mesh, recompute=plan.recompute))
     for weight, path in paths.items():
         if path.put_off_by is not None:
             assert whole.put_offs[path.put_off_by].weights[path.put_off_index] == weight
@@ -57,7 +58,8 @@ def test_without_sp_no_gather_and_the_row_parallel_linears_feed_chunked_sums() -
 
 
 def test_without_overlap_every_linear_is_plain() -> None:
-    paths = plan_paths(compiled(sequence_parallel=True, overlap=False).graph, "none")
+    plan = compiled(sequence_parallel=True, overlap=False)
+    paths = plan_paths(plan.graph, read_done_again(plan.graph, plan.mesh, recompute="none"))
     assert paths.linears == paths.gathers == paths.sums == paths.put_offs == {}
 
 
@@ -71,9 +73,9 @@ def test_a_pipeline_unit_is_a_block_of_its_own() -> None:
     finished at the piece's end) and no reader puts dW off behind it; the layers' bodies
     keep theirs."""
     plan = compiled(sequence_parallel=True)
-    whole = plan_paths(plan.graph, plan.recompute)
+    whole = plan_paths(plan.graph, read_done_again(plan.graph, plan.mesh, recompute=plan.recompute))
     items = plan.graph.body.items
-    cut = plan_paths(plan.graph, plan.recompute, pieces=[(i, i + 1) for i in range(len(items))])
+    cut = plan_paths(plan.graph, read_done_again(plan.graph, plan.mesh, recompute=plan.recompute), pieces=[(i, i + 1) for i in range(len(items))])
     top = [node.out for node in items if isinstance(node, Redistribute) and node.out in whole.gathers]
     assert top and all(whole.gathers[v].reader is not None and cut.gathers[v].reader is None for v in top)
     assert all(v in whole.put_offs and v not in cut.put_offs for v in top)

@@ -109,7 +109,7 @@ def test_the_math_kernel_is_recorded_priced_and_keeps_the_scores() -> None:
     for plan in (flash, math):
         c = SaveContext.of(plan.graph, plan.mesh, dtype=plan.dtype, dtype_bytes=2)
         repeat = next(item for item in plan.graph.body.items if isinstance(item, Repeat))
-        layer = layer_saves(c, repeat, recompute="none")
+        layer = layer_saves(c, repeat)
         saves.append(layer.own + sum(b for _, b in layer.args))
     batch, heads, seq = 8, 4 // 2, 64  # tp 2 splits the heads
     lse = batch * heads * seq * 4  # flash's log-sum-exp per row, float32

@@ -9,7 +9,8 @@ with the same tensor counted once, as autograd keeps one storage:
   (`outer`) are counted once per chunk, whichever units keep them;
 - constants (RoPE's tables) are kept once per rank, whatever the microbatches.
 
-Recomputation (`passes/recompute.py`) changes what a unit keeps:
+Recomputation (`passes/recompute.py`) changes what a unit keeps, as its instruction list does it
+again in backward (`SaveContext.again`, `fivedc/instructions/done_again.py`):
 
 - selective: an attention op keeps only its inputs q, k, v (the recomputed region's
   inputs, which checkpoint holds); its own buffers (the log-sum-exp) are rebuilt in
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 
 from fivedc.ir.graph import Block, Graph, Op, Redistribute, Repeat, outer_reads
 from fivedc.ir.ops import LINEAR_KINDS
-from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import CONSTANT, OWN, SaveContext, op_saves
 from fivedc.passes.stages import Unit
 
@@ -48,7 +48,7 @@ class UnitSaves:
     transient: int = 0  # the largest recomputed region of the unit, rebuilt while its backward runs
 
 
-def block_saves(c: SaveContext, items, *, repeat: Repeat | None, recompute: str) -> UnitSaves:
+def block_saves(c: SaveContext, items, *, repeat: Repeat | None) -> UnitSaves:
     """The saves of `items` (a repeat body when `repeat` is given, else top-level items)."""
     kept: dict[str, tuple[int, str]] = {}
     constants: dict[str, int] = {}
@@ -57,7 +57,7 @@ def block_saves(c: SaveContext, items, *, repeat: Repeat | None, recompute: str)
         if not isinstance(item, Op):
             continue
         saves = op_saves(c, item)
-        if recomputes_op(item, repeat, recompute):  # the region keeps its inputs; the rest comes back in backward
+        if c.again.op(item, repeat):  # the region keeps its inputs; the rest comes back in backward
             transient = max(transient, sum(s.bytes for s in saves if s.kind == OWN))
             saves = c.value_args(item)
         for s in saves:
@@ -88,10 +88,10 @@ def _defined(block: Block) -> set[str]:
     return {node.out for node in block.items if isinstance(node, (Op, Redistribute))}
 
 
-def layer_saves(c: SaveContext, repeat: Repeat, *, recompute: str) -> UnitSaves:
+def layer_saves(c: SaveContext, repeat: Repeat) -> UnitSaves:
     """One layer of `repeat` (all its layers keep the same)."""
-    normal = block_saves(c, repeat.body.items, repeat=repeat, recompute=recompute)
-    if not recomputes_layer(repeat, recompute):
+    normal = block_saves(c, repeat.body.items, repeat=repeat)
+    if not c.again.layer(repeat):
         return normal
     held_args = tuple((i, c.value_bytes(a)) for i, a in enumerate(repeat.body.args)
                       if c.value(a))  # checkpoint holds the layer's inputs
@@ -100,19 +100,19 @@ def layer_saves(c: SaveContext, repeat: Repeat, *, recompute: str) -> UnitSaves:
     return UnitSaves(0, held_args, held_outer, (), normal.own + normal.transient)
 
 
-def unit_saves(c: SaveContext, graph: Graph, unit: Unit, *, recompute: str, cache: dict | None = None) -> UnitSaves:
+def unit_saves(c: SaveContext, graph: Graph, unit: Unit, *, cache: dict | None = None) -> UnitSaves:
     """The saves of one unit; a repeat's layers share one computation through `cache`."""
     item = graph.body.items[unit.start]
     if unit.layer is None:
-        return block_saves(c, graph.body.items[unit.start:unit.stop], repeat=None, recompute=recompute)
+        return block_saves(c, graph.body.items[unit.start:unit.stop], repeat=None)
     cache = {} if cache is None else cache
     if item.name not in cache:
-        cache[item.name] = layer_saves(c, item, recompute=recompute)
+        cache[item.name] = layer_saves(c, item)
     return cache[item.name]
 
 
 def chunk_activations(c: SaveContext, graph: Graph, chunk_units: list[Unit], *, received: tuple[str, ...] = (),
-                      sends: tuple[str, ...] = (), recompute: str, cache: dict | None = None) -> tuple[int, int, dict]:
+                      sends: tuple[str, ...] = (), cache: dict | None = None) -> tuple[int, int, dict]:
     """(bytes one microbatch keeps through these units, the largest transient, the constants).
 
     The first unit's kept body arguments, when it is a layer after the first, are the
@@ -123,7 +123,7 @@ def chunk_activations(c: SaveContext, graph: Graph, chunk_units: list[Unit], *, 
         received = tuple(_boundary_key(graph, chunk_units[0], name, 0) for name in received)
         sends = tuple(_boundary_key(graph, chunk_units[-1], name, 1) for name in sends)
     for k, unit in enumerate(chunk_units):
-        saves = unit_saves(c, graph, unit, recompute=recompute, cache=cache)
+        saves = unit_saves(c, graph, unit, cache=cache)
         own += saves.own
         transient = max(transient, saves.transient)
         constants.update(saves.constants)

@@ -25,6 +25,8 @@ from fivedc.errors import PassError
 from fivedc.passes.held_params import HeldParams, held_params
 from fivedc.ir.graph import walk_params
 from fivedc.estimates.saved import SaveContext
+from fivedc.instructions.done_again import done_again
+from fivedc.instructions.unit_program import distinct_units, unit_instructions
 from fivedc.passes.stages import PipelineSpec, units
 
 T = TypeVar("T")
@@ -83,7 +85,15 @@ def save_context(memo: Memo, dtype_bytes: int, microbatches: int, recompute: str
     """The sizes of one microbatch's values on one rank (shared by memory and time)."""
     return memo.get(("save context", dtype_bytes, microbatches, recompute), lambda: SaveContext.of(
         memo.graph, memo.mesh, dtype=memo.dtype, dtype_bytes=dtype_bytes, microbatches=microbatches,
-        recompute=recompute))
+        recompute=recompute, again=done_again(memo.graph, memo_unit_instructions(memo, recompute))))
+
+
+def memo_unit_instructions(memo: Memo, recompute: str) -> dict:
+    """Each unit's forward and backward instructions (`unit_program.unit_instructions`), kept in
+    `memo`: what its step-time figures price, the same for every hardware and microbatch count."""
+    return memo.get(("unit instructions", recompute), lambda: unit_instructions(
+        memo.graph, memo.mesh, recompute=recompute, dtype=memo.dtype,
+        wanted=list(distinct_units(memo.graph, memo_units(memo)).values())))
 
 
 def rank_held(memo: Memo, pipeline: PipelineSpec | None, pp_rank: int | None) -> HeldParams | None:

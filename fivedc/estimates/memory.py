@@ -177,7 +177,7 @@ def rank_activations(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, 
     c = save_context(memo, dtype_bytes, m, recompute)
     all_units, cache = memo_units(memo), memo.get(("unit saves", dtype_bytes, m, recompute), dict)
     if pipeline is None:
-        kept, region, constants = chunk_activations(c, graph, all_units, recompute=recompute, cache=cache)
+        kept, region, constants = chunk_activations(c, graph, all_units, cache=cache)
         return [kept + sum(constants.values())], [region]
     pp = mesh.size(MeshAxis.PP)
     per_chunk, deferred, regions, constants, split = memo.get(
@@ -200,8 +200,7 @@ def _chunk_figures(memo: Memo, c, all_units, cache, dtype_bytes: int, recompute:
         received = before.sends if before is not None and before.rank != chunk.rank else ()  # else: handed over
         sends = chunk.sends or (graph.output,)  # the last chunk holds its loss until its backward
         chunk_units = all_units[chunk.units[0]:chunk.units[1]]
-        kept, region, const = chunk_activations(c, graph, chunk_units, received=received, sends=sends,
-                                                recompute=recompute, cache=cache)
+        kept, region, const = chunk_activations(c, graph, chunk_units, received=received, sends=sends, cache=cache)
         per_chunk.append(kept)
         deferred.append(memo.get(("deferred", dtype_bytes, m, recompute, chunk.units),
                                  lambda: chunk_deferred(c, graph, chunk_units)))

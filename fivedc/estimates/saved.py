@@ -42,7 +42,7 @@ from fivedc.ir.ops import POINTWISE
 from fivedc.ir.pointwise import Saves
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.fp8 import SCALAR_BYTES as FP8_SCALE_BYTES, is_fp8
-from fivedc.passes.regather import regathered
+from fivedc.instructions.done_again import DoneAgain, read_done_again
 from fivedc.ir.sharding import Sharding
 
 LOW_PRECISION = ("bf16", "fp16")  # their kernels keep statistics in float32
@@ -72,18 +72,27 @@ class SaveContext:
     layouts: dict = field(default_factory=dict)  # name -> (TensorType, Sharding)
     params: frozenset[str] = frozenset()
     inputs: frozenset[str] = frozenset()
-    regathered: dict = field(default_factory=dict)  # a gathered value -> the shard kept instead
+    # what backward does again, read from the instruction lists: the ops and layers it recomputes,
+    # and SP's gathered values, kept as their shard (`fivedc/instructions/done_again.py`)
+    again: DoneAgain = field(default_factory=DoneAgain)
     param_dims: dict = field(default_factory=dict)  # parameter name -> its dims
     _sizes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # numel by (dims, sharding)
 
     @staticmethod
     def of(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int, microbatches: int = 1,
-           recompute: str = "none") -> SaveContext:
+           recompute: str = "none", again: DoneAgain | None = None) -> SaveContext:
+        """`again`: what the instruction lists under `recompute` do again (read here if not given)."""
         params = frozenset(p.name for p in graph.body.params) | frozenset(
             p.name for node, _ in walk_ops(graph.body) if isinstance(node, Repeat) for p in node.body.params)
+        again = again if again is not None else read_done_again(graph, mesh, recompute=recompute, dtype=dtype)
         return SaveContext(graph, mesh, dtype, dtype_bytes, microbatches, value_layouts(graph), params,
-                           frozenset(i.name for i in graph.inputs), regathered(graph, recompute),
+                           frozenset(i.name for i in graph.inputs), again,
                            {p.name: p.dims for p, _ in walk_params(graph.body)})
+
+    @property
+    def regathered(self) -> dict[str, str]:
+        """SP's gathered values that backward gathers again -> the shard kept in each one's place."""
+        return self.again.gathered
 
     @property
     def compute_bytes(self) -> int:

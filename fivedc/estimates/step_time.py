@@ -36,15 +36,14 @@ import numpy as np
 
 from fivedc.estimates.collectives import collective_seconds
 from fivedc.estimates.costs import model_flops
-from fivedc.estimates.unit_costs import distinct_units, unit_times
-from fivedc.instructions.unit_program import unit_instructions
+from fivedc.estimates.unit_costs import unit_times
 from fivedc.ir.hardware import Hardware
 from fivedc.ir.graph import CollectiveKind, Graph
 from fivedc.estimates.memory import OPTIMIZER_BYTES
 from fivedc.ir.mesh import Mesh, MeshAxis
 from fivedc.estimates.saved import SaveContext
 from fivedc.passes.held_params import HeldParams, param_count
-from fivedc.estimates.memo import Memo, memo_for, memo_units, param_sizes, rank_held, save_context
+from fivedc.estimates.memo import Memo, memo_for, memo_unit_instructions, memo_units, param_sizes, rank_held, save_context
 from fivedc.passes.stages import PipelineSpec
 from fivedc.schedule import schedule_kind
 
@@ -106,14 +105,6 @@ def memo_unit_times(memo: Memo, hw: Hardware, dtype_bytes: int, microbatches: in
     return memo.get(("unit times", hw, dtype_bytes, microbatches, recompute), lambda: unit_times(
         save_context(memo, dtype_bytes, microbatches, recompute), memo.graph, memo_units(memo), hw,
         recompute=recompute, instructions=memo_unit_instructions(memo, recompute)))
-
-
-def memo_unit_instructions(memo: Memo, recompute: str) -> dict:
-    """Each unit's forward and backward instructions (`unit_program.unit_instructions`), kept in
-    `memo`: what its step-time figures price, the same for every hardware and microbatch count."""
-    return memo.get(("unit instructions", recompute), lambda: unit_instructions(
-        memo.graph, memo.mesh, recompute=recompute, dtype=memo.dtype,
-        wanted=list(distinct_units(memo.graph, memo_units(memo)).values())))
 
 
 def _pipelined(c: SaveContext, pipeline: PipelineSpec, mesh: Mesh, hw: Hardware, times,

@@ -108,7 +108,7 @@ def kept_through(memo: Memo, dtype_bytes: int, recompute: str) -> list[int]:
         all_units, cache = memo_units(memo), memo.get(("unit saves", dtype_bytes, 1, recompute), dict)
         out = []
         for u in range(len(all_units)):
-            kept, _, constants = chunk_activations(c, memo.graph, all_units[:u + 1], recompute=recompute, cache=cache)
+            kept, _, constants = chunk_activations(c, memo.graph, all_units[:u + 1], cache=cache)
             out.append(kept + sum(constants.values()))
         return out
     return memo.get(("kept through", dtype_bytes, recompute), compute)
@@ -159,4 +159,4 @@ def recomputed_regions(memo: Memo, dtype_bytes: int, recompute: str) -> list[int
     """Per unit, the region its backward rebuilds (0 where nothing is recomputed)."""
     c = save_context(memo, dtype_bytes, 1, recompute)
     cache = memo.get(("unit saves", dtype_bytes, 1, recompute), dict)
-    return [unit_saves(c, memo.graph, unit, recompute=recompute, cache=cache).transient for unit in memo_units(memo)]
+    return [unit_saves(c, memo.graph, unit, cache=cache).transient for unit in memo_units(memo)]

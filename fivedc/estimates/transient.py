@@ -49,9 +49,7 @@ from __future__ import annotations
 
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Redistribute, walk_params
 from fivedc.ir.mesh import Mesh, MeshAxis
-from fivedc.passes.recompute import recomputes_layer, recomputes_op
 from fivedc.estimates.saved import VALUE, SaveContext, op_saves, score_elements
-from fivedc.passes.regather import regathered
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.fp8 import is_fp8
 from fivedc.passes.communication import weight_readers
@@ -139,7 +137,7 @@ def _kept_parts(memo: Memo, dtype_bytes: int, pipeline: PipelineSpec | None, rec
     c = save_context(memo, dtype_bytes, m, recompute)
     all_units = memo_units(memo)
     figures = memo.get(("unit transients", dtype_bytes, m, recompute),
-                       lambda: _unit_parts(c, graph, all_units, recompute))
+                       lambda: _unit_parts(c, graph, all_units))
     out = []
     for r in range(memo.mesh.size(MeshAxis.PP)) if pipeline else (None,):
         mine = [k for chunk in pipeline.chunks if chunk.rank == r
@@ -177,16 +175,16 @@ UNIT_PARTS = ("forward working set", "loss", "MoE all-to-all", "attention buffer
               LOSS_BESIDE)
 
 
-def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit], recompute: str) -> list[tuple[int, ...]]:
+def _unit_parts(c: SaveContext, graph: Graph, all_units: list[Unit]) -> list[tuple[int, ...]]:
     """Each unit's parts of `UNIT_PARTS`, a repeat's layers computed once."""
     cache: dict = {}
-    again = regathered(graph, recompute)
+    again = c.regathered
     out = []
     for unit in all_units:
         key = ("layer", unit.start) if unit.layer is not None else (unit.start, unit.stop)
         if key not in cache:
             loss, put_off = loss_bytes(c, graph, unit), put_off_bytes(c, graph, unit, again)
-            cache[key] = (working_set(c, graph, unit, recompute), loss,
+            cache[key] = (working_set(c, graph, unit), loss,
                           _kernel_buffers(c, graph, unit, "moe"), _kernel_buffers(c, graph, unit, "attention"),
                           put_off, loss + put_off if loss and put_off else 0)
         out.append(cache[key])
@@ -200,15 +198,15 @@ def _items(graph: Graph, unit: Unit):
     return repeat.body.items, repeat
 
 
-def working_set(c: SaveContext, graph: Graph, unit: Unit, recompute: str) -> int:
+def working_set(c: SaveContext, graph: Graph, unit: Unit) -> int:
     """Bytes of the values one unit computes and does not keep for backward (all of them
     in a layer recomputed whole)."""
     items, repeat = _items(graph, unit)
     kept: set[str] = set()
-    if repeat is None or not recomputes_layer(repeat, recompute):
+    if repeat is None or not c.again.layer(repeat):
         for op in items:
             if isinstance(op, Op):
-                saves = c.value_args(op) if recomputes_op(op, repeat, recompute) else op_saves(c, op)
+                saves = c.value_args(op) if c.again.op(op, repeat) else op_saves(c, op)
                 kept |= {s.key for s in saves if s.kind == VALUE}
     values = sum(c.value_bytes(node.out) for node in items
                  if isinstance(node, (Op, Redistribute)) and node.out not in kept and node.out != graph.output)
@@ -236,7 +234,7 @@ def put_off_bytes(c: SaveContext, graph: Graph, unit: Unit, again=()) -> int:
     """Where a linear input's backward sum runs behind its readers' weight gradients
     (`runtime/tp_overlap.PutOff`): the readers' output gradients, kept for dW until
     the sum starts, beside the input's gradient and the sum's buffer, and under SP the
-    input gathered again (`again`: `fivedc.passes.regather.regathered`)."""
+    input gathered again (`again`: `SaveContext.regathered`)."""
     items, _ = _items(graph, unit)
     params = {p.name for p, _ in walk_params(graph.body)}
     best = 0
@@ -322,7 +320,7 @@ def step_buffers(memo: Memo, dtype_bytes: int, zero: int, recompute: str, bucket
     graph, all_units = memo.graph, memo_units(memo)
     c = save_context(memo, dtype_bytes, 1, recompute)
     figures = memo.get(("unit transients", dtype_bytes, 1, recompute),
-                       lambda: _unit_parts(c, graph, all_units, recompute))
+                       lambda: _unit_parts(c, graph, all_units))
     regions = recomputed_regions(memo, dtype_bytes, recompute)
     gathered = zero3_by_unit(buckets) if zero == 3 else {}
     summed = _buckets(graph, memo.mesh, dtype_bytes, zero, buckets, None)

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 from fivedc.estimates.collectives import collective_seconds
 from fivedc.estimates.costs import fp8_cast_bytes, op_times
 from fivedc.estimates.saved import SaveContext
-from fivedc.instructions.events import BACKWARD, FORWARD_AGAIN, GATHER_AGAIN
-from fivedc.instructions.unit_program import unit_instructions
+from fivedc.instructions.events import BACKWARD, FORWARD_AGAIN, GATHER_AGAIN, LAYER_AGAIN
+from fivedc.instructions.unit_program import distinct_units, unit_instructions, unit_key
 from fivedc.estimates.terms import ISSUE, MEMORY_BOUND, PHASES, RECOMPUTATION, Ledger, UnitParts, comm_term, op_term
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Phase, Redistribute, Repeat
 from fivedc.ir.hardware import Hardware
@@ -76,7 +76,7 @@ def unit_times(c: SaveContext, graph: Graph, units: list[Unit], hw: Hardware, *,
     here if not given), which says what runs: which nodes run forward and backward, which
     forwards backward does again (recomputation), which gathered inputs it gathers again
     (sequence parallelism)."""
-    keys = [_key(graph, unit) for unit in units]
+    keys = [unit_key(graph, unit) for unit in units]
     first = distinct_units(graph, units)
     listed = instructions if instructions is not None else unit_instructions(
         graph, c.mesh, recompute=recompute, dtype=c.dtype, wanted=list(first.values()))
@@ -85,32 +85,21 @@ def unit_times(c: SaveContext, graph: Graph, units: list[Unit], hw: Hardware, *,
     return [cache[key] for key in keys]
 
 
-def _key(graph: Graph, unit: Unit):
-    """What units of the same cost share: a repeat's layers, its name."""
-    return graph.body.items[unit.start].name if unit.layer is not None else ("ops", unit.start)
-
-
-def distinct_units(graph: Graph, units: list[Unit]) -> dict:
-    """The units whose costs `unit_times` computes: a repeat's first layer, every top-level run."""
-    return {key: unit for key, unit in reversed([(_key(graph, unit), unit) for unit in units])}
-
-
 def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, instructions: tuple[tuple, tuple],
               again: set[str]) -> UnitTime:
     """Seconds of one unit for one microbatch, its blocking collectives included: the nodes its
     `instructions` (forward, backward) issue added up in program order (`UnitSums`), then each
     phase bounded by the host's issue, what the forward's matmuls hide taken off, a forward done
-    again in backward added (an op's own, or the whole layer's where backward redoes every
-    forward instruction), and what a whole backward hides set apart (`UnitSums.finish`).
+    again in backward added (an op's own, `FORWARD_AGAIN`, or the whole layer's, `LAYER_AGAIN`),
+    and what a whole backward hides set apart (`UnitSums.finish`).
     `again`: the values SP gathers again for the weight gradients (`GATHER_AGAIN`)."""
     forward, backward = instructions
     runs_forward = {id(e.node) for e in forward}
     runs_backward = {id(e.node) for e in backward if e.phase == BACKWARD}
-    redone = [e for e in backward if e.phase == FORWARD_AGAIN]
-    whole = bool(forward) and len(redone) == len(forward)  # the layer's whole forward, again
+    whole = any(e.phase == LAYER_AGAIN for e in backward)  # the layer's whole forward, again
+    redone_ops = {id(e.node) for e in backward if e.phase == FORWARD_AGAIN}
     repeat, nodes = unit_nodes(graph, unit)
     sums = UnitSums(c, graph, hw, layers=repeat.count if repeat else 1, again=again)
-    redone_ops = set() if whole else {id(e.node) for e in redone}
     for node in nodes:
         if id(node) not in runs_forward and id(node) not in runs_backward:
             continue  # it issues nothing (a local slice): nothing to price

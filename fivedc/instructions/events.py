@@ -17,11 +17,13 @@ RING_TAG = 2  # a chunk passed around a tp ring (runtime/tp_ring.py); ring atten
 # (`comm_program.class_instructions`, what `fivedc show PLAN --program` prints), never in the
 # proof's events, which are that list's other instructions.
 COMPUTE = "compute"
-# What part of its node's work an instruction is (`Event.phase`): the step-time model reads them
-# (`fivedc/estimates/unit_costs.py`): an op's or a redistribution's forward, its backward, a
-# forward done again in backward (recomputation), and a gathered input gathered again for the
-# weight gradients (sequence parallelism). "" where no node's (transfers, sums, the optimizer).
-FORWARD, BACKWARD, FORWARD_AGAIN, GATHER_AGAIN = "forward", "backward", "forward again", "gather again"
+# What part of its node's work an instruction is (`Event.phase`; `done_again.py` reads them back):
+# an op's or a redistribution's forward, its backward, a recomputed op's forward done again in
+# backward on its own (selective), a recomputed layer's forward done again (full), and a
+# gathered input gathered again for the weight gradients (sequence parallelism). "" where no
+# node's (transfers, sums, the optimizer step).
+FORWARD, BACKWARD, FORWARD_AGAIN, LAYER_AGAIN, GATHER_AGAIN = (
+    "forward", "backward", "forward again", "layer again", "gather again")
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,8 +25,8 @@ from fivedc.ir.mesh import Mesh
 from fivedc.ir.ops import POINTWISE
 from fivedc.ir.pointwise import Saves
 from fivedc.ir.sharding import Sharding
-from fivedc.instructions.events import (BACKWARD, COMPUTE, FORWARD, FORWARD_AGAIN, GATHER_AGAIN, RING_TAG, Event,
-                                        Run, at_layer, compute, of_node, templated)
+from fivedc.instructions.events import (BACKWARD, COMPUTE, FORWARD, FORWARD_AGAIN, GATHER_AGAIN, LAYER_AGAIN,
+                                        RING_TAG, Event, Run, at_layer, compute, of_node, templated)
 from fivedc.instructions.kernel_events import KernelEvents
 from fivedc.instructions.sites import Site, sites, trainable
 from fivedc.passes.recompute import recomputes_layer, recomputes_op
@@ -60,6 +60,17 @@ def unit_instructions(graph: Graph, mesh: Mesh, *, recompute: str, dtype: str, w
         (forward,), (backward,) = expander.unit_runs("forward", u, u + 1), expander.unit_runs("backward", u, u + 1)
         out[unit] = forward.events, backward.events
     return out
+
+
+def unit_key(graph: Graph, unit: Unit):
+    """What units with the same instructions share: a repeat's layers, its name."""
+    return graph.body.items[unit.start].name if unit.layer is not None else ("ops", unit.start)
+
+
+def distinct_units(graph: Graph, units: list[Unit]) -> dict:
+    """One unit of each `unit_key` (a repeat's first layer, every top-level run): the units a
+    reader of the lists needs (`fivedc/estimates/unit_costs.unit_times`, `done_again`)."""
+    return {key: unit for key, unit in reversed([(unit_key(graph, unit), unit) for unit in units])}
 
 
 class UnitExpander(KernelEvents):
@@ -161,24 +172,26 @@ class UnitExpander(KernelEvents):
             return of_node(self._steps(node.backward, self.numel(node.type.dims, node.sharding),
                                        f"backward of {templated(site)}",
                                        node.loc, rings=("all_gather",)), node, BACKWARD)  # a sum's gradient in a ring
-        return [self._again(e) for s in self.redone(site) for e in self.forward(s)] + self.input_again(site) \
+        redone, phase = self.redone(site)
+        return [self._again(e, phase) for s in redone for e in self.forward(s)] + self.input_again(site) \
             + of_node(self.computed(site, "backward") + self._kernel_backward(site), node, BACKWARD)
 
     @staticmethod
-    def _again(event: Event) -> Event:
-        """A forward instruction done again in backward (`FORWARD_AGAIN`): a computation named so."""
+    def _again(event: Event, phase: str) -> Event:
+        """A forward instruction done again in backward (`phase`: `FORWARD_AGAIN`, an op's own,
+        or `LAYER_AGAIN`, its layer's): a computation named so."""
         what = event.what.replace("forward of", "forward again of", 1) if event.op == COMPUTE else event.what
-        return replace(event, what=what, phase=FORWARD_AGAIN)
+        return replace(event, what=what, phase=phase)
 
-    def redone(self, site: Site) -> list[Site]:
-        """The sites whose forward backward redoes at `site`: a recomputed layer's, at its
-        recompute point; a recomputed op's own."""
+    def redone(self, site: Site) -> tuple[list[Site], str]:
+        """The sites whose forward backward redoes at `site`, and how: a recomputed layer's, at
+        its recompute point (`LAYER_AGAIN`); a recomputed op's own (`FORWARD_AGAIN`)."""
         repeat = self.repeats.get(site.repeat) if site.repeat else None
         if repeat is not None and recomputes_layer(repeat, self.recompute):
             if site != self._recompute_point(site):
-                return []
-            return [s for s in self.sites if s.repeat == site.repeat and s.layer == site.layer]
-        return [site] if recomputes_op(site.node, repeat, self.recompute) else []
+                return [], LAYER_AGAIN
+            return [s for s in self.sites if s.repeat == site.repeat and s.layer == site.layer], LAYER_AGAIN
+        return ([site] if recomputes_op(site.node, repeat, self.recompute) else []), FORWARD_AGAIN
 
     def saves_params(self, site: Site) -> bool:
         """Whether autograd keeps the parameters this op reads (its backward reads them), not

@@ -54,9 +54,10 @@ class _Groups:
             if site.node.out not in x.trainable or isinstance(site.node, Redistribute):
                 out += x.at(site, x.backward(site))  # a redistribution's steps, or nothing
                 continue
-            for s in x.redone(site):
+            redone, phase = x.redone(site)
+            for s in redone:
                 self._read(s, out, f"again to recompute {s.id}")
-                out += x.at(s, [x._again(e) for e in x.forward(s)])
+                out += x.at(s, [x._again(e, phase) for e in x.forward(s)])
             out += x.at(site, x.input_again(site))
             for k in dict.fromkeys(self.saved.get(i, ())):
                 if k not in again:

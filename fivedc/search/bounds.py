@@ -160,7 +160,7 @@ def _unit_own(memo: Memo, dtype_bytes: int, recompute: str) -> tuple[list[int], 
     """What each unit keeps for the whole local batch: of its own (values and buffers), and of
     its inputs (a layer's body arguments; a chunk counts them for every unit but its first)."""
     c, cache = save_context(memo, dtype_bytes, 1, recompute), {}
-    saves = [unit_saves(c, memo.graph, unit, recompute=recompute, cache=cache) for unit in memo_units(memo)]
+    saves = [unit_saves(c, memo.graph, unit, cache=cache) for unit in memo_units(memo)]
     return [s.own for s in saves], [sum(nbytes for _, nbytes in s.args) for s in saves]
 
 
