@@ -261,6 +261,37 @@ def test_a_pipeline_with_zero_holds_its_chunks_and_keeps_torch_semantics(worker_
         assert out["scaled_error"] <= 1e-12 and out["accumulated_error"] <= 1e-12, out
 
 
+def sp_pipeline_job(info, payload) -> tuple[list, list]:
+    """One forward and backward of a parallelized Llama at pp 2 x tp 2 with sequence
+    parallelism: what this rank calls over tp, and what the plan's proof says its class calls."""
+    from fivedc.instructions.comm_program import class_programs
+    from wire_log import Recording, expected_calls
+
+    module, inputs = make_model(kind="llama", seed=3, tp=2, pp=2, sp=True)
+    model = fivedc.parallelize(module, mesh="1x2x2x1x1", example_inputs=inputs, sequence_parallel=True,
+                               overlap=payload, device=info.device)
+    plan = model.fivedc_plan
+    recording = Recording(plan.mesh, info).start()
+    try:
+        model(*inputs).backward()
+    finally:
+        recording.stop()
+    want = expected_calls(class_programs(plan)[model._fivedc_ctx.coords[MeshAxis.PP]])
+    return [c for c in recording.calls if c[1] == ("tp",)], [c for c in want if c[1] == ("tp",)]
+
+
+def test_a_pipelined_module_under_sp_issues_what_the_plan_proves(worker_pool) -> None:
+    """The decorator's pipeline runs in the saving scope as `fivedc train` does: SP's gathered
+    linear inputs are kept as their shard and gathered again in backward, the plan's
+    all-gathers, call for call over tp."""
+    from wire_log import same_call
+
+    for overlap in (True, False):  # the linears' dW put off behind the sums, or not
+        for got, want in worker_pool.run(sp_pipeline_job, world=4, payload=overlap):
+            assert any(c[0] == "all_gather" for c in want)
+            assert len(got) == len(want) and all(map(same_call, got, want)), (overlap, got, want)
+
+
 class OldStyle(nn.Module):
     """`super(OldStyle, self)`: still works once the name is bound to the decorated class."""
 

@@ -34,51 +34,70 @@ def axes_of(mesh, rank: int, ranks) -> tuple[str, ...]:
     return tuple(map(str, ranks))
 
 
-def record_step(info, payload) -> list[tuple]:
-    from fivedc.runtime import verify, zero
+class Recording:
+    """Every torch.distributed call this rank makes between `start` and `stop`, in `calls`
+    (ring hops paired into `send_recv`)."""
 
-    plan, settings = payload
-    mesh, log, depth = plan.mesh, [], [0]
-    real = {name: getattr(dist, name) for name in NAMES}
+    def __init__(self, mesh, info) -> None:
+        self.mesh, self.info, self.log, self.depth = mesh, info, [], 0
+        self.real = {name: getattr(dist, name) for name in NAMES}
 
-    def note(name, args, kwargs):
+    @property
+    def calls(self) -> list[tuple]:
+        return _paired(self.log)
+
+    def start(self) -> Recording:
+        _swap({name: self._wrap(name) for name in NAMES})
+        return self
+
+    def stop(self) -> None:
+        _swap(self.real)
+
+    def _note(self, name, args, kwargs):
         group = kwargs.get("group", args[2] if name in P2P and len(args) > 2 else None)
         tensor = args[1] if name in ("all_gather", "all_to_all_single") else args[0]
         dtype = str(tensor.dtype).removeprefix("torch.")
         if name in P2P and group is None:  # a pipeline transfer: the peer is a global rank
             peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
-            return (P2P[name], ("pp",), tensor.numel(), dtype, mesh.coords(peer)[MeshAxis.PP])
-        ranks = dist.get_process_group_ranks(group) if group is not None else range(info.world)
+            return (P2P[name], ("pp",), tensor.numel(), dtype, self.mesh.coords(peer)[MeshAxis.PP])
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(self.info.world)
         op = P2P.get(name) or {"all_to_all_single": "all_to_all"}.get(name, name)
-        return (op, axes_of(mesh, info.rank, ranks), tensor.numel(), dtype, None)
+        return (op, axes_of(self.mesh, self.info.rank, ranks), tensor.numel(), dtype, None)
 
-    def wrap(name):
+    def _wrap(self, name):
         def call(*args, **kwargs):
-            if not depth[0]:
-                log.append(note(name, args, kwargs))
-            depth[0] += 1
+            if not self.depth:
+                self.log.append(self._note(name, args, kwargs))
+            self.depth += 1
             try:
-                return real[name](*args, **kwargs)
+                return self.real[name](*args, **kwargs)
             finally:
-                depth[0] -= 1
+                self.depth -= 1
         return call
 
-    def swap(table):
-        for name, fn in table.items():
-            setattr(dist, name, fn)
-            if name in ("isend", "irecv"):  # P2POp checks its op against c10d's own
-                setattr(c10d, name, fn)
 
+def _swap(table) -> None:
+    for name, fn in table.items():
+        setattr(dist, name, fn)
+        if name in ("isend", "irecv"):  # P2POp checks its op against c10d's own
+            setattr(c10d, name, fn)
+
+
+def record_step(info, payload) -> list[tuple]:
+    from fivedc.runtime import verify, zero
+
+    plan, settings = payload
+    program, params, inputs, _ = verify.setup_rank(plan, info, settings)
+    recording = Recording(plan.mesh, info)
     full_params = zero.ZeroOptimizer.full_params
-    zero.ZeroOptimizer.full_params = lambda self: (swap(real), full_params(self))[1]  # the check, not the step
+    zero.ZeroOptimizer.full_params = lambda self: (recording.stop(), full_params(self))[1]  # the check, not the step
     try:
-        program, params, inputs, _ = verify.setup_rank(plan, info, settings)
-        swap({name: wrap(name) for name in NAMES})
+        recording.start()
         verify.train_plan(plan, program, params, inputs, settings)
     finally:
-        swap(real)
+        recording.stop()
         zero.ZeroOptimizer.full_params = full_params
-    return _paired(log)
+    return recording.calls
 
 
 def _paired(log: list[tuple]) -> list[tuple]:

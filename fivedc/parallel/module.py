@@ -107,8 +107,9 @@ class ParallelModule(nn.Module):
         end_step(self._fivedc_ctx)  # MoE: drop the previous call's token counts (no bias update is lowered)
         state_store(self._fivedc_ctx).training = self.training  # a module's state gains only in training
         weights = self._fivedc_weights
-        if self._fivedc_pipeline is not None:
-            return self._fivedc_pipeline.loss(weights.view(), inputs)
+        if self._fivedc_pipeline is not None:  # its microbatches' backward runs in here
+            with weights.scope():  # what autograd keeps: gathered values as notes, as `fivedc train`
+                return self._fivedc_pipeline.loss(weights.view(), inputs)
         with weights.scope():
             view = weights.view()
             if isinstance(view, dict):
