@@ -3,11 +3,12 @@ of `fivedc/instructions/comm_program.py`, and what the step-time model prices).
 
 A unit (`fivedc.passes.stages.units`: a layer of a repeat, or a run of top-level nodes) runs
 its nodes' forwards in program order, then in backward its nodes in reverse: before a node's
-backward, the forwards it redoes (`FORWARD_AGAIN`: a recomputed op's own; at a layer's
-recompute point, the whole layer's, its collectives included) and under sequence parallelism
-the gathered linear input gathered again for the weight gradients (`GATHER_AGAIN`). Every
-instruction names its node and that part (`Event.node`, `Event.phase`), so that a reader can
-price it (`fivedc/estimates/unit_costs.py`) without deciding again what runs.
+backward, the forwards it redoes (`FORWARD_AGAIN`: a recomputed op's own; `LAYER_AGAIN`: at a
+layer's recompute point, the whole layer's, its collectives included) and under sequence
+parallelism the gathered linear input gathered again for the weight gradients
+(`GATHER_AGAIN`). Every instruction names its node and that part (`Event.node`,
+`Event.phase`), so that a reader can price it (`fivedc/estimates/unit_costs.py`) or act on it
+(`done_again.py`) without deciding again what runs.
 
 `unit_instructions(graph, mesh, ...)` gives each unit's two lists; the class expander
 (`_Expander` in comm_program.py) builds on `UnitExpander` and adds the pipeline, the
