@@ -160,13 +160,13 @@ def _bloom() -> Run:
     TFLOPs: 149.02". Megatron's GPT stands for BLOOM (examples/gpt3_175b.5d at its shape,
     tied output as BLOOM's): BLOOM's ALiBi bias on the scores and its embedding
     LayerNorm are not in it, and its learned positions (2048 x 14336) are; Megatron's
-    attention (scores materialised, fused softmax) and blocking TP, as above. The
-    launch script also sets CUDA_LAUNCH_BLOCKING=1, and Jean Zay's nodes have 4 x 100 Gb/s
-    Omni-Path each (the paper's section 3.4), a quarter of the a100 profile's per-GPU
-    bandwidth; neither is priced."""
+    attention (scores materialised, fused softmax) and blocking TP, as above. Jean Zay's
+    nodes have 4 x 100 Gb/s Omni-Path each (the paper's section 3.4), a quarter of the a100
+    profile's per-GPU bandwidth: the a100-opa profile (fivedc/ir/hardware.toml). The launch
+    script also sets CUDA_LAUNCH_BLOCKING=1, which is not priced."""
     shape = (("batch", 2048), ("seq", SEQ), ("hidden", 14336), ("heads", 112), ("vocab", 250880), ("layers", 70))
     return Run("bloom-176b-384", "BigScience 2022, tr11-176B-ml chronicles.md", shape, "8x12x4x1x1", 2,
-               f"--schedule 1f1b --zero 1 --recompute full {MEGATRON}", 105.22, held_out=True)
+               f"--schedule 1f1b --zero 1 --recompute full {MEGATRON}", 105.22, gpu="a100-opa", held_out=True)
 
 
 def _llama3(gpus: int, mesh: str, seq: int, mfu: float) -> Run:
