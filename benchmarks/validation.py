@@ -466,8 +466,9 @@ def table(found: list[Row]) -> str:
             n, median, low, high = summary(group)
             lines.append(f"- Step time, predicted / measured, {title}: {n} runs, median {median:.2f}, "
                          f"range {low:.2f}-{high:.2f}.")
-    lines.append("- `fivedc/estimates/model_error.py` holds the figures of all runs for `fivedc search`: "
-                 "{} runs, median {:.2f}, range {:.2f}-{:.2f}.".format(*summary(found)))
+    if found:
+        lines.append("- `fivedc/estimates/model_error.py` holds the figures of all runs for `fivedc search`: "
+                     "{} runs, median {:.2f}, range {:.2f}-{:.2f}.".format(*summary(found)))
     for model, predicted, measured in speedups(found):
         lines.append(f"- {model}: SP + selective over full recomputation, predicted {predicted:.2f}x, "
                      f"measured {measured:.2f}x")
@@ -495,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     only = tuple(k for k in args.only.split(",") if k)
+    unknown = sorted(set(only) - {run.key for run in (*RUNS, *FP8_RUNS)})
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: no such run (the keys are the table's first column)")
+    if only and args.write:
+        parser.error(f"--write replaces the whole table in {RESULTS.name}: drop --only")
     text = table(rows(only)) + "\n\n" + fp8_table([row(run) for run in FP8_RUNS if not only or run.key in only]) + \
         "\n\n" + activation_table(activation_rows())
     print(text)
