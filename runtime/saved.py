@@ -27,6 +27,7 @@ inputs checkpoint holds for them through `held`, since they are not saved tensor
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterable
 
@@ -75,7 +76,7 @@ def root_of(t: Tensor) -> Tensor:
     return t if t._base is None else t._base
 
 
-class Note:
+class Note(abc.ABC):
     """What autograd keeps instead of a gathered tensor: how to gather it again. Every save of
     a tensor it covers takes a share (`at`); the first unpack gathers (or finishes the gather
     `start` began early, where `launch` can), the last one lets the whole go. A subclass says
@@ -86,8 +87,9 @@ class Note:
         self.whole = None  # the gathered whole, between the first unpack and the last
         self.pending = None  # the finish of a gather started early
 
+    @abc.abstractmethod
     def gather(self):
-        raise NotImplementedError
+        """Gather the whole again (blocking)."""
 
     def launch(self):
         """Start the gather async: its finish (returning what `gather` does), or None where it cannot."""

@@ -2,8 +2,7 @@
 
 `benchmarks/validation.py` compiles published runs (Narayanan et al. 2021 table 1,
 Korthikanti et al. 2022 table 5, MT-NLG 530B, BLOOM 176B, Llama 3 405B, torchtitan's
-bf16 runs) at their shapes and
-layouts and divides fivedc's step by the measured one; these are its figures
+bf16 runs) at their shapes and layouts and divides fivedc's step by the measured one; these are its figures
 (tests/test_validation.py recomputes them and fails when they drift). `fivedc search`
 reports them and calls layouts whose steps are closer than the model's spread a tie:
 ranking them would rest on an error the model is known to make.

@@ -325,6 +325,3 @@ def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
                 if p.name == name:
                     return p.dims
     return next(p.dims for p in graph.body.params if p.name == name)
-
-
-# ---- sequence parallelism: gathered inputs gathered again in backward ----------------------
