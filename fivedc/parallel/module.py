@@ -41,7 +41,7 @@ from fivedc.ir.mesh import MeshAxis
 from fivedc.parallel.grads import GradSync
 from fivedc.parallel.names import held_names
 from fivedc.parallel.pipeline import PipelineLoss
-from fivedc.parallel.weights import make_weights
+from fivedc.parallel.weights import GatheredOnUse, make_weights
 from fivedc.passes.tied import holder_sets
 from fivedc.plan.execution_plan import ExecutionPlan
 from fivedc.runtime.collectives import Step, apply_steps, redistribute
@@ -114,7 +114,7 @@ class ParallelModule(nn.Module):
             view = weights.view()
             if isinstance(view, dict):
                 register_params(self._fivedc_ctx, view)  # MoE layers name their state by their router
-            elif hasattr(weights, "sharded"):  # ZeRO-3: gathered by group, named by their sharded params
+            elif isinstance(weights, GatheredOnUse):  # ZeRO-3: gathered by group, named by their sharded params
                 register_gathered(self._fivedc_ctx, weights.sharded.name_of)
             loss = self._fivedc_program.loss(view, inputs)
         weights.forward_done(view)
