@@ -191,13 +191,14 @@ def _torchtitan(key: str, shape: tuple[tuple[str, int], ...], seq: int, local: i
                 tokens_per_gpu_s: float) -> Run:
     """torchtitan's FSDP2 on 64 A100 80GB (its docs/performance.md at commit 0413364, the
     tables of Llama 3 and Llama 2): every parameter sharded over the 64 (ZeRO-3), `local`
-    sequences a GPU, flash attention (SDPA), no torch.compile, bf16; the measured figure is
+    sequences a GPU, SDPA's flash backend (FlashAttention-2: `--attention-kernel flash2`, on an
+    A100 priced as flash), no torch.compile, bf16; the measured figure is
     its words (tokens) per second per GPU, so a step is local x seq / that. Only the rows
     without checkpointing or with full: its "selective op" rows recompute every second
     matmul of a layer and its "selective layer" ones every second layer, which no fivedc
     recomputation mode does (`selective` rebuilds attention's core), so they are left out."""
     dims = (("batch", 64 * local), ("seq", seq), *shape)
-    flags = "--zero 3" + (f" --recompute {recompute}" if recompute != "none" else "")
+    flags = "--zero 3" + (f" --recompute {recompute}" if recompute != "none" else "") + " --attention-kernel flash2"
     return Run(key, TORCHTITAN, dims, "64x1x1x1x1", local, flags, local * seq / tokens_per_gpu_s, model=LLAMA,
                held_out=True)
 
@@ -229,7 +230,10 @@ def _titan_h100(key: str, source: str, shape: tuple[tuple[str, int], ...], mesh:
     Every row: FSDP2 over the data-parallel ranks (ZeRO-3; under a pipeline torchtitan
     does not reshard after forward, parallelize_llama.py at 9dec370, so the parameters
     stay gathered: ZeRO-2 here, as the Llama 3 rows),
-    torch.compile, full activation checkpointing, flash attention (SDPA), async TP where
+    torch.compile, full activation checkpointing, attention by SDPA's flash backend,
+    FlashAttention-2 (`--attention-kernel flash2`: under cp torchtitan pinned SDPA to its flash
+    and memory-efficient backends, utils.py get_train_context at 9dec370; otherwise SDPA's
+    default, in which cuDNN's kernel came last since pytorch PR #138522, October 2024), async TP where
     there is TP (its tensor parallel plan is sequence parallel: SequenceParallel on the
     norms), context parallelism by all-gathering K and V (config_manager.py's default
     rotate method at 9dec370), load-balanced. `local` is the sequences of a data-parallel
@@ -245,7 +249,7 @@ def _titan_h100(key: str, source: str, shape: tuple[tuple[str, int], ...], mesh:
     micro = local // pp if pp > 1 else local
     flags = ((f"{schedule} " if schedule else "") + ("--sp " if tp > 1 else "")
              + ("--cp-attention allgather " if cp > 1 else "")
-             + f"--zero {2 if pp > 1 else 3} --recompute full" + (" --fp8" if fp8 else ""))
+             + f"--zero {2 if pp > 1 else 3} --recompute full --attention-kernel flash2" + (" --fp8" if fp8 else ""))
     return Run(key, source, (("batch", dp * local), ("seq", seq), *shape), mesh, micro, flags,
                local * seq / (tokens_per_gpu_s * cp * tp * pp), model=LLAMA, gpu="h100", held_out=True)
 

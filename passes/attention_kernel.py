@@ -1,7 +1,10 @@
-"""Which kernel computes each attention: `flash` or `math`, recorded on the op.
+"""Which kernel computes each attention: `flash`, `flash2` or `math`, recorded on the op.
 
 flash (the default): one fused kernel; the scores live in on-chip memory a tile at a
-time and are never held (FlashAttention, torch's SDPA on a GPU). math: the scores are
+time and are never held (FlashAttention, torch's SDPA on a GPU). flash2: the same, pinned
+to FlashAttention-2 (SDPA's flash backend, as torchtitan pinned it), which on Hopper reaches
+less of the peak than the fused kernel SDPA picks there (`Hardware.attention_share`); it
+keeps what flash keeps. math: the scores are
 materialised: q k^T, the softmax and p v run as separate kernels through HBM, and the
 softmax output p (batch x heads x sq x sk) is kept for backward (Megatron-LM before
 flash attention; torch's SDPA math backend). The step-time model prices each kernel
@@ -23,7 +26,7 @@ from fivedc.passes.base import ATTENTION_KERNELS, CompileOptions
 @dataclass(frozen=True, slots=True)
 class ChooseAttentionKernel:
     name: ClassVar[str] = "attention-kernel"
-    purpose: ClassVar[str] = "each attention's kernel: flash (scores never held) or math (scores kept)"
+    purpose: ClassVar[str] = "each attention's kernel: flash or flash2 (scores never held), or math (scores kept)"
 
     def run(self, graph: Graph, options: CompileOptions) -> Graph:
         return replace(graph, body=_choose(graph.body, options.attention_kernel))

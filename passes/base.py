@@ -22,7 +22,7 @@ from fivedc.ir.seq_layout import SeqLayout
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 CP_VARIANTS = ("ring", "allgather")  # how attention spans the cp axis (passes/context.py)
 CP_LAYOUTS = tuple(str(layout) for layout in SeqLayout)
-ATTENTION_KERNELS = ("flash", "math")  # passes/attention_kernel.py
+ATTENTION_KERNELS = ("flash", "flash2", "math")  # passes/attention_kernel.py
 ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_BUCKET_MB = 25.0  # gradient bucket size: PyTorch DDP's default
 

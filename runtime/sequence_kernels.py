@@ -61,7 +61,8 @@ def attention(ctx, op, args, dims):
     Scores capped by a `softcap` (which SDPA has not) take the blockwise kernel on one device too, and
     so does a sliding `window` (its pairs outside the band skipped, as across cp).
     The op's kernel (`passes/attention_kernel.py`): `math` runs SDPA's math backend
-    (the scores materialised), and across cp the blocks by explicit matmuls."""
+    (the scores materialised), and across cp the blocks by explicit matmuls; `flash2` pins
+    SDPA to FlashAttention-2 on a GPU."""
     q, k, v = [t.transpose(1, 2) for t in for_matmul(*args)]  # [batch, heads, seq, head_dim]
     causal, softcap = bool(op.attr("causal", True)), float(op.attr("softcap", 0.0) or 0.0)
     window = int(op.attr("window", 0) or 0)
@@ -74,7 +75,7 @@ def attention(ctx, op, args, dims):
     if cp == 1 and fused and q.is_meta:  # a rehearsal: the fused kernel a GPU runs (meta would take SDPA's math)
         return _fused_on_meta(q, k, v, causal).transpose(1, 2)
     if cp == 1:  # grouped-query heads share K/V inside the kernel: no repeated copies are kept
-        with contextlib.nullcontext() if fused else sdpa_kernel(SDPBackend.MATH):
+        with _backends(kernel_of(op), q):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                   enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)
     seq = ctx.graph.seq_dim
@@ -87,6 +88,18 @@ def attention(ctx, op, args, dims):
         out = blockwise_attention(q, k, v, q_pos, kv_pos, causal=causal, kv_blocks=cp, softcap=softcap, fused=fused,
                                   window=window)
     return out.transpose(1, 2)
+
+
+def _backends(kernel: str, q: Tensor):
+    """SDPA's backends for the op's kernel: math's; flash2 on a GPU, FlashAttention-2 (SDPA's
+    flash backend; memory-efficient attention where it cannot run, as torchtitan pinned them;
+    math only where neither can, float64), never cuDNN's; else what SDPA picks (on a CPU every
+    fused kernel computes the same)."""
+    if kernel == "math":
+        return sdpa_kernel(SDPBackend.MATH)
+    if kernel == "flash2" and q.is_cuda:
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return contextlib.nullcontext()
 
 
 def _fused_on_meta(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:

@@ -49,8 +49,9 @@ def _plan_option_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-attention", choices=CP_VARIANTS, default=None,
                    help="attention across cp: ring (default) or allgather; an op's @cp(...) wins")
     p.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=None,
-                   help="attention's kernel: flash (default; scores never held) or math (scores "
-                   "materialised and kept, as Megatron-LM before flash attention); an op's kernel= wins")
+                   help="attention's kernel: flash (default; scores never held), flash2 (the same, "
+                   "pinned to FlashAttention-2: SDPA's flash backend) or math (scores materialised and "
+                   "kept, as Megatron-LM before flash attention); an op's kernel= wins")
     p.add_argument("--cp-layout", choices=CP_LAYOUTS, default=None,
                    help="sequence layout over cp (default balanced when attention is causal)")
     p.add_argument("--zero", type=int, default=0, metavar="STAGE",

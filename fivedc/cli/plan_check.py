@@ -84,10 +84,10 @@ def options_of(plan: ExecutionPlan) -> CompileOptions:
 
 def recorded_attention_kernel(graph: Graph) -> str | None:
     """The --attention-kernel a plan was compiled with, read off its attention ops: the
-    option sets every op the model leaves unset, so it was math exactly when every op
-    runs math (or the model said math on each, where the option changes nothing)."""
-    kernels = [kernel_of(op) for op, _ in walk_ops(graph.body) if isinstance(op, Op) and op.kind == "attention"]
-    return "math" if kernels and all(k == "math" for k in kernels) else None
+    option sets every op the model leaves unset, so it was math (or flash2) exactly when
+    every op runs it (or the model named it on each, where the option changes nothing)."""
+    kernels = {kernel_of(op) for op, _ in walk_ops(graph.body) if isinstance(op, Op) and op.kind == "attention"}
+    return kernels.pop() if len(kernels) == 1 and kernels != {"flash"} else None
 
 
 def _layers_per_chunk(plan: ExecutionPlan) -> tuple[int, ...]:

@@ -53,6 +53,7 @@ class Work:
     gemms: tuple[Gemm, ...] = ()  # the matmul FLOPs as GEMMs by shape (timed by shape on a tiled profile)
     fp8: bool = False  # the matmuls run in float8 (`passes/fp8.py`): at the profile's fp8_flops
     cast_bytes: float = 0.0  # float8: the casts' memory traffic before the matmul (`fp8_cast_bytes`)
+    attention_kernel: str = "flash"  # the fused kernel of the attention FLOPs (`Hardware.attention_share`)
 
 
 def op_work(c: SaveContext, op: Op) -> Work:
@@ -71,7 +72,7 @@ def op_work(c: SaveContext, op: Op) -> Work:
     if op.kind == "attention":  # every query row against the whole sequence (ring or gathered K/V)
         q_rows = c.numel(op.type.dims[:-1], op.sharding)  # batch x seq x heads on this rank
         flops = 4.0 * q_rows * attended_keys(op, c.graph.dim(c.graph.seq_dim)) * c.graph.dim(op.type.dims[-1])
-        return Work(attention_flops=flops, bytes=4.0 * c.value_bytes(op.out))
+        return Work(attention_flops=flops, bytes=4.0 * c.value_bytes(op.out), attention_kernel=kernel_of(op))
     if op.kind == "moe":
         return _moe_work(c, op)
     moved = sum(c.value_bytes(a) for a in op.reads if a in c.layouts and a not in c.params)
@@ -123,7 +124,7 @@ def _param_dims(graph: Graph, name: str) -> tuple[str, ...]:
 def work_seconds(work: Work, hw: Hardware, *, element_bytes: int) -> float:
     """The roofline time of an op's forward (a float8 linear's casts before it)."""
     compute = matmul_times(work, hw, element_bytes=element_bytes)[0] + \
-        work.attention_flops / (hw.bf16_flops * hw.attention_efficiency)
+        work.attention_flops / (hw.bf16_flops * hw.attention_share(work.attention_kernel))
     return max(compute, work.bytes / hw.op_bytes_per_s) + work.cast_bytes / hw.op_bytes_per_s
 
 

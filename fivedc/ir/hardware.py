@@ -50,6 +50,15 @@ class Hardware:
     sm_count: int | None = None  # the SMs a GEMM's tiles run over in waves (`fivedc/estimates/gemm.py`)
     matmul_tiles: tuple[tuple[int, int, int], ...] = ()  # the (M, N, K) tiles of the GEMM kernels it picks among
     tree_all_reduce: bool = False  # NCCL: an all-reduce across nodes by a tree where faster than a ring
+    flash2_efficiency: float | None = None  # of bf16_flops, what FlashAttention-2 reaches; None: attention_efficiency
+
+    def attention_share(self, kernel: str) -> float:
+        """Of bf16_flops, what a fused attention kernel reaches: `flash2` (FlashAttention-2, as
+        torch's SDPA flash backend runs it) at `flash2_efficiency` where the profile gives one,
+        else, like `flash`, at `attention_efficiency`."""
+        if kernel == "flash2" and self.flash2_efficiency is not None:
+            return self.flash2_efficiency
+        return self.attention_efficiency
 
     @property
     def tiled(self) -> bool:
@@ -79,7 +88,7 @@ class Hardware:
 
 OPTIONAL = {"overlap_sm_share": 0.0, "op_memory_efficiency": None, "op_latency_s": 0.0,
             "host_runs_ahead": False, "fp8_flops": None, "sm_count": None, "matmul_tiles": (),
-            "tree_all_reduce": False}  # a profile may leave these out
+            "tree_all_reduce": False, "flash2_efficiency": None}  # a profile may leave these out
 FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("key", "name", *OPTIONAL))
 
 
@@ -134,6 +143,7 @@ def _parse(text: str, source: str) -> dict[str, Hardware]:
         values = {f: (int(table[f]) if f == "gpus_per_node" else float(table[f])) for f in FIELDS}
         values["overlap_sm_share"] = float(share)
         values["op_memory_efficiency"] = _optional_share(table, "op_memory_efficiency", source, key)
+        values["flash2_efficiency"] = _optional_share(table, "flash2_efficiency", source, key)
         latency = table.get("op_latency_s", 0.0)
         if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < 1:
             raise HardwareError(f"{source}: [{key}] op_latency_s = {latency!r} must be seconds in [0, 1)")
