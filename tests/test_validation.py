@@ -26,6 +26,7 @@ from fivedc.ir.hardware import hardware
 from fivedc.ir.mesh import Mesh
 from fivedc.passes.base import CompileOptions
 from fivedc.pipeline import compile_graph
+from fivedc.plan.work_counts import attention_seconds, step_work
 from random_models import model_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,6 +144,11 @@ def test_flash2_is_flash_pinned_to_flashattention_2_slower_on_hopper_only(tmp_pa
         mesh=Mesh.parse("1x1x2x1x1"), hardware=hardware("h100"), attention_kernel=kernel)) for kernel in ("flash", "flash2")}
     attention = {kernel: plan_breakdown(plan).seconds("attention") for kernel, plan in h100.items()}
     assert attention["flash2"] == pytest.approx(attention["flash"] * 0.55 / 0.35, rel=1e-9)
+    # `fivedc rehearse`'s estimate column prices each op at its kernel's share too
+    counted = {kernel: attention_seconds(plan, hardware("h100")) for kernel, plan in h100.items()}
+    flops = step_work(h100["flash"]).attention_flops
+    assert counted["flash"] == pytest.approx(flops / (hardware("h100").bf16_flops * 0.55), rel=1e-9)
+    assert counted["flash2"] == pytest.approx(flops / (hardware("h100").bf16_flops * 0.35), rel=1e-9)
     out = tmp_path / "p.json"
     assert main(["compile", "examples/tiny_llama.5d", "--mesh", "1x1x2x1x1", "--attention-kernel", "flash2",
                  "--gpu", "h100", "-q", "-o", str(out)]) == 0

@@ -126,20 +126,22 @@ class Timing:
     beside: int = 0  # processes stepping beside the timed rank, as fivedc run's other ranks would
     device: str = "cpu"  # where the step is timed: cpu or cuda
     matmuls: float | None = None  # the model's matmul seconds on `hardware` (each GEMM by its shape)
+    attention: float | None = None  # and its attention seconds (each op at its kernel's share)
 
 
 def _timing_setup(args, plan) -> Timing:
     """Everything that can refuse the command, before anything runs."""
     from fivedc.ir.hardware import hardware
-    from fivedc.plan.work_counts import matmul_seconds, step_work
+    from fivedc.plan.work_counts import attention_seconds, matmul_seconds, step_work
 
     work = step_work(plan) if args.calibrate is not None or plan.pipeline is None else None
     gpu = hardware(args.gpu, tuple(args.hardware)) if args.gpu else (plan.time.hardware if plan.time else None)
     if args.device == "cuda" and args.gpu is None:
         gpu = hardware(_profile_of_this_gpu())
     small = _quarter_batch(args, plan) if args.calibrate is not None else None
-    matmuls = matmul_seconds(plan, gpu) if work is not None and gpu is not None else None
-    return Timing(work, gpu, small, _beside(args, plan), args.device, matmuls)
+    priced = work is not None and gpu is not None
+    return Timing(work, gpu, small, _beside(args, plan), args.device, matmul_seconds(plan, gpu) if priced else None,
+                  attention_seconds(plan, gpu) if priced else None)
 
 
 def _profile_of_this_gpu() -> str:
@@ -193,7 +195,7 @@ def _timed_classes(plan, rehearsal, timing: Timing) -> dict:
 
 def render_seconds(ranks: str, rank: int, measured, timing: Timing) -> list[str]:
     """One rank's step by kind of work: measured, and estimated where a profile and the counts are."""
-    estimated = _estimated_seconds(timing.work, timing.hardware, timing.matmuls) \
+    estimated = _estimated_seconds(timing.work, timing.hardware, timing.matmuls, timing.attention) \
         if timing.work and timing.hardware else None
     head = f"  {'kind':<12} {'measured s':>11}"
     if estimated:
@@ -212,12 +214,14 @@ def render_seconds(ranks: str, rank: int, measured, timing: Timing) -> list[str]
     return lines
 
 
-def _estimated_seconds(work, hw, matmuls: float | None) -> dict[str, float]:
+def _estimated_seconds(work, hw, matmuls: float | None, attention: float | None = None) -> dict[str, float]:
     """The model's seconds by kind: the matmuls as the model prices their shapes where known,
-    else at the flat rate; the rest from the counts and the profile's rates."""
+    else at the flat rate; attention at each op's kernel's share where known, else at the
+    attention efficiency; the rest from the counts and the profile's rates."""
     flat = work.matmul_flops / (hw.bf16_flops * hw.matmul_efficiency)
     out = {"matmuls": flat if matmuls is None else matmuls,
-           "attention": work.attention_flops / (hw.bf16_flops * hw.attention_efficiency),
+           "attention": work.attention_flops / (hw.bf16_flops * hw.attention_efficiency) if attention is None
+           else attention,
            "other ops": work.op_bytes / hw.op_bytes_per_s + work.op_issues * hw.op_latency_s,
            "optimizer": work.optimizer_bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency)}
     out["total"] = sum(out.values())

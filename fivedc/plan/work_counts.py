@@ -60,6 +60,13 @@ def matmul_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
     return compute_seconds(plan, dataclasses.replace(probe, sm_count=hw.sm_count, matmul_tiles=hw.matmul_tiles))
 
 
+def attention_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
+    """The model's seconds of `plan`'s fused attention in a step on `hw`, each op at its kernel's
+    share of the peak (`Hardware.attention_share`: flash, flash2), every other kind of work free."""
+    probe = _probe(bf16_flops=hw.bf16_flops, attention_efficiency=hw.attention_efficiency)
+    return compute_seconds(plan, dataclasses.replace(probe, flash2_efficiency=hw.flash2_efficiency))
+
+
 def compute_seconds(plan: ExecutionPlan, hw: Hardware) -> float:
     """The model's forward and backward of `plan`'s step on `hw`."""
     return _price(plan, hw).compute_seconds
