@@ -9,6 +9,7 @@ what it does again (`fivedc/instructions/done_again.py`). Change the list and ea
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from fivedc.pipeline import compile_graph
 from fivedc.estimates.activations import layer_saves
 from fivedc.estimates.saved import SaveContext
 from fivedc.instructions import done_again as done_again_module
-from fivedc.instructions.done_again import read_done_again
+from fivedc.instructions.done_again import done_again, read_done_again
 from fivedc.ir.graph import Redistribute, Repeat, walk_ops
 from fivedc.runtime import program as program_module
 from fivedc.runtime.kernel_context import KernelContext
@@ -47,11 +48,10 @@ def priced(plan, edit=lambda events: events):
     """Each distinct unit's time, from its instruction list with `edit` applied to its backward."""
     memo = Memo(plan.graph, plan.mesh, plan.dtype)
     listed = memo_unit_instructions(memo, plan.recompute)
-    c = save_context(memo, 2, 1, plan.recompute)
+    edited = {u: (forward, tuple(edit(backward))) for u, (forward, backward) in listed.items()}
+    c = replace(save_context(memo, 2, 1, plan.recompute), again=done_again(plan.graph, edited))
     units = list(distinct_units(plan.graph, list(listed)).values())
-    again = {e.node.out for u in units for e in edit(listed[u][1]) if e.phase == GATHER_AGAIN}
-    return [unit_time(c, plan.graph, u, H100, instructions=(listed[u][0], tuple(edit(listed[u][1]))), again=again)
-            for u in units], listed, units
+    return [unit_time(c, plan.graph, u, H100, instructions=edited[u]) for u in units], listed, units
 
 
 def test_a_fully_recomputed_layer_is_priced_by_the_forward_its_list_does_again():
@@ -95,10 +95,9 @@ def test_an_op_the_list_leaves_out_is_not_priced():
     forward, backward = listed[unit]
     dropped = next(e.node for e in forward if e.op == COMPUTE and e.node.kind == "linear")
     c = save_context(memo, 2, 1, "none")
-    again = {e.node.out for e in backward if e.phase == GATHER_AGAIN}
-    whole = unit_time(c, plan.graph, unit, H100, instructions=(forward, backward), again=again)
+    whole = unit_time(c, plan.graph, unit, H100, instructions=(forward, backward))
     keep = lambda events: tuple(e for e in events if e.node is not dropped)  # noqa: E731
-    less = unit_time(c, plan.graph, unit, H100, instructions=(keep(forward), keep(backward)), again=again)
+    less = unit_time(c, plan.graph, unit, H100, instructions=(keep(forward), keep(backward)))
     assert less.forward < whole.forward and less.backward_weight < whole.backward_weight
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from fivedc.estimates.collectives import collective_seconds
 from fivedc.estimates.costs import fp8_cast_bytes, op_times
 from fivedc.estimates.saved import SaveContext
-from fivedc.instructions.events import BACKWARD, FORWARD_AGAIN, GATHER_AGAIN, LAYER_AGAIN
+from fivedc.instructions.events import BACKWARD
 from fivedc.instructions.unit_program import distinct_units, unit_instructions, unit_key
 from fivedc.estimates.terms import ISSUE, MEMORY_BOUND, PHASES, RECOMPUTATION, Ledger, UnitParts, comm_term, op_term
 from fivedc.ir.graph import CollectiveKind, Graph, Op, Phase, Redistribute, Repeat
@@ -73,40 +73,36 @@ def unit_times(c: SaveContext, graph: Graph, units: list[Unit], hw: Hardware, *,
                instructions: dict | None = None) -> list[UnitTime]:
     """Every unit's seconds, a repeat's layers computed once: each priced from its instruction
     list (`instructions`, by unit: `fivedc/instructions/unit_program.unit_instructions`, made
-    here if not given), which says what runs: which nodes run forward and backward, which
-    forwards backward does again (recomputation), which gathered inputs it gathers again
-    (sequence parallelism)."""
+    here if not given), which says which nodes run forward and backward, and from what those
+    lists do again (`c.again`: recomputation, SP's gathers again; `done_again.py`)."""
     keys = [unit_key(graph, unit) for unit in units]
     first = distinct_units(graph, units)
     listed = instructions if instructions is not None else unit_instructions(
         graph, c.mesh, recompute=recompute, dtype=c.dtype, wanted=list(first.values()))
-    again = {e.node.out for unit in first.values() for e in listed[unit][1] if e.phase == GATHER_AGAIN}
-    cache = {key: unit_time(c, graph, unit, hw, instructions=listed[unit], again=again) for key, unit in first.items()}
+    cache = {key: unit_time(c, graph, unit, hw, instructions=listed[unit]) for key, unit in first.items()}
     return [cache[key] for key in keys]
 
 
-def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, instructions: tuple[tuple, tuple],
-              again: set[str]) -> UnitTime:
+def unit_time(c: SaveContext, graph: Graph, unit: Unit, hw: Hardware, *, instructions: tuple[tuple, tuple]
+              ) -> UnitTime:
     """Seconds of one unit for one microbatch, its blocking collectives included: the nodes its
     `instructions` (forward, backward) issue added up in program order (`UnitSums`), then each
     phase bounded by the host's issue, what the forward's matmuls hide taken off, a forward done
-    again in backward added (an op's own, `FORWARD_AGAIN`, or the whole layer's, `LAYER_AGAIN`),
-    and what a whole backward hides set apart (`UnitSums.finish`).
-    `again`: the values SP gathers again for the weight gradients (`GATHER_AGAIN`)."""
+    again in backward added (an op's own, or the whole layer's: `c.again`, read from the same
+    lists), and what a whole backward hides set apart (`UnitSums.finish`)."""
     forward, backward = instructions
     runs_forward = {id(e.node) for e in forward}
     runs_backward = {id(e.node) for e in backward if e.phase == BACKWARD}
-    whole = any(e.phase == LAYER_AGAIN for e in backward)  # the layer's whole forward, again
-    redone_ops = {id(e.node) for e in backward if e.phase == FORWARD_AGAIN}
     repeat, nodes = unit_nodes(graph, unit)
-    sums = UnitSums(c, graph, hw, layers=repeat.count if repeat else 1, again=again)
+    whole = repeat is not None and c.again.layer(repeat)  # the layer's whole forward, again
+    sums = UnitSums(c, graph, hw, layers=repeat.count if repeat else 1, again=set(c.again.gathered))
     for node in nodes:
         if id(node) not in runs_forward and id(node) not in runs_backward:
             continue  # it issues nothing (a local slice): nothing to price
         if isinstance(node, Redistribute):
             sums.redistribution(node, backward=id(node) in runs_backward)
         elif isinstance(node, Op):
-            sums.op(node, recomputed=id(node) in redone_ops, backward=id(node) in runs_backward)
+            sums.op(node, recomputed=c.again.op(node, repeat), backward=id(node) in runs_backward)
     return sums.finish(layer_recomputed=whole)
 
 
