@@ -37,6 +37,7 @@ from fivedc.ir.mesh import Mesh
 from fivedc.ir.ops import LINEAR_KINDS
 from fivedc.estimates.attention_cost import math_attention_times
 from fivedc.estimates.gemm import Gemm, gemms_seconds
+from fivedc.instructions.done_again import DoneAgain
 from fivedc.estimates.saved import SaveContext
 from fivedc.passes.attention_kernel import kernel_of
 from fivedc.passes.fp8 import is_fp8
@@ -194,7 +195,7 @@ def model_flops(graph: Graph, mesh: Mesh, *, dtype: str, dtype_bytes: int) -> fl
     matmuls and attention; recomputation not counted, as MFU counts): from the ops' global
     sizes, whatever the mesh."""
     single = Mesh((1, 1, 1, 1, 1))
-    c = SaveContext.of(graph, single, dtype=dtype, dtype_bytes=dtype_bytes)
+    c = SaveContext.of(graph, single, dtype=dtype, dtype_bytes=dtype_bytes, again=DoneAgain())  # sizes only
     total = 0.0
     for node in graph.body.items:
         items = node.body.items if isinstance(node, Repeat) else (node,)
