@@ -221,7 +221,8 @@ TITAN_ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.m
 def _titan_h100(key: str, source: str, shape: tuple[tuple[str, int], ...], mesh: str, seq: int, local: int,
                 tokens_per_gpu_s: float, fp8: bool, schedule: str = "") -> Run:
     """torchtitan on H100s (Meta's Grand Teton: 8 H100 96GB HBM2e at 500 W a host, NVLink
-    inside, 400 Gb/s RDMA a GPU), from its two H100 benchmark pages: `llama3_h100_202412_
+    inside, 400 Gb/s RDMA a GPU: the h100-gt profile, whose peak is the die's at 500 W between
+    the NVL's and the SXM's, fivedc/ir/hardware.toml), from its two H100 benchmark pages: `llama3_h100_202412_
     torchtitan.md` (the December 2024 runs at torchtitan 9dec370, torch 1963fc8, first
     published as docs/performance.md at commit d4c86e3, the tables of the TorchTitan paper,
     Liang et al. 2024, arXiv 2410.06511) and `asyncTP_llama3_h100_2025-06_torchtitan.md`
@@ -251,7 +252,7 @@ def _titan_h100(key: str, source: str, shape: tuple[tuple[str, int], ...], mesh:
              + ("--cp-attention allgather " if cp > 1 else "")
              + f"--zero {2 if pp > 1 else 3} --recompute full --attention-kernel flash2" + (" --fp8" if fp8 else ""))
     return Run(key, source, (("batch", dp * local), ("seq", seq), *shape), mesh, micro, flags,
-               local * seq / (tokens_per_gpu_s * cp * tp * pp), model=LLAMA, gpu="h100", held_out=True)
+               local * seq / (tokens_per_gpu_s * cp * tp * pp), model=LLAMA, gpu="h100-gt", held_out=True)
 
 
 def _deepseek_v3() -> Run:
@@ -358,8 +359,11 @@ def model_text(run: Run) -> str:
     return text
 
 
-def compile_run(run: Run):
-    """The run's plan (every pass but the agreement proof), with `fivedc compile`'s options."""
+def compile_run(run: Run, peaks: tuple[float, float] | None = None):
+    """The run's plan (every pass but the agreement proof), with `fivedc compile`'s options;
+    `peaks` (bf16, float8 FLOP/s) in place of its profile's."""
+    from dataclasses import replace
+
     from fivedc.cli.main import build_parser
     from fivedc.cli.shared import compile_options
     from fivedc.frontends.dsl_file import parse_model
@@ -369,6 +373,8 @@ def compile_run(run: Run):
 
     args = build_parser().parse_args(run.argv())
     options = compile_options(args, Mesh.parse(args.mesh, rank_order=args.rank_order), dtype=args.dtype)
+    if peaks is not None:
+        options = replace(options, hardware=replace(options.hardware, bf16_flops=peaks[0], fp8_flops=peaks[1]))
     graph = parse_model(model_text(run), filename=f"{run.key}.5d")
     return assemble(run_passes(Draft(graph), options, PIPELINE[:-1]), options)
 
@@ -387,6 +393,26 @@ class Row:
 def row(run: Run) -> Row:
     plan = compile_run(run)
     return Row(run, measured_seconds(run, plan.graph), plan.time.step_seconds)
+
+
+# The peak of the h100-gt profile (Meta's H100s at 500 W) is derived: torchtitan gives it only
+# as "between SXM and NVL". The held-out figures at either bound, from the data sheets (dense
+# bf16 and float8, the "with sparsity" figures halved): H100 NVL 1,671 and 3,341 TFLOPS,
+# H100 SXM 1,979 and 3,958.
+PEAK_BOUNDS = (("the H100 NVL's", (835.5e12, 1670.5e12)), ("the H100 SXM's", (989.4e12, 1979e12)))
+
+
+def peak_bounds(found: list[Row]) -> list[str]:
+    """The held-out median with the h100-gt rows at each bound of their GPU's peak."""
+    held = [r for r in found if r.run.held_out]
+    derived = [r for r in held if r.run.gpu == "h100-gt"]
+    lines = []
+    for name, peaks in PEAK_BOUNDS if derived else ():
+        again = {r.run.key: Row(r.run, r.measured_s, compile_run(r.run, peaks).time.step_seconds) for r in derived}
+        ratios = [again.get(r.run.key, r).ratio for r in held]
+        lines.append(f"- Held out with h100-gt at {name} peak ({peaks[0] / 1e12:.1f} TFLOP/s): median "
+                     f"{statistics.median(ratios):.2f}; " + ", ".join(f"{k} {r.ratio:.2f}" for k, r in again.items()))
+    return lines
 
 
 def rows(only: tuple[str, ...] = ()) -> list[Row]:
@@ -470,6 +496,7 @@ def table(found: list[Row]) -> str:
             n, median, low, high = summary(group)
             lines.append(f"- Step time, predicted / measured, {title}: {n} runs, median {median:.2f}, "
                          f"range {low:.2f}-{high:.2f}.")
+    lines += peak_bounds(found)
     if found:
         lines.append("- `fivedc/estimates/model_error.py` holds the figures of all runs for `fivedc search`: "
                      "{} runs, median {:.2f}, range {:.2f}-{:.2f}.".format(*summary(found)))
