@@ -83,6 +83,7 @@ class Run:
     model: Path = GPT
     gpu: str = "a100"
     held_out: bool = False  # not one of issue 35's two tables: the model's generalisation
+    measured_gib: float | None = None  # the busiest GPU's memory as the source gives it
 
     @property
     def dims(self) -> dict[str, int]:
@@ -219,7 +220,7 @@ TITAN_ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.m
 
 
 def _titan_h100(key: str, source: str, shape: tuple[tuple[str, int], ...], mesh: str, seq: int, local: int,
-                tokens_per_gpu_s: float, fp8: bool, schedule: str = "") -> Run:
+                tokens_per_gpu_s: float, fp8: bool, schedule: str = "", gib: float | None = None) -> Run:
     """torchtitan on H100s (Meta's Grand Teton: 8 H100 96GB HBM2e at 500 W a host, NVLink
     inside, 400 Gb/s RDMA a GPU: the h100-gt profile, whose peak is the die's at 500 W between
     the NVL's and the SXM's, fivedc/ir/hardware.toml), from its two H100 benchmark pages: `llama3_h100_202412_
@@ -245,14 +246,17 @@ def _titan_h100(key: str, source: str, shape: tuple[tuple[str, int], ...], mesh:
     (pipelining_utils.py at 9dec370), and its interleaved schedule two stages a rank (the
     same file's generated split points). float8 rows are torchao's tensorwise recipe on
     the linears (with float8 FSDP all-gathers, which fivedc does not price), the recipe
-    `--fp8` prices; torch.compile's fusions are not priced either."""
+    `--fp8` prices; torch.compile's fusions are not priced either. `gib`: the table's
+    Memory(GiB), torchtitan's largest reading over the GPUs of the caching allocator's
+    reserved peak (`max_reserved_gib`, components/metrics.py), its free cached blocks included."""
     dp, pp, tp, cp, _ = (int(n) for n in mesh.split("x"))
     micro = local // pp if pp > 1 else local
     flags = ((f"{schedule} " if schedule else "") + ("--sp " if tp > 1 else "")
              + ("--cp-attention allgather " if cp > 1 else "")
              + f"--zero {2 if pp > 1 else 3} --recompute full --attention-kernel flash2" + (" --fp8" if fp8 else ""))
     return Run(key, source, (("batch", dp * local), ("seq", seq), *shape), mesh, micro, flags,
-               local * seq / (tokens_per_gpu_s * cp * tp * pp), model=LLAMA, gpu="h100-gt", held_out=True)
+               local * seq / (tokens_per_gpu_s * cp * tp * pp), model=LLAMA, gpu="h100-gt", held_out=True,
+               measured_gib=gib)
 
 
 def _deepseek_v3() -> Run:
@@ -282,18 +286,18 @@ FP8_RUNS = (
     # batch 16, float8 + async TP; table 5, 405B on 512 (FSDP 8, TP 8, PP 8), local batch 32,
     # float8 + async TP, by schedule; table 6, 405B on 512 (TP 8, PP 8, FSDP x CP 8), 1F1B,
     # local batch 8, float8 + async TP.
-    _titan_h100("titan-h100-8b-32k", TITAN_H100, LLAMA31_8B, "8x1x1x1x1", 32768, 1, 3890, True),
-    _titan_h100("titan-h100-8b-64k-cp2", TITAN_H100, LLAMA31_8B, "4x1x1x2x1", 65536, 1, 2540, True),
-    _titan_h100("titan-h100-8b-128k-cp4", TITAN_H100, LLAMA31_8B, "2x1x1x4x1", 131072, 1, 1071, True),
-    _titan_h100("titan-h100-8b-256k-cp8", TITAN_H100, LLAMA31_8B, "1x1x1x8x1", 262144, 1, 548, True),
-    _titan_h100("titan-h100-70b-2d", TITAN_H100, LLAMA3_70B, "32x1x8x1x1", 8192, 16, 876, True),
-    _titan_h100("titan-h100-405b-1f1b", TITAN_H100, (), "8x8x8x1x1", 8192, 32, 100, True, "--schedule 1f1b"),
+    _titan_h100("titan-h100-8b-32k", TITAN_H100, LLAMA31_8B, "8x1x1x1x1", 32768, 1, 3890, True, gib=83.9),
+    _titan_h100("titan-h100-8b-64k-cp2", TITAN_H100, LLAMA31_8B, "4x1x1x2x1", 65536, 1, 2540, True, gib=84.2),
+    _titan_h100("titan-h100-8b-128k-cp4", TITAN_H100, LLAMA31_8B, "2x1x1x4x1", 131072, 1, 1071, True, gib=84.0),
+    _titan_h100("titan-h100-8b-256k-cp8", TITAN_H100, LLAMA31_8B, "1x1x1x8x1", 262144, 1, 548, True, gib=84.5),
+    _titan_h100("titan-h100-70b-2d", TITAN_H100, LLAMA3_70B, "32x1x8x1x1", 8192, 16, 876, True, gib=67.6),
+    _titan_h100("titan-h100-405b-1f1b", TITAN_H100, (), "8x8x8x1x1", 8192, 32, 100, True, "--schedule 1f1b", gib=82.5),
     _titan_h100("titan-h100-405b-interleaved", TITAN_H100, (), "8x8x8x1x1", 8192, 32, 128, True,
-                "--schedule interleaved --virtual 2"),
-    _titan_h100("titan-h100-405b-32k", TITAN_H100, (), "8x8x8x1x1", 32768, 8, 76, True, "--schedule 1f1b"),
-    _titan_h100("titan-h100-405b-64k-cp2", TITAN_H100, (), "4x8x8x2x1", 65536, 8, 47, True, "--schedule 1f1b"),
-    _titan_h100("titan-h100-405b-128k-cp4", TITAN_H100, (), "2x8x8x4x1", 131072, 8, 31, True, "--schedule 1f1b"),
-    _titan_h100("titan-h100-405b-256k-cp8", TITAN_H100, (), "1x8x8x8x1", 262144, 8, 16, True, "--schedule 1f1b"),
+                "--schedule interleaved --virtual 2", gib=72.7),
+    _titan_h100("titan-h100-405b-32k", TITAN_H100, (), "8x8x8x1x1", 32768, 8, 76, True, "--schedule 1f1b", gib=75.3),
+    _titan_h100("titan-h100-405b-64k-cp2", TITAN_H100, (), "4x8x8x2x1", 65536, 8, 47, True, "--schedule 1f1b", gib=75.9),
+    _titan_h100("titan-h100-405b-128k-cp4", TITAN_H100, (), "2x8x8x4x1", 131072, 8, 31, True, "--schedule 1f1b", gib=77.1),
+    _titan_h100("titan-h100-405b-256k-cp8", TITAN_H100, (), "1x8x8x8x1", 262144, 8, 16, True, "--schedule 1f1b", gib=84.9),
     # June 2025's async TP page: Llama 3 70B on 256 (FSDP 32, TP 8), local batch 16, float8
     # tensorwise with async TP (its bf16 row is in RUNS)
     _titan_h100("titan-asynctp-70b-fp8", TITAN_ASYNC_TP, LLAMA3_70B, "32x1x8x1x1", 8192, 16, 942.4, True),
@@ -384,6 +388,7 @@ class Row:
     run: Run
     measured_s: float
     predicted_s: float
+    predicted_gib: float = 0.0  # the busiest class of ranks' total (`plan.memory.busiest`)
 
     @property
     def ratio(self) -> float:
@@ -392,7 +397,7 @@ class Row:
 
 def row(run: Run) -> Row:
     plan = compile_run(run)
-    return Row(run, measured_seconds(run, plan.graph), plan.time.step_seconds)
+    return Row(run, measured_seconds(run, plan.graph), plan.time.step_seconds, plan.memory.busiest.total / 2**30)
 
 
 # The peak of the h100-gt profile (Meta's H100s at 500 W) is derived: torchtitan gives it only
@@ -520,6 +525,23 @@ def fp8_table(found: list[Row]) -> str:
     return "\n".join(lines) if found else ""
 
 
+def memory_table(found: list[Row]) -> str:
+    """The runs whose source gives the busiest GPU's memory: fivedc's busiest rank against it."""
+    found = [r for r in found if r.run.measured_gib is not None]
+    if not found:
+        return ""
+    lines = ["Memory of the busiest GPU, where the source gives it (torchtitan: the caching allocator's "
+             "reserved peak, free cached blocks included; fivedc: the busiest rank's tensors, its profile's "
+             "reserved_gib apart):", "",
+             "| run | GPU | measured GiB | predicted GiB | predicted / measured |", "|---|---|---:|---:|---:|"]
+    lines += [f"| {r.run.key} | {r.run.gpu} | {r.run.measured_gib:.1f} | {r.predicted_gib:.1f} | "
+              f"{r.predicted_gib / r.run.measured_gib:.2f} |" for r in found]
+    ratios = [r.predicted_gib / r.run.measured_gib for r in found]
+    lines += ["", f"- Memory, predicted / measured: {len(ratios)} runs, median {statistics.median(ratios):.2f}, "
+              f"range {min(ratios):.2f}-{max(ratios):.2f}."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"replace the table in {RESULTS.name}")
@@ -532,8 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only {','.join(unknown)}: no such run (the keys are the table's first column)")
     if only and args.write:
         parser.error(f"--write replaces the whole table in {RESULTS.name}: drop --only")
-    text = table(rows(only)) + "\n\n" + fp8_table([row(run) for run in FP8_RUNS if not only or run.key in only]) + \
-        "\n\n" + activation_table(activation_rows())
+    fp8 = [row(run) for run in FP8_RUNS if not only or run.key in only]
+    text = "\n\n".join(part for part in (table(rows(only)), fp8_table(fp8), memory_table(fp8),
+                                          activation_table(activation_rows())) if part)
     print(text)
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.write:

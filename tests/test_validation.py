@@ -294,3 +294,16 @@ def test_torchtitans_float8_runs_are_held_out_at_their_tokens_per_gpu() -> None:
     big = runs["titan-h100-405b-1f1b"]
     assert big.measured_s == pytest.approx(32 * 8192 / (100 * 64)) and big.microbatches == 8
     assert all("--fp8" in run.argv() and run.key not in {r.key for r in validation.RUNS} for run in runs.values())
+
+
+def test_torchtitans_memory_readings_bound_the_busiest_ranks_tensors() -> None:
+    """torchtitan's H100 tables give the busiest GPU's reserved peak (the caching allocator's,
+    its free cached blocks included), so fivedc's busiest rank's tensors are below it; how far
+    below is the memory model's published error (0.65-0.85 when this was written: fivedc is
+    optimistic there, and the bound keeps it from getting worse or counting twice)."""
+    found = [validation.row(run) for run in validation.FP8_RUNS if run.measured_gib is not None]
+    assert len(found) == 11 and all(r.run.gpu == "h100-gt" for r in found)
+    ratios = {r.run.key: r.predicted_gib / r.run.measured_gib for r in found}
+    assert all(0.60 <= ratio <= 1.0 for ratio in ratios.values()), ratios
+    text = validation.memory_table(found)
+    assert "| titan-h100-8b-32k | h100-gt | 83.9 |" in text and "- Memory, predicted / measured: 11 runs" in text
