@@ -223,8 +223,8 @@ def _titan_h100(key: str, source: str, shape: tuple[tuple[str, int], ...], mesh:
                 tokens_per_gpu_s: float, fp8: bool, schedule: str = "", gib: float | None = None) -> Run:
     """torchtitan on H100s (Meta's Grand Teton: 8 H100 96GB HBM2e at 500 W a host, NVLink
     inside, 400 Gb/s RDMA a GPU: the h100-gt profile, whose peak is the die's at 500 W between
-    the NVL's and the SXM's, fivedc/ir/hardware.toml), from its two H100 benchmark pages: `llama3_h100_202412_
-    torchtitan.md` (the December 2024 runs at torchtitan 9dec370, torch 1963fc8, first
+    the NVL's and the SXM's, fivedc/ir/hardware.toml), from its two H100 benchmark pages:
+    `llama3_h100_202412_torchtitan.md` (the December 2024 runs at torchtitan 9dec370, torch 1963fc8, first
     published as docs/performance.md at commit d4c86e3, the tables of the TorchTitan paper,
     Liang et al. 2024, arXiv 2410.06511) and `asyncTP_llama3_h100_2025-06_torchtitan.md`
     (June 2025, torchtitan 820504e). Where a table gives no sequence length, it is the
@@ -291,13 +291,17 @@ FP8_RUNS = (
     _titan_h100("titan-h100-8b-128k-cp4", TITAN_H100, LLAMA31_8B, "2x1x1x4x1", 131072, 1, 1071, True, gib=84.0),
     _titan_h100("titan-h100-8b-256k-cp8", TITAN_H100, LLAMA31_8B, "1x1x1x8x1", 262144, 1, 548, True, gib=84.5),
     _titan_h100("titan-h100-70b-2d", TITAN_H100, LLAMA3_70B, "32x1x8x1x1", 8192, 16, 876, True, gib=67.6),
-    _titan_h100("titan-h100-405b-1f1b", TITAN_H100, (), "8x8x8x1x1", 8192, 32, 100, True, "--schedule 1f1b", gib=82.5),
+    _titan_h100("titan-h100-405b-1f1b", TITAN_H100, (), "8x8x8x1x1", 8192, 32, 100, True,
+                "--schedule 1f1b", gib=82.5),
     _titan_h100("titan-h100-405b-interleaved", TITAN_H100, (), "8x8x8x1x1", 8192, 32, 128, True,
                 "--schedule interleaved --virtual 2", gib=72.7),
     _titan_h100("titan-h100-405b-32k", TITAN_H100, (), "8x8x8x1x1", 32768, 8, 76, True, "--schedule 1f1b", gib=75.3),
-    _titan_h100("titan-h100-405b-64k-cp2", TITAN_H100, (), "4x8x8x2x1", 65536, 8, 47, True, "--schedule 1f1b", gib=75.9),
-    _titan_h100("titan-h100-405b-128k-cp4", TITAN_H100, (), "2x8x8x4x1", 131072, 8, 31, True, "--schedule 1f1b", gib=77.1),
-    _titan_h100("titan-h100-405b-256k-cp8", TITAN_H100, (), "1x8x8x8x1", 262144, 8, 16, True, "--schedule 1f1b", gib=84.9),
+    _titan_h100("titan-h100-405b-64k-cp2", TITAN_H100, (), "4x8x8x2x1", 65536, 8, 47, True,
+                "--schedule 1f1b", gib=75.9),
+    _titan_h100("titan-h100-405b-128k-cp4", TITAN_H100, (), "2x8x8x4x1", 131072, 8, 31, True,
+                "--schedule 1f1b", gib=77.1),
+    _titan_h100("titan-h100-405b-256k-cp8", TITAN_H100, (), "1x8x8x8x1", 262144, 8, 16, True,
+                "--schedule 1f1b", gib=84.9),
     # June 2025's async TP page: Llama 3 70B on 256 (FSDP 32, TP 8), local batch 16, float8
     # tensorwise with async TP (its bf16 row is in RUNS)
     _titan_h100("titan-asynctp-70b-fp8", TITAN_ASYNC_TP, LLAMA3_70B, "32x1x8x1x1", 8192, 16, 942.4, True),
