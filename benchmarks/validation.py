@@ -419,8 +419,9 @@ def peak_bounds(found: list[Row]) -> list[str]:
     for name, peaks in PEAK_BOUNDS if derived else ():
         again = {r.run.key: Row(r.run, r.measured_s, compile_run(r.run, peaks).time.step_seconds) for r in derived}
         ratios = [again.get(r.run.key, r).ratio for r in held]
-        lines.append(f"- Held out with h100-gt at {name} peak ({peaks[0] / 1e12:.1f} TFLOP/s): median "
-                     f"{statistics.median(ratios):.2f}; " + ", ".join(f"{k} {r.ratio:.2f}" for k, r in again.items()))
+        lines += [f"- Held out with h100-gt at {name} peak ({peaks[0] / 1e12:.1f} TFLOP/s): median "
+                  f"{statistics.median(ratios):.2f};",
+                  "  " + ", ".join(f"{k} {r.ratio:.2f}" for k, r in again.items()) + "."]
     return lines
 
 
@@ -534,9 +535,9 @@ def memory_table(found: list[Row]) -> str:
     found = [r for r in found if r.run.measured_gib is not None]
     if not found:
         return ""
-    lines = ["Memory of the busiest GPU, where the source gives it (torchtitan: the caching allocator's "
-             "reserved peak, free cached blocks included; fivedc: the busiest rank's tensors, its profile's "
-             "reserved_gib apart):", "",
+    lines = ["Memory of the busiest GPU, where the source gives it (torchtitan: the caching allocator's",
+             "reserved peak, free cached blocks included; fivedc: the busiest rank's tensors, its",
+             "profile's reserved_gib apart):", "",
              "| run | GPU | measured GiB | predicted GiB | predicted / measured |", "|---|---|---:|---:|---:|"]
     lines += [f"| {r.run.key} | {r.run.gpu} | {r.run.measured_gib:.1f} | {r.predicted_gib:.1f} | "
               f"{r.predicted_gib / r.run.measured_gib:.2f} |" for r in found]
